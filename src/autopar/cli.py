@@ -1,0 +1,165 @@
+"""The `autopar` command.
+
+    autopar train [--config FILE.toml] [--model gpt-mini] [--dp 4] [--steps 200] ...
+    autopar launch --nproc 4 my_script.py [script args]
+    autopar models
+
+`train` flags are generated from the config dataclasses (config.py), one per field, with
+the field's own help text. Under torchrun (RANK/WORLD_SIZE set) `train` runs as one rank
+of the job; otherwise it starts `--nproc` local ranks of itself through the launcher.
+Errors caused by input print one line, `autopar: error: ...`, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+from datetime import datetime
+from typing import Any, get_type_hints
+
+from .config import SECTION_TYPES, JobConfig, coerce, load_toml, merge
+from .distributed import DistEnv
+from .errors import AutoparError, ConfigError
+
+
+def _flag(section: str, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML config file; flags override its values")
+    for section, cls in SECTION_TYPES.items():
+        group = parser.add_argument_group(f"[{section}]", (cls.__doc__ or "").strip().splitlines()[0])
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag, dest, help_text = _flag(section, f), f"{section}.{f.name}", f.metadata.get("help", "")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if section == "model" and f.name == "args":
+                group.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE", help=help_text,
+                                   default=argparse.SUPPRESS)
+            elif hints[f.name] is bool:
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                   help=f"{help_text} (default: {default})", default=argparse.SUPPRESS)
+            else:
+                group.add_argument(flag, dest=dest, metavar=f.name.upper(), help=f"{help_text} (default: {default})",
+                                   default=argparse.SUPPRESS)
+
+
+def _overrides(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Flags given on the command line as {section: {key: typed value}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for dest, raw in vars(ns).items():
+        if "." not in dest:
+            continue
+        section, key = dest.split(".", 1)
+        if section == "model" and key == "args":
+            args = {}
+            for item in raw:
+                if "=" not in item:
+                    raise ConfigError(f"--model-arg {item!r}: expected KEY=VALUE, e.g. --model-arg n_layer=4")
+                name, value = item.split("=", 1)
+                args[name.strip()] = value.strip()
+            value = args
+        else:
+            value = coerce(raw, get_type_hints(SECTION_TYPES[section])[key], _flag(section, _field(section, key)))
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def _field(section: str, key: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(SECTION_TYPES[section]) if f.name == key)
+
+
+def resolve_job(ns: argparse.Namespace) -> JobConfig:
+    job = load_toml(ns.config) if ns.config else JobConfig()
+    job = merge(job, _overrides(ns))
+    job.validate()
+    return job
+
+
+def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
+    job = resolve_job(ns)
+    env = DistEnv.from_environ()
+    if not env.launched and job.launch.nproc > 1:
+        strategy = job.strategy.resolved(job.launch.nproc)  # fail here, before starting any process
+        job.train.accumulation_steps(strategy.dp)
+        from .launch import launch
+        out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
+        return launch([sys.executable, "-m", "autopar", *argv, "--out", out], job.launch.nproc)
+    from .job import run_job
+    run_job(job)
+    return 0
+
+
+def cmd_launch(ns: argparse.Namespace) -> int:
+    from .launch import launch
+    if not os.path.exists(ns.script):
+        raise ConfigError(f"script {ns.script!r} does not exist")
+    return launch([sys.executable, ns.script, *ns.args], ns.nproc)
+
+
+def cmd_models(ns: argparse.Namespace) -> int:
+    from .models import available_models, build_model
+    for name in available_models():
+        try:
+            _, info = build_model(name, device="meta")
+            print(f"{name:12s} {info.task:10s} {info.num_params:>14,} params  max_seq_len {info.max_seq_len}")
+        except AutoparError as exc:
+            print(f"{name:12s} unavailable: {exc}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Train unmodified PyTorch models with data, "
+                                     "tensor and pipeline parallelism chosen and applied for you.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (default: gpt-mini on the embedded corpus, 4 processes)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_train_flags(train)
+    launch = sub.add_parser("launch", help="run a script on N local processes (as torchrun would)")
+    launch.add_argument("--nproc", type=int, default=2, help="number of processes")
+    launch.add_argument("script", help="the Python script to run on every rank")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    sub.add_parser("models", help="list the built-in models")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(argv)
+    rank = DistEnv.from_environ()
+    where = f" (rank {rank.rank} of {rank.world_size})" if rank.world_size > 1 else ""
+    try:
+        if ns.command == "train":
+            code = cmd_train(ns, argv)
+        elif ns.command == "launch":
+            code = cmd_launch(ns)
+        else:
+            code = cmd_models(ns)
+    except AutoparError as exc:
+        print(f"autopar: error{where}: {exc}", file=sys.stderr, flush=True)
+        _exit(2)
+    except KeyboardInterrupt:
+        _exit(130)
+    except Exception as exc:  # a bug, or a failure on another rank: keep the traceback, add one summary line
+        traceback.print_exc()
+        print(f"autopar: failed{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr, flush=True)
+        _exit(1)
+    from .distributed import shutdown
+    shutdown()
+    return code
+
+
+def _exit(code: int) -> None:
+    """Leave at once: a failed rank must not wait in process-group teardown for peers that may be gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Typed run configuration.
+
+A run is described by plain dataclasses, one per concern; every field carries its own
+help text in `metadata["help"]`, from which the command-line flags and `--help` are
+generated (see `cli.py`), so the docs and the flags cannot drift apart. A TOML file and
+command-line flags compose: defaults < file < flags. Validation happens before any
+process group exists, so every rank reports the same clear error and nobody hangs.
+
+    [model]            name, args (a table of model arguments)
+    [data]             corpus, tokenizer, seq_len
+    [strategy]         dp, tp, pp
+    [train]            steps, batch sizes, optimizer, schedule, checkpointing, output
+    [launch]           nproc
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+from .errors import ConfigError, choices
+
+
+def _f(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field with a default and its help text (shown by `--help`)."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(kw_only=True)
+class Strategy:
+    """How the model is spread over processes: degrees of data, tensor and pipeline parallelism.
+
+    dp * tp * pp must equal the number of processes. Leave `dp` as None to use every
+    process not taken by tp and pp for data parallelism.
+    """
+
+    dp: int | None = _f(None, "data-parallel degree (replicas); default: nproc / (tp * pp)")
+    tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
+    pp: int = _f(1, "pipeline-parallel degree (stages)")
+
+    def resolved(self, world_size: int) -> Strategy:
+        """Fill in dp from the world size and check that the degrees fit it."""
+        for name in ("tp", "pp"):
+            _check_positive_int(f"strategy.{name}", getattr(self, name))
+        if self.dp is not None:
+            _check_positive_int("strategy.dp", self.dp)
+        if self.tp > 1 or self.pp > 1:
+            raise ConfigError(
+                f"tp={self.tp}, pp={self.pp}: tensor and pipeline parallelism are not supported yet "
+                f"in this version of autopar; use tp=1 pp=1 (data parallelism only)"
+            )
+        dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
+        if dp * self.tp * self.pp != world_size or dp < 1:
+            raise ConfigError(
+                f"dp*tp*pp = {self.dp if self.dp is not None else '?'}*{self.tp}*{self.pp} does not equal "
+                f"the number of processes ({world_size}); choose degrees whose product is {world_size}, "
+                f"e.g. dp={max(1, world_size // (self.tp * self.pp))} tp={self.tp} pp={self.pp}, "
+                f"or change --nproc"
+            )
+        return Strategy(dp=dp, tp=self.tp, pp=self.pp)
+
+    @property
+    def world_size(self) -> int:
+        return (self.dp or 1) * self.tp * self.pp
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to train (the built-in job; the Python API takes an nn.Module instead)."""
+
+    name: str = _f("gpt-mini", "model name: gpt-tiny|gpt-mini|gpt-small|gpt-medium|hf:gpt2|hf:llama|hf:bert",
+                   flag="--model")
+    args: dict = _f({}, "model argument KEY=VALUE overriding the size table (repeatable)", flag="--model-arg")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The built-in data: an embedded corpus cut into fixed-length token windows."""
+
+    corpus: str = _f("stdlib", "embedded text corpus (stdlib: the Python standard library's source)")
+    tokenizer: str = _f("byte", "tokenizer (byte: UTF-8 bytes plus special tokens)")
+    seq_len: int = _f(128, "tokens per training sequence")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop: batch sizes, optimizer, schedule, evaluation, checkpoints, output."""
+
+    steps: int = _f(200, "optimizer steps to train")
+    global_batch_size: int = _f(32, "sequences per optimizer step, over all data-parallel replicas")
+    micro_batch_size: int = _f(8, "sequences per forward/backward on one replica (gradients accumulate)")
+    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = _f(20, "steps of linear learning-rate warm-up")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases, norms or embeddings' 1-D params)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip gradients to this global L2 norm; 0 disables clipping")
+    seed: int = _f(0, "seed for initialisation and data order")
+    eval_every: int = _f(0, "evaluate every N steps (0: only at the end)")
+    eval_batches: int = _f(4, "global batches of held-out data per evaluation")
+    checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
+    log_every: int = _f(1, "write metrics every N steps")
+    out: str | None = _f(None, "run folder (default runs/<timestamp>/)")
+    resume: str | None = _f(None, "resume from a run folder or a checkpoint folder")
+    device: str = _f("cpu", "cpu or cuda")
+    dtype: str = _f("fp32", "fp32, or bf16 (autocast; parameters and optimizer state stay fp32)")
+    timeout_s: float = _f(300.0, "seconds any collective may wait before the run fails (no hangs)")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+
+    def validate(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
+            _check_positive_int(f"train.{name}", getattr(self, name))
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            _check_nonnegative_int(f"train.{name}", getattr(self, name))
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"train.device must be one of {{cpu, cuda}}, got {self.device!r}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"train.dtype must be one of {{fp32, bf16}}, got {self.dtype!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"train.timeout_s must be > 0, got {self.timeout_s}")
+
+    def accumulation_steps(self, dp: int) -> int:
+        """Micro-batches per replica per optimizer step; errors if the batch sizes do not divide."""
+        per_step = dp * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            ok = [g for g in range(per_step, 4 * per_step + 1, per_step)]
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by dp*micro_batch_size = "
+                f"{dp}*{self.micro_batch_size} = {per_step}; use a global batch size in {choices(ok)}... "
+                f"or a micro_batch_size that divides {self.global_batch_size // dp if self.global_batch_size >= dp else 1}"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How processes are started when autopar launches them itself (ignored under torchrun)."""
+
+    nproc: int = _f(4, "local processes to start (one CPU thread each); ignored under torchrun")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything `autopar train` needs; written to the run folder as config.toml."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: Strategy = field(default_factory=Strategy)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def validate(self) -> None:
+        _check_positive_int("launch.nproc", self.launch.nproc)
+        _check_positive_int("data.seq_len", self.data.seq_len)
+        self.train.validate()
+
+
+SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "strategy": Strategy,
+                 "train": TrainConfig, "launch": LaunchConfig}
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+def to_dict(config: Any) -> dict:
+    """A dataclass as nested plain dicts, with None values left out (TOML has no null)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        if value is not None:
+            out[f.name] = value
+    return out
+
+
+def to_toml(config: JobConfig) -> str:
+    return tomli_w.dumps(to_dict(config))
+
+
+def from_dict(data: dict, *, source: str = "config") -> JobConfig:
+    """Build a JobConfig from nested dicts, rejecting unknown sections and keys by name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a table of sections, got {type(data).__name__}")
+    sections = {}
+    for section, values in data.items():
+        if section not in SECTION_TYPES:
+            raise ConfigError(f"{source}: unknown section [{section}]; valid sections: {choices(SECTION_TYPES)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table, got {values!r}")
+        sections[section] = _section_from_dict(SECTION_TYPES[section], values, f"{source}: [{section}]")
+    return JobConfig(**sections)
+
+
+def _section_from_dict(cls: type, values: dict, where: str) -> Any:
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {choices(sorted(known))}")
+        kwargs[key] = coerce(value, hints[key], f"{where} {key}")
+    return cls(**kwargs)
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check (and for strings from the command line, convert) a value against a field type."""
+    kinds = _kinds(annotation)
+    if value is None and type(None) in kinds:
+        return None
+    if isinstance(value, str) and str not in kinds:
+        value = parse_literal(value)
+    if bool in kinds and isinstance(value, bool):
+        return value
+    if int in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if float in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if str in kinds and isinstance(value, str):
+        return value
+    if dict in kinds and isinstance(value, dict):
+        return dict(value)
+    wanted = " or ".join(k.__name__ for k in kinds if k is not type(None))
+    raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
+
+
+def _kinds(annotation: Any) -> set[type]:
+    args = getattr(annotation, "__args__", None)
+    if args:
+        return {a for a in args if isinstance(a, type)}
+    return {annotation} if isinstance(annotation, type) else {object}
+
+
+def parse_literal(text: str) -> Any:
+    """Read a command-line value as a TOML scalar (4, 0.1, true, "x"); fall back to the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_toml(path: str | Path) -> JobConfig:
+    """Read a config file; an unreadable or malformed file gets an error naming it."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    return from_dict(data, source=str(path))
+
+
+def merge(base: JobConfig, overrides: dict[str, dict[str, Any]]) -> JobConfig:
+    """Return `base` with the given {section: {key: value}} overrides applied (flags win)."""
+    sections = {}
+    for section, cls in SECTION_TYPES.items():
+        current = getattr(base, section)
+        changes = overrides.get(section, {})
+        if section == "model" and "args" in changes:  # model arguments add up, they do not replace
+            changes = {**changes, "args": {**current.args, **changes["args"]}}
+        sections[section] = dataclasses.replace(current, **changes) if changes else current
+    return JobConfig(**sections)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_nonnegative_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")

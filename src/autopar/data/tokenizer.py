@@ -1,0 +1,57 @@
+"""Tokenizers turn corpus bytes into token ids.
+
+Only a byte-level tokenizer ships today: it needs no training and no download and has a
+small vocabulary, which suits CPU tests. A tokenizer is anything with the `Tokenizer`
+shape; register new ones in `TOKENIZERS`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..errors import DataError, choices
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    mask_id: int  # used by masked-LM models
+    pad_id: int
+
+    def encode(self, data: bytes | str) -> torch.Tensor: ...
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 is <mask>, 257 is <pad>."""
+
+    name = "byte"
+    mask_id = 256
+    pad_id = 257
+    vocab_size = 258
+
+    def encode(self, data: bytes | str) -> torch.Tensor:
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32)
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return bytes(v for v in values if 0 <= v < 256).decode("utf-8", errors="replace")
+
+
+TOKENIZERS = {"byte": ByteTokenizer}
+
+
+def build_tokenizer(name: str) -> Tokenizer:
+    if name not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer {name!r}; available: {choices(TOKENIZERS)}")
+    return TOKENIZERS[name]()
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
+    """Round a vocabulary up so embedding tables split evenly (and run faster)."""
+    return -(-vocab_size // multiple) * multiple

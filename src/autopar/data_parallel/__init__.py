@@ -1,0 +1,5 @@
+"""Data parallelism: gradient synchronisation across replicas."""
+
+from .grad_sync import GradientSynchronizer
+
+__all__ = ["GradientSynchronizer"]

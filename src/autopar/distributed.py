@@ -1,0 +1,84 @@
+"""Joining (or forming) the process group, whoever started us.
+
+Three ways a process can be started, all handled here so the rest of autopar never asks:
+- by `torchrun` or `autopar launch` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set);
+- as a plain single process (no env): a world of one, on an in-memory store;
+- inside a test pool that already formed the group (reused as it is).
+
+Every group gets an explicit timeout, so a rank that dies makes the others fail with a
+message instead of hanging for gloo's default 30 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands in the job, read from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launched: bool  # True when a launcher (torchrun / autopar launch) set the env
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        env = os.environ
+        if "WORLD_SIZE" not in env:
+            return cls(rank=0, world_size=1, local_rank=0, launched=False)
+        try:
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local = int(env.get("LOCAL_RANK", rank))
+        except (KeyError, ValueError) as exc:
+            raise DistributedError(f"launcher environment is incomplete or malformed ({exc}); "
+                                   f"RANK and WORLD_SIZE must be integers, as torchrun sets them") from None
+        return cls(rank=rank, world_size=world, local_rank=local, launched=True)
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def group_options(backend: str, timeout_s: float):
+    """Backend options carrying our timeout (sub-groups do not inherit the world's)."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    return options
+
+
+def init_distributed(device: str, timeout_s: float) -> DistEnv:
+    """Join the job's process group (or make a world of one); returns this rank's place."""
+    if dist.is_initialized():
+        return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank())), launched=True)
+    env = DistEnv.from_environ()
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise DistributedError("device=cuda but no CUDA GPU is visible; use --device cpu")
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    backend = backend_for(device)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if env.launched:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    except (RuntimeError, ValueError) as exc:
+        raise DistributedError(f"could not join the process group (rank {env.rank} of {env.world_size}, "
+                               f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+                               f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}") from None
+    return env
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

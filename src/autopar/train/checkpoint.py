@@ -1,0 +1,140 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), saved atomically.
+
+Layout inside a run folder:
+
+    checkpoints/step_00000100/     .metadata, __*_*.distcp (DCP), trainer.json, rng_rank*.pt
+    checkpoints/latest             the name of the newest complete checkpoint
+
+A save writes into `step_N.partial/`; only when every rank has finished does rank 0 rename
+it to `step_N/` and then replace `latest` (write-to-temp + os.replace, both atomic on
+POSIX). A crash at any point leaves the previous checkpoint and `latest` untouched.
+DCP stores parameters by name and reshards on load, so a checkpoint is not tied to the
+number of processes that wrote it. All ranks must see the same folder (one machine, or a
+shared filesystem across machines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..errors import CheckpointError
+
+LATEST = "latest"
+TRAINER_STATE = "trainer.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any]) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint folder."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / checkpoint_name(step)
+    partial = root / (final.name + ".partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial)
+    torch.save(torch.get_rng_state(), partial / f"rng_rank{rank}.pt")
+    if rank == 0:
+        _write_atomic(partial / TRAINER_STATE, json.dumps({**trainer_state, "step": step,
+                                                          "world_size": dist.get_world_size()}))
+    dist.barrier()
+    if rank == 0:
+        if final.exists():  # re-saving the same step: keep the old one until the new one is complete
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _write_atomic(root / LATEST, final.name)
+    dist.barrier()
+    return final
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolve --resume: a run folder (its latest checkpoint) or a checkpoint folder; checked on every rank."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"--resume {str(path)!r}: no such folder; pass a run folder or one of its "
+                              f"checkpoints/step_* folders")
+    if (path / "checkpoints").is_dir():
+        latest = path / "checkpoints" / LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"--resume {str(path)!r}: the run folder has no complete checkpoint "
+                                  f"(no checkpoints/{LATEST}); train with checkpoint_every > 0 or to the end")
+        path = path / "checkpoints" / latest.read_text().strip()
+    if path.name.endswith(".partial"):
+        raise CheckpointError(f"--resume {str(path)!r}: this checkpoint was never completed (a save was "
+                              f"interrupted); resume from the run folder to use the latest complete one")
+    missing = [name for name in (".metadata", TRAINER_STATE) if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"--resume {str(path)!r}: not a complete autopar checkpoint (missing "
+                              f"{', '.join(missing)}); pass a run folder or a checkpoints/step_* folder")
+    return path
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (a zero-lr step on zero grads) so DCP can load into them.
+
+    torch's own helper skips this when gradients already exist, and ours always do (they are
+    views into the all-reduce buckets).
+    """
+    if optimizer.state:
+        return
+    saved = []
+    for group in optimizer.param_groups:
+        saved.append(group["lr"])
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved):
+        group["lr"] = lr
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: load model and optimizer state in place; returns the trainer state (step, ...)."""
+    try:
+        trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {TRAINER_STATE} is unreadable ({exc})") from None
+    _ensure_optimizer_state(optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as exc:  # DCP wraps per-rank failures in several exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model "
+                              f"({type(exc).__name__}: {first[:300]}); is it corrupt, or from another model?") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = path / f"rng_rank{dist.get_rank()}.pt"
+    if rng.is_file() and trainer_state.get("world_size") == dist.get_world_size():
+        torch.set_rng_state(torch.load(rng, weights_only=True))
+    return trainer_state

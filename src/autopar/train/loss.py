@@ -1,0 +1,62 @@
+"""Losses normalised over the whole global batch, so any parallel layout gives the same numbers.
+
+A single process averages the loss over every target token of the global batch. Split
+over replicas and micro-batches, each piece computes the *sum* of its token losses and
+divides by the global token count (agreed on with one small all-reduce per step); summing
+the pieces' gradients then gives exactly the single-process gradient, even when pieces hold
+different numbers of targets (masked LM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..data.datasets import IGNORE_INDEX
+
+Batch = dict[str, torch.Tensor]
+
+
+def as_batch(sample: Any) -> Batch:
+    """Accept dict samples {"input_ids", "labels", ...} or (inputs, labels) tuples."""
+    if isinstance(sample, Mapping):
+        return dict(sample)
+    if isinstance(sample, (tuple, list)) and len(sample) == 2:
+        return {"input_ids": sample[0], "labels": sample[1]}
+    raise TypeError(f"a training sample must be a dict with 'input_ids' and 'labels' or an (inputs, labels) "
+                    f"pair, got {type(sample).__name__}")
+
+
+def default_forward(model: torch.nn.Module, batch: Batch) -> Any:
+    """Call the model on input_ids, passing any other non-label fields as keyword arguments."""
+    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+    return model(batch["input_ids"], **extra)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """Logits from a tensor, a Hugging Face ModelOutput, or a tuple whose first item is logits."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"cannot find logits in the model output of type {type(output).__name__}; "
+                    f"pass forward_fn/loss_fn to the Trainer")
+
+
+def count_targets(batch: Batch) -> int:
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def token_loss_sum(output: Any, batch: Batch) -> torch.Tensor:
+    """Sum of cross-entropy over target tokens (labels of -100 are skipped), in fp32."""
+    logits = logits_of(output)
+    return F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+LossFn = Callable[[Any, Batch], torch.Tensor]

@@ -1,0 +1,39 @@
+"""AdamW with decoupled weight decay on matrices only, and warm-up + cosine learning rate."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """Weight decay on >= 2-D weights (matrices, embeddings); none on biases and norms."""
+    seen: set[int] = set()
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
+                             betas=(config.beta1, config.beta2), foreach=True)
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Multiplier of the peak lr at `step`: linear warm-up, then cosine down to min_lr_ratio."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
