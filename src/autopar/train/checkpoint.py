@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..errors import CheckpointError
@@ -118,6 +119,16 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
+def _root_cause(exc: BaseException) -> str:
+    """One line for DCP's failure: its CheckpointException wraps each rank's own exception."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))
+        exc = exc[0] if isinstance(exc, tuple) else exc  # DCP wraps each as (exception, traceback)
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: load model and optimizer state in place; returns the trainer state (step, ...)."""
     try:
@@ -129,10 +140,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as exc:  # DCP wraps per-rank failures in several exception types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model "
-                              f"({type(exc).__name__}: {first[:300]}); is it corrupt, or from another model?") from None
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        first = _root_cause(exc)
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model ({first[:300]}); "
+                              f"is it corrupt, or from another model?") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = path / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file() and trainer_state.get("world_size") == dist.get_world_size():

@@ -1,0 +1,102 @@
+"""A pool of gloo CPU ranks, started once and reused by many tests.
+
+Starting processes and forming a process group costs seconds; tests that pay it each
+time make the suite slow. A `RankPool(n)` starts n spawned workers that join one gloo group
+(with a short timeout) and then run functions sent to them: `pool.run(fn, *args)` runs
+`fn(*args)` on every rank and returns the per-rank results, or raises with the failing
+rank's traceback. A task that fails or times out makes the pool restart before the next
+task, so one broken test cannot poison the next (ranks may be mid-collective).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as exc:  # report everything, including assertion errors, to the test
+            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results),
+                                   daemon=True) for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240, **kwargs: Any) -> list[Any]:
+        """Run fn(*args, **kwargs) on every rank; results ordered by rank."""
+        if self.broken:
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        try:
+            for _ in range(self.world_size):
+                rank, ok, value = self._results.get(timeout=timeout)
+                (results if ok else failures)[rank] = value
+        except queue.Empty:
+            self.broken = True
+            raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout} s "
+                               f"(finished: {sorted(results)}, failed: {sorted(failures)})") from None
+        if failures:
+            self.broken = True
+            first = min(failures)
+            raise AssertionError(f"{fn.__name__} failed on rank(s) {sorted(failures)}; rank {first}:\n"
+                                 f"{failures[first]}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()

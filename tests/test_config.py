@@ -1,0 +1,89 @@
+"""Typed config: defaults < TOML file < flags, and clear errors for bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.cli import build_parser, resolve_job
+from autopar.config import JobConfig, Strategy, TrainConfig, from_dict, load_toml, to_toml
+from autopar.errors import ConfigError
+
+
+def job_from(argv: list[str]) -> JobConfig:
+    return resolve_job(build_parser().parse_args(["train", *argv]))
+
+
+def test_defaults_are_the_main_job():
+    job = job_from([])
+    assert job.model.name == "gpt-mini" and job.launch.nproc == 4
+    assert job.strategy.resolved(4) == Strategy(dp=4, tp=1, pp=1)
+
+
+def test_flags_override_file_and_model_args_add_up(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nname = "gpt-tiny"\n[model.args]\nn_layer = 3\n[train]\nsteps = 7\nlr = 0.01\n')
+    job = job_from(["--config", str(path), "--lr", "0.5", "--model-arg", "d_model=32", "--dp", "2", "--no-progress"])
+    assert job.model.name == "gpt-tiny"
+    assert job.model.args == {"n_layer": 3, "d_model": "32"}  # model args are coerced by the model builder
+    assert job.train.steps == 7 and job.train.lr == 0.5 and job.strategy.dp == 2 and job.train.progress is False
+
+
+def test_toml_round_trip():
+    job = job_from(["--model", "hf:llama", "--steps", "3", "--model-arg", "num_hidden_layers=1"])
+    again = from_dict(__import__("tomllib").loads(to_toml(job)))
+    assert again == job
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[train]\nstepz = 3\n", "unknown key 'stepz'"),
+    ("[trian]\nsteps = 3\n", "unknown section [trian]"),
+    ("[train]\nsteps = 'many'\n", "expected int, got 'many'"),
+    ("[train\nsteps = 3\n", "is not valid TOML"),
+])
+def test_bad_config_files(tmp_path, text, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=__import__("re").escape(needle)):
+        load_toml(path)
+
+
+def test_missing_and_unreadable_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "nope.toml")
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe\x00junk")
+    with pytest.raises(ConfigError, match="cannot be read|not valid TOML"):
+        load_toml(binary)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--steps", "0"], "train.steps must be a positive integer, got 0"),
+    (["--steps", "ten"], "--steps: expected int, got 'ten'"),
+    (["--dtype", "fp16"], "train.dtype must be one of {fp32, bf16}"),
+    (["--lr", "-1"], "train.lr must be > 0"),
+    (["--model-arg", "n_layer"], "expected KEY=VALUE"),
+])
+def test_bad_flags(argv, needle):
+    with pytest.raises(ConfigError, match=__import__("re").escape(needle)):
+        job_from(argv)
+
+
+def test_degrees_must_match_world_size():
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp = 3\*1\*1 does not equal the number of processes \(4\)"):
+        Strategy(dp=3).resolved(4)
+    with pytest.raises(ConfigError, match="not supported yet"):
+        Strategy(tp=2).resolved(4)
+    with pytest.raises(ConfigError, match="not supported yet"):
+        Strategy(pp=2).resolved(4)
+
+
+def test_degrees_are_keyword_only():
+    with pytest.raises(TypeError):
+        Strategy(2, 1, 1)  # type: ignore[misc]
+
+
+def test_batch_sizes_must_divide():
+    config = TrainConfig(global_batch_size=30, micro_batch_size=4)
+    with pytest.raises(ConfigError, match=r"global_batch_size=30 is not divisible by dp\*micro_batch_size = 2\*4 = 8"):
+        config.accumulation_steps(2)
+    assert TrainConfig(global_batch_size=32, micro_batch_size=4).accumulation_steps(2) == 4
