@@ -145,11 +145,13 @@ class TrainConfig:
         """Micro-batches per replica per optimizer step; errors if the batch sizes do not divide."""
         per_step = dp * self.micro_batch_size
         if self.global_batch_size % per_step:
-            ok = [g for g in range(per_step, 4 * per_step + 1, per_step)]
+            per_replica = self.global_batch_size / dp
+            hint = (f"a micro_batch_size that divides {int(per_replica)}" if per_replica.is_integer()
+                    else f"a global batch size divisible by dp={dp}")
             raise ConfigError(
                 f"global_batch_size={self.global_batch_size} is not divisible by dp*micro_batch_size = "
-                f"{dp}*{self.micro_batch_size} = {per_step}; use a global batch size in {choices(ok)}... "
-                f"or a micro_batch_size that divides {self.global_batch_size // dp if self.global_batch_size >= dp else 1}"
+                f"{dp}*{self.micro_batch_size} = {per_step}; use a global batch size that is a multiple of "
+                f"{per_step} (e.g. {per_step * -(-self.global_batch_size // per_step)}) or {hint}"
             )
         return self.global_batch_size // per_step
 

@@ -11,7 +11,8 @@ measures it against DDP on the same model in one run (docs/benchmarks.md).
 
 How it works:
 - parameters are grouped into buckets of about `bucket_mb`, in reverse registration
-  order (roughly the order backward produces their gradients);
+  order (roughly the order backward produces their gradients); the first bucket is kept
+  small (`first_bucket_mb`) so that communication starts early in backward;
 - each parameter's `.grad` is a view into its bucket's flat buffer, so autograd
   accumulates straight into the buffer and nothing is copied before or after the
   all-reduce (what DDP calls gradient_as_bucket_view);
@@ -52,7 +53,8 @@ class _Bucket:
 class GradientSynchronizer:
     """Sums gradients over `group` in buckets, overlapping communication with backward."""
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, bucket_mb: float = 25.0):
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0):
         self.group = group
         self.world = dist.get_world_size(group)
         unique: dict[int, nn.Parameter] = {}
@@ -62,7 +64,8 @@ class GradientSynchronizer:
         self.params = list(unique.values())
         self.sync = True
         self._next_launch = 0
-        self._buckets = self._make_buckets(list(reversed(self.params)), int(bucket_mb * 2**20))
+        self._buckets = self._make_buckets(list(reversed(self.params)), int(bucket_mb * 2**20),
+                                           int(min(first_bucket_mb, bucket_mb) * 2**20))
         self._slot = {id(p): (i, j) for i, b in enumerate(self._buckets) for j, p in enumerate(b.params)}
         self._hooks = []
         if self.world > 1:
@@ -70,12 +73,13 @@ class GradientSynchronizer:
         self.zero_grad()
 
     @staticmethod
-    def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    def _make_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[_Bucket]:
         groups: list[list[nn.Parameter]] = []
         size = 0
         for p in params:
             same_kind = groups and groups[-1][0].dtype == p.dtype and groups[-1][0].device == p.device
-            if not same_kind or size + p.numel() * p.element_size() > cap_bytes:
+            cap = first_cap_bytes if len(groups) == 1 else cap_bytes
+            if not same_kind or size + p.numel() * p.element_size() > cap:
                 groups.append([])
                 size = 0
             groups[-1].append(p)
@@ -97,6 +101,8 @@ class GradientSynchronizer:
     def zero_grad(self) -> None:
         """Zero every gradient and (re)attach it to its bucket view; use instead of optimizer.zero_grad."""
         for bucket in self._buckets:
+            if bucket.work is not None:  # an aborted step: let the reduction land before zeroing
+                bucket.work.wait()
             bucket.buffer.zero_()
             bucket.ready = 0
             bucket.work = None
@@ -118,6 +124,11 @@ class GradientSynchronizer:
             return
         index, position = self._slot[id(param)]
         bucket = self._buckets[index]
+        if index < self._next_launch or bucket.ready >= len(bucket.params):
+            raise RuntimeError(
+                "a gradient arrived for a parameter whose bucket is already being reduced: backward ran twice "
+                "in one synchronised step. Wrap every micro-batch but the last in `no_sync()`, and call "
+                "`finish()` once per step.")
         self._reattach(param, bucket.views[position])
         bucket.ready += 1
         self._launch_ready()
@@ -151,6 +162,8 @@ class GradientSynchronizer:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
+            bucket.ready = 0
+        self._next_launch = 0  # ready for the next step, even if the caller skips zero_grad()
 
     def remove(self) -> None:
         for handle in self._hooks:

@@ -21,19 +21,33 @@ Batch = dict[str, torch.Tensor]
 
 
 def as_batch(sample: Any) -> Batch:
-    """Accept dict samples {"input_ids", "labels", ...} or (inputs, labels) tuples."""
+    """Accept dict samples {"input_ids" or "inputs", "labels", ...} or (inputs, labels) pairs."""
     if isinstance(sample, Mapping):
         return dict(sample)
     if isinstance(sample, (tuple, list)) and len(sample) == 2:
-        return {"input_ids": sample[0], "labels": sample[1]}
+        return {"inputs": sample[0], "labels": sample[1]}
     raise TypeError(f"a training sample must be a dict with 'input_ids' and 'labels' or an (inputs, labels) "
                     f"pair, got {type(sample).__name__}")
 
 
+def main_input(batch: Batch) -> torch.Tensor:
+    """The tensor the model is called on: token ids for language models, else `inputs`."""
+    if "input_ids" in batch:
+        return batch["input_ids"]
+    if "inputs" in batch:
+        return batch["inputs"]
+    raise KeyError(f"a batch needs 'input_ids' or 'inputs', got keys {sorted(batch)}; or pass forward_fn to the Trainer")
+
+
 def default_forward(model: torch.nn.Module, batch: Batch) -> Any:
-    """Call the model on input_ids, passing any other non-label fields as keyword arguments."""
-    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
-    return model(batch["input_ids"], **extra)
+    """Call the model on the main input, passing any other non-label fields as keyword arguments."""
+    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "inputs", "labels")}
+    return model(main_input(batch), **extra)
+
+
+def tokens_in(batch: Batch) -> int:
+    """Throughput unit: tokens for token batches, samples otherwise."""
+    return batch["input_ids"].numel() if "input_ids" in batch else len(main_input(batch))
 
 
 def logits_of(output: Any) -> torch.Tensor:

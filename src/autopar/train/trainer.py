@@ -37,7 +37,8 @@ from ..errors import ConfigError, DataError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from . import checkpoint as ckpt
-from .loss import Batch, LossFn, as_batch, count_targets, default_forward, token_loss_sum
+from .loss import (Batch, LossFn, as_batch, count_targets, default_forward, main_input, token_loss_sum,
+                   tokens_in)
 from .metrics import MetricsLog, Progress, peak_memory_bytes
 from .optim import build_optimizer, build_scheduler
 
@@ -60,7 +61,7 @@ class Trainer:
         """
         loss_fn(output, batch) -> scalar: a mean over the micro-batch's samples. Default: token
             cross-entropy against batch["labels"] (-100 ignored), averaged over the global batch.
-        forward_fn(model, batch) -> output. Default: model(batch["input_ids"], **other non-label fields).
+        forward_fn(model, batch) -> output. Default: model(batch["input_ids"] or batch["inputs"], **other fields).
         job_config / run_info: written to the run folder (the CLI passes its full config).
         """
         if not isinstance(model, nn.Module):
@@ -155,7 +156,7 @@ class Trainer:
     def _loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor:
         if self.loss_fn is None:
             return token_loss_sum(output, batch) / global_count
-        samples = batch["input_ids"].shape[0]
+        samples = len(main_input(batch))
         return self.loss_fn(output, batch) * (samples / self.config.global_batch_size)
 
     def _global_target_count(self, batches: list[Batch]) -> torch.Tensor | None:
@@ -188,7 +189,7 @@ class Trainer:
         self.scheduler.step()
         self.sync.zero_grad()
         dist.all_reduce(total, group=self.dp_group)
-        tokens = sum(b["input_ids"].numel() for b in batches) * self.mesh.dp_size
+        tokens = sum(tokens_in(b) for b in batches) * self.mesh.dp_size
         return float(total), float(grad_norm), tokens
 
     @torch.no_grad()

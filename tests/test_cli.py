@@ -1,0 +1,164 @@
+"""End to end through the `autopar` command: real processes, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from helpers import max_relative_difference
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--model", "gpt-tiny", "--seq-len", "32", "--global-batch-size", "8", "--lr", "1e-3", "--no-progress",
+         "--eval-batches", "1", "--micro-batch-size", "2"]
+
+
+def autopar(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_a_complete_run_folder(tmp_path):
+    run = tmp_path / "run"
+    done = autopar("train", *SMALL, "--nproc", "2", "--steps", "6", "--micro-batch-size", "2",
+                   "--eval-every", "3", "--out", str(run))
+    assert done.returncode == 0, done.stderr
+    config = tomllib.loads((run / "config.toml").read_text())
+    assert config["strategy"] == {"dp": 2, "tp": 1, "pp": 1} and config["model"]["args"]["n_layer"] == 2
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= r.keys()
+        assert r["peak_mem_bytes"] > 10_000_000 and r["tokens_per_s"] > 0
+    assert "eval_loss" in records[2] and "eval_loss" in records[5]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval_loss"] == records[-1]["eval_loss"]
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000006"
+    assert json.loads((run / "run.json").read_text())["world_size"] == 2
+    # the written config reproduces the run
+    again = tmp_path / "again"
+    done = autopar("train", "--config", str(run / "config.toml"), "--out", str(again), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert [r["loss"] for r in metrics(again)] == [r["loss"] for r in records]
+
+
+def test_cli_dp4_matches_one_process_for_20_steps(tmp_path):
+    runs = {}
+    for nproc, micro in ((1, 8), (4, 1)):
+        runs[nproc] = tmp_path / f"n{nproc}"
+        done = autopar("train", *SMALL, "--nproc", str(nproc), "--steps", "20", "--micro-batch-size", str(micro),
+                       "--out", str(runs[nproc]))
+        assert done.returncode == 0, done.stderr
+    one, four = ([r["loss"] for r in metrics(runs[n])] for n in (1, 4))
+    assert len(one) == 20 and one[-1] < one[0]
+    assert max_relative_difference(one, four) < 1e-5
+
+
+def test_resume_from_the_command_line(tmp_path):
+    run = tmp_path / "run"
+    done = autopar("train", *SMALL, "--nproc", "2", "--steps", "6", "--micro-batch-size", "4",
+                   "--checkpoint-every", "3", "--out", str(run))
+    assert done.returncode == 0, done.stderr
+    losses = [r["loss"] for r in metrics(run)]
+    resumed = tmp_path / "resumed"
+    done = autopar("train", *SMALL, "--nproc", "2", "--steps", "6", "--micro-batch-size", "4", "--resume",
+                   str(run / "checkpoints" / "step_00000003"), "--out", str(resumed))
+    assert done.returncode == 0, done.stderr
+    assert [r["loss"] for r in metrics(resumed)] == losses[3:]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc", "4", "--dp", "3"], "dp*tp*pp = 3*1*1 does not equal the number of processes (4)"),
+    (["--nproc", "2", "--tp", "2"], "tensor and pipeline parallelism are not supported yet"),
+    (["--nproc", "2", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
+    (["--nproc", "2", "--model-arg", "n_layers=3"], "unknown model argument 'n_layers'"),
+    (["--nproc", "2", "--model-arg", "n_layer=abc"], "'abc'"),
+    (["--nproc", "2", "--global-batch-size", "30", "--micro-batch-size", "4"], "not divisible by dp*micro_batch_size"),
+    (["--nproc", "1", "--seq-len", "1000"], "seq_len=1000 is longer than gpt-tiny's context of 256"),
+    (["--nproc", "2", "--resume", "/nonexistent/run"], "no such folder"),
+    (["--nproc", "1", "--config", "/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
+    (["--nproc", "1", "--steps", "-3"], "train.steps must be a positive integer, got -3"),
+])
+def test_bad_input_gives_one_clear_line(args, message):
+    base = [a for a in SMALL if a not in ("--seq-len", "32")]
+    done = autopar("train", *base, *args, "--steps", "2") if "--steps" not in args else autopar("train", *base, *args)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_unknown_config_key_names_the_valid_ones(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nsteps = 2\nlearning_rate = 0.1\n")
+    done = autopar("train", "--config", str(path), "--nproc", "1")
+    assert done.returncode == 2 and "unknown key 'learning_rate'" in done.stderr and "lr" in done.stderr
+
+
+def test_errors_are_reported_on_every_rank():
+    done = autopar("train", *SMALL, "--nproc", "2", "--model", "gpt-huge", "--steps", "2")
+    assert "(rank 0 of 2)" in done.stderr and "(rank 1 of 2)" in done.stderr, done.stderr
+
+
+DYING_SCRIPT = """
+import os, torch, autopar
+from torch.utils.data import TensorDataset
+calls = [0]
+def forward(model, batch):
+    calls[0] += 1
+    if os.environ["RANK"] == "1" and calls[0] == 3:
+        raise RuntimeError("rank 1 ran out of luck")
+    return model(batch["inputs"])
+data = TensorDataset(torch.randn(256, 4), torch.randn(256, 2))
+autopar.Trainer(torch.nn.Linear(4, 2), data, config=autopar.TrainConfig(steps=50, global_batch_size=8,
+    micro_batch_size=4, progress=False, timeout_s=600, out=OUT), forward_fn=forward,
+    loss_fn=lambda y, b: torch.nn.functional.mse_loss(y, b["labels"])).train()
+"""
+
+
+def test_a_dying_rank_stops_the_job_quickly_with_its_message(tmp_path):
+    script = tmp_path / "dying.py"
+    script.write_text(f"OUT = {str(tmp_path / 'run')!r}\n" + DYING_SCRIPT)
+    began = time.monotonic()
+    done = autopar("launch", "--nproc", "2", str(script), timeout=120)
+    assert done.returncode != 0
+    assert time.monotonic() - began < 60  # not the 600 s collective timeout
+    assert "rank 1 ran out of luck" in done.stderr and "rank 1 failed" in done.stderr, done.stderr
+
+
+def test_torchrun_runs_the_same_entry_point(tmp_path):
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "autopar", "train", *SMALL, "--steps", "3", "--micro-batch-size", "4",
+                           "--out", str(run)], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads((run / "run.json").read_text())["world_size"] == 2 and len(metrics(run)) == 3
+
+
+def test_example_script_single_and_launched(tmp_path):
+    example = str(ROOT / "examples" / "train_custom_model.py")
+    single = subprocess.run([sys.executable, example, "--steps", "30", "--out", str(tmp_path / "a")],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert single.returncode == 0, single.stderr
+    launched = autopar("launch", "--nproc", "2", example, "--steps", "30", "--out", str(tmp_path / "b"))
+    assert launched.returncode == 0, launched.stderr
+    one, two = ([r["loss"] for r in metrics(tmp_path / d)] for d in "ab")
+    assert one[-1] < one[0] / 5
+    assert max_relative_difference(one, two) < 1e-5
+
+
+def test_models_command_lists_every_family():
+    done = autopar("models")
+    assert done.returncode == 0
+    for name in ("gpt-tiny", "gpt-medium", "hf:gpt2", "hf:llama", "hf:bert"):
+        assert name in done.stdout
