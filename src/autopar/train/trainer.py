@@ -279,6 +279,7 @@ class Trainer:
             print(f"done: {cfg.steps} steps, final loss {summary['final_loss']}, eval loss "
                   f"{result.eval_loss if result.eval_loss is not None else 'n/a'}; run folder {self.run_dir}",
                   flush=True)
+        dist.barrier()  # when train() returns, on any rank, the run folder is complete
         return result
 
     def _banner(self, start: int) -> str:
