@@ -233,6 +233,7 @@ def worker(rank: int, world: int, port: int, args, configs: list[Config]) -> Non
         ]
         assert not failures, f"variants did not train the same: {[(r['cfg'].label, r['cfg'].micro_batches) for r in failures]}"
     finally:
+        dist.barrier()  # no rank tears down while a peer still has gloo work in flight
         dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import max_relative_difference
 
@@ -88,6 +89,8 @@ def test_resume_from_the_command_line(tmp_path):
     (["--nproc", "2", "--resume", "/nonexistent/run"], "no such folder"),
     (["--nproc", "1", "--config", "/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
     (["--nproc", "1", "--steps", "-3"], "train.steps must be a positive integer, got -3"),
+    pytest.param(["--nproc", "1", "--device", "cuda"], "no CUDA GPU is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_bad_input_gives_one_clear_line(args, message):
     base = [a for a in SMALL if a not in ("--seq-len", "32")]
