@@ -1,0 +1,238 @@
+"""Build one module per pipeline stage from the traced graph and a cut.
+
+Why our own splitter rather than torch.distributed.pipelining.pipeline(): measured here,
+it fails on every model with rotary embeddings (a top-level value several layers need)
+and replicates tied weights without keeping them equal. Here:
+
+- the values crossing each cut are computed from definitions and uses, so a value needed
+  later than the next stage (attention mask, rotary cos/sin, a skip connection) is
+  received and sent on by every stage in between: `outputs(s) == inputs(s + 1)`;
+- each stage module holds only the parameters and buffers its operations read, under the
+  model's own names (so checkpoints and tensor-parallel plans address them as usual);
+- a parameter read by several stages (tied input/output embeddings) is owned by each of
+  them; `Partition.shared` lists them so their gradients are summed every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export.graph_signature import InputKind
+
+from ..errors import ModelError
+from ..trace import ModelGraph
+
+
+@dataclass
+class StageSpec:
+    """What one stage computes and exchanges."""
+
+    index: int
+    blocks: list[str]
+    nodes: list[str]  # operations, in graph order
+    inputs: list[str]  # values received (stage 0: the model's inputs), in order
+    outputs: list[str]  # values sent on (last stage: the model's outputs), in order
+    params: list[str]  # canonical parameter FQNs it reads
+    buffers: list[str] = field(default_factory=list)
+
+
+def plan_stages(graph: ModelGraph, bounds: list[int]) -> list[StageSpec]:
+    """Which operations, parameters and crossing values each stage of a cut has."""
+    num_stages = len(bounds) - 1
+    stage_of_block = {}
+    for s in range(num_stages):
+        for b in range(bounds[s], bounds[s + 1]):
+            stage_of_block[b] = s
+    fx_graph = graph.graph
+    user_inputs = [spec.arg.name for spec in graph.exported.graph_signature.input_specs
+                   if spec.kind == InputKind.USER_INPUT]
+    defined: dict[str, int] = {name: -1 for name in user_inputs}  # model inputs arrive at stage 0
+    last_use: dict[str, int] = {}
+    order: list[str] = list(user_inputs)
+    for node in fx_graph.nodes:
+        if node.op == "call_function":
+            stage = stage_of_block[graph.nodes[node.name].block]
+            defined[node.name] = stage
+            order.append(node.name)
+        elif node.op == "output":
+            stage = num_stages - 1
+        else:
+            continue
+        for arg in node.all_input_nodes:
+            if arg.name in defined:
+                last_use[arg.name] = max(last_use.get(arg.name, -1), stage)
+    specs = []
+    for s in range(num_stages):
+        blocks = graph.blocks[bounds[s]:bounds[s + 1]]
+        nodes = [n for b in blocks for n in b.nodes]
+        inputs = user_inputs if s == 0 else [v for v in order if defined[v] < s <= last_use.get(v, -1)]
+        if s == num_stages - 1:
+            outputs = [a.name for a in _output_nodes(fx_graph)]
+        else:
+            outputs = [v for v in order if defined[v] <= s < last_use.get(v, -1)]
+        params = []
+        for b in blocks:
+            params.extend(p for p in b.params if p not in params)
+        specs.append(StageSpec(index=s, blocks=[b.name for b in blocks], nodes=nodes, inputs=inputs,
+                               outputs=outputs, params=params, buffers=_buffers_read(graph, nodes)))
+    _check_crossings(graph, specs)
+    return specs
+
+
+def _output_nodes(fx_graph: fx.Graph) -> list[fx.Node]:
+    output = next(n for n in fx_graph.nodes if n.op == "output")
+    return [a for a in output.args[0] if isinstance(a, fx.Node)]
+
+
+def _buffers_read(graph: ModelGraph, nodes: list[str]) -> list[str]:
+    buffer_of = {spec.arg.name: spec.target for spec in graph.exported.graph_signature.input_specs
+                 if spec.kind == InputKind.BUFFER}
+    wanted = set(nodes)
+    found = []
+    for node in graph.graph.nodes:
+        if node.name in wanted:
+            for arg in node.all_input_nodes:
+                if arg.name in buffer_of and buffer_of[arg.name] not in found:
+                    found.append(buffer_of[arg.name])
+    return found
+
+
+def _check_crossings(graph: ModelGraph, specs: list[StageSpec]) -> None:
+    by_name = {n.name: n for n in graph.graph.nodes}
+    for spec in specs[1:]:
+        for name in spec.inputs:
+            value = by_name[name].meta.get("val")
+            if not isinstance(value, torch.Tensor):
+                raise ModelError(f"the cut before stage {spec.index} ({spec.blocks[0]}) would send {name}, a "
+                                 f"{type(value).__name__} rather than a tensor; choose another cut")
+
+
+# ---------------------------------------------------------------------------- modules
+
+
+def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool) -> None:
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if buffer:
+        module.register_buffer(leaf, value)
+    else:
+        module.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: its own parameters (under the model's names) and its part of the graph.
+
+    forward(*inputs) takes the values listed in `spec.inputs` and returns the tuple listed in
+    `spec.outputs` (the last stage returns the model's output, rebuilt in its original form).
+    """
+
+    def __init__(self, graph: ModelGraph, spec: StageSpec, num_stages: int):
+        super().__init__()
+        self.spec = spec
+        self.is_last = spec.index == num_stages - 1
+        self._out_spec = graph.exported.call_spec.out_spec if self.is_last else None
+        shapes = {s.target: s.arg.name for s in graph.exported.graph_signature.input_specs}
+        state = graph.exported.state_dict
+        for fqn in spec.params:
+            _set_by_path(self, fqn, torch.empty_like(state[fqn], device="meta"), buffer=False)
+        for fqn in spec.buffers:
+            source = state.get(fqn, graph.exported.constants.get(fqn))
+            if source is None:  # non-persistent buffers are kept with constants in the exported program
+                source = _find_nonpersistent(graph, fqn)
+            _set_by_path(self, fqn, torch.empty_like(source, device="meta"), buffer=True)
+        self._stage_graph = _stage_graph_module(graph, spec, shapes, is_last=self.is_last)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        if len(inputs) != len(self.spec.inputs):
+            raise ValueError(f"stage {self.spec.index} takes {len(self.spec.inputs)} inputs "
+                             f"({', '.join(self.spec.inputs)}), got {len(inputs)}")
+        state = [self.get_parameter(f) for f in self.spec.params] + [self.get_buffer(f) for f in self.spec.buffers]
+        outputs = self._stage_graph(*state, *inputs)
+        if self.is_last:
+            return torch.utils._pytree.tree_unflatten(list(outputs), self._out_spec)
+        return tuple(outputs)
+
+
+def _find_nonpersistent(graph: ModelGraph, fqn: str) -> torch.Tensor:
+    for spec in graph.exported.graph_signature.input_specs:
+        if spec.target == fqn:
+            node = next(n for n in graph.graph.nodes if n.name == spec.arg.name)
+            return node.meta["val"]
+    raise ModelError(f"buffer {fqn!r} not found in the traced model")
+
+
+def _stage_graph_module(graph: ModelGraph, spec: StageSpec, name_of_target: dict[str, str], *,
+                        is_last: bool) -> fx.GraphModule:
+    """A GraphModule computing this stage: (params..., buffers..., inputs...) -> outputs."""
+    source = graph.graph
+    by_name = {n.name: n for n in source.nodes}
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for fqn in [*spec.params, *spec.buffers]:
+        old = by_name[name_of_target[fqn]]
+        env[old] = new.placeholder(old.name)
+    for name in spec.inputs:
+        env[by_name[name]] = new.placeholder(name)
+    root = nn.Module()
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node.op == "get_attr":  # e.g. the body of a higher-order op (rotary under no_grad)
+                root.add_module(node.target, getattr(graph.exported.graph_module, node.target))
+                env[node] = new.get_attr(node.target)
+            else:
+                raise ModelError(f"stage {spec.index} needs {node.name}, which no earlier stage sends")
+        return env[node]
+
+    for name in spec.nodes:
+        node = by_name[name]
+        env[node] = new.node_copy(node, lookup)
+    if is_last:  # the model's flat outputs, non-tensor leaves (None) included, for tree_unflatten
+        original = next(n for n in source.nodes if n.op == "output").args[0]
+        new.output(tuple(lookup(a) if isinstance(a, fx.Node) else a for a in original))
+    else:
+        new.output(tuple(lookup(by_name[name]) for name in spec.outputs))
+    return fx.GraphModule(root, new)
+
+
+def materialize_stage(stage: StageModule, full_model: nn.Module) -> StageModule:
+    """Give a stage the values of a materialised full model (same seed -> same weights as one process).
+
+    Simple and exact, but the full model is materialised once per rank; initialising only a
+    stage's own share with the model's own init order is future work.
+    """
+    device = next(full_model.parameters()).device
+    stage.to_empty(device=device)
+    retarget_device(stage._stage_graph, device)
+    with torch.no_grad():
+        for fqn in stage.spec.params:
+            stage.get_parameter(fqn).copy_(full_model.get_parameter(fqn))
+        for fqn in stage.spec.buffers:
+            stage.get_buffer(fqn).copy_(full_model.get_buffer(fqn))
+    return stage
+
+
+def _swap_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.device) and value.type == "meta":
+        return device
+    if isinstance(value, (list, tuple)):
+        return type(value)(_swap_device(v, device) for v in value)
+    return value
+
+
+def retarget_device(module: fx.GraphModule, device: torch.device) -> None:
+    """Rewrite device arguments baked in by tracing on meta (arange, to, metadata asserts), nested graphs too."""
+    for sub in module.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            node.args = _swap_device(node.args, device)
+            node.kwargs = {k: _swap_device(v, device) for k, v in node.kwargs.items()}
+        sub.recompile()

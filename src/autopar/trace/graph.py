@@ -1,0 +1,208 @@
+"""Capture an unmodified model as a graph of operations with a cost on every node.
+
+The front end is `torch.export` (non-strict): measured here, torch.fx symbolic tracing
+fails on transformers 5.x GPT-2 and LLaMA, while export handles both in under a second.
+The model may live on the meta device: export only propagates shapes, so a model larger
+than this process's memory can be traced. Shapes are static (the micro-batch shape given),
+which keeps every reshape size a constant that later passes (tensor parallelism) can edit.
+
+Nodes are grouped into contiguous *blocks*, the units a pipeline cut may fall between:
+the prelude (everything before the first repeated layer: embeddings, masks, rotary
+tables), one block per repeated layer (the children of the model's largest ModuleList,
+found from parameter counts, not from names), and the postlude (final norm, head). A cut
+between blocks is where few tensors cross: the hidden state, plus any value a later layer
+still needs (attention mask, position embeddings), which the stage builder carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..errors import ModelError
+
+
+@dataclass
+class NodeCost:
+    """One operation of the traced graph."""
+
+    name: str
+    target: str
+    module_path: str  # the innermost module that ran it ("" for top-level code)
+    block: int  # index into ModelGraph.blocks
+    params: list[str]  # FQNs of parameters it reads directly
+    out_bytes: int  # bytes of its tensor output(s)
+    flops: int  # forward FLOPs (torch.utils.flop_counter)
+
+
+@dataclass
+class Block:
+    """A contiguous run of nodes that is never split across pipeline stages."""
+
+    name: str  # "prelude", "<layers>.<i>", "postlude"
+    nodes: list[str] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)  # FQNs used (tied ones under their canonical name)
+    num_params: int = 0
+    flops: int = 0
+    activation_bytes: int = 0  # sum of node outputs: what backward may keep alive
+    time_s: float | None = None  # measured forward+backward, when asked for
+
+
+@dataclass
+class ModelGraph:
+    """The traced model: the exported program plus per-node and per-block costs."""
+
+    exported: ExportedProgram
+    nodes: dict[str, NodeCost]
+    blocks: list[Block]
+    layers_path: str  # FQN of the ModuleList whose children are the repeated layers
+    param_numel: dict[str, int]  # canonical FQN -> elements
+    tied: list[list[str]]  # groups of FQNs naming one tensor (canonical name first)
+    example_inputs: tuple
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.exported.graph
+
+    def block_of(self, node: fx.Node) -> int | None:
+        cost = self.nodes.get(node.name)
+        return cost.block if cost else None
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def find_layers(model: nn.Module) -> str:
+    """The ModuleList holding the most parameters: the model's repeated layers."""
+    best, best_params = "", -1
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 1:
+            count = sum(p.numel() for p in module.parameters())
+            if count > best_params:
+                best, best_params = path, count
+    if not best:
+        raise ModelError(f"{type(model).__name__} has no nn.ModuleList of repeated layers to cut between; "
+                         f"pipeline partitioning needs one (e.g. self.layers = nn.ModuleList([...]))")
+    return best
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def _layer_index(path: str, layers: str) -> int | None:
+    prefix = layers + "."
+    if not path.startswith(prefix):
+        return None
+    head = path[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> ModelGraph:
+    """Export `model` on the given inputs (meta tensors are fine) and cost every node."""
+    try:
+        exported = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+    except Exception as exc:  # export reports many kinds of failure; name the op and the way out
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first[:400]}. "
+                         f"Make the failing operation traceable (no data-dependent Python control flow on "
+                         f"tensor values), or pass a model whose forward takes only tensors") from None
+    mutated = [s for s in exported.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    if mutated:
+        raise ModelError(f"{type(model).__name__} updates buffers or inputs in forward "
+                         f"({', '.join(str(s.target) for s in mutated[:3])}); pipeline partitioning does not "
+                         f"support that yet")
+    layers = find_layers(model)
+    canonical = {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs
+                 if spec.kind == InputKind.PARAMETER}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    param_numel = {fqn: params[fqn].numel() for fqn in canonical.values()}
+    nodes, blocks = _assign_blocks(exported, layers, canonical)
+    _count_flops(exported, nodes)
+    for cost in nodes.values():
+        block = blocks[cost.block]
+        block.flops += cost.flops
+        block.activation_bytes += cost.out_bytes
+    for block in blocks:
+        block.num_params = sum(param_numel[p] for p in block.params)
+    return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=layers, param_numel=param_numel,
+                      tied=tied_groups(model), example_inputs=tuple(example_inputs))
+
+
+def _assign_blocks(exported: ExportedProgram, layers: str,
+                   canonical: dict[str, str]) -> tuple[dict[str, NodeCost], list[Block]]:
+    """Give every operation a block index, non-decreasing in graph order (so blocks are contiguous)."""
+    calls = [n for n in exported.graph.nodes if n.op == "call_function"]
+    layer_of = {}
+    for n in calls:
+        stack = list(n.meta.get("nn_module_stack", {}).values())
+        path = stack[-1][0] if stack else ""
+        indices = [i for p, _ in stack if (i := _layer_index(p, layers)) is not None]
+        layer_of[n.name] = (path, indices[-1] if indices else None)
+    seen_layers = sorted({i for _, i in layer_of.values() if i is not None})
+    if not seen_layers:
+        raise ModelError(f"no operation ran inside the repeated layers {layers!r}; cannot cut the model")
+    position = {layer: k + 1 for k, layer in enumerate(seen_layers)}  # block 0 is the prelude
+    blocks = [Block("prelude")] + [Block(f"{layers}.{i}") for i in seen_layers] + [Block("postlude")]
+    nodes: dict[str, NodeCost] = {}
+    current = 0
+    for n in calls:
+        path, layer = layer_of[n.name]
+        if layer is not None:
+            current = max(current, position[layer])
+        elif current == len(seen_layers) and _after_all_layers(n, layer_of, calls):
+            current = len(blocks) - 1
+        reads = [canonical[a.name] for a in n.all_input_nodes if a.name in canonical]
+        nodes[n.name] = NodeCost(name=n.name, target=str(n.target), module_path=path, block=current,
+                                 params=reads, out_bytes=_tensor_bytes(n.meta.get("val")), flops=0)
+        block = blocks[current]
+        block.nodes.append(n.name)
+        block.params.extend(p for p in reads if p not in block.params)
+    return nodes, blocks
+
+
+def _after_all_layers(node: fx.Node, layer_of: dict, calls: list[fx.Node]) -> bool:
+    """True once no later operation belongs to a layer (so `node` opens the postlude)."""
+    index = calls.index(node)
+    return all(layer_of[m.name][1] is None for m in calls[index:])
+
+
+def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost]) -> None:
+    """Forward FLOPs per node, by running the graph on meta tensors under a flop counter."""
+    graph_module = exported.graph_module
+
+    class Counter(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            if n.op != "call_function":
+                return super().run_node(n)
+            with FlopCounterMode(display=False) as counter:
+                result = super().run_node(n)
+            nodes[n.name].flops = counter.get_total_flops()
+            return result
+
+    args = []
+    sig = exported.graph_signature
+    state = {**exported.state_dict, **exported.constants}
+    user = iter(exported.example_inputs[0]) if exported.example_inputs else iter(())
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            value = next(user)
+        else:
+            value = state[spec.target]
+        args.append(value.to("meta") if isinstance(value, torch.Tensor) else value)
+    with torch.no_grad():
+        Counter(graph_module).run(*args)
