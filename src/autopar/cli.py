@@ -112,6 +112,36 @@ def cmd_models(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .data import build_tokenizer, padded_vocab_size
+    from .models import build_model
+    from .partition import partition
+    from .partition.measure import measure_block_times
+    from .trace import trace
+    args = _overrides(argparse.Namespace(**{"model.args": ns.model_arg or []})).get("model", {}).get("args", {})
+    tokenizer = build_tokenizer("byte")
+    model, info = build_model(ns.model, args, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
+    if ns.seq_len > info.max_seq_len:
+        raise ConfigError(f"seq_len={ns.seq_len} is longer than {info.name}'s context of {info.max_seq_len}")
+    graph = trace(model, (torch.zeros(ns.micro_batch_size, ns.seq_len, dtype=torch.long, device="meta"),))
+    if ns.measure:
+        measure_block_times(graph, model)
+    cap = ns.memory_cap_mb * 2**20 if ns.memory_cap_mb else None
+    result = partition(graph, ns.pp, method=ns.method, memory_cap_bytes=cap)
+    if ns.json:
+        print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len],
+                          "measured": ns.measure, **result.to_dict()}, indent=2))
+    else:
+        print(f"{info.name}: {info.num_params:,} parameters, {len(graph.blocks)} blocks, micro-batch "
+              f"{ns.micro_batch_size} x {ns.seq_len}, time {'measured' if ns.measure else 'estimated from FLOPs'}")
+        print(result.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Train unmodified PyTorch models with data, "
                                      "tensor and pipeline parallelism chosen and applied for you.")
@@ -124,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the Python script to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("models", help="list the built-in models")
+    plan = sub.add_parser("plan", help="show how a model would be cut into pipeline stages (no training)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    plan.add_argument("--model", default="gpt-mini", help="model name (see `autopar models`)")
+    plan.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="model argument (repeatable)")
+    plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
+    plan.add_argument("--method", default="time", choices=["uniform", "parameters", "time"],
+                      help="balance equal layers, parameter counts, or forward+backward time")
+    plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    plan.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    plan.add_argument("--memory-cap-mb", type=float, default=None, help="per-stage memory cap (MiB)")
+    plan.add_argument("--measure", action="store_true", help="time every block instead of estimating from FLOPs")
+    plan.add_argument("--json", action="store_true", help="print the partition as JSON")
     return parser
 
 
@@ -137,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             code = cmd_train(ns, argv)
         elif ns.command == "launch":
             code = cmd_launch(ns)
+        elif ns.command == "plan":
+            code = cmd_plan(ns)
         else:
             code = cmd_models(ns)
     except AutoparError as exc:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from .materialize import materialize
+from .materialize import materialize, materialize_partial
 from .registry import ModelInfo, available_models, build_model
 
-__all__ = ["ModelInfo", "available_models", "build_model", "materialize"]
+__all__ = ["ModelInfo", "available_models", "build_model", "materialize", "materialize_partial"]

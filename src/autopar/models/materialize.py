@@ -120,3 +120,50 @@ def materialize(module: nn.Module, device: str | torch.device = "cpu", *, seed: 
     with seeded(target, seed):
         _initialise(module)
     return module
+
+
+def materialize_partial(module: nn.Module, keep: set[str], device: str | torch.device = "cpu", *,
+                        seed: int) -> nn.Module:
+    """Like `materialize`, but only the parameters named in `keep` get memory of their own.
+
+    Every other parameter is a view into one shared scratch buffer (the size of the largest
+    of them) while the model's own init runs: its shapes and call order are unchanged, so the
+    random stream advances exactly as in a full materialisation, and the kept parameters
+    come out bit-identical to `materialize(module, seed=seed)`. Afterwards the others go
+    back to the meta device. Peak memory: the kept parameters, the buffers, one scratch.
+    (An init that reads one parameter's values while initialising another would see
+    scratch contents; no model we know of does.)
+    """
+    target = to_device(device)
+    params, buffers = tied_groups(module)
+    owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for path, p in module.named_parameters(remove_duplicate=False):
+        owner_path, _, attr = path.rpartition(".")
+        owners.setdefault(id(p), []).append((module.get_submodule(owner_path), attr, path))
+    kept_ids = {pid for pid, places in owners.items() if any(path in keep for _, _, path in places)}
+    dropped = [places[0][0]._parameters[places[0][1]] for pid, places in owners.items() if pid not in kept_ids]
+    scratch: dict[torch.dtype, torch.Tensor] = {}
+    for p in dropped:
+        size = max(p.numel(), scratch[p.dtype].numel() if p.dtype in scratch else 0)
+        scratch[p.dtype] = torch.empty(size, dtype=p.dtype, device=target)
+    for pid, places in owners.items():
+        old = places[0][0]._parameters[places[0][1]]
+        data = (torch.empty(old.shape, dtype=old.dtype, device=target) if pid in kept_ids
+                else scratch[old.dtype][:old.numel()].view(old.shape))
+        new = nn.Parameter(data, requires_grad=old.requires_grad)
+        for owner, attr, _ in places:
+            owner._parameters[attr] = new
+    for sub in module.modules():
+        for name, b in list(sub._buffers.items()):
+            if b is not None and b.is_meta:
+                sub._buffers[name] = torch.empty_like(b, device=target)
+    retie(module, params, buffers)
+    with seeded(target, seed):
+        _initialise(module)
+    for pid, places in owners.items():
+        if pid not in kept_ids:
+            old = places[0][0]._parameters[places[0][1]]
+            ghost = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=old.requires_grad)
+            for owner, attr, _ in places:
+                owner._parameters[attr] = ghost
+    return module

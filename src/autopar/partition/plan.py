@@ -17,13 +17,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import copy
+
 import torch
+from torch import nn
 from torch.export.graph_signature import InputKind
 
 from ..errors import ConfigError, choices
+from ..models.materialize import materialize_partial
 from ..trace import ModelGraph
 from . import algorithms
-from .stages import StageModule, StageSpec, plan_stages
+from .stages import StageModule, StageSpec, materialize_stage, plan_stages
 
 METHODS = ("uniform", "parameters", "time")
 
@@ -76,6 +80,16 @@ class Partition:
     def build_stage(self, index: int) -> StageModule:
         """Stage `index` as a module on the meta device (see stages.materialize_stage)."""
         return StageModule(self.graph, self.specs[index], self.num_stages)
+
+    def materialize_stage(self, index: int, model: nn.Module, device: str | torch.device = "cpu", *,
+                          seed: int) -> StageModule:
+        """Stage `index` with real weights, initialised exactly as `materialize(model, seed=seed)` would.
+
+        `model` is the meta-device model that was traced; only this stage's parameters (plus
+        one scratch buffer) are allocated, so a rank never holds the whole model.
+        """
+        source = materialize_partial(copy.deepcopy(model), set(self.specs[index].params), device, seed=seed)
+        return materialize_stage(self.build_stage(index), source)
 
     def to_dict(self) -> dict:
         return {"method": self.method, "bounds": self.bounds, "shared_parameters": self.shared,
@@ -155,6 +169,12 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
     elif method == "parameters":
         bounds = algorithms.balanced([b.num_params for b in blocks], num_stages)
     else:
+        if memory_cap_bytes is not None:
+            fits = max(algorithms.stage_costs(memory, algorithms.balanced(memory, num_stages)))
+            if fits > memory_cap_bytes:
+                raise ConfigError(f"no {num_stages}-stage partition fits a per-stage memory cap of "
+                                  f"{memory_cap_bytes / 2**20:.2f} MiB; the smallest cap that fits is "
+                                  f"{fits / 2**20:.2f} MiB (or use more stages, or a smaller micro-batch)")
         bounds = algorithms.min_max_time(compute, num_stages, transfer=transfer, memory=memory,
                                          memory_cap=memory_cap_bytes)
     specs = plan_stages(graph, bounds)

@@ -203,12 +203,12 @@ def _stage_graph_module(graph: ModelGraph, spec: StageSpec, name_of_target: dict
 
 
 def materialize_stage(stage: StageModule, full_model: nn.Module) -> StageModule:
-    """Give a stage the values of a materialised full model (same seed -> same weights as one process).
+    """Give a stage the values of a materialised model (same seed -> same weights as one process).
 
-    Simple and exact, but the full model is materialised once per rank; initialising only a
-    stage's own share with the model's own init order is future work.
+    `full_model` may be partially materialised (models.materialize_partial): only the
+    stage's own parameters are read.
     """
-    device = next(full_model.parameters()).device
+    device = next(p.device for p in full_model.parameters() if not p.is_meta)
     stage.to_empty(device=device)
     retarget_device(stage._stage_graph, device)
     with torch.no_grad():
