@@ -17,6 +17,7 @@ def test_defaults_are_the_main_job():
     job = job_from([])
     assert job.model.name == "gpt-mini" and job.launch.nproc == 4
     assert job.strategy.resolved(4) == Strategy(dp=4, tp=1, pp=1)
+    assert job.strategy.schedule == "1f1b" and job.strategy.partition == "time"
 
 
 def test_flags_override_file_and_model_args_add_up(tmp_path):
@@ -73,8 +74,9 @@ def test_degrees_must_match_world_size():
         Strategy(dp=3).resolved(4)
     with pytest.raises(ConfigError, match="not supported yet"):
         Strategy(tp=2).resolved(4)
-    with pytest.raises(ConfigError, match="not supported yet"):
-        Strategy(pp=2).resolved(4)
+    assert Strategy(pp=2).resolved(4).dp == 2
+    with pytest.raises(ConfigError, match="strategy.recompute must be one of"):
+        Strategy(recompute="some").resolved(1)
 
 
 def test_degrees_are_keyword_only():

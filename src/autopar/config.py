@@ -38,6 +38,9 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+RECOMPUTE_MODES = ("none", "all", "all-but-last")
+
+
 @dataclass(kw_only=True)
 class Strategy:
     """How the model is spread over processes: degrees of data, tensor and pipeline parallelism.
@@ -49,6 +52,10 @@ class Strategy:
     dp: int | None = _f(None, "data-parallel degree (replicas); default: nproc / (tp * pp)")
     tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
     pp: int = _f(1, "pipeline-parallel degree (stages)")
+    schedule: str = _f("1f1b", "pipeline schedule: gpipe|1f1b|interleaved-1f1b|eager-1f1b|scp|zb-h1")
+    chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2)")
+    partition: str = _f("time", "how to cut the model into stages: uniform|parameters|time")
+    recompute: str = _f("none", "activation recomputation: none|all (every stage)|all-but-last")
 
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
@@ -56,11 +63,12 @@ class Strategy:
             _check_positive_int(f"strategy.{name}", getattr(self, name))
         if self.dp is not None:
             _check_positive_int("strategy.dp", self.dp)
-        if self.tp > 1 or self.pp > 1:
-            raise ConfigError(
-                f"tp={self.tp}, pp={self.pp}: tensor and pipeline parallelism are not supported yet "
-                f"in this version of autopar; use tp=1 pp=1 (data parallelism only)"
-            )
+        _check_positive_int("strategy.chunks", self.chunks)
+        if self.tp > 1:
+            raise ConfigError(f"tp={self.tp}: tensor parallelism is not supported yet in this version of "
+                              f"autopar; use tp=1 (data and pipeline parallelism)")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
         if dp * self.tp * self.pp != world_size or dp < 1:
             raise ConfigError(
@@ -69,7 +77,7 @@ class Strategy:
                 f"e.g. dp={max(1, world_size // (self.tp * self.pp))} tp={self.tp} pp={self.pp}, "
                 f"or change --nproc"
             )
-        return Strategy(dp=dp, tp=self.tp, pp=self.pp)
+        return dataclasses.replace(self, dp=dp)
 
     @property
     def world_size(self) -> int:
@@ -101,6 +109,8 @@ class TrainConfig:
     steps: int = _f(200, "optimizer steps to train")
     global_batch_size: int = _f(32, "sequences per optimizer step, over all data-parallel replicas")
     micro_batch_size: int = _f(8, "sequences per forward/backward on one replica (gradients accumulate)")
+    micro_batches: int | None = _f(None, "micro-batches per replica per step; if set, micro_batch_size = "
+                                         "global_batch_size / (dp * micro_batches)")
     lr: float = _f(3e-3, "peak learning rate (AdamW)")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
     warmup_steps: int = _f(20, "steps of linear learning-rate warm-up")
@@ -119,6 +129,7 @@ class TrainConfig:
     dtype: str = _f("fp32", "fp32, or bf16 (autocast; parameters and optimizer state stay fp32)")
     timeout_s: float = _f(300.0, "seconds any collective may wait before the run fails (no hangs)")
     progress: bool = _f(True, "show a progress bar on rank 0")
+    trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):

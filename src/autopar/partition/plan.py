@@ -173,7 +173,7 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
             fits = max(algorithms.stage_costs(memory, algorithms.balanced(memory, num_stages)))
             if fits > memory_cap_bytes:
                 raise ConfigError(f"no {num_stages}-stage partition fits a per-stage memory cap of "
-                                  f"{memory_cap_bytes / 2**20:.2f} MiB; the smallest cap that fits is "
+                                  f"{memory_cap_bytes / 2**20:.3g} MiB; the smallest cap that fits is "
                                   f"{fits / 2**20:.2f} MiB (or use more stages, or a smaller micro-batch)")
         bounds = algorithms.min_max_time(compute, num_stages, transfer=transfer, memory=memory,
                                          memory_cap=memory_cap_bytes)

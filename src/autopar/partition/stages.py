@@ -113,7 +113,7 @@ def _check_crossings(graph: ModelGraph, specs: list[StageSpec]) -> None:
 # ---------------------------------------------------------------------------- modules
 
 
-def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool) -> None:
+def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True) -> None:
     *path, leaf = fqn.split(".")
     module = root
     for part in path:
@@ -121,7 +121,7 @@ def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool
             module.add_module(part, nn.Module())
         module = getattr(module, part)
     if buffer:
-        module.register_buffer(leaf, value)
+        module.register_buffer(leaf, value, persistent=persistent)
     else:
         module.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
 
@@ -139,6 +139,7 @@ class StageModule(nn.Module):
         self.is_last = spec.index == num_stages - 1
         self._out_spec = graph.exported.call_spec.out_spec if self.is_last else None
         shapes = {s.target: s.arg.name for s in graph.exported.graph_signature.input_specs}
+        persistent = {s.target: s.persistent is not False for s in graph.exported.graph_signature.input_specs}
         state = graph.exported.state_dict
         for fqn in spec.params:
             _set_by_path(self, fqn, torch.empty_like(state[fqn], device="meta"), buffer=False)
@@ -146,7 +147,8 @@ class StageModule(nn.Module):
             source = state.get(fqn, graph.exported.constants.get(fqn))
             if source is None:  # non-persistent buffers are kept with constants in the exported program
                 source = _find_nonpersistent(graph, fqn)
-            _set_by_path(self, fqn, torch.empty_like(source, device="meta"), buffer=True)
+            _set_by_path(self, fqn, torch.empty_like(source, device="meta"), buffer=True,
+                         persistent=persistent.get(fqn, True))
         self._stage_graph = _stage_graph_module(graph, spec, shapes, is_last=self.is_last)
 
     def forward(self, *inputs: torch.Tensor) -> Any:

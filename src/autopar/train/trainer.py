@@ -31,14 +31,12 @@ from torch.utils.data import Dataset, default_collate
 from .. import __version__
 from ..config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
 from ..data.sampler import GlobalBatchSampler
-from ..data_parallel import GradientSynchronizer
 from ..distributed import DistEnv, init_distributed
 from ..errors import ConfigError, DataError
 from ..mesh import ProcessMesh
-from ..models.materialize import materialize
 from . import checkpoint as ckpt
-from .loss import (Batch, LossFn, as_batch, count_targets, default_forward, main_input, token_loss_sum,
-                   tokens_in)
+from .engine import DataParallelEngine, PipelineEngine, eval_token_sums
+from .loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, token_loss_sum, tokens_in
 from .metrics import MetricsLog, Progress, peak_memory_bytes
 from .optim import build_optimizer, build_scheduler
 
@@ -80,6 +78,7 @@ class Trainer:
         cfg.validate()
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
         strategy = self.strategy.resolved(world)
+        self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
@@ -93,40 +92,25 @@ class Trainer:
         self.mesh = ProcessMesh.build(self.strategy, device=cfg.device, timeout_s=cfg.timeout_s)
         self.dp_group = self.mesh.group("dp")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        self.model = materialize(self.model, self.device, seed=cfg.seed)
-        self._broadcast_from_first_replica()
+        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16"
+                         else contextlib.nullcontext)
+        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
+        if self.strategy.pp > 1:
+            example = self._load(self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,
+                                                                  micro_batch_size=cfg.micro_batch_size)[0],
+                                 self.train_data)
+            self.engine = PipelineEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
+                                         example_batch=example, num_microbatches=self.accumulation,
+                                         autocast=self.autocast)
+        else:
+            self.engine = DataParallelEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
+                                             forward_fn=self.forward_fn, autocast=self.autocast)
+        self.model = self.engine.module
         torch.manual_seed(cfg.seed + 1 + dist.get_rank())  # dropout etc.: per-rank streams
-        self.sync = GradientSynchronizer(self.model.parameters(), self.dp_group)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
         self.is_main = dist.get_rank() == 0
         self.run_dir = self._make_run_dir()
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
-                         else contextlib.nullcontext())
-
-    def _broadcast_from_first_replica(self) -> None:
-        """Make every replica start from replica 0's weights (a no-op for seeded meta materialisation)."""
-        if self.mesh.dp_size == 1:
-            return
-        src = dist.get_global_rank(self.dp_group, 0)
-        tensors = [t for t in self.model.state_dict(keep_vars=True).values()]
-        seen, unique = set(), []
-        for t in tensors:
-            if id(t) not in seen:
-                seen.add(id(t))
-                unique.append(t)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in unique:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                dist.broadcast(flat, src=src, group=self.dp_group)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
 
     def _make_run_dir(self) -> Path:
         out = self.config.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
@@ -173,49 +157,36 @@ class Trainer:
                                                  micro_batch_size=cfg.micro_batch_size)
         batches = [self._load(indices, self.train_data) for indices in micro]
         global_count = self._global_target_count(batches)
-        self.model.train()
-        total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            with (contextlib.nullcontext() if last else self.sync.no_sync()):
-                with self.autocast:
-                    loss = self._loss(self.forward_fn(self.model, batch), batch, global_count)
-                loss.backward()
-            total += loss.detach().float()
-        self.sync.finish()
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.sync.params, max_norm)
+        total = self.engine.forward_backward(batches, lambda out, batch: self._loss(out, batch, global_count))
+        grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
-        self.sync.zero_grad()
-        dist.all_reduce(total, group=self.dp_group)
+        self.engine.zero_grad()
+        total = total.detach().float().reshape(())
+        dist.all_reduce(total)  # every rank that holds a loss share (replicas; the last pipeline stage)
         tokens = sum(tokens_in(b) for b in batches) * self.mesh.dp_size
-        return float(total), float(grad_norm), tokens
+        return float(total), grad_norm, tokens
 
-    @torch.no_grad()
+    def _eval_pair(self, output: Any, batch: Batch) -> torch.Tensor:
+        """[loss sum, weight] of one eval micro-batch."""
+        if self.loss_fn is None:
+            return eval_token_sums(output, batch)
+        n = len(main_input(batch))
+        return torch.stack([self.loss_fn(output, batch).double() * n,
+                            torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+
     def evaluate(self) -> float | None:
         """Mean loss over `eval_batches` fixed global batches of the held-out data."""
         if self.eval_data is None:
             return None
         cfg = self.config
         sampler = GlobalBatchSampler(len(self.eval_data), cfg.global_batch_size, seed=cfg.seed, shuffle=False)
-        self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for k in range(cfg.eval_batches):
-            for indices in sampler.local_micro_batches(k, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
-                                                       micro_batch_size=cfg.micro_batch_size):
-                batch = self._load(indices, self.eval_data)
-                with self.autocast:
-                    output = self.forward_fn(self.model, batch)
-                if self.loss_fn is None:
-                    sums += torch.stack([token_loss_sum(output, batch).double(),
-                                         torch.tensor(count_targets(batch), dtype=torch.float64)])
-                else:
-                    n = len(indices)
-                    sums += torch.stack([self.loss_fn(output, batch).double() * n,
-                                         torch.tensor(n, dtype=torch.float64)])
-        dist.all_reduce(sums, group=self.dp_group)
-        self.model.train()
+            micro = sampler.local_micro_batches(k, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
+                                                micro_batch_size=cfg.micro_batch_size)
+            sums += self.engine.eval_sums([self._load(indices, self.eval_data) for indices in micro], self._eval_pair)
+        dist.all_reduce(sums)
         return float(sums[0] / sums[1].clamp_min(1))
 
     def save(self, step: int) -> Path:
@@ -226,7 +197,7 @@ class Trainer:
         path = ckpt.find_checkpoint(self.config.resume)
         state = ckpt.load_checkpoint(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
-        self.sync.zero_grad()
+        self.engine.zero_grad()
         return int(state["step"])
 
     # ------------------------------------------------------------------ the loop
@@ -257,6 +228,7 @@ class Trainer:
                 record = {"step": number, "loss": loss, "lr": lr,
                           "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                           "peak_mem_bytes": int(peak.item())}
+                record.update(self.engine.step_stats(elapsed, peak_memory_bytes(self.device)))
                 if cfg.eval_every and number % cfg.eval_every == 0 and number != cfg.steps:
                     record["eval_loss"] = self.evaluate()
                 if number == cfg.steps:
@@ -268,10 +240,12 @@ class Trainer:
                     self.save(number)
             if cfg.steps > start:
                 self.save(cfg.steps)
+            if cfg.trace and isinstance(self.engine, PipelineEngine):
+                self._write_trace()
         finally:
             progress.close()
             metrics.close()
-            self.sync.remove()
+            self.engine.close()
         if self.is_main:
             summary = {"steps": cfg.steps, "final_loss": result.losses[-1] if result.losses else None,
                        "eval_loss": result.eval_loss, "run_dir": str(self.run_dir)}
@@ -282,8 +256,19 @@ class Trainer:
         dist.barrier()  # when train() returns, on any rank, the run folder is complete
         return result
 
+    def _write_trace(self) -> None:
+        """The last step's measured timeline, in the simulator's Chrome trace format."""
+        from ..pipeline.actions import Action
+        from ..pipeline.simulate import timeline_from_events
+        events = self.engine.gather_events()
+        if events is not None:
+            origin = min(start for _, start, _, _ in events)
+            timeline = timeline_from_events([(rank, start - origin, end - origin, Action.parse(text))
+                                             for rank, start, end, text in events])
+            timeline.to_chrome_trace(self.run_dir / "timeline.json")
+
     def _banner(self, start: int) -> str:
-        params = sum(p.numel() for p in self.sync.params)
+        params = sum(p.numel() for p in self.engine.sync.params)
         lines = [f"autopar {__version__}: {dist.get_world_size()} process(es), strategy dp={self.strategy.dp} "
                  f"tp={self.strategy.tp} pp={self.strategy.pp}, {params:,} parameters, "
                  f"{self.accumulation} micro-batch(es) of {self.config.micro_batch_size} per replica per step",

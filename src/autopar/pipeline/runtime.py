@@ -1,0 +1,174 @@
+"""Execute one rank's pipeline action list on its stage modules.
+
+The runtime decides nothing: the order of work comes from the schedule (schedules.py),
+already checked by the simulator. It keeps, per (stage, micro-batch), the stage's inputs
+and outputs until that micro-batch's backward is done, then frees them.
+
+Conventions with the other ranks:
+- forward messages carry a stage's outputs, as a tuple of tensors;
+- gradient messages carry one tensor per *floating-point* boundary tensor, in order
+  (zeros where a value got no gradient); integer and boolean values (masks, ids) cross
+  forward only;
+- stages on the same rank hand values over directly, without messages.
+
+Recomputation: on a stage listed in `recompute`, F runs without keeping the autograd
+graph (only the inputs are kept) and the R action re-runs it with grad before backward.
+Zero-bubble I/W: I computes input gradients (keeping the graph), W then computes only the
+weight gradients; both traverse the stage's graph, which costs more compute than a fused
+backward but lets the schedule move W into bubbles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .actions import Action, Op, stage_to_rank
+from .p2p import P2P, Pending
+
+FORWARD_MSG, GRAD_MSG = 0, 1
+
+
+@dataclass
+class StepRecord:
+    """What one step did on this rank: losses of the micro-batches that ended here, and timing."""
+
+    loss: torch.Tensor  # summed over the micro-batches whose last stage ran here (zeros elsewhere)
+    events: list[tuple[float, float, Action]] = field(default_factory=list)  # (start, end, action), seconds
+
+
+def _float_positions(values: tuple) -> list[int]:
+    return [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
+class PipelineRuntime:
+    def __init__(self, *, stages: dict[int, nn.Module], num_stages: int, pp: int, pp_rank: int, p2p: P2P,
+                 loss_fn: Callable[[Any, dict], torch.Tensor], recompute: frozenset[int] = frozenset(),
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 placement: str = "loop", first_input: Callable[[dict], tuple] = lambda b: (b["input_ids"],)):
+        self.stages, self.num_stages, self.pp, self.pp_rank = stages, num_stages, pp, pp_rank
+        self.first_input = first_input
+        self.p2p, self.loss_fn, self.recompute, self.autocast = p2p, loss_fn, recompute, autocast
+        self.placement = placement
+
+    def _rank(self, stage: int) -> int:
+        return stage_to_rank(stage, self.pp, self.num_stages, self.placement)
+
+    def run(self, actions: list[Action], batches: list[dict], *, record: bool = False,
+            sync_context: Callable[[bool], contextlib.AbstractContextManager] | None = None) -> StepRecord:
+        """Execute `actions` for one step on micro-batches `batches` (every rank gets the same list).
+
+        sync_context(last) wraps each backward; `last` is True for this rank's final one, so a
+        gradient synchroniser can overlap its reduction with that backward only.
+        """
+        inputs: dict[tuple[int, int], tuple] = {}
+        outputs: dict[tuple[int, int], tuple] = {}
+        pending: dict[tuple[str, int, int], Pending] = {}
+        local: dict[tuple[str, int, int], tuple] = {}  # same-rank handoffs
+        grads_out: dict[tuple[int, int], tuple] = {}
+        split: dict[tuple[int, int], tuple] = {}  # after I: (outputs, grads) for W
+        loss: torch.Tensor | None = None  # sum of what the last stage's loss_fn returned
+        events = []
+        backward_ops = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
+        last_backward = max((i for i, a in enumerate(actions) if a.op in backward_ops), default=-1)
+        sync_context = sync_context or (lambda last: contextlib.nullcontext())
+        training = torch.is_grad_enabled()  # False: a forward-only (eval) pass; nothing is kept
+
+        def take(kind: str, stage: int, mb: int) -> tuple:
+            key = (kind, stage, mb)
+            if key in local:
+                return local.pop(key)
+            return pending.pop(key).wait()
+
+        for index, action in enumerate(actions):
+            s, mb, op = action.stage, action.microbatch, action.op
+            began = time.perf_counter()
+            if op == Op.RECV_ACT:
+                pending[("F", s, mb)] = self.p2p.recv(peer=action.peer, kind=FORWARD_MSG, stage=s, microbatch=mb)
+                continue
+            if op == Op.RECV_GRAD:
+                # keyed by the sending stage, like same-rank handoffs
+                pending[("B", s + 1, mb)] = self.p2p.recv(peer=action.peer, kind=GRAD_MSG, stage=s, microbatch=mb)
+                continue
+            if op == Op.SEND_ACT:
+                self.p2p.send(outputs[(s, mb)], peer=action.peer, kind=FORWARD_MSG, stage=s + 1, microbatch=mb)
+                continue
+            if op == Op.SEND_GRAD:
+                self.p2p.send(grads_out.pop((s, mb)), peer=action.peer, kind=GRAD_MSG, stage=s - 1, microbatch=mb)
+                continue
+            if op == Op.FORWARD:
+                x = self.first_input(batches[mb]) if s == 0 else take("F", s, mb)
+                if s > 0:
+                    x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in x)
+                inputs[(s, mb)] = x
+                keep_graph = s not in self.recompute and torch.is_grad_enabled()
+                with torch.set_grad_enabled(keep_graph):
+                    out = self._forward(s, x, batches[mb])
+                if s == self.num_stages - 1:
+                    loss = out[0].detach() if loss is None else loss + out[0].detach()
+                elif self._rank(s + 1) == self.pp_rank:
+                    local[("F", s + 1, mb)] = out
+                outputs[(s, mb)] = out if keep_graph or s == self.num_stages - 1 else tuple(v.detach() for v in out)
+            elif op == Op.RECOMPUTE:
+                outputs[(s, mb)] = self._forward(s, inputs[(s, mb)], batches[mb])
+            elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+                out = outputs.pop((s, mb))
+                grads = None if s == self.num_stages - 1 else take("B", s + 1, mb)
+                pairs = self._pairs(out, grads)
+                x = inputs[(s, mb)]
+                wanted = [v for v in x if isinstance(v, torch.Tensor) and v.requires_grad]
+                if op == Op.BACKWARD:
+                    with sync_context(index == last_backward):
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    got = [v.grad for v in wanted]
+                    inputs.pop((s, mb))
+                else:
+                    got = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                                   retain_graph=True, allow_unused=True)) if wanted else []
+                    split[(s, mb)] = pairs
+                if s > 0:
+                    by_input = dict(zip([id(v) for v in wanted], got))
+                    message = tuple(by_input.get(id(v)) if by_input.get(id(v)) is not None else torch.zeros_like(v)
+                                    for v in x if isinstance(v, torch.Tensor) and v.is_floating_point())
+                    if self._rank(s - 1) == self.pp_rank:
+                        local[("B", s, mb)] = message
+                    else:
+                        grads_out[(s, mb)] = message
+            elif op == Op.BACKWARD_WEIGHT:
+                pairs = split.pop((s, mb))
+                params = [p for p in self.stages[s].parameters() if p.requires_grad]
+                with sync_context(index == last_backward):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
+                inputs.pop((s, mb))
+            if record:
+                events.append((began, time.perf_counter(), action))
+        self.p2p.wait_sends()
+        leftovers = [k for k in (*inputs, *outputs, *pending, *split)]
+        if leftovers and training:
+            raise RuntimeError(f"pipeline step ended with unfinished work on rank {self.pp_rank}: {leftovers[:5]}")
+        if loss is None:
+            loss = torch.zeros((), device=self.p2p.device)
+        return StepRecord(loss=loss, events=events)
+
+    def _forward(self, stage: int, x: tuple, batch: dict) -> tuple:
+        with self.autocast():
+            out = self.stages[stage](*x)
+        if stage == self.num_stages - 1:
+            return (self.loss_fn(out, batch),)
+        return out
+
+    @staticmethod
+    def _pairs(out: tuple, grads: tuple | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(output, its gradient) for every output that needs one; the loss gets None (= 1)."""
+        if grads is None:
+            return [(out[0], None)]
+        floats = [out[i] for i in _float_positions(out)]
+        if len(floats) != len(grads):
+            raise RuntimeError(f"received {len(grads)} gradients for {len(floats)} floating-point outputs")
+        return [(o, g) for o, g in zip(floats, grads) if o.requires_grad]

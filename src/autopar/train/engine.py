@@ -1,0 +1,264 @@
+"""How one optimizer step's forward and backward run: whole model per replica, or a pipeline.
+
+Both engines expose the same few operations to the trainer:
+- `module`: the nn.Module whose parameters this rank trains (for the optimizer and
+  checkpoints; parameter names are always the user's model's own);
+- `forward_backward(batches, scale)`: every micro-batch of this replica, gradients
+  synchronised; returns this rank's share of the loss (summed over ranks = the loss);
+- `clip_gradients(max_norm)`: global gradient norm, clipped;
+- `eval_sums(batches)`: (loss sum, target count) this rank contributes, no gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..data_parallel import GradientSynchronizer
+from ..distributed import backend_for, group_options
+from ..errors import ConfigError
+from ..mesh import ProcessMesh
+from ..models.materialize import materialize
+from .loss import Batch, count_targets, main_input, token_loss_sum
+
+LossFn = Callable[[Any, Batch], torch.Tensor]  # (model output, batch) -> this micro-batch's loss share
+
+
+class DataParallelEngine:
+    """The whole model on every rank; gradients summed over the dp group."""
+
+    def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
+                 forward_fn: Callable, autocast: Callable):
+        self.module = materialize(model, device, seed=seed)
+        self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
+        _broadcast_from_first_replica(self.module, mesh)
+        self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
+
+    def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        total = torch.zeros((), device=batches[0]["labels"].device)
+        self.module.train()
+        for i, batch in enumerate(batches):
+            with (contextlib.nullcontext() if i == len(batches) - 1 else self.sync.no_sync()):
+                with self.autocast():
+                    loss = loss_fn(self.forward_fn(self.module, batch), batch)
+                loss.backward()
+            total += loss.detach().float()
+        self.sync.finish()
+        return total
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.sync.params, max_norm))
+
+    @torch.no_grad()
+    def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
+        self.module.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
+        for batch in batches:
+            with self.autocast():
+                sums += eval_loss(self.forward_fn(self.module, batch), batch)
+        self.module.train()
+        return sums
+
+    def zero_grad(self) -> None:
+        self.sync.zero_grad()
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.sync.remove()
+
+
+def _broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
+    """Every replica starts from replica 0's weights (a no-op after seeded meta materialisation)."""
+    if mesh.dp_size == 1:
+        return
+    group = mesh.group("dp")
+    src = dist.get_global_rank(group, 0)
+    unique = list({id(t): t for t in module.state_dict(keep_vars=True).values()}.values())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in unique:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def eval_token_sums(output: Any, batch: Batch) -> torch.Tensor:
+    return torch.stack([token_loss_sum(output, batch).double(),
+                        torch.tensor(count_targets(batch), dtype=torch.float64, device=batch["labels"].device)])
+
+
+# ---------------------------------------------------------------------------- pipeline
+
+
+class LocalStages(nn.Module):
+    """This rank's stage modules seen as one module under the model's own parameter names.
+
+    Stages of one rank that read the same parameter (a tied embedding on two chunks) share
+    one Parameter object, so checkpoints and the optimizer see each name once.
+    """
+
+    def __init__(self, stages: dict[int, nn.Module]):
+        super().__init__()
+        from ..partition.stages import _set_by_path
+        for stage in stages.values():
+            for name, p in stage.named_parameters():
+                try:
+                    existing = self.get_parameter(name)
+                except AttributeError:
+                    _set_by_path(self, name, p.data, buffer=False)
+                    existing = self.get_parameter(name)
+                _assign(stage, name, existing)
+            persistent = set(stage.state_dict().keys())
+            for name, b in stage.named_buffers():
+                try:
+                    self.get_buffer(name)
+                except AttributeError:
+                    _set_by_path(self, name, b, buffer=True, persistent=name in persistent)
+
+
+def _assign(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
+    owner_path, _, attr = fqn.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    owner._parameters[attr] = param
+
+
+class PipelineEngine:
+    """This rank's pipeline stage(s), run by a schedule; gradients synchronised over dp and tied stages."""
+
+    def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
+                 example_batch: Batch, num_microbatches: int, autocast: Callable):
+        from ..partition import partition
+        from ..pipeline.actions import Op, stage_to_rank
+        from ..pipeline.p2p import P2P
+        from ..pipeline.runtime import PipelineRuntime
+        from ..pipeline.schedules import build_schedule
+        from ..trace import trace
+
+        strategy = mesh.strategy
+        self.mesh, self.autocast = mesh, autocast
+        self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
+        self.num_stages = strategy.pp * strategy.chunks
+        example = main_input(example_batch)
+        graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device="meta"),))
+        self.partition = partition(graph, self.num_stages, method=strategy.partition)
+        placement = "loop"
+        mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
+        self.stages = {s: self.partition.materialize_stage(s, model, device, seed=seed) for s in mine}
+        self.module = LocalStages(self.stages)
+        recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
+                     "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]
+        self.schedule = build_schedule(strategy.schedule, pp=self.pp, num_microbatches=num_microbatches,
+                                       chunks=strategy.chunks, recompute=recompute)
+        self.actions = self.schedule[self.pp_rank]
+        # eval: the same order without backward work (dropping work only removes waits)
+        self.eval_actions = [a for a in self.actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
+        p2p = P2P(mesh.group("pp"), device, self.num_stages, num_microbatches)
+        self.runtime = PipelineRuntime(stages=self.stages, num_stages=self.num_stages, pp=self.pp, pp_rank=self.pp_rank,
+                                       p2p=p2p, loss_fn=lambda out, batch: self._loss_fn(out, batch),
+                                       recompute=recompute, autocast=autocast, placement=placement,
+                                       first_input=lambda b: (main_input(b),))
+        self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
+        self._shared = self._shared_groups(device, placement)
+        self._loss_fn: LossFn = lambda out, batch: out
+        self.last_events: list = []
+
+    def _shared_groups(self, device: torch.device, placement: str) -> list[tuple[nn.Parameter, Any, bool]]:
+        """One group per tied parameter whose owning stages sit on different pp ranks."""
+        from ..pipeline.actions import stage_to_rank
+        coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
+        backend = backend_for(device.type)
+        result = []
+        for fqn, owner_stages in sorted(self.partition.shared.items()):
+            pp_ranks = sorted({stage_to_rank(s, self.pp, self.num_stages, placement) for s in owner_stages})
+            if len(pp_ranks) < 2:
+                continue
+            mine = None
+            for d in range(coords.shape[1]):
+                for t in range(coords.shape[2]):
+                    ranks = [int(coords[p, d, t]) for p in pp_ranks]
+                    group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, 300.0))
+                    if dist.get_rank() in ranks:
+                        mine = group
+            if mine is not None:
+                first_owner = stage_to_rank(min(owner_stages), self.pp, self.num_stages, placement) == self.pp_rank
+                result.append((self.module.get_parameter(fqn), mine, first_owner))
+        return result
+
+    def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        self._loss_fn = loss_fn
+        self.module.train()
+        sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
+        step = self.runtime.run(self.actions, batches, record=True, sync_context=sync)
+        self.last_events = step.events
+        self.sync.finish()
+        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
+            dist.all_reduce(param.grad, group=group)
+        return step.loss
+
+    def clip_gradients(self, max_norm: float) -> float:
+        shared_elsewhere = {id(p) for p, _, first in self._shared if not first}
+        squares = torch.zeros((), dtype=torch.float64, device=next(self.module.parameters()).device)
+        for p in self.sync.params:
+            if p.grad is not None and id(p) not in shared_elsewhere:
+                squares += p.grad.double().square().sum()
+        dist.all_reduce(squares, group=self.mesh.group("pp"))
+        norm = math.sqrt(float(squares))
+        if norm > max_norm and math.isfinite(max_norm):
+            scale = max_norm / (norm + 1e-6)
+            for p in self.sync.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
+        """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
+        self.module.eval()
+        self._loss_fn = eval_loss
+        step = self.runtime.run(self.eval_actions, batches)
+        self.module.train()
+        if self.num_stages - 1 in self.stages:
+            return step.loss.double()
+        return torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
+
+    def zero_grad(self) -> None:
+        self.sync.zero_grad()
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        """Measured bubble fraction and peak memory of every pipeline rank (averaged / max over replicas)."""
+        busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
+        bubble = torch.zeros(self.pp, dtype=torch.float64)
+        peak = torch.zeros(self.pp, dtype=torch.float64)
+        bubble[self.pp_rank] = max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
+        peak[self.pp_rank] = peak_bytes
+        device = next(self.module.parameters()).device
+        bubble, peak = bubble.to(device), peak.to(device)
+        dist.all_reduce(bubble)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        per_rank = (bubble / (dist.get_world_size() // self.pp)).tolist()
+        return {"bubble_fraction": sum(per_rank) / self.pp, "bubble_per_stage": per_rank,
+                "peak_mem_bytes_per_stage": [int(v) for v in peak.tolist()]}
+
+    def gather_events(self) -> list | None:
+        """Every rank's measured events of the last step, on rank 0 (None elsewhere)."""
+        mine = [(dist.get_rank(), start, end, str(action)) for start, end, action in self.last_events]
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        return [e for part in gathered for e in part] if gathered is not None else None
+
+    def close(self) -> None:
+        self.sync.remove()
