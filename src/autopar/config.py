@@ -55,7 +55,9 @@ class Strategy:
     schedule: str = _f("1f1b", "pipeline schedule: gpipe|1f1b|interleaved-1f1b|eager-1f1b|scp|zb-h1")
     chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2)")
     partition: str = _f("time", "how to cut the model into stages: uniform|parameters|time")
-    recompute: str = _f("none", "activation recomputation: none|all (every stage)|all-but-last")
+    recompute: str = _f("none", "whole-stage recomputation scheduled by the pipeline: none|all|all-but-last")
+    memory_budget_mb: float | None = _f(None, "per-rank memory budget (MiB): recompute the fewest blocks of each "
+                                              "stage that fit it (stage-aware recomputation)")
 
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
@@ -151,6 +153,17 @@ class TrainConfig:
             raise ConfigError(f"train.dtype must be one of {{fp32, bf16}}, got {self.dtype!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"train.timeout_s must be > 0, got {self.timeout_s}")
+
+    def with_micro_batches(self, dp: int) -> TrainConfig:
+        """Resolve `micro_batches` into a micro-batch size (an error if it does not divide)."""
+        if self.micro_batches is None:
+            return self
+        _check_positive_int("train.micro_batches", self.micro_batches)
+        if self.global_batch_size % (dp * self.micro_batches):
+            raise ConfigError(f"global_batch_size={self.global_batch_size} cannot be split into dp*micro_batches = "
+                              f"{dp}*{self.micro_batches} equal micro-batches; use a global batch size that is a "
+                              f"multiple of {dp * self.micro_batches}")
+        return dataclasses.replace(self, micro_batch_size=self.global_batch_size // (dp * self.micro_batches))
 
     def accumulation_steps(self, dp: int) -> int:
         """Micro-batches per replica per optimizer step; errors if the batch sizes do not divide."""

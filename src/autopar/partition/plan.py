@@ -165,7 +165,10 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
               for b in blocks]
     if method == "uniform":
         repeated = [0 < i < len(blocks) - 1 for i in range(len(blocks))]
-        bounds = algorithms.uniform(len(blocks), num_stages, weights=repeated)
+        if sum(repeated) >= num_stages:
+            bounds = algorithms.uniform(len(blocks), num_stages, weights=repeated)
+        else:  # fewer layers than stages: embedding and head become stages of their own
+            bounds = algorithms.uniform(len(blocks), num_stages)
     elif method == "parameters":
         bounds = algorithms.balanced([b.num_params for b in blocks], num_stages)
     else:

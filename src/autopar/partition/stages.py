@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
@@ -37,6 +38,7 @@ class StageSpec:
     outputs: list[str]  # values sent on (last stage: the model's outputs), in order
     params: list[str]  # canonical parameter FQNs it reads
     buffers: list[str] = field(default_factory=list)
+    block_range: tuple[int, int] = (0, 0)  # blocks [first, last) of the traced graph
 
 
 def plan_stages(graph: ModelGraph, bounds: list[int]) -> list[StageSpec]:
@@ -77,7 +79,8 @@ def plan_stages(graph: ModelGraph, bounds: list[int]) -> list[StageSpec]:
         for b in blocks:
             params.extend(p for p in b.params if p not in params)
         specs.append(StageSpec(index=s, blocks=[b.name for b in blocks], nodes=nodes, inputs=inputs,
-                               outputs=outputs, params=params, buffers=_buffers_read(graph, nodes)))
+                               outputs=outputs, params=params, buffers=_buffers_read(graph, nodes),
+                               block_range=(bounds[s], bounds[s + 1])))
     _check_crossings(graph, specs)
     return specs
 
@@ -131,15 +134,20 @@ class StageModule(nn.Module):
 
     forward(*inputs) takes the values listed in `spec.inputs` and returns the tuple listed in
     `spec.outputs` (the last stage returns the model's output, rebuilt in its original form).
+    Inside, the stage is a chain of one graph piece per block; the first `recompute_blocks`
+    pieces run under activation checkpointing when gradients are on (they keep only their
+    inputs and recompute the rest during backward: stage-aware recomputation).
     """
 
     def __init__(self, graph: ModelGraph, spec: StageSpec, num_stages: int):
         super().__init__()
         self.spec = spec
         self.is_last = spec.index == num_stages - 1
+        self.recompute_blocks = 0
         self._out_spec = graph.exported.call_spec.out_spec if self.is_last else None
-        shapes = {s.target: s.arg.name for s in graph.exported.graph_signature.input_specs}
-        persistent = {s.target: s.persistent is not False for s in graph.exported.graph_signature.input_specs}
+        signature = graph.exported.graph_signature.input_specs
+        names = {s.target: s.arg.name for s in signature}
+        persistent = {s.target: s.persistent is not False for s in signature}
         state = graph.exported.state_dict
         for fqn in spec.params:
             _set_by_path(self, fqn, torch.empty_like(state[fqn], device="meta"), buffer=False)
@@ -149,17 +157,31 @@ class StageModule(nn.Module):
                 source = _find_nonpersistent(graph, fqn)
             _set_by_path(self, fqn, torch.empty_like(source, device="meta"), buffer=True,
                          persistent=persistent.get(fqn, True))
-        self._stage_graph = _stage_graph_module(graph, spec, shapes, is_last=self.is_last)
+        first, last = spec.block_range
+        per_block = plan_stages(graph, list(range(len(graph.blocks) + 1)))[first:last]
+        self.piece_specs = per_block
+        self._pieces = nn.ModuleList(
+            _stage_graph_module(graph, piece, names, is_last=self.is_last and piece is per_block[-1])
+            for piece in per_block)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.piece_specs)
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         if len(inputs) != len(self.spec.inputs):
             raise ValueError(f"stage {self.spec.index} takes {len(self.spec.inputs)} inputs "
                              f"({', '.join(self.spec.inputs)}), got {len(inputs)}")
-        state = [self.get_parameter(f) for f in self.spec.params] + [self.get_buffer(f) for f in self.spec.buffers]
-        outputs = self._stage_graph(*state, *inputs)
+        values = tuple(inputs)
+        for i, (piece, spec) in enumerate(zip(self._pieces, self.piece_specs)):
+            state = [self.get_parameter(f) for f in spec.params] + [self.get_buffer(f) for f in spec.buffers]
+            if i < self.recompute_blocks and torch.is_grad_enabled():
+                values = torch.utils.checkpoint.checkpoint(piece, *state, *values, use_reentrant=False)
+            else:
+                values = piece(*state, *values)
         if self.is_last:
-            return torch.utils._pytree.tree_unflatten(list(outputs), self._out_spec)
-        return tuple(outputs)
+            return torch.utils._pytree.tree_unflatten(list(values), self._out_spec)
+        return tuple(values)
 
 
 def _find_nonpersistent(graph: ModelGraph, fqn: str) -> torch.Tensor:
@@ -212,7 +234,7 @@ def materialize_stage(stage: StageModule, full_model: nn.Module) -> StageModule:
     """
     device = next(p.device for p in full_model.parameters() if not p.is_meta)
     stage.to_empty(device=device)
-    retarget_device(stage._stage_graph, device)
+    retarget_device(stage, device)
     with torch.no_grad():
         for fqn in stage.spec.params:
             stage.get_parameter(fqn).copy_(full_model.get_parameter(fqn))
@@ -229,7 +251,7 @@ def _swap_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def retarget_device(module: fx.GraphModule, device: torch.device) -> None:
+def retarget_device(module: nn.Module, device: torch.device) -> None:
     """Rewrite device arguments baked in by tracing on meta (arange, to, metadata asserts), nested graphs too."""
     for sub in module.modules():
         if not isinstance(sub, fx.GraphModule):

@@ -40,12 +40,12 @@ COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD
 class Action:
     """One step of one rank: `op` on micro-batch `microbatch` of global stage `stage`.
 
-    For communication, `stage` is the stage whose data moves (SEND_F/RECV_F: the input of
-    stage+1 produced by `stage`... see below) and `peer` is the other rank:
+    `stage` is always this rank's stage, sender or receiver; `peer` is the other rank:
     - SEND_F(stage=s): stage s sends its forward outputs to stage s+1's rank;
     - RECV_F(stage=s): stage s receives its forward inputs from stage s-1's rank;
     - SEND_B(stage=s): stage s sends its input gradients to stage s-1's rank;
     - RECV_B(stage=s): stage s receives its output gradients from stage s+1's rank.
+    `str()` and `parse` write and read the compact form ('0F3', '1SEND_F2'), without the peer.
     """
 
     stage: int

@@ -11,8 +11,6 @@ Every message has its own tag, so the receiver may post receives in any order an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -50,14 +48,18 @@ def decode_meta(meta: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
     return out
 
 
-@dataclass
 class Pending:
-    """A posted receive: the buffers fill in once every work handle has completed."""
+    """A posted receive. If the channel's metadata had not arrived when it was posted, the data
+    receives are posted on `wait()` instead (so posting never blocks, however early)."""
 
-    tensors: tuple[torch.Tensor, ...]
-    works: list
+    def __init__(self, p2p: P2P, channel: tuple, src: int, tags: list[int] | None, tensors=(), works=()):
+        self._p2p, self._channel, self._src, self._tags = p2p, channel, src, tags
+        self.tensors, self.works = tuple(tensors), list(works)
 
     def wait(self) -> tuple[torch.Tensor, ...]:
+        if self._tags is not None:  # metadata was still in flight when this receive was posted
+            self.tensors, self.works = self._p2p._post_data(self._channel, self._src, self._tags)
+            self._tags = None
         for work in self.works:
             work.wait()
         self.works = []
@@ -72,6 +74,7 @@ class P2P:
         self.num_stages, self.num_microbatches = num_stages, num_microbatches
         self._known: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         self._sent_meta: set[tuple] = set()
+        self._meta_pending: dict[tuple, tuple] = {}
         self._sends: list = []
 
     def _meta_tag(self, kind: int, stage: int) -> int:
@@ -97,19 +100,30 @@ class P2P:
                                           tag=self._data_tag(kind, stage, microbatch, i)))
 
     def recv(self, *, peer: int, kind: int, stage: int, microbatch: int) -> Pending:
-        """Post receives for one message; the first one on a channel first reads its metadata."""
+        """Post receives for one message (never blocks)."""
         channel = (peer, kind, stage)
         src = self._global(peer)
+        tags = [self._data_tag(kind, stage, microbatch, i) for i in range(MAX_TENSORS)]
         if channel not in self._known:
-            meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
-            dist.irecv(meta, src, group=self.group, tag=self._meta_tag(kind, stage)).wait()
+            if channel not in self._meta_pending:
+                meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
+                work = dist.irecv(meta, src, group=self.group, tag=self._meta_tag(kind, stage))
+                self._meta_pending[channel] = (work, meta)
+            return Pending(self, channel, src, tags)
+        tensors, works = self._post_data(channel, src, tags)
+        return Pending(self, channel, src, None, tensors, works)
+
+    def _post_data(self, channel: tuple, src: int, tags: list[int]) -> tuple[tuple, list]:
+        if channel not in self._known:
+            work, meta = self._meta_pending.pop(channel)
+            work.wait()
             self._known[channel] = decode_meta(meta.cpu())
         buffers, works = [], []
-        for i, (shape, dtype) in enumerate(self._known[channel]):
+        for (shape, dtype), tag in zip(self._known[channel], tags):
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            works.append(dist.irecv(buffer, src, group=self.group, tag=self._data_tag(kind, stage, microbatch, i)))
+            works.append(dist.irecv(buffer, src, group=self.group, tag=tag))
             buffers.append(buffer)
-        return Pending(tuple(buffers), works)
+        return tuple(buffers), works
 
     def wait_sends(self) -> None:
         for work in self._sends:

@@ -25,7 +25,6 @@ from pathlib import Path
 from autopar.pipeline.actions import Action, Op, Schedule, stage_to_rank
 
 F, B, I, W, R = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.RECOMPUTE
-GRAD_OPS = (B, I)  # the ops that consume a stage's output gradient and produce its input gradient
 
 DEFAULT_COSTS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0, R: 1.0}
 
@@ -44,7 +43,7 @@ class Timeline:
     bubble: dict[int, float]
     peak_activations: dict[int, int]
     stashed_inputs: dict[int, int] = field(default_factory=dict)
-    """global stage -> most micro-batches holding only their stashed inputs (recompute stages)."""
+    """global stage -> most micro-batches whose stashed inputs are kept at once (recompute stages; else 0)."""
 
     def compute_events(self) -> list[tuple[int, float, float, Action]]:
         return [e for e in self.events if e[3].op.is_compute]
@@ -59,7 +58,7 @@ class Timeline:
         for rank, start, end, action in self.events:
             trace.append({
                 "name": str(action), "cat": action.op.value, "ph": "X",
-                "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": rank,
+                "ts": float(start) * 1e6, "dur": float(end - start) * 1e6, "pid": rank,
                 "tid": 0 if action.op.is_compute else 1,
                 "args": {"stage": action.stage, "microbatch": action.microbatch, "op": action.op.value,
                          "peer": action.peer},
@@ -78,18 +77,18 @@ class Timeline:
 
         colours = {F: "#4c72b0", B: "#55a868", I: "#8fd18f", W: "#c9a227", R: "#c44e52"}
         ranks = sorted({e[0] for e in self.events}) or [0]
-        fig, ax = plt.subplots(figsize=(max(6.0, min(40.0, self.makespan * 0.35)), 0.6 * len(ranks) + 1.2))
+        fig, ax = plt.subplots(figsize=(max(6.0, min(40.0, float(self.makespan) * 0.35)), 0.6 * len(ranks) + 1.2))
         for rank, start, end, action in self.compute_events():
             y = len(ranks) - 1 - ranks.index(rank)
-            ax.broken_barh([(start, end - start)], (y - 0.4, 0.8), facecolors=colours[action.op],
+            ax.broken_barh([(float(start), float(end - start))], (y - 0.4, 0.8), facecolors=colours[action.op],
                            edgecolor="black", linewidth=0.4)
-            ax.text((start + end) / 2, y, f"{action.microbatch}", ha="center", va="center", fontsize=7)
+            ax.text(float(start + end) / 2, y, f"{action.microbatch}", ha="center", va="center", fontsize=7)
         ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in reversed(ranks)])
-        ax.set_xlim(0, max(self.makespan, 1e-9))
+        ax.set_xlim(0, max(float(self.makespan), 1e-9))
         ax.set_xlabel("time")
         used = {e[3].op for e in self.compute_events()}
         ax.legend(handles=[Patch(color=c, label=op.value) for op, c in colours.items() if op in used],
-                  loc="upper right", fontsize=7, ncol=len(used) or 1)
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
         ax.set_title(title or f"makespan {self.makespan:g}")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -123,7 +122,8 @@ def check(schedule: Schedule, *, pp: int, num_stages: int, num_microbatches: int
     placement (each action on the rank owning its stage), order on a rank (F < R < B/I < W,
     receives before the compute that needs them, sends after the compute that produces them),
     recompute consistency (a stage recomputes all its micro-batches or none), send/receive
-    pairing, and finally that the lists do not deadlock (by simulating with unit costs).
+    pairing (right peer; received in the order sent, as NCCL needs), and finally that the
+    lists do not deadlock (by simulating with unit costs).
     """
     problems: list[str] = []
     position: dict[tuple[int, Op, int], int] = {}
@@ -198,11 +198,40 @@ def check(schedule: Schedule, *, pp: int, num_stages: int, num_microbatches: int
                 for need in ((s, Op.SEND_ACT, mb), (s + 1, Op.SEND_GRAD, mb)):
                     if need not in counts:
                         problems.append(f"cross-rank edge needs {_name(need)} (and its receive), which is missing")
+    problems += _order_mismatches(schedule, pp)
     if problems:
         shown = problems[:12]
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         raise ValueError(f"invalid schedule ({len(problems)} problems):\n  " + "\n  ".join(shown) + more)
     simulate(schedule, pp=pp, num_stages=num_stages, num_microbatches=num_microbatches, style=style)
+
+
+def _order_mismatches(schedule: Schedule, pp: int) -> list[str]:
+    """Messages between two ranks must be received in the order they are sent.
+
+    NCCL pairs point-to-point operations between two ranks by order, not by tag, so a
+    schedule that receives in another order would hand a tensor to the wrong micro-batch.
+    """
+    def message(action: Action) -> str:
+        """Name the data moved, the same at both ends: the producing stage and the micro-batch."""
+        producer = {Op.RECV_ACT: action.stage - 1, Op.RECV_GRAD: action.stage + 1}.get(action.op, action.stage)
+        kind = "activation" if action.op in (Op.SEND_ACT, Op.RECV_ACT) else "gradient"
+        return f"{kind} of {producer}/mb{action.microbatch}"
+
+    def messages(rank: int, ops: tuple[Op, Op], peer: int) -> list[str]:
+        return [message(a) for a in schedule.get(rank, []) if a.op in ops and a.peer == peer]
+
+    out = []
+    for src in range(pp):
+        for dst in range(pp):
+            sends = messages(src, (Op.SEND_ACT, Op.SEND_GRAD), dst)
+            recvs = messages(dst, (Op.RECV_ACT, Op.RECV_GRAD), src)
+            if src != dst and sorted(sends) == sorted(recvs) and sends != recvs:
+                first = next(i for i, (x, y) in enumerate(zip(sends, recvs)) if x != y)
+                out.append(f"rank {src} sends to rank {dst} in another order than rank {dst} receives: "
+                           f"message #{first} is sent as {sends[first]} but received as {recvs[first]} "
+                           "(NCCL matches by order)")
+    return out
 
 
 def _name(key: tuple[int, Op, int]) -> str:
@@ -229,18 +258,23 @@ def simulate(schedule: Schedule, *, pp: int, num_stages: int, num_microbatches: 
     remains (a deadlock: the lists wait on each other in a cycle, or wait on something absent).
     """
     cost = cost or default_cost
-    comm_cost = comm_cost or (lambda action: 0.0)
+    comm_cost = comm_cost or (lambda action: 0)
     rank = {s: stage_to_rank(s, pp, num_stages, style) for s in range(num_stages)}
     lists = {r: list(schedule.get(r, [])) for r in range(pp)}
+    outside = [f"rank {r}: {a}" for r, acts in lists.items() for a in acts
+               if not 0 <= a.stage < num_stages or not 0 <= a.microbatch < num_microbatches]
+    if outside:
+        raise ValueError(f"actions outside {num_stages} stages x {num_microbatches} micro-batches: {outside[:5]}")
     split = {(a.stage, a.microbatch) for acts in lists.values() for a in acts if a.op == I}
     recomputed = {(a.stage, a.microbatch) for acts in lists.values() for a in acts if a.op == R}
     has_comm = {r: {(a.stage, a.op, a.microbatch) for a in acts if a.op.is_comm} for r, acts in lists.items()}
     done: dict[tuple[int, Op, int], float] = {}  # compute key -> end time
     posted: dict[tuple[int, Op, int], float] = {}  # comm key -> time posted
     starts: dict[tuple[int, Op, int], float] = {}
+    logged: set[tuple[int, Op, int]] = set()  # transfers already in `events`
     events: list[tuple[int, float, float, Action]] = []
     cursor = dict.fromkeys(lists, 0)
-    clock = dict.fromkeys(lists, 0.0)
+    clock = dict.fromkeys(lists, 0)
 
     def grad_op(s: int, mb: int) -> Op:
         return I if (s, mb) in split else B
@@ -258,11 +292,11 @@ def simulate(schedule: Schedule, *, pp: int, num_stages: int, num_microbatches: 
             return None
         if recv_key in has_comm[dst] and recv_key not in posted:
             return None
-        start = max(done[producer], posted.get(send_key, 0.0), posted.get(recv_key, 0.0))
+        start = max(done[producer], posted.get(send_key, 0), posted.get(recv_key, 0))
         send = Action(producer[0], send_op, mb, peer=dst)
         duration = comm_cost(send)
-        if duration > 0 and (send_key, "event") not in starts:
-            starts[(send_key, "event")] = start
+        if duration > 0 and send_key not in logged:
+            logged.add(send_key)
             events.append((src, start, start + duration, send))
             events.append((dst, start, start + duration, Action(consumer_stage, recv_op, mb, peer=src)))
         return start + duration
@@ -284,7 +318,7 @@ def simulate(schedule: Schedule, *, pp: int, num_stages: int, num_microbatches: 
             needs.append(done.get((s, I, mb)))
         if any(t is None for t in needs):
             return None
-        return max(needs, default=0.0)
+        return max(needs, default=0)
 
     remaining = sum(len(acts) for acts in lists.values())
     while remaining:
@@ -310,21 +344,25 @@ def simulate(schedule: Schedule, *, pp: int, num_stages: int, num_microbatches: 
             blocked = {r: str(acts[cursor[r]]) for r, acts in lists.items() if cursor[r] < len(acts)}
             raise ValueError("schedule deadlocks: no rank can progress; blocked at "
                              + ", ".join(f"rank {r}: {a}" for r, a in blocked.items())
-                             + " (each waits for data that an action still queued behind another block produces)")
+                             + " (each needs data that comes only after another rank's blocked action, or never)")
 
-    makespan = max((e[2] for e in events), default=0.0)
-    busy: dict[int, float] = defaultdict(float)
+    makespan = max((e[2] for e in events), default=0)
+    busy: dict[int, float] = defaultdict(int)
     for r, start, end, action in events:
         if action.op.is_compute:
             busy[r] += end - start
-    bubble = {r: (1.0 - busy[r] / makespan) if makespan > 0 else 0.0 for r in lists}
+    bubble = {r: (1 - busy[r] / makespan) if makespan > 0 else 0 for r in lists}
     peak, stash = _live(done, starts, split, num_stages, num_microbatches)
     events.sort(key=lambda e: (e[1], e[0], e[2]))
     return Timeline(events=events, makespan=makespan, bubble=bubble, peak_activations=peak, stashed_inputs=stash)
 
 
 def _live(done, starts, split, num_stages, num_microbatches) -> tuple[dict[int, int], dict[int, int]]:
-    """Peak live activations per stage: F end (or R start) to B end (or W end); stashed inputs: F end to R start."""
+    """Peak live activations per stage: F end (or R start) to B end (or W end).
+
+    On a recomputing stage the forward keeps only its inputs, from the F's end until the
+    backward is done: those count as stashed inputs, the rebuilt activations as live.
+    """
     peak, stash = {}, {}
     for s in range(num_stages):
         full, inputs = [], []
@@ -333,7 +371,7 @@ def _live(done, starts, split, num_stages, num_microbatches) -> tuple[dict[int, 
                 continue
             last = done.get((s, W, mb)) if (s, mb) in split else done.get((s, B, mb))
             if (s, R, mb) in starts:
-                inputs.append((done[(s, F, mb)], starts[(s, R, mb)]))
+                inputs.append((done[(s, F, mb)], last))
                 full.append((starts[(s, R, mb)], last))
             else:
                 full.append((done[(s, F, mb)], last))

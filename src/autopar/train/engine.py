@@ -96,6 +96,12 @@ def _broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
                 offset += t.numel()
 
 
+def _random_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if value.is_floating_point():
+        return torch.randn(value.shape, dtype=value.dtype, device=device)
+    return torch.zeros(value.shape, dtype=value.dtype, device=device)
+
+
 def eval_token_sums(output: Any, batch: Batch) -> torch.Tensor:
     return torch.stack([token_loss_sum(output, batch).double(),
                         torch.tensor(count_targets(batch), dtype=torch.float64, device=batch["labels"].device)])
@@ -145,7 +151,7 @@ class PipelineEngine:
         from ..pipeline.actions import Op, stage_to_rank
         from ..pipeline.p2p import P2P
         from ..pipeline.runtime import PipelineRuntime
-        from ..pipeline.schedules import build_schedule
+        from ..pipeline.schedules import build_schedule, recomputed_stages
         from ..trace import trace
 
         strategy = mesh.strategy
@@ -162,7 +168,8 @@ class PipelineEngine:
         recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
                      "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]
         self.schedule = build_schedule(strategy.schedule, pp=self.pp, num_microbatches=num_microbatches,
-                                       chunks=strategy.chunks, recompute=recompute)
+                                       chunks=strategy.chunks, recompute=recompute, prefetch=True)
+        recompute = recomputed_stages(self.schedule)  # the schedule may drop some (scp: never the last)
         self.actions = self.schedule[self.pp_rank]
         # eval: the same order without backward work (dropping work only removes waits)
         self.eval_actions = [a for a in self.actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
@@ -171,10 +178,44 @@ class PipelineEngine:
                                        p2p=p2p, loss_fn=lambda out, batch: self._loss_fn(out, batch),
                                        recompute=recompute, autocast=autocast, placement=placement,
                                        first_input=lambda b: (main_input(b),))
+        self.recompute_plan = None
+        if strategy.memory_budget_mb is not None:
+            self.recompute_plan = self._plan_recompute(strategy.memory_budget_mb * 2**20, example, num_microbatches)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
         self._shared = self._shared_groups(device, placement)
         self._loss_fn: LossFn = lambda out, batch: out
         self.last_events: list = []
+
+    def _plan_recompute(self, budget: float, example: torch.Tensor, num_microbatches: int):
+        """Measure this rank's stages and choose their recomputed blocks; every rank agrees it fits."""
+        from ..pipeline.recompute import measure_saved_bytes, plan_recompute
+        from ..pipeline.simulate import simulate
+        timeline = simulate(self.schedule, pp=self.pp, num_stages=self.num_stages, num_microbatches=num_microbatches)
+        graph_nodes = {n.name: n for n in self.partition.graph.graph.nodes}
+        saved, state = {}, {}
+        for s, stage in self.stages.items():
+            if s == 0:
+                inputs = (torch.zeros(example.shape, dtype=example.dtype, device=example.device),)
+            else:
+                inputs = tuple(_random_like(graph_nodes[name].meta["val"], example.device) for name in stage.spec.inputs)
+            saved[s] = measure_saved_bytes(stage, inputs)
+            state[s] = 4 * sum(p.numel() * p.element_size() for p in stage.parameters())
+        error = None
+        try:
+            plan = plan_recompute(saved, in_flight={s: max(1, timeline.peak_activations.get(s, 1)) for s in saved},
+                                  state_bytes=state, budget=budget, last_stage=self.num_stages - 1)
+        except ConfigError as exc:
+            error, plan = exc, None
+        failed = torch.tensor(0 if error is None else 1, device=example.device)
+        dist.all_reduce(failed)
+        if error is not None:
+            raise error
+        if int(failed):
+            raise ConfigError(f"another pipeline rank cannot fit --memory-budget-mb {budget / 2**20:g}; "
+                              f"see its message")
+        for s, blocks in plan.blocks.items():
+            self.stages[s].recompute_blocks = blocks
+        return plan
 
     def _shared_groups(self, device: torch.device, placement: str) -> list[tuple[nn.Parameter, Any, bool]]:
         """One group per tied parameter whose owning stages sit on different pp ranks."""
