@@ -165,3 +165,38 @@ def test_models_command_lists_every_family():
     assert done.returncode == 0
     for name in ("gpt-tiny", "gpt-medium", "hf:gpt2", "hf:llama", "hf:bert"):
         assert name in done.stdout
+
+
+def test_pipeline_training_from_the_command_line(tmp_path):
+    run = tmp_path / "pp"
+    done = autopar("train", *SMALL, "--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--micro-batches", "4",
+                   "--steps", "4", "--trace", "--out", str(run))
+    assert done.returncode == 0, done.stderr
+    records = metrics(run)
+    assert len(records) == 4
+    for r in records:
+        assert 0 <= r["bubble_fraction"] < 1 and len(r["bubble_per_stage"]) == 2
+        assert len(r["peak_mem_bytes_per_stage"]) == 2 and min(r["peak_mem_bytes_per_stage"]) > 10_000_000
+    trace = json.loads((run / "timeline.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"0F0", "0B3", "1F0", "1B3"} <= names  # both stages, all four micro-batches
+    config = tomllib.loads((run / "config.toml").read_text())
+    assert config["strategy"]["pp"] == 2 and config["strategy"]["dp"] == 1
+    # the same run on one process gives the same losses
+    one = tmp_path / "one"
+    assert autopar("train", *SMALL, "--nproc", "1", "--steps", "4", "--out", str(one)).returncode == 0
+    assert max_relative_difference([r["loss"] for r in metrics(one)], [r["loss"] for r in records]) < 1e-5
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "2", "--schedule", "2f2b"], "unknown pipeline schedule '2f2b'"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--chunks", "2", "--micro-batches", "3",
+      "--global-batch-size", "6"], "num_microbatches must be a multiple of 2, got 3"),
+    (["--pp", "2", "--memory-budget-mb", "0.01"], "the least any plan needs is"),
+    (["--pp", "2", "--partition", "random"], "unknown partition method 'random'"),
+])
+def test_pipeline_bad_input(args, message):
+    base = [a for a in SMALL if a not in ("--micro-batch-size", "2")]
+    done = autopar("train", *base, "--nproc", "2", "--steps", "2", *args)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr

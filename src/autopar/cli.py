@@ -85,7 +85,9 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     env = DistEnv.from_environ()
     if not env.launched and job.launch.nproc > 1:
         strategy = job.strategy.resolved(job.launch.nproc)  # fail here, before starting any process
-        job.train.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp)
+        accumulation = job.train.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp)
+        from .train.engine import check_pipeline_strategy
+        check_pipeline_strategy(strategy, accumulation)
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         return launch([sys.executable, "-m", "autopar", *argv, "--out", out], job.launch.nproc)

@@ -391,3 +391,19 @@ def _max_overlap(intervals: list[tuple[float, float | None]]) -> int:
         live += delta
         best = max(best, live)
     return best
+
+
+def timeline_from_events(events: list[tuple[int, float, float, Action]]) -> Timeline:
+    """A Timeline from measured (rank, start, end, action) events, in seconds from the step start.
+
+    Used by `autopar train --trace`, so measured and simulated timelines share one format.
+    Peak activations are not measured here (metrics.jsonl has per-stage peak memory instead).
+    """
+    compute = [e for e in events if e[3].op.is_compute]
+    makespan = max((end for _, _, end, _ in compute), default=0.0)
+    busy: dict[int, float] = {}
+    for rank, start, end, _ in compute:
+        busy[rank] = busy.get(rank, 0.0) + (end - start)
+    bubble = {rank: (1.0 - b / makespan if makespan else 0.0) for rank, b in busy.items()}
+    return Timeline(events=sorted(compute, key=lambda e: (e[0], e[1])), makespan=makespan, bubble=bubble,
+                    peak_activations={})

@@ -110,6 +110,17 @@ def eval_token_sums(output: Any, batch: Batch) -> torch.Tensor:
 # ---------------------------------------------------------------------------- pipeline
 
 
+def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
+    """Pipeline choices that can be checked before any process group exists (same error on every rank)."""
+    if strategy.pp == 1 and strategy.chunks == 1:
+        return
+    from ..partition import METHODS
+    from ..pipeline.schedules import generate
+    if strategy.partition not in METHODS:
+        raise ConfigError(f"unknown partition method {strategy.partition!r}; use one of {{{', '.join(METHODS)}}}")
+    generate(strategy.schedule, pp=strategy.pp, num_microbatches=num_microbatches, chunks=strategy.chunks)
+
+
 class LocalStages(nn.Module):
     """This rank's stage modules seen as one module under the model's own parameter names.
 

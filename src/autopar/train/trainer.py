@@ -35,7 +35,7 @@ from ..distributed import DistEnv, init_distributed
 from ..errors import ConfigError, DataError
 from ..mesh import ProcessMesh
 from . import checkpoint as ckpt
-from .engine import DataParallelEngine, PipelineEngine, eval_token_sums
+from .engine import DataParallelEngine, PipelineEngine, check_pipeline_strategy, eval_token_sums
 from .loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, token_loss_sum, tokens_in
 from .metrics import MetricsLog, Progress, peak_memory_bytes
 from .optim import build_optimizer, build_scheduler
@@ -80,6 +80,7 @@ class Trainer:
         strategy = self.strategy.resolved(world)
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
+        check_pipeline_strategy(strategy, accumulation)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
