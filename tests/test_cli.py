@@ -170,7 +170,7 @@ def test_models_command_lists_every_family():
 def test_pipeline_training_from_the_command_line(tmp_path):
     run = tmp_path / "pp"
     done = autopar("train", *SMALL, "--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--micro-batches", "4",
-                   "--steps", "4", "--trace", "--out", str(run))
+                   "--global-batch-size", "16", "--steps", "4", "--trace", "--out", str(run))  # 4 micro-batches of 4
     assert done.returncode == 0, done.stderr
     records = metrics(run)
     assert len(records) == 4
@@ -180,11 +180,13 @@ def test_pipeline_training_from_the_command_line(tmp_path):
     trace = json.loads((run / "timeline.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"0F0", "0B3", "1F0", "1B3"} <= names  # both stages, all four micro-batches
+    assert (run / "timeline.png").stat().st_size > 1000
     config = tomllib.loads((run / "config.toml").read_text())
     assert config["strategy"]["pp"] == 2 and config["strategy"]["dp"] == 1
     # the same run on one process gives the same losses
     one = tmp_path / "one"
-    assert autopar("train", *SMALL, "--nproc", "1", "--steps", "4", "--out", str(one)).returncode == 0
+    assert autopar("train", *SMALL, "--nproc", "1", "--steps", "4", "--global-batch-size", "16",
+                   "--out", str(one)).returncode == 0
     assert max_relative_difference([r["loss"] for r in metrics(one)], [r["loss"] for r in records]) < 1e-5
 
 

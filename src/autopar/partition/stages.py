@@ -157,6 +157,8 @@ class StageModule(nn.Module):
                 source = _find_nonpersistent(graph, fqn)
             _set_by_path(self, fqn, torch.empty_like(source, device="meta"), buffer=True,
                          persistent=persistent.get(fqn, True))
+        by_name = {n.name: n for n in graph.graph.nodes}
+        self.input_shapes = [tuple(by_name[name].meta["val"].shape) for name in spec.inputs]
         first, last = spec.block_range
         per_block = plan_stages(graph, list(range(len(graph.blocks) + 1)))[first:last]
         self.piece_specs = per_block
@@ -172,6 +174,10 @@ class StageModule(nn.Module):
         if len(inputs) != len(self.spec.inputs):
             raise ValueError(f"stage {self.spec.index} takes {len(self.spec.inputs)} inputs "
                              f"({', '.join(self.spec.inputs)}), got {len(inputs)}")
+        for value, expected in zip(inputs, self.input_shapes):
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != expected:
+                raise ValueError(f"stage {self.spec.index} was traced for inputs of shape {list(expected)} and got "
+                                 f"{list(value.shape)}; shapes are static: trace with the micro-batch shape you train with")
         values = tuple(inputs)
         for i, (piece, spec) in enumerate(zip(self._pieces, self.piece_specs)):
             state = [self.get_parameter(f) for f in spec.params] + [self.get_buffer(f) for f in spec.buffers]

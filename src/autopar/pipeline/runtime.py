@@ -104,6 +104,7 @@ class PipelineRuntime:
                 continue
             if op == Op.FORWARD:
                 x = self.first_input(batches[mb]) if s == 0 else take("F", s, mb)
+                began = time.perf_counter()  # waiting for the input is bubble, not compute
                 if s > 0:
                     x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in x)
                 inputs[(s, mb)] = x
@@ -120,6 +121,7 @@ class PipelineRuntime:
             elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                 out = outputs.pop((s, mb))
                 grads = None if s == self.num_stages - 1 else take("B", s + 1, mb)
+                began = time.perf_counter()
                 pairs = self._pairs(out, grads)
                 x = inputs[(s, mb)]
                 wanted = [v for v in x if isinstance(v, torch.Tensor) and v.requires_grad]

@@ -87,8 +87,8 @@ class Trainer:
         return strategy, accumulation
 
     def _setup(self) -> None:
-        cfg = self.config
         self.strategy, self.accumulation = self._validate()
+        cfg = self.config  # as resolved by _validate (micro_batches -> micro_batch_size)
         init_distributed(cfg.device, cfg.timeout_s)
         self.mesh = ProcessMesh.build(self.strategy, device=cfg.device, timeout_s=cfg.timeout_s)
         self.dp_group = self.mesh.group("dp")
@@ -267,6 +267,11 @@ class Trainer:
             timeline = timeline_from_events([(rank, start - origin, end - origin, Action.parse(text))
                                              for rank, start, end, text in events])
             timeline.to_chrome_trace(self.run_dir / "timeline.json")
+            try:
+                timeline.to_png(self.run_dir / "timeline.png", title=f"measured step {self.config.steps}, "
+                                f"schedule {self.strategy.schedule}, pp={self.strategy.pp}")
+            except ImportError:
+                print("timeline.png skipped: install matplotlib (pip install 'autopar[plot]')", flush=True)
 
     def _banner(self, start: int) -> str:
         params = sum(p.numel() for p in self.engine.sync.params)
