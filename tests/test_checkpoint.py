@@ -108,3 +108,12 @@ def test_corrupt_checkpoint_message_names_the_cause(rank_pool, tmp_path):
         shard.write_bytes(b"")
     messages = pool.run(_resume_error, str(ckpt), str(tmp_path / "o"))
     assert all("EOFError" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("first,second", [({"pp": 2}, {"dp": 2}), ({"dp": 2}, {"pp": 2, "schedule": "zb-h1"})])
+def test_resume_across_pipeline_and_data_parallel_layouts(rank_pool, tmp_path, first, second):
+    full = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "a"), steps=STEPS, checkpoint_every=5,
+                            strategy=first)[0]
+    resumed = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "b"), steps=STEPS, strategy=second,
+                               resume=str(tmp_path / "a" / "checkpoints" / "step_00000005"))[0]
+    assert max_relative_difference(full["losses"][5:], resumed["losses"]) < 1e-5

@@ -125,7 +125,7 @@ def test_time_method_respects_a_memory_cap_and_explains_itself():
     tight = partition(graph, 2, method="time", memory_cap_bytes=cap + 1e-9 if cap else None)
     assert all(s.memory_bytes <= cap * 1.01 for s in tight.stages)
     table = loose.table()
-    assert "cut 0->1" in table and "shared parameter lm_head.weight" in table
+    assert "cut 0->1" in table and "shared parameter tok_emb.weight" in table
     assert loose.to_dict()["bounds"] == loose.bounds
 
 

@@ -58,5 +58,6 @@ def test_pipeline_matches_single_process(rank_pool, tmp_path, tmp_path_factory, 
         for name, value in got["params"].items():  # each stage's parameters, by the model's own names
             assert (value - expected["params"][name]).abs().max() < 1e-5, (rank, name)
     owned = set().union(*(r["params"] for r in results))
-    assert owned == set(expected["params"]) - {"tok_emb.weight"} or owned == set(expected["params"])
+    assert owned <= set(expected["params"])  # stages use the model's own names
+    assert set(expected["params"]) - owned <= {"lm_head.weight"}  # only the tied alias is not separate
     assert expected["losses"][-1] < expected["losses"][0]

@@ -204,4 +204,5 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
 
 def _param_bytes(graph: ModelGraph) -> dict[str, int]:
     state = graph.exported.state_dict
-    return {fqn: state[fqn].numel() * state[fqn].element_size() for fqn in graph.param_numel}
+    return {fqn: state[graph.export_name(fqn)].numel() * state[graph.export_name(fqn)].element_size()
+            for fqn in graph.param_numel}

@@ -36,7 +36,7 @@ class StageSpec:
     nodes: list[str]  # operations, in graph order
     inputs: list[str]  # values received (stage 0: the model's inputs), in order
     outputs: list[str]  # values sent on (last stage: the model's outputs), in order
-    params: list[str]  # canonical parameter FQNs it reads
+    params: list[str]  # parameter FQNs it reads (a tied one under the model's primary name)
     buffers: list[str] = field(default_factory=list)
     block_range: tuple[int, int] = (0, 0)  # blocks [first, last) of the traced graph
 
@@ -150,7 +150,7 @@ class StageModule(nn.Module):
         persistent = {s.target: s.persistent is not False for s in signature}
         state = graph.exported.state_dict
         for fqn in spec.params:
-            _set_by_path(self, fqn, torch.empty_like(state[fqn], device="meta"), buffer=False)
+            _set_by_path(self, fqn, torch.empty_like(state[graph.export_name(fqn)], device="meta"), buffer=False)
         for fqn in spec.buffers:
             source = state.get(fqn, graph.exported.constants.get(fqn))
             if source is None:  # non-persistent buffers are kept with constants in the exported program
@@ -206,7 +206,7 @@ def _stage_graph_module(graph: ModelGraph, spec: StageSpec, name_of_target: dict
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for fqn in [*spec.params, *spec.buffers]:
-        old = by_name[name_of_target[fqn]]
+        old = by_name[name_of_target[graph.export_name(fqn)]]
         env[old] = new.placeholder(old.name)
     for name in spec.inputs:
         env[by_name[name]] = new.placeholder(name)

@@ -47,7 +47,7 @@ class Block:
 
     name: str  # "prelude", "<layers>.<i>", "postlude"
     nodes: list[str] = field(default_factory=list)
-    params: list[str] = field(default_factory=list)  # FQNs used (tied ones under their canonical name)
+    params: list[str] = field(default_factory=list)  # FQNs used (a tied parameter under its primary name)
     num_params: int = 0
     flops: int = 0
     activation_bytes: int = 0  # sum of node outputs: what backward may keep alive
@@ -62,9 +62,14 @@ class ModelGraph:
     nodes: dict[str, NodeCost]
     blocks: list[Block]
     layers_path: str  # FQN of the ModuleList whose children are the repeated layers
-    param_numel: dict[str, int]  # canonical FQN -> elements
-    tied: list[list[str]]  # groups of FQNs naming one tensor (canonical name first)
+    param_numel: dict[str, int]  # primary FQN -> elements
+    tied: list[list[str]]  # groups of FQNs naming one tensor (primary name first)
     example_inputs: tuple
+    export_names: dict[str, str] = field(default_factory=dict)  # primary FQN -> the exported program's name
+
+    def export_name(self, fqn: str) -> str:
+        """The name torch.export gave a parameter (it may pick another alias of a tied weight)."""
+        return self.export_names.get(fqn, fqn)
 
     @property
     def graph(self) -> fx.Graph:
@@ -127,9 +132,14 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
                          f"({', '.join(str(s.target) for s in mutated[:3])}); pipeline partitioning does not "
                          f"support that yet")
     layers = find_layers(model)
-    canonical = {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs
-                 if spec.kind == InputKind.PARAMETER}
+    # A tied weight is named as the model's own named_parameters() names it (its first alias),
+    # so stages, checkpoints and optimizers agree with the unpartitioned model.
     params = dict(model.named_parameters(remove_duplicate=False))
+    primary = {id(p): name for name, p in reversed(list(params.items()))}
+    canonical = {spec.arg.name: primary[id(params[spec.target])] for spec in exported.graph_signature.input_specs
+                 if spec.kind == InputKind.PARAMETER}
+    export_names = {primary[id(params[spec.target])]: spec.target for spec in exported.graph_signature.input_specs
+                    if spec.kind == InputKind.PARAMETER}
     param_numel = {fqn: params[fqn].numel() for fqn in canonical.values()}
     nodes, blocks = _assign_blocks(exported, layers, canonical)
     _count_flops(exported, nodes)
@@ -140,7 +150,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     for block in blocks:
         block.num_params = sum(param_numel[p] for p in block.params)
     return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=layers, param_numel=param_numel,
-                      tied=tied_groups(model), example_inputs=tuple(example_inputs))
+                      tied=tied_groups(model), example_inputs=tuple(example_inputs), export_names=export_names)
 
 
 def _assign_blocks(exported: ExportedProgram, layers: str,

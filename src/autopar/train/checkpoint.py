@@ -34,6 +34,22 @@ LATEST = "latest"
 TRAINER_STATE = "trainer.json"
 
 
+def _primary_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Drop aliases of tied tensors (keep the first name), so every layout saves and asks for the
+    same keys: a pipeline stage holds one name for a tied weight, the whole model lists both."""
+    kept, aliases, first = {}, {}, {}
+    for key, value in state.items():
+        same = ((value.data_ptr(), tuple(value.shape), value.dtype)
+                if isinstance(value, torch.Tensor) and value.numel() else None)
+        if same is not None and same in first:
+            aliases[key] = first[same]
+        else:
+            if same is not None:
+                first[same] = key
+            kept[key] = value
+    return kept, aliases
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -60,7 +76,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         partial.mkdir()
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=partial)
+    dcp.save({"model": _primary_names(model_sd)[0], "optim": optim_sd}, checkpoint_id=partial)
     torch.save(torch.get_rng_state(), partial / f"rng_rank{rank}.pt")
     if rank == 0:
         _write_atomic(partial / TRAINER_STATE, json.dumps({**trainer_state, "step": step,
@@ -137,14 +153,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         raise CheckpointError(f"checkpoint {str(path)!r}: {TRAINER_STATE} is unreadable ({exc})") from None
     _ensure_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    primary, aliases = _primary_names(model_sd)
+    state = {"model": primary, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         first = _root_cause(exc)
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model ({first[:300]}); "
                               f"is it corrupt, or from another model?") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = {**state["model"], **{alias: state["model"][key] for alias, key in aliases.items()}}
+    set_state_dict(model, optimizer, model_state_dict=loaded, optim_state_dict=state["optim"])
     rng = path / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file() and trainer_state.get("world_size") == dist.get_world_size():
         torch.set_rng_state(torch.load(rng, weights_only=True))
