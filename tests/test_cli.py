@@ -35,7 +35,8 @@ def test_train_writes_a_complete_run_folder(tmp_path):
                    "--eval-every", "3", "--out", str(run))
     assert done.returncode == 0, done.stderr
     config = tomllib.loads((run / "config.toml").read_text())
-    assert config["strategy"] == {"dp": 2, "tp": 1, "pp": 1} and config["model"]["args"]["n_layer"] == 2
+    assert {k: config["strategy"][k] for k in ("dp", "tp", "pp")} == {"dp": 2, "tp": 1, "pp": 1}
+    assert config["model"]["args"]["n_layer"] == 2
     records = metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for r in records:
@@ -196,6 +197,8 @@ def test_pipeline_training_from_the_command_line(tmp_path):
       "--global-batch-size", "6"], "num_microbatches must be a multiple of 2, got 3"),
     (["--pp", "2", "--memory-budget-mb", "0.01"], "the least any plan needs is"),
     (["--pp", "2", "--partition", "random"], "unknown partition method 'random'"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--chunks", "3", "--micro-batches", "4", "--model-arg", "n_layer=2"],
+     "pp=2 x chunks=3 = 6 stages, but the model has only 4 blocks"),
 ])
 def test_pipeline_bad_input(args, message):
     base = [a for a in SMALL if a not in ("--micro-batch-size", "2")]

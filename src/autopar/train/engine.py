@@ -171,6 +171,10 @@ class PipelineEngine:
         self.num_stages = strategy.pp * strategy.chunks
         example = main_input(example_batch)
         graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device="meta"),))
+        if self.num_stages > len(graph.blocks):
+            raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
+                              f"only {len(graph.blocks)} blocks to cut between (embedding part, "
+                              f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
         self.partition = partition(graph, self.num_stages, method=strategy.partition)
         placement = "loop"
         mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
