@@ -19,7 +19,7 @@ One command, four parts, all on the same model, the same 2-stage partition and t
                      the measured step time, for gpipe, 1f1b, eager-1f1b, zb-h1, scp and
                      interleaved-1f1b (chunks=2, 4-stage partition).
 
-    python benchmarks/pipeline_schedules.py            # default run (~3-4 min on 2 cores)
+    python benchmarks/pipeline_schedules.py            # default run (~1.5 min on 2 idle cores, ~3 when busy)
     python benchmarks/pipeline_schedules.py --quick    # smoke test (< 45 s)
 
 Processes start from a forkserver that has imported torch and autopar once (a fresh process
@@ -50,11 +50,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from autopar.errors import ConfigError
 from autopar.models import build_model
 from autopar.partition import partition
 from autopar.pipeline.actions import Op, stage_to_rank
 from autopar.pipeline.p2p import P2P
-from autopar.errors import ConfigError
 from autopar.pipeline.recompute import _memory, measure_saved_bytes, plan_recompute
 from autopar.pipeline.runtime import PipelineRuntime
 from autopar.pipeline.schedules import build_schedule, recomputed_stages
@@ -78,7 +78,8 @@ PART3 = [("1f1b, R on stages {0,1}", "1f1b", frozenset({0, 1}), False),
 # part 4: (label, schedule, chunks, whole-stage recompute request)
 PART4 = [("gpipe", "gpipe", 1, frozenset()), ("1f1b", "1f1b", 1, frozenset()),
          ("eager-1f1b", "eager-1f1b", 1, frozenset()), ("zb-h1", "zb-h1", 1, frozenset()),
-         ("scp (R {0,1}->{0})", "scp", 1, frozenset({0, 1})), ("interleaved-1f1b c2", "interleaved-1f1b", 2, frozenset())]
+         ("scp (R {0,1}->{0})", "scp", 1, frozenset({0, 1})),
+         ("interleaved-1f1b c2", "interleaved-1f1b", 2, frozenset())]
 # part 2: one fresh run each; "baseline" builds the stage and does nothing
 MEMORY = ["baseline", "ours gpipe", "torch gpipe", "ours 1f1b", "torch 1f1b", "ours eager-1f1b", "ours zb-h1",
           "1f1b, R on stages {0,1}", "scp, R {0,1}->{0} + plan", "scp, no R + plan"]
@@ -180,7 +181,7 @@ class Ours(Variant):
     """build_schedule + P2P + PipelineRuntime, put together as PipelineEngine does."""
 
     def __init__(self, setup: Setup, schedule: str, *, chunks: int = 1, recompute=frozenset(), plan: bool = False,
-                 timed: bool = False):
+                 blocks: dict | None = None, timed: bool = False):
         super().__init__(setup)
         a = setup.args
         num_stages = PP * chunks
@@ -189,7 +190,13 @@ class Ours(Variant):
         self.schedule = build_schedule(schedule, pp=PP, num_microbatches=a.m, chunks=chunks, recompute=recompute,
                                        prefetch=True)
         self.recompute = recomputed_stages(self.schedule)
-        self.plan = plan_blocks(setup, self, num_stages) if plan else None
+        self.plan = None
+        if blocks is not None:  # a plan made in an earlier run (the memory runs do not measure or plan)
+            self.plan = {"blocks": {s: blocks[s] for s in self.stages}}
+            for s in self.stages:
+                self.stages[s].recompute_blocks = blocks[s]
+        elif plan:
+            self.plan = plan_blocks(setup, self, num_stages)
         self.p2p = (TimedP2P if timed else P2P)(setup.new_group(), CPU, num_stages, a.m)
         self.runtime = PipelineRuntime(stages=self.stages, num_stages=num_stages, pp=PP, pp_rank=self.rank,
                                        p2p=self.p2p, loss_fn=lambda out, batch: setup.loss(out, batch["labels"]),
@@ -220,13 +227,13 @@ class Torch(Variant):
         return float(sum(l.detach() for l in losses)), []
 
 
-def make_variant(setup: Setup, label: str) -> Variant:
+def make_variant(setup: Setup, label: str, blocks: dict | None = None) -> Variant:
     for name, impl, schedule in PART1:
         if name == label:
             return Ours(setup, schedule) if impl == "ours" else Torch(setup, schedule)
     for name, schedule, recompute, plan in PART3:
         if name == label:
-            return Ours(setup, schedule, recompute=recompute, plan=plan)
+            return Ours(setup, schedule, recompute=recompute, plan=plan and blocks is None, blocks=blocks)
     if label.startswith("ours "):
         return Ours(setup, label.split(" ", 1)[1])
     raise ValueError(label)
@@ -244,11 +251,11 @@ def stage_example(setup: Setup, stage, num_stages: int) -> tuple:
                  for v in values)
 
 
-def memory_model(setup: Setup, variant: Ours, num_stages: int) -> dict:
-    """What PipelineEngine._plan_recompute measures, for this rank's stages (plus stashed inputs)."""
-    timeline = simulate(variant.schedule, pp=PP, num_stages=num_stages, num_microbatches=setup.args.m)
+def memory_model(setup: Setup, schedule, stages: dict, num_stages: int) -> dict:
+    """What PipelineEngine._plan_recompute measures for this rank's `stages` (plus their stashed inputs)."""
+    timeline = simulate(schedule, pp=PP, num_stages=num_stages, num_microbatches=setup.args.m)
     saved, state, inputs = {}, {}, {}
-    for s, stage in variant.stages.items():
+    for s, stage in stages.items():
         example = stage_example(setup, stage, num_stages)
         saved[s] = measure_saved_bytes(stage, example)
         state[s] = 4 * sum(p.numel() * p.element_size() for p in stage.parameters())  # the planner's convention
@@ -262,10 +269,7 @@ def full_recompute_budget(setup: Setup) -> float:
     """Predicted per-rank memory of 1f1b recomputing every stage; the budget is the largest over ranks."""
     schedule = build_schedule("1f1b", pp=PP, num_microbatches=setup.args.m, recompute=frozenset(range(PP)),
                               prefetch=True)
-    probe = type("Probe", (), {})()
-    probe.schedule = schedule
-    probe.stages = {dist.get_rank(): setup.stage(dist.get_rank())}
-    model = memory_model(setup, probe, PP)
+    model = memory_model(setup, schedule, {dist.get_rank(): setup.stage(dist.get_rank())}, PP)
     plan = plan_recompute(model["saved"], in_flight=model["in_flight"], state_bytes=model["state"], budget=math.inf,
                           last_stage=PP - 1)  # no blocks: whole-stage recomputation, one micro-batch rebuilt at a time
     mine = torch.tensor([sum(plan.memory.values()) + sum(model["stash"].values())], dtype=torch.float64)
@@ -276,7 +280,7 @@ def full_recompute_budget(setup: Setup) -> float:
 
 def plan_blocks(setup: Setup, variant: Ours, num_stages: int) -> dict:
     budget = full_recompute_budget(setup)
-    model = memory_model(setup, variant, num_stages)
+    model = memory_model(setup, variant.schedule, variant.stages, num_stages)
     fits = True
     try:
         plan = plan_recompute(model["saved"], in_flight=model["in_flight"], state_bytes=model["state"], budget=budget,
@@ -321,7 +325,7 @@ def time_variants(setup: Setup, variants: dict, *, warmup: int, steps: int, reco
             if step >= warmup:
                 times[name].append(elapsed)
                 if record:
-                    events[name].append((recorded, list(variant.p2p.waits)))
+                    events[name].append((recorded, list(variant.p2p.waits), elapsed))
     stacked = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=setup.world)
     slowest = {n: stacked[i].tolist() for i, n in enumerate(names)}
@@ -363,7 +367,8 @@ def part1(setup: Setup) -> dict:
     pairs = {"gpipe": ("ours gpipe", "torch gpipe"), "1f1b": ("ours 1f1b", "torch 1f1b")}
     paired_diff = {k: max_diff(grads[o], grads[t], setup.world) for k, (o, t) in pairs.items()}
     loss_rel = max(abs(l - check_loss["ours 1f1b"]) / abs(check_loss["ours 1f1b"]) for l in check_loss.values())
-    step_loss_rel = max(abs(x - y) / abs(y) for n in variants for x, y in zip(run["losses"][n], run["losses"]["ours 1f1b"]))
+    reference = run["losses"]["ours 1f1b"]
+    step_loss_rel = max(abs(x - y) / abs(y) for n in variants for x, y in zip(run["losses"][n], reference))
     return {"times": run["times"], "param_diff": param_diff, "grad_diff": grad_diff, "paired_grad_diff": paired_diff,
             "loss_rel": max(loss_rel, step_loss_rel), "moved": moved, "check_loss": check_loss}
 
@@ -375,7 +380,7 @@ def part3(setup: Setup) -> dict:
     recompute = {n: sorted(v.recompute) for n, v in variants.items()}
     # predicted memory of the reference (whole-stage recomputation everywhere): planner formula + stashed inputs
     ref = variants[PART3[0][0]]
-    model = memory_model(setup, ref, PP)
+    model = memory_model(setup, ref.schedule, ref.stages, PP)
     ref_plan = plan_recompute(model["saved"], in_flight=model["in_flight"], state_bytes=model["state"],
                               budget=math.inf, last_stage=PP - 1)
     predicted = {PART3[0][0]: {"memory": ref_plan.memory, "stash": model["stash"], "in_flight": model["in_flight"],
@@ -423,6 +428,15 @@ def compute_durations(events: list, waits: list) -> list[tuple[int, Op, float]]:
     return out
 
 
+def simulated_idle(timeline) -> list[float]:
+    """Per rank: time between its first action's start (0) and its last compute's end not spent computing."""
+    idle = []
+    for r in range(PP):
+        mine = [(start, end) for rank, start, end, action in timeline.compute_events() if rank == r]
+        idle.append(max(end for _, end in mine) - sum(end - start for start, end in mine))
+    return idle
+
+
 def part4(setup: Setup) -> dict:
     a = setup.args
     variants = {label: Ours(setup, schedule, chunks=chunks, recompute=recompute, timed=True)
@@ -430,35 +444,40 @@ def part4(setup: Setup) -> dict:
     boundary = setup.part(PP).boundaries[0][0].shape
     transfer = one_way_transfer(setup, tuple(boundary), 20)
     run = time_variants(setup, variants, warmup=a.warmup4, steps=a.steps4, record=True, step_offset=2000)
-    mine = {}
-    waits_total = {}
+    mine, waits_total, other = {}, {}, {}
     for name, per_step in run["events"].items():
         durations = defaultdict(list)
-        waited = []
-        for events, waits in per_step:
-            for s, op, d in compute_durations(events, waits):
+        waited, rest = [], []
+        for events, waits, elapsed in per_step:
+            computed = compute_durations(events, waits)
+            for s, op, d in computed:
                 durations[(s, op.value)].append(d)
             waited.append(sum(we - ws for ws, we in waits))
+            rest.append(elapsed - waited[-1] - sum(d for _, _, d in computed))
         mine[name] = dict(durations)
-        waits_total[name] = statistics.median(waited) if waited else 0.0
+        waits_total[name] = statistics.median(waited)
+        other[name] = statistics.median(rest)
     gathered = [None] * PP
-    dist.all_gather_object(gathered, {"durations": mine, "waits": waits_total})
+    dist.all_gather_object(gathered, {"durations": mine, "waits": waits_total, "other": other})
     result = {"times": run["times"], "transfer": transfer, "rows": {}}
     for label, schedule, chunks, recompute in PART4:
-        medians = {}
-        for part in gathered:
-            for (s, op), values in part["durations"][label].items():
-                medians[(s, op)] = statistics.median(values)
         v = variants[label]
-        cost = lambda action, med=medians: med[(action.stage, action.op.value)]
-        predicted0 = simulate(v.schedule, pp=PP, num_stages=v.num_stages, num_microbatches=a.m, cost=cost)
-        predicted1 = simulate(v.schedule, pp=PP, num_stages=v.num_stages, num_microbatches=a.m, cost=cost,
-                              comm_cost=lambda action: transfer)
-        result["rows"][label] = {"medians": {f"{s}{op}": m for (s, op), m in sorted(medians.items())},
-                                 "pred0": predicted0.makespan, "pred1": predicted1.makespan,
-                                 "bubble": predicted1.bubble, "waits": [p["waits"][label] for p in gathered],
-                                 "measured": statistics.median(run["times"][label]),
-                                 "num_stages": v.num_stages}
+        pooled = {key: values for part in gathered for key, values in part["durations"][label].items()}
+        medians = {key: statistics.median(values) for key, values in pooled.items()}
+        means = {key: statistics.fmean(values) for key, values in pooled.items()}
+
+        def predict(table: dict, transfer_s: float = 0.0):
+            return simulate(v.schedule, pp=PP, num_stages=v.num_stages, num_microbatches=a.m,
+                            cost=lambda action: table[(action.stage, action.op.value)],
+                            comm_cost=lambda action: transfer_s)
+
+        by_median, by_mean, by_mean_comm = predict(medians), predict(means), predict(means, transfer)
+        result["rows"][label] = {
+            "medians": {f"{s}{op}": m for (s, op), m in sorted(medians.items())},
+            "pred_median": by_median.makespan, "pred_mean": by_mean.makespan, "pred_mean_comm": by_mean_comm.makespan,
+            "sim_idle": simulated_idle(by_mean_comm),
+            "waits": [p["waits"][label] for p in gathered], "other": [p["other"][label] for p in gathered],
+            "measured": statistics.median(run["times"][label]), "num_stages": v.num_stages}
     losses = run["losses"]
     ref = losses[PART4[1][0]]
     result["loss_rel"] = max(abs(x - y) / abs(y) for n in losses for x, y in zip(losses[n], ref))
@@ -519,7 +538,7 @@ class _Saved:
         self.owner.release(self.ptr)
 
 
-def memory_run(setup: Setup, label: str) -> dict:
+def memory_run(setup: Setup, label: str, blocks: dict | None) -> dict:
     a = setup.args
     if label == "baseline":  # the same stage, the same data and a group; no step
         stage = setup.stage(dist.get_rank())
@@ -528,12 +547,13 @@ def memory_run(setup: Setup, label: str) -> dict:
         dist.barrier(setup.world)
         del stage
         return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "saved": 0, "blocks": None}
-    variant = make_variant(setup, label)
+    variant = make_variant(setup, label, blocks)
     for step in range(a.mem_steps):
         dist.barrier(setup.world)
         variant.step(setup.batches(step))
         variant.finish()
-    counter = SavedBytes([p for _, p in variant.named_params()] + [b for s in variant.stages.values() for b in s.buffers()])
+    weights = [p for _, p in variant.named_params()] + [b for s in variant.stages.values() for b in s.buffers()]
+    counter = SavedBytes(weights)
     dist.barrier(setup.world)
     with counter.hooks():
         variant.step(setup.batches(a.mem_steps))
@@ -548,7 +568,7 @@ def memory_run(setup: Setup, label: str) -> dict:
 # ----------------------------------------------------------------------------- processes
 
 
-def worker(rank: int, port: int, args, job: str, out_dir: str) -> None:
+def worker(rank: int, port: int, args, job: str, out_dir: str, blocks: dict | None = None) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -568,7 +588,7 @@ def worker(rank: int, port: int, args, job: str, out_dir: str) -> None:
             if rank == 0:
                 Path(out_dir, "main.json").write_text(json.dumps(result, default=str))
         else:
-            result = memory_run(setup, job)
+            result = memory_run(setup, job, blocks)
             gathered = [None] * PP
             dist.all_gather_object(gathered, result)
             if rank == 0:
@@ -584,9 +604,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, job: str) -> dict | list:
+def launch(args, job: str, blocks: dict | None = None) -> dict | list:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, args=(free_port(), args, job, out), nprocs=PP, join=True,
+        mp.start_processes(worker, args=(free_port(), args, job, out, blocks), nprocs=PP, join=True,
                            start_method="forkserver")
         name = "main.json" if job == "main" else "memory.json"
         return json.loads(Path(out, name).read_text())
@@ -615,7 +635,8 @@ def report_header(args, main: dict) -> str:
     size = ", ".join(f"{k}={v}" for k, v in a.model_args.items())
     return "\n".join([
         f"torch {torch.__version__} | python {platform.python_version()} | {os.cpu_count()} CPU cores | gloo | "
-        f"1 thread per rank | pp={PP} (2 ranks) | no GPU",
+        f"1 thread per rank | pp={PP} (2 ranks) | no GPU | load average (1 min) at start {a.load[0]:.1f}, "
+        f"at end {os.getloadavg()[0]:.1f}",
         f"model gpt-mini ({size}, vocab {a.vocab}): {main['params'] / 1e6:.2f}M parameters | "
         f"micro-batch {a.mb} x {a.seq} tokens | m={a.m} micro-batches per step | SGD lr {a.lr} | "
         f"loss = token-summed cross-entropy / tokens of the whole step",
@@ -666,7 +687,8 @@ def report_part2(mem: dict, args) -> str:
     base = mem["baseline"]
     lines = ["== 2. peak memory per rank (each variant in a fresh pair of processes) ==",
              f"RSS - base = ru_maxrss of the run (after {args.mem_steps} + 1 steps) minus ru_maxrss of a run that only "
-             "builds the same stage; includes allocator caching, gloo buffers and code pages touched by the first step.",
+             "builds the same stage; includes allocator caching, gloo buffers and code pages touched by the first "
+             "step.",
              "saved peak = most bytes autograd's saved tensors held at once during one step (saved-tensor hooks, "
              "unique storages, weights excluded): activations only; stashed stage inputs and receive buffers are "
              "not saved tensors, nor are the tensors a checkpointed block rebuilds inside backward.",
@@ -689,7 +711,7 @@ def report_part2(mem: dict, args) -> str:
     return "\n".join(lines)
 
 
-def report_part3(r: dict, args) -> str:
+def report_part3(r: dict, args, memory: dict) -> str:
     t = r["times"]
     med = {n: statistics.median(v) for n, v in t.items()}
     ref = PART3[0][0]
@@ -711,26 +733,32 @@ def report_part3(r: dict, args) -> str:
         for p in per_rank:
             lines.append(f"plan for '{n}': {p['describe']}")
     lines.append("")
-    header = (f"{'variant':<26} {'R on':>6} | {'pred r0 MiB':>11} {'pred r1 MiB':>11} | {'in-flight':>9} | "
-              f"{'sim unit':>8} | {'median ms':>9} {'IQR':>6} | {'vs ref':>6}")
+    header = (f"{'variant':<26} {'R on':>6} | {'pred r0':>7} {'pred r1':>7} | {'act pred':>11} {'act meas':>11} | "
+              f"{'in-flight':>9} | {'sim unit':>8} | {'median ms':>9} {'IQR':>6} | {'vs ref':>6}")
     lines += [header, "-" * len(header)]
     for label, _, _, _ in PART3:
         if label in plans:
-            memory = {int(s): v for p in plans[label] for s, v in p["memory"].items()}
+            predicted_memory = {int(s): v for p in plans[label] for s, v in p["memory"].items()}
             stash = {int(s): v for p in plans[label] for s, v in p["stash"].items()}
             flight = {int(s): v for p in plans[label] for s, v in p["in_flight"].items()}
+            saved_now = {int(s): v for p in plans[label] for s, v in p["saved_now"].items()}
         else:
-            memory = {int(s): v for s, v in predicted[label]["memory"].items()}
+            predicted_memory = {int(s): v for s, v in predicted[label]["memory"].items()}
             stash = {int(s): v for s, v in predicted[label]["stash"].items()}
             flight = {int(s): v for s, v in predicted[label]["in_flight"].items()}
-        pred = [memory[s] + stash[s] for s in range(PP)]
+            saved_now = {int(s): v for s, v in predicted[label]["saved_now"].items()}
+        act_pred = "/".join(mib(flight[s] * saved_now[s]) for s in range(PP))
+        act_meas = "/".join(mib(memory[label][s]["saved"]) for s in range(PP)) if label in memory else "-"
+        pred = [predicted_memory[s] + stash[s] for s in range(PP)]
         rc = "{" + ",".join(str(s) for s in r["recompute"][label]) + "}"
-        lines.append(f"{label:<26} {rc:>6} | {mib(pred[0]):>11} {mib(pred[1]):>11} | "
+        lines.append(f"{label:<26} {rc:>6} | {mib(pred[0]):>7} {mib(pred[1]):>7} | {act_pred:>11} {act_meas:>11} | "
                      f"{'/'.join(str(flight[s]) for s in range(PP)):>9} | {r['makespan_unit'][label]:>8g} | "
                      f"{ms(med[label]):>9} {ms(iqr(t[label])):>6} | {med[label] / med[ref]:>6.3f}")
     ok = max(r["param_diff"].values()) <= TOLERANCE and r["loss_rel"] <= TOLERANCE
-    lines += ["(R on = stages whose forwards keep only inputs and rerun before backward; in-flight = simulator's peak "
-              "live micro-batches per stage; sim unit = simulated makespan with F=1, B=2, R=1)",
+    lines += ["(MiB. R on = stages whose forwards keep only inputs and rerun before backward; pred = predicted memory "
+              "per rank as above; act pred = its activation term, in-flight x saved bytes per micro-batch; act meas = "
+              "part 2's saved peak; in-flight = simulator's peak live micro-batches per stage; sim unit = simulated "
+              "makespan with F=1, B=2, R=1, which does not see block recomputation inside B)",
               f"equality check (tol {TOLERANCE:g}): {'PASS' if ok else 'FAIL'} -- max |dparam| vs '{ref}' "
               f"{max(r['param_diff'].values()):.1e}, max relative loss difference {r['loss_rel']:.1e}", ""]
     r["ok"] = ok
@@ -741,20 +769,28 @@ def report_part4(r: dict, args, main: dict) -> str:
     lines = ["== 4. simulated vs measured (our schedules) ==",
              "cost of each compute action = median over timed steps and micro-batches of its recorded duration "
              "(PipelineRuntime.run(record=True)) minus the time it spent waiting for a receive inside it; "
-             f"transfer = measured one-way gloo time of one boundary tensor: {ms(r['transfer'] * 1e0)} ms "
-             f"({r['transfer'] * 1e6:.0f} us)",
+             f"transfer = measured one-way gloo time of one boundary tensor: {r['transfer'] * 1e6:.0f} us",
              "interleaved-1f1b runs 4 stages (2 chunks per rank) on this partition:", main["partition4"], ""]
-    header = (f"{'schedule':<20} | {'measured ms':>11} | {'pred ms':>8} {'pred/meas':>9} | {'pred+comm':>9} "
-              f"{'pred/meas':>9} | {'recv wait r0/r1 ms':>18}")
+    header = (f"{'schedule':<20} | {'measured':>8} | {'pred':>6} {'ratio':>5} | {'mean':>6} {'ratio':>5} | "
+              f"{'+comm':>6} {'ratio':>5} | {'idle r0/r1 meas':>15} {'sim':>11} | {'other r0/r1':>11}")
     lines += [header, "-" * len(header)]
     for label, _, _, _ in PART4:
         row = r["rows"][label]
-        lines.append(f"{label:<20} | {ms(row['measured']):>11} | {ms(row['pred0']):>8} "
-                     f"{row['pred0'] / row['measured']:>9.3f} | {ms(row['pred1']):>9} {row['pred1'] / row['measured']:>9.3f}"
-                     f" | {ms(row['waits'][0]) + ' / ' + ms(row['waits'][1]):>18}")
-    lines += ["(pred = simulate(schedule, cost=measured medians), transfers free; pred+comm = the same with every "
-              "transfer taking the measured one-way time; recv wait = median per step of the time spent in "
-              "receive waits)", "", "measured per-action compute medians (ms), stage+op:"]
+        meas = row["measured"]
+        idle = " / ".join(ms(w) for w in row["waits"])
+        sim_idle = " / ".join(ms(w) for w in row["sim_idle"])
+        lines.append(f"{label:<20} | {ms(meas):>8} | {ms(row['pred_median']):>6} {row['pred_median'] / meas:>5.2f} | "
+                     f"{ms(row['pred_mean']):>6} {row['pred_mean'] / meas:>5.2f} | {ms(row['pred_mean_comm']):>6} "
+                     f"{row['pred_mean_comm'] / meas:>5.2f} | {idle:>15} {sim_idle:>11} | "
+                     f"{' / '.join(ms(o) for o in row['other']):>11}")
+    lines += ["(ms. measured = median step time, slower rank; pred = simulate(schedule, cost=per-(stage, op) medians), "
+              "transfers free; ratio = pred/measured; mean = the same with per-(stage, op) means; +comm = means and "
+              "every transfer taking the measured one-way time; idle meas = median per step of the time a rank "
+              "spent blocked in receive waits; idle sim = the +comm simulation's time per rank not computing before "
+              "its last compute ends; other = median "
+              "per step of the rank's step time minus its compute minus its receive waits: posting sends and "
+              "receives, waiting for sends at the end, Python between actions, and time the OS gave to others)",
+              "", "measured per-action compute medians (ms), stage+op:"]
     for label, _, _, _ in PART4:
         medians = r["rows"][label]["medians"]
         lines.append(f"  {label:<20} " + " ".join(f"{k}={v * 1e3:.1f}" for k, v in medians.items()))
@@ -779,9 +815,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mb", type=int, default=4, help="sequences per micro-batch (default 4)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step (default 8)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant in part 1 (default 20)")
-    parser.add_argument("--steps3", type=int, default=15, help="timed steps per variant in part 3 (default 15)")
-    parser.add_argument("--steps4", type=int, default=12, help="timed steps per schedule in part 4 (default 12)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per variant in part 1 (default 40)")
+    parser.add_argument("--steps3", type=int, default=20, help="timed steps per variant in part 3 (default 20)")
+    parser.add_argument("--steps4", type=int, default=15, help="timed steps per schedule in part 4 (default 15)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps in parts 1 and 3 (default 3)")
     parser.add_argument("--parts", default="1,2,3,4", help="which parts to run (default 1,2,3,4)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
@@ -799,8 +835,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def planned_blocks(main_result: dict, label: str) -> dict | None:
+    """The block plan part 3 chose for `label` (stage -> blocks), so that memory runs need not plan."""
+    if "part3" not in main_result:
+        return None
+    blocks = {}
+    for rank_part in main_result["part3"]["ranks"]:
+        for s, k in rank_part["plans"].get(label, {}).get("blocks", {}).items():
+            blocks[int(s)] = k
+    return blocks or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.load = os.getloadavg()
     print(f"$ python {' '.join(['benchmarks/pipeline_schedules.py', *(sys.argv[1:] if argv is None else argv)])}")
     begin = time.perf_counter()
     multiprocessing.set_forkserver_preload(PRELOAD)
@@ -809,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     if "part2" in args.parts:
         labels = MEMORY if not args.quick else ["baseline", "ours 1f1b", "torch 1f1b", "scp, no R + plan"]
         for label in labels:
-            memory[label] = launch(args, label)
+            memory[label] = launch(args, label, planned_blocks(main_result, label))
             print(f"  [memory run '{label}' done]", file=sys.stderr, flush=True)
     print(report_header(args, main_result))
     ok = True
@@ -819,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     if memory:
         print(report_part2(memory, args))
     if "part3" in main_result:
-        print(report_part3(main_result["part3"], args))
+        print(report_part3(main_result["part3"], args, memory))
         ok &= main_result["part3"]["ok"]
     if "part4" in main_result:
         print(report_part4(main_result["part4"], args, main_result))

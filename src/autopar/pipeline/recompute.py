@@ -27,18 +27,23 @@ from ..errors import ConfigError
 
 def measure_saved_bytes(stage: nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[int]:
     """saved[k]: bytes autograd keeps after one forward with k recomputed blocks, k = 0..num_blocks."""
-    weights = {p.data_ptr() for p in stage.parameters()} | {b.data_ptr() for b in stage.buffers()}
+    weights = ({p.untyped_storage().data_ptr() for p in stage.parameters()}
+               | {b.untyped_storage().data_ptr() for b in stage.buffers()})
     original = stage.recompute_blocks
     result = []
     try:
         for k in range(stage.num_blocks + 1):
             stage.recompute_blocks = k
             total = 0
+            seen: set[int] = set()
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 nonlocal total
-                if t.data_ptr() not in weights:
-                    total += t.numel() * t.element_size()
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in weights and key not in seen:  # one storage saved by several ops counts once
+                    seen.add(key)
+                    total += storage.nbytes()
                 return t
 
             x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in inputs)

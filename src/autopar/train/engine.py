@@ -215,9 +215,14 @@ class PipelineEngine:
                 inputs = tuple(_random_like(graph_nodes[name].meta["val"], example.device) for name in stage.spec.inputs)
             saved[s] = measure_saved_bytes(stage, inputs)
             state[s] = 4 * sum(p.numel() * p.element_size() for p in stage.parameters())
+            if s in self.runtime.recompute:  # whole-stage R already: stashed inputs + one live micro-batch
+                stash = sum(v.numel() * v.element_size() for v in inputs) * max(1, timeline.stashed_inputs.get(s, 1))
+                saved[s] = [saved[s][0] + stash]
         error = None
         try:
-            plan = plan_recompute(saved, in_flight={s: max(1, timeline.peak_activations.get(s, 1)) for s in saved},
+            in_flight = {s: 1 if s in self.runtime.recompute else max(1, timeline.peak_activations.get(s, 1))
+                         for s in saved}
+            plan = plan_recompute(saved, in_flight=in_flight,
                                   state_bytes=state, budget=budget, last_stage=self.num_stages - 1)
         except ConfigError as exc:
             error, plan = exc, None
