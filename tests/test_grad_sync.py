@@ -30,7 +30,7 @@ def _loss(model, ids):
 
 
 def _sync_vs_reference(bucket_mb: float, micro: int, steps: int, skip_zero_grad: bool) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model, reference = Net(), Net()
     reference.load_state_dict(model.state_dict())

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from autopar.errors import ConfigError
-from autopar.models import build_model, materialize
-from autopar.partition import materialize_stage, partition
+from autopar.models import build_model
+from autopar.partition import partition
 from autopar.pipeline.recompute import measure_saved_bytes, plan_recompute
 from autopar.trace import trace
 

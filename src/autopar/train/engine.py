@@ -12,7 +12,6 @@ Both engines expose the same few operations to the trainer:
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Callable
 from typing import Any
