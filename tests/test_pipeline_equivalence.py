@@ -42,6 +42,8 @@ LAYOUTS = [
     (4, {"pp": 2, "dp": 2, "schedule": "zb-h1", "recompute": "all"}, 2),
     (4, {"pp": 2, "dp": 2, "schedule": "scp", "recompute": "all-but-last", "memory_budget_mb": 3.0}, 2),
     (4, {"pp": 4, "schedule": "eager-1f1b"}, 1),
+    (4, {"pp": 4, "schedule": "zb-h1"}, 1),
+    (4, {"pp": 4, "schedule": "scp", "recompute": "all"}, 1),
 ]
 
 
@@ -61,3 +63,16 @@ def test_pipeline_matches_single_process(rank_pool, tmp_path, tmp_path_factory, 
     assert owned <= set(expected["params"])  # stages use the model's own names
     assert set(expected["params"]) - owned <= {"lm_head.weight"}  # only the tied alias is not separate
     assert expected["losses"][-1] < expected["losses"][0]
+
+
+def test_interleaved_with_four_ranks(rank_pool, tmp_path, tmp_path_factory):
+    """pp=4 x 2 chunks = 8 stages: a 6-layer model (8 blocks), 8 micro-batches."""
+    args = {"n_layer": 6}
+    expected = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path_factory.mktemp("ref6")), model_args=args,
+                                steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH)[0]
+    results = rank_pool(4).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=args, steps=STEPS,
+                               strategy={"pp": 4, "schedule": "interleaved-1f1b", "chunks": 2},
+                               global_batch_size=GLOBAL_BATCH, micro_batch_size=1)
+    for got in results:
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5
+        assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4
