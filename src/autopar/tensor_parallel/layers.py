@@ -1,0 +1,161 @@
+"""Tensor-parallel building blocks: column/row-parallel linear, vocab-parallel embedding and loss.
+
+Why our own rather than DTensor's ColwiseParallel/RowwiseParallel: these layers must run
+inside pipeline stages built from an exported graph, where we rewrite the graph's linear
+and view nodes directly on plain tensors; DTensor would have to flow through the stage
+graph and across stage boundaries. The two conjugate operators carry the communication:
+
+- `copy_to_tp` (Megatron's f): identity forward, all-reduce of the gradient backward;
+- `reduce_from_tp` (g): all-reduce forward, identity backward.
+
+A column-parallel linear holds rows [r*o/t, (r+1)*o/t) of the weight (a slice of the
+outputs); a row-parallel linear holds the matching input columns and sums partial
+results. Vocab-parallel cross-entropy computes the loss from vocabulary-sharded logits
+with three small all-reduces (max, sum of exps, target logit) and never gathers the full
+logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+
+def _shard(size: int, group: dist.ProcessGroup, what: str) -> tuple[int, int]:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size % world:
+        raise ConfigError(f"tp={world} does not divide {what}={size}; use a tp that divides {size}")
+    part = size // world
+    return rank * part, part
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W[rows of this rank].T (+ b[same rows]); the output stays sharded on its last dim."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        start, part = _shard(weight.shape[0], group, "out_features")
+        self.weight = nn.Parameter(weight.detach()[start:start + part].clone())
+        self.bias = nn.Parameter(bias.detach()[start:start + part].clone()) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup) -> ColumnParallelLinear:
+        return cls(linear.weight, linear.bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_local @ W[:, columns of this rank].T, then + b (added once)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        start, part = _shard(weight.shape[1], group, "in_features")
+        self.weight = nn.Parameter(weight.detach()[:, start:start + part].clone())
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup) -> RowParallelLinear:
+        return cls(linear.weight, linear.bias, group)
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        out = reduce_from_tp(F.linear(x_local, self.weight), self.group)
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary; lookups outside it give zeros, then sum."""
+
+    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.start, part = _shard(weight.shape[0], group, "vocab_size")
+        self.end = self.start + part
+        self.weight = nn.Parameter(weight.detach()[self.start:self.end].clone())
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: dist.ProcessGroup) -> VocabParallelEmbedding:
+        return cls(embedding.weight, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, start, group, ignore_index):
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        part = logits.shape[-1]
+        valid = targets != ignore_index
+        local_t = targets - start
+        mine = valid & (local_t >= 0) & (local_t < part)
+        index = local_t.clamp(0, part - 1).unsqueeze(-1)
+        target_logit = shifted.gather(-1, index).squeeze(-1) * mine
+        dist.all_reduce(target_logit, group=group)
+        loss = (sum_exp.log() - target_logit) * valid
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, index, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine, valid = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, index, -mine.unsqueeze(-1).to(g.dtype))
+        g = g * (grad * valid).unsqueeze(-1)
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tensor, *, vocab_start: int,
+                                 group: dist.ProcessGroup, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token cross-entropy from logits sharded on the vocabulary (0 where targets == ignore_index)."""
+    return _VocabParallelCrossEntropy.apply(logits_local, targets, vocab_start, group, ignore_index)
