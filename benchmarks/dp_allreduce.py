@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from autopar.launch import free_port
 from autopar.data_parallel import GradientSynchronizer
 from autopar.models import build_model, materialize
 
@@ -290,10 +290,6 @@ def print_report(world: int, args, results: list[dict]) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

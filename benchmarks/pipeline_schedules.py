@@ -35,7 +35,6 @@ import multiprocessing
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from autopar.launch import free_port
 from autopar.errors import ConfigError
 from autopar.models import build_model
 from autopar.partition import partition
@@ -598,10 +598,6 @@ def worker(rank: int, port: int, args, job: str, out_dir: str, blocks: dict | No
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args, job: str, blocks: dict | None = None) -> dict | list:

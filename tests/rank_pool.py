@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from autopar.launch import free_port
+
 GROUP_TIMEOUT_S = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
@@ -57,7 +54,7 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results),
                                    daemon=True) for r in range(self.world_size)]
         for p in self._procs:

@@ -25,7 +25,7 @@ from .distributed import DistEnv
 from .errors import AutoparError, ConfigError
 
 
-def _flag(section: str, f: dataclasses.Field) -> str:
+def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
@@ -35,7 +35,7 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"[{section}]", (cls.__doc__ or "").strip().splitlines()[0])
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            flag, dest, help_text = _flag(section, f), f"{section}.{f.name}", f.metadata.get("help", "")
+            flag, dest, help_text = _flag(f), f"{section}.{f.name}", f.metadata.get("help", "")
             default = f.default if f.default is not dataclasses.MISSING else None
             if section == "model" and f.name == "args":
                 group.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE", help=help_text,
@@ -64,7 +64,7 @@ def _overrides(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 args[name.strip()] = value.strip()
             value = args
         else:
-            value = coerce(raw, get_type_hints(SECTION_TYPES[section])[key], _flag(section, _field(section, key)))
+            value = coerce(raw, get_type_hints(SECTION_TYPES[section])[key], _flag(_field(section, key)))
         out.setdefault(section, {})[key] = value
     return out
 

@@ -81,10 +81,6 @@ class Strategy:
             )
         return dataclasses.replace(self, dp=dp)
 
-    @property
-    def world_size(self) -> int:
-        return (self.dp or 1) * self.tp * self.pp
-
 
 @dataclass(kw_only=True)
 class ModelConfig:

@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ModelError
+from ..models.materialize import tied_groups
 
 
 @dataclass
@@ -102,11 +103,6 @@ def find_layers(model: nn.Module) -> str:
     return best
 
 
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    by_tensor: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(name)
-    return [names for names in by_tensor.values() if len(names) > 1]
 
 
 def _layer_index(path: str, layers: str) -> int | None:
@@ -150,7 +146,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     for block in blocks:
         block.num_params = sum(param_numel[p] for p in block.params)
     return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=layers, param_numel=param_numel,
-                      tied=tied_groups(model), example_inputs=tuple(example_inputs), export_names=export_names)
+                      tied=tied_groups(model)[0], example_inputs=tuple(example_inputs), export_names=export_names)
 
 
 def _assign_blocks(exported: ExportedProgram, layers: str,
@@ -170,11 +166,12 @@ def _assign_blocks(exported: ExportedProgram, layers: str,
     blocks = [Block("prelude")] + [Block(f"{layers}.{i}") for i in seen_layers] + [Block("postlude")]
     nodes: dict[str, NodeCost] = {}
     current = 0
-    for n in calls:
+    last_layer_op = max(i for i, n in enumerate(calls) if layer_of[n.name][1] is not None)
+    for index, n in enumerate(calls):
         path, layer = layer_of[n.name]
         if layer is not None:
             current = max(current, position[layer])
-        elif current == len(seen_layers) and _after_all_layers(n, layer_of, calls):
+        elif index > last_layer_op:  # no later operation belongs to a layer: the postlude
             current = len(blocks) - 1
         reads = [canonical[a.name] for a in n.all_input_nodes if a.name in canonical]
         nodes[n.name] = NodeCost(name=n.name, target=str(n.target), module_path=path, block=current,
@@ -185,10 +182,6 @@ def _assign_blocks(exported: ExportedProgram, layers: str,
     return nodes, blocks
 
 
-def _after_all_layers(node: fx.Node, layer_of: dict, calls: list[fx.Node]) -> bool:
-    """True once no later operation belongs to a layer (so `node` opens the postlude)."""
-    index = calls.index(node)
-    return all(layer_of[m.name][1] is None for m in calls[index:])
 
 
 def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost]) -> None:

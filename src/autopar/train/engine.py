@@ -156,7 +156,7 @@ class PipelineEngine:
     """This rank's pipeline stage(s), run by a schedule; gradients synchronised over dp and tied stages."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 example_batch: Batch, num_microbatches: int, autocast: Callable):
+                 example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float):
         from ..partition import partition
         from ..pipeline.actions import Op, stage_to_rank
         from ..pipeline.p2p import P2P
@@ -196,7 +196,7 @@ class PipelineEngine:
         if strategy.memory_budget_mb is not None:
             self.recompute_plan = self._plan_recompute(strategy.memory_budget_mb * 2**20, example, num_microbatches)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
-        self._shared = self._shared_groups(device, placement)
+        self._shared = self._shared_groups(device, placement, timeout_s)
         self._loss_fn: LossFn = lambda out, batch: out
         self.last_events: list = []
 
@@ -236,7 +236,8 @@ class PipelineEngine:
             self.stages[s].recompute_blocks = blocks
         return plan
 
-    def _shared_groups(self, device: torch.device, placement: str) -> list[tuple[nn.Parameter, Any, bool]]:
+    def _shared_groups(self, device: torch.device, placement: str,
+                       timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
         """One group per tied parameter whose owning stages sit on different pp ranks."""
         from ..pipeline.actions import stage_to_rank
         coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
@@ -250,7 +251,7 @@ class PipelineEngine:
             for d in range(coords.shape[1]):
                 for t in range(coords.shape[2]):
                     ranks = [int(coords[p, d, t]) for p in pp_ranks]
-                    group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, 300.0))
+                    group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, timeout_s))
                     if dist.get_rank() in ranks:
                         mine = group
             if mine is not None:

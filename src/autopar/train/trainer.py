@@ -102,7 +102,7 @@ class Trainer:
                                  self.train_data)
             self.engine = PipelineEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                          example_batch=example, num_microbatches=self.accumulation,
-                                         autocast=self.autocast)
+                                         autocast=self.autocast, timeout_s=cfg.timeout_s)
         else:
             self.engine = DataParallelEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                              forward_fn=self.forward_fn, autocast=self.autocast)
