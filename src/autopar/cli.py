@@ -3,6 +3,8 @@
     autopar train [--config FILE.toml] [--model gpt-mini] [--dp 4] [--steps 200] ...
     autopar launch --nproc 4 my_script.py [script args]
     autopar models
+    autopar plan --model gpt-mini --pp 4
+    autopar reproduce embrace|dpsgd|delayed-sgd [study options]
 
 `train` flags are generated from the config dataclasses (config.py), one per field, with
 the field's own help text. Under torchrun (RANK/WORLD_SIZE set) `train` runs as one rank
@@ -144,6 +146,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(ns: argparse.Namespace) -> int:
+    from .reproduce import STUDIES, run_study
+    if ns.study is None:
+        for name, (_, about) in STUDIES.items():
+            print(f"{name:12s} {about}")
+        return 0
+    return run_study(ns.study, ns.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Train unmodified PyTorch models with data, "
                                      "tensor and pipeline parallelism chosen and applied for you.")
@@ -168,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-cap-mb", type=float, default=None, help="per-stage memory cap (MiB)")
     plan.add_argument("--measure", action="store_true", help="time every block instead of estimating from FLOPs")
     plan.add_argument("--json", action="store_true", help="print the partition as JSON")
+    reproduce = sub.add_parser("reproduce", help="rerun a paper's experiment and print its table "
+                               "(`autopar reproduce` lists them; `autopar reproduce NAME --help` shows options)")
+    reproduce.add_argument("study", nargs="?", help="which experiment")
+    reproduce.add_argument("args", nargs=argparse.REMAINDER, help="options for the study")
     return parser
 
 
@@ -183,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             code = cmd_launch(ns)
         elif ns.command == "plan":
             code = cmd_plan(ns)
+        elif ns.command == "reproduce":
+            code = cmd_reproduce(ns)
         else:
             code = cmd_models(ns)
     except AutoparError as exc:

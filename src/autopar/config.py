@@ -39,6 +39,9 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 
 
 RECOMPUTE_MODES = ("none", "all", "all-but-last")
+DP_MODES = ("allreduce", "gossip", "async")
+SPARSE_EMBEDDING_MODES = ("dense", "allgather", "embrace")
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam")
 
 
 @dataclass(kw_only=True)
@@ -58,6 +61,20 @@ class Strategy:
     recompute: str = _f("none", "whole-stage recomputation scheduled by the pipeline: none|all|all-but-last")
     memory_budget_mb: float | None = _f(None, "per-rank memory budget (MiB): recompute the fewest blocks of each "
                                               "stage that fit it (stage-aware recomputation)")
+    # How data-parallel replicas combine their work (synchronous all-reduce by default).
+    dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
+                                   "average with neighbours only) | async (parameter server, bounded staleness)")
+    topology: str = _f("ring", "gossip graph: ring|torus|exponential|complete, or a file holding the mixing matrix")
+    gossip_order: str = _f("dpsgd", "gossip update order: dpsgd (gradient at the local model while mixing, "
+                                    "Lian et al.) | atc (adapt, then combine)")
+    staleness: int = _f(0, "parameter server: how many steps a worker's parameters may lag (0: synchronous)")
+    servers: int = _f(1, "parameter server: processes holding parameter shards (taken from nproc)")
+    # How embedding tables' gradients travel between replicas (EmbRace).
+    sparse_embeddings: str = _f("dense", "embedding-table exchange: dense (all-reduce) | allgather (sparse "
+                                         "all-gather) | embrace (sharded tables, AlltoAll lookups)")
+    sparse_threshold: float = _f(0.1, "a table whose measured fraction of rows touched per step is below this "
+                                      "is sparse")
+    sparse_sharding: str = _f("column", "how embrace shards sparse tables over replicas: column|row")
 
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
@@ -71,6 +88,11 @@ class Strategy:
                               f"autopar; use tp=1 (data and pipeline parallelism)")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        if self.dp_mode not in DP_MODES:
+            raise ConfigError(f"strategy.dp_mode must be one of {choices(DP_MODES)}, got {self.dp_mode!r}")
+        if self.sparse_embeddings not in SPARSE_EMBEDDING_MODES:
+            raise ConfigError(f"strategy.sparse_embeddings must be one of {choices(SPARSE_EMBEDDING_MODES)}, "
+                              f"got {self.sparse_embeddings!r}")
         dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
         if dp * self.tp * self.pp != world_size or dp < 1:
             raise ConfigError(
@@ -97,6 +119,8 @@ class DataConfig:
 
     corpus: str = _f("stdlib", "embedded text corpus (stdlib: the Python standard library's source)")
     tokenizer: str = _f("byte", "tokenizer (byte: UTF-8 bytes plus special tokens)")
+    vocab_size: int = _f(32768, "word-level tokenizers: vocabulary size (the most frequent words of the training "
+                                "text; the rest become <unk>)")
     seq_len: int = _f(128, "tokens per training sequence")
 
 
@@ -109,7 +133,8 @@ class TrainConfig:
     micro_batch_size: int = _f(8, "sequences per forward/backward on one replica (gradients accumulate)")
     micro_batches: int | None = _f(None, "micro-batches per replica per step; if set, micro_batch_size = "
                                          "global_batch_size / (dp * micro_batches)")
-    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    optimizer: str = _f("adamw", "optimizer: adamw|adam|sgd|adagrad")
+    lr: float = _f(3e-3, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
     warmup_steps: int = _f(20, "steps of linear learning-rate warm-up")
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases, norms or embeddings' 1-D params)")
@@ -143,6 +168,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer must be one of {choices(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"train.device must be one of {{cpu, cuda}}, got {self.device!r}")
         if self.dtype not in ("fp32", "bf16"):

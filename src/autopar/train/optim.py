@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and warm-up + cosine learning rate."""
+"""The optimizer (AdamW by default; Adam, SGD, Adagrad on request) with weight decay on matrices only,
+and warm-up + cosine learning rate."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from torch import nn
 from ..config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """Weight decay on >= 2-D weights (matrices, embeddings); none on biases and norms."""
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """Weight decay on >= 2-D weights (matrices, embeddings); none on biases and norms.
+
+    AdamW decays decoupled from the gradient; Adam, SGD and Adagrad add weight_decay * w to
+    the gradient (torch's convention for them). SGD has no momentum: it is the plain rule
+    that the decentralized and asynchronous methods are stated for.
+    """
     seen: set[int] = set()
     decay, no_decay = [], []
     for p in model.parameters():
@@ -21,8 +27,14 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
-                             betas=(config.beta1, config.beta2), foreach=True)
+    groups = [g for g in groups if g["params"]]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, foreach=True)
+    if config.optimizer == "adagrad":
+        return torch.optim.Adagrad(groups, lr=config.lr, foreach=True)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
