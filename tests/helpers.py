@@ -37,7 +37,15 @@ def train_builtin(model_name: str, out: str, *, model_args: dict | None = None, 
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return {"losses": result.losses, "eval_loss": result.eval_loss, "first_step": result.first_step,
             "grad_norms": [r["grad_norm"] for r in records if r["step"] >= result.first_step],
-            "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
+            "params": whole_parameters(trainer),
+            "local_numel": sum(p.numel() for p in trainer.model.parameters())}
+
+
+def whole_parameters(trainer) -> dict:
+    """This rank's parameters by name; tensor-parallel slices gathered into whole tensors."""
+    tp = trainer.engine.tensor_parallel
+    return {k: (tp.gather(k, v) if tp is not None else v).detach().clone()
+            for k, v in trainer.model.state_dict().items()}
 
 
 def max_relative_difference(a: list[float], b: list[float]) -> float:

@@ -83,9 +83,6 @@ class Strategy:
         if self.dp is not None:
             _check_positive_int("strategy.dp", self.dp)
         _check_positive_int("strategy.chunks", self.chunks)
-        if self.tp > 1:
-            raise ConfigError(f"tp={self.tp}: tensor parallelism is not supported yet in this version of "
-                              f"autopar; use tp=1 (data and pipeline parallelism)")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.dp_mode not in DP_MODES:

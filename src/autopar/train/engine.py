@@ -6,7 +6,12 @@ Both engines expose the same few operations to the trainer:
 - `forward_backward(batches, scale)`: every micro-batch of this replica, gradients
   synchronised; returns this rank's share of the loss (summed over ranks = the loss);
 - `clip_gradients(max_norm)`: global gradient norm, clipped;
-- `eval_sums(batches)`: (loss sum, target count) this rank contributes, no gradients.
+- `eval_sums(batches)`: (loss sum, target count) this rank contributes, no gradients;
+- `token_loss_sum(output, batch)`: the default loss (token cross-entropy sum), which under
+  tensor parallelism reads logits sharded over the vocabulary.
+
+Tensor parallelism runs through the pipeline engine (a single stage when pp=1), because it
+rewrites the traced stage graphs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from ..distributed import backend_for, group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from ..data.datasets import IGNORE_INDEX
 from .loss import Batch, count_targets, main_input, token_loss_sum
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # (model output, batch) -> this micro-batch's loss share
@@ -39,6 +45,8 @@ class DataParallelEngine:
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         _broadcast_from_first_replica(self.module, mesh)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
+        self.token_loss_sum = token_loss_sum
+        self.tensor_parallel = None
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         total = torch.zeros((), device=batches[0]["labels"].device)
@@ -101,8 +109,8 @@ def _random_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.zeros(value.shape, dtype=value.dtype, device=device)
 
 
-def eval_token_sums(output: Any, batch: Batch) -> torch.Tensor:
-    return torch.stack([token_loss_sum(output, batch).double(),
+def eval_token_sums(output: Any, batch: Batch, loss_sum: Callable = token_loss_sum) -> torch.Tensor:
+    return torch.stack([loss_sum(output, batch).double(),
                         torch.tensor(count_targets(batch), dtype=torch.float64, device=batch["labels"].device)])
 
 
@@ -178,6 +186,13 @@ class PipelineEngine:
         placement = "loop"
         mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
         self.stages = {s: self.partition.materialize_stage(s, model, device, seed=seed) for s in mine}
+        self.tensor_parallel = None
+        self.tp_rank = mesh.local_rank("tp")
+        if strategy.tp > 1:
+            from ..tensor_parallel import TensorParallel, plan_tensor_parallel
+            self.tensor_parallel = TensorParallel(plan_tensor_parallel(graph, strategy.tp), mesh.group("tp"))
+            for stage in self.stages.values():
+                self.tensor_parallel.parallelize(stage)
         self.module = LocalStages(self.stages)
         recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
                      "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]
@@ -199,6 +214,11 @@ class PipelineEngine:
         self._shared = self._shared_groups(device, placement, timeout_s)
         self._loss_fn: LossFn = lambda out, batch: out
         self.last_events: list = []
+
+    def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        if self.tensor_parallel is None:
+            return token_loss_sum(output, batch)
+        return self.tensor_parallel.loss_sum(output, batch, IGNORE_INDEX)
 
     def _plan_recompute(self, budget: float, example: torch.Tensor, num_microbatches: int):
         """Measure this rank's stages and choose their recomputed blocks; every rank agrees it fits."""
@@ -268,14 +288,22 @@ class PipelineEngine:
         self.sync.finish()
         for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
             dist.all_reduce(param.grad, group=group)
-        return step.loss
+        return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
 
     def clip_gradients(self, max_norm: float) -> float:
+        """Global norm: tied copies counted once, tensor-parallel slices summed over the tp group
+        (replicated parameters have equal gradients on every tp rank and are counted once)."""
         shared_elsewhere = {id(p) for p, _, first in self._shared if not first}
-        squares = torch.zeros((), dtype=torch.float64, device=next(self.module.parameters()).device)
+        sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
+                   if self.tensor_parallel is not None else set())
+        device = next(self.module.parameters()).device
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
         for p in self.sync.params:
             if p.grad is not None and id(p) not in shared_elsewhere:
-                squares += p.grad.double().square().sum()
+                squares[int(id(p) in sharded)] += p.grad.double().square().sum()
+        if self.tensor_parallel is not None:
+            dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
+        squares = squares.sum()
         dist.all_reduce(squares, group=self.mesh.group("pp"))
         norm = math.sqrt(float(squares))
         if norm > max_norm and math.isfinite(max_norm):
@@ -292,7 +320,7 @@ class PipelineEngine:
         self._loss_fn = eval_loss
         step = self.runtime.run(self.eval_actions, batches)
         self.module.train()
-        if self.num_stages - 1 in self.stages:
+        if self.num_stages - 1 in self.stages and self.tp_rank == 0:
             return step.loss.double()
         return torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
 

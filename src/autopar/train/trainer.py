@@ -36,7 +36,7 @@ from ..errors import ConfigError, DataError
 from ..mesh import ProcessMesh
 from . import checkpoint as ckpt
 from .engine import DataParallelEngine, PipelineEngine, check_pipeline_strategy, eval_token_sums
-from .loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, token_loss_sum, tokens_in
+from .loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, tokens_in
 from .metrics import MetricsLog, Progress, peak_memory_bytes
 from .optim import build_optimizer, build_scheduler
 
@@ -96,7 +96,7 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16"
                          else contextlib.nullcontext)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
-        if self.strategy.pp > 1:
+        if self.strategy.pp > 1 or self.strategy.tp > 1:
             example = self._load(self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,
                                                                   micro_batch_size=cfg.micro_batch_size)[0],
                                  self.train_data)
@@ -140,7 +140,9 @@ class Trainer:
 
     def _loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor:
         if self.loss_fn is None:
-            return token_loss_sum(output, batch) / global_count
+            return self.engine.token_loss_sum(output, batch) / global_count
+        if self.engine.tensor_parallel is not None:  # a custom loss sees whole logits
+            output = self.engine.tensor_parallel.full_output(output)
         samples = len(main_input(batch))
         return self.loss_fn(output, batch) * (samples / self.config.global_batch_size)
 
@@ -171,7 +173,9 @@ class Trainer:
     def _eval_pair(self, output: Any, batch: Batch) -> torch.Tensor:
         """[loss sum, weight] of one eval micro-batch."""
         if self.loss_fn is None:
-            return eval_token_sums(output, batch)
+            return eval_token_sums(output, batch, self.engine.token_loss_sum)
+        if self.engine.tensor_parallel is not None:
+            output = self.engine.tensor_parallel.full_output(output)
         n = len(main_input(batch))
         return torch.stack([self.loss_fn(output, batch).double() * n,
                             torch.tensor(float(n), dtype=torch.float64, device=self.device)])

@@ -1,0 +1,247 @@
+"""Apply a tensor-parallel plan to pipeline stages: rewrite their graphs and shard their weights.
+
+The stage graphs are pieces of one exported graph and keep its node names, so the plan
+(computed once on the whole graph, plan.py) is applied to each piece by name:
+
+- a column layer's input goes through `copy_to_tp` (identity forward, gradient all-reduce);
+- a row layer computes its partial product without bias, all-reduces it (`reduce_from_tp`)
+  and adds the bias once;
+- a token-embedding lookup becomes a vocabulary-parallel lookup (out-of-range ids give 0,
+  then an all-reduce);
+- static view / expand / split sizes inside the sharded region are replaced by their local
+  sizes (the head count becomes heads / tp).
+
+Weights are first materialised whole (from the seed, as one process would), then each rank
+keeps its slices: the result is bit-identical to slicing the single-process model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from typing import Any
+
+from ..train.loss import logits_of
+from .layers import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from .plan import ParamShard, TensorParallelPlan
+
+aten = torch.ops.aten
+
+
+class CopyToTP(nn.Module):
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(x, self.group)
+
+
+class ReduceFromTP(nn.Module):
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(x, self.group)
+
+
+class VocabLookup(nn.Module):
+    """embedding(weight_shard, ids) for a vocabulary split in contiguous ranges, summed over ranks."""
+
+    def __init__(self, start: int, part: int, group: dist.ProcessGroup):
+        super().__init__()
+        self.start, self.part, self.group = start, part, group
+
+    def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.part)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.ProcessGroup) -> int:
+    """Apply the plan to one graph piece in place; returns how many nodes it changed."""
+    graph = module.graph
+    rank = dist.get_rank(group)
+    changed = 0
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        edits = plan.arg_edits.get(node.name)
+        if edits:
+            args = list(node.args)
+            for index, value in edits.items():
+                args[index] = value
+            node.args = tuple(args)
+            changed += 1
+        if node.name in plan.column:
+            index = plan.column[node.name]
+            source = node.args[index]
+            if source not in copies:  # one copy per value, placed before its first column reader
+                name = _add(module, f"tp_copy_{source.name}", CopyToTP(group))
+                with graph.inserting_before(node):
+                    copies[source] = graph.call_module(name, (source,))
+            args = list(node.args)
+            args[index] = copies[source]
+            node.args = tuple(args)
+            changed += 1
+        if node.name in plan.row:
+            if node.target is aten.addmm.default:
+                bias, x, weight = node.args
+                node.target, node.args = aten.mm.default, (x, weight)
+            else:
+                x, weight, *rest = node.args
+                bias = rest[0] if rest else None
+                node.args = (x, weight)
+            name = _add(module, f"tp_reduce_{node.name}", ReduceFromTP(group))
+            with graph.inserting_after(node):
+                reduced = graph.call_module(name, (node,))
+            result = reduced
+            if bias is not None:
+                with graph.inserting_after(reduced):
+                    result = graph.call_function(aten.add.Tensor, (reduced, bias))
+            node.replace_all_uses_with(result, delete_user_cb=lambda user: user is not reduced)
+            changed += 1
+        if node.name in plan.embeddings:
+            part = plan.embeddings[node.name] // plan.tp
+            name = _add(module, f"tp_vocab_{node.name}", VocabLookup(rank * part, part, group))
+            weight, ids = node.args[:2]
+            with graph.inserting_after(node):
+                lookup = graph.call_module(name, (weight, ids))
+            node.replace_all_uses_with(lookup)
+            graph.erase_node(node)
+            changed += 1
+    graph.lint()
+    module.recompile()
+    return changed
+
+
+def _add(module: nn.Module, name: str, child: nn.Module) -> str:
+    module.add_module(name, child)
+    return name
+
+
+def shard_tensor(full: torch.Tensor, shard: ParamShard, rank: int, tp: int) -> torch.Tensor:
+    """This rank's slices of a whole tensor (for each segment, its contiguous part), concatenated."""
+    pieces = [full.narrow(shard.dim, start, length) for start, length in shard.local_slices(rank, tp)]
+    return torch.cat(pieces, dim=shard.dim).contiguous() if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def gather_tensor(local: torch.Tensor, shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor from every rank's slices (collective over the tp group)."""
+    tp = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    pieces = []
+    for k, size in enumerate(shard.segments):
+        part = size // tp
+        offset = sum(s // tp for s in shard.segments[:k])
+        pieces.extend(p.narrow(shard.dim, offset, part) for p in parts)
+    return torch.cat(pieces, dim=shard.dim)
+
+
+def shard_parameters(module: nn.Module, plan: TensorParallelPlan, group: dist.ProcessGroup) -> None:
+    """Replace each planned parameter of `module` (already materialised whole) by this rank's slices."""
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    for fqn, shard in plan.params.items():
+        try:
+            param = module.get_parameter(fqn)
+        except AttributeError:
+            continue  # another stage's parameter
+        owner_path, _, leaf = fqn.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        local = shard_tensor(param.detach(), shard, rank, tp)
+        owner._parameters[leaf] = nn.Parameter(local, requires_grad=param.requires_grad)
+
+
+def parallelize_stage(stage: nn.Module, plan: TensorParallelPlan, group: dist.ProcessGroup) -> None:
+    """Shard a materialised StageModule's weights and rewrite its graph pieces for tensor parallelism."""
+    shard_parameters(stage, plan, group)
+    for piece in stage.modules():
+        if isinstance(piece, fx.GraphModule):
+            rewrite_graph(piece, plan, group)
+
+
+def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, plan: TensorParallelPlan,
+                            group: dist.ProcessGroup, ignore_index: int) -> torch.Tensor:
+    """Sum of token cross-entropies from logits sharded over the vocabulary (never gathered)."""
+    start = plan.vocab_start(dist.get_rank(group))
+    losses = vocab_parallel_cross_entropy(logits.flatten(0, -2), labels.flatten(), vocab_start=start, group=group,
+                                          ignore_index=ignore_index)
+    return losses.sum()
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather logits along the vocabulary for a custom loss; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group, ctx.part = group, local.shape[-1]
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad.narrow(-1, rank * ctx.part, ctx.part).contiguous(), None
+
+
+def gather_vocab(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _GatherVocab.apply(local, group)
+
+
+class TensorParallel:
+    """What an engine needs to run tensor-parallel stages: the plan, the tp group, and conversions.
+
+    Checkpoints hold whole tensors (gathered on save, sliced on load), so a checkpoint written
+    under one (dp, tp, pp) resumes under any other; the price is one all-gather per sharded
+    tensor at save time.
+    """
+
+    def __init__(self, plan: TensorParallelPlan, group: dist.ProcessGroup):
+        self.plan, self.group = plan, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def parallelize(self, stage: nn.Module) -> None:
+        parallelize_stage(stage, self.plan, self.group)
+
+    def is_sharded(self, fqn: str) -> bool:
+        return fqn in self.plan.params
+
+    def loss_sum(self, output: Any, batch: dict, ignore_index: int) -> torch.Tensor:
+        logits = logits_of(output)
+        if not self.plan.vocab_output:
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten(),
+                                                     ignore_index=ignore_index, reduction="sum")
+        return vocab_parallel_loss_sum(logits, batch["labels"], plan=self.plan, group=self.group,
+                                       ignore_index=ignore_index)
+
+    def full_output(self, output: Any) -> Any:
+        """The model output with whole logits (for a custom loss function): gathered, differentiably."""
+        if not self.plan.vocab_output:
+            return output
+        full = gather_vocab(logits_of(output), self.group)
+        if isinstance(output, torch.Tensor):
+            return full
+        if hasattr(output, "logits"):
+            output.logits = full
+            return output
+        return type(output)([full, *output[1:]])
+
+    def gather(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+        return gather_tensor(local, self.plan.params[fqn], self.group) if fqn in self.plan.params else local
+
+    def shard(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(full, self.plan.params[fqn], self.rank, self.size) if fqn in self.plan.params else full
+
+    def full_shape(self, fqn: str, local: torch.Tensor) -> tuple[int, ...]:
+        shape = list(local.shape)
+        if fqn in self.plan.params:
+            shard = self.plan.params[fqn]
+            shape[shard.dim] = sum(shard.segments)
+        return tuple(shape)
