@@ -117,3 +117,29 @@ def test_resume_across_pipeline_and_data_parallel_layouts(rank_pool, tmp_path, f
     resumed = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "b"), steps=STEPS, strategy=second,
                                resume=str(tmp_path / "a" / "checkpoints" / "step_00000005"))[0]
     assert max_relative_difference(full["losses"][5:], resumed["losses"]) < 1e-5
+
+
+# (model, world, layout written, world, layout resumed): checkpoints hold whole tensors, so any
+# (dp, tp, pp) resumes any other, AdamW moments included.
+TP_LAYOUTS = [
+    ("gpt-tiny", 8, {"dp": 2, "tp": 2, "pp": 2}, 2, {"tp": 2}),
+    ("gpt-tiny", 2, {"tp": 2}, 4, {"tp": 2, "pp": 2}),
+    ("hf:llama", 4, {"tp": 2, "dp": 2}, 2, {"dp": 2}),
+    ("hf:llama", 2, {"pp": 2}, 4, {"tp": 2, "pp": 2}),
+]
+
+
+@pytest.mark.parametrize("model,world_a,first,world_b,second", TP_LAYOUTS, ids=lambda v: str(v))
+def test_resume_across_tensor_parallel_layouts(rank_pool, tmp_path, model, world_a, first, world_b, second):
+    args = {"n_layer": 2} if model == "gpt-tiny" else {"num_hidden_layers": 2}
+    ranks = rank_pool(world_a).run(train_builtin, model, str(tmp_path / "a"), model_args=args, steps=STEPS,
+                                   checkpoint_every=5, strategy=first, micro_batch_size=2)
+    full = {**ranks[0], "params": {k: v for r in ranks for k, v in r["params"].items()}}  # every stage's
+    resumed = rank_pool(world_b).run(train_builtin, model, str(tmp_path / "b"), model_args=args, steps=STEPS,
+                                     strategy=second, micro_batch_size=2,
+                                     resume=str(tmp_path / "a" / "checkpoints" / "step_00000005"))
+    for got in resumed:
+        assert got["first_step"] == 6
+        assert max_relative_difference(full["losses"][5:], got["losses"]) < 1e-5, (full["losses"], got["losses"])
+        for name, value in got["params"].items():
+            assert (value - full["params"][name]).abs().max() < 1e-5, name

@@ -9,7 +9,9 @@ A save writes into `step_N.partial/`; only when every rank has finished does ran
 it to `step_N/` and then replace `latest` (write-to-temp + os.replace, both atomic on
 POSIX). A crash at any point leaves the previous checkpoint and `latest` untouched.
 DCP stores parameters by name and reshards on load, so a checkpoint is not tied to the
-number of processes that wrote it. All ranks must see the same folder (one machine, or a
+number of processes that wrote it. Tensor-parallel slices are gathered into whole tensors
+before saving and sliced again after loading (`tensor_parallel`), so checkpoints always
+hold the single-process layout and any (dp, tp, pp) can resume any other. All ranks must see the same folder (one machine, or a
 shared filesystem across machines).
 """
 
@@ -63,8 +65,26 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _whole_state(model_sd: dict, optim_sd: dict, tensor_parallel: Any) -> tuple[dict, dict]:
+    """Gather tensor-parallel slices (parameters and their optimizer state) into whole tensors."""
+    if tensor_parallel is None:
+        return model_sd, optim_sd
+    shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
+    model_sd = {k: tensor_parallel.gather(k, v) for k, v in model_sd.items()}
+    state = {}
+    for fqn, entries in optim_sd.get("state", {}).items():
+        state[fqn] = {k: tensor_parallel.gather(fqn, v) if _is_slice_state(v, shapes.get(fqn)) else v
+                      for k, v in entries.items()}
+    return model_sd, {**optim_sd, "state": state}
+
+
+def _is_slice_state(value: Any, param_shape: tuple | None) -> bool:
+    return isinstance(value, torch.Tensor) and param_shape is not None and value.dim() > 0 \
+        and tuple(value.shape) == param_shape
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any]) -> Path:
+                    trainer_state: dict[str, Any], tensor_parallel: Any = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder."""
     root = Path(run_dir) / "checkpoints"
     final = root / checkpoint_name(step)
@@ -75,7 +95,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _whole_state(*get_state_dict(model, optimizer), tensor_parallel)
     dcp.save({"model": _primary_names(model_sd)[0], "optim": optim_sd}, checkpoint_id=partial)
     torch.save(torch.get_rng_state(), partial / f"rng_rank{rank}.pt")
     if rank == 0:
@@ -145,7 +165,8 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    tensor_parallel: Any = None) -> dict[str, Any]:
     """Collective: load model and optimizer state in place; returns the trainer state (step, ...)."""
     try:
         trainer_state = json.loads((path / TRAINER_STATE).read_text())
@@ -154,6 +175,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     _ensure_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     primary, aliases = _primary_names(model_sd)
+    shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
+    if tensor_parallel is not None:  # load whole tensors, then keep this rank's slices
+        whole = lambda fqn, v: v.new_empty(tensor_parallel.full_shape(fqn, v))
+        primary = {k: whole(k, v) if tensor_parallel.is_sharded(k) else v for k, v in primary.items()}
+        optim_sd = {**optim_sd, "state": {
+            fqn: {k: whole(fqn, v) if tensor_parallel.is_sharded(fqn) and _is_slice_state(v, shapes.get(fqn)) else v
+                  for k, v in entries.items()} for fqn, entries in optim_sd.get("state", {}).items()}}
     state = {"model": primary, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=path)
@@ -161,6 +189,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         first = _root_cause(exc)
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model ({first[:300]}); "
                               f"is it corrupt, or from another model?") from None
+    if tensor_parallel is not None:
+        state["model"] = {k: tensor_parallel.shard(k, v) for k, v in state["model"].items()}
+        state["optim"]["state"] = {fqn: {k: tensor_parallel.shard(fqn, v) if tensor_parallel.is_sharded(fqn)
+                                         and isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                         for k, v in entries.items()}
+                                   for fqn, entries in state["optim"].get("state", {}).items()}
     loaded = {**state["model"], **{alias: state["model"][key] for alias, key in aliases.items()}}
     set_state_dict(model, optimizer, model_state_dict=loaded, optim_state_dict=state["optim"])
     rng = path / f"rng_rank{dist.get_rank()}.pt"

@@ -196,11 +196,11 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
-                                    {"scheduler": self.scheduler.state_dict()})
+                                    {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel)
 
     def _resume(self) -> int:
         path = ckpt.find_checkpoint(self.config.resume)
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.engine.tensor_parallel)
         self.scheduler.load_state_dict(state["scheduler"])
         self.engine.zero_grad()
         return int(state["step"])
