@@ -196,7 +196,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                                          for k, v in entries.items()}
                                    for fqn, entries in state["optim"].get("state", {}).items()}
     loaded = {**state["model"], **{alias: state["model"][key] for alias, key in aliases.items()}}
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=loaded, optim_state_dict=state["optim"])
+    # Hyperparameters come from this run's config (the learning rate from the scheduler's
+    # state, set by the caller), never from the file: measured with torch 2.13, a pipeline
+    # rank whose tied weight another rank also saved gets its groups back without lr/betas/eps.
+    for group, wanted in zip(optimizer.param_groups, configured):
+        for key, value in wanted.items():
+            group.setdefault(key, value)
     rng = path / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file() and trainer_state.get("world_size") == dist.get_world_size():
         torch.set_rng_state(torch.load(rng, weights_only=True))

@@ -202,6 +202,8 @@ class Trainer:
         path = ckpt.find_checkpoint(self.config.resume)
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.engine.tensor_parallel)
         self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # the rate the checkpointed step would use next
         self.engine.zero_grad()
         return int(state["step"])
 
