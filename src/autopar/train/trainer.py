@@ -81,6 +81,9 @@ class Trainer:
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
         check_pipeline_strategy(strategy, accumulation)
+        if strategy.dp_mode == "gossip":
+            from ..gossip import check_gossip_strategy
+            check_gossip_strategy(strategy)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
@@ -96,7 +99,12 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16"
                          else contextlib.nullcontext)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
-        if self.strategy.pp > 1:
+        if self.strategy.dp_mode == "gossip":  # D-PSGD: replicas mix with neighbours (gossip/engine.py)
+            from ..gossip import GossipEngine
+            self.engine = GossipEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
+                                       forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s)
+            self.run_info["gossip"] = {**self.engine.topology.describe(), "order": self.engine.order}
+        elif self.strategy.pp > 1:
             example = self._load(self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,
                                                                   micro_batch_size=cfg.micro_batch_size)[0],
                                  self.train_data)
@@ -191,6 +199,8 @@ class Trainer:
         return float(sums[0] / sums[1].clamp_min(1))
 
     def save(self, step: int) -> Path:
+        if hasattr(self.engine, "average_models"):  # gossip: replicas differ; save (and continue from) their mean
+            self.engine.average_models()
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
                                     {"scheduler": self.scheduler.state_dict()})
 
