@@ -90,6 +90,8 @@ class Strategy:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.dp_mode not in DP_MODES:
             raise ConfigError(f"strategy.dp_mode must be one of {choices(DP_MODES)}, got {self.dp_mode!r}")
+        _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
+        _check_positive_int("strategy.servers", self.servers)
         if self.sparse_embeddings not in SPARSE_EMBEDDING_MODES:
             raise ConfigError(f"strategy.sparse_embeddings must be one of {choices(SPARSE_EMBEDDING_MODES)}, "
                               f"got {self.sparse_embeddings!r}")

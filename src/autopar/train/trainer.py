@@ -78,6 +78,10 @@ class Trainer:
         cfg.validate()
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
         strategy = self.strategy.resolved(world)
+        if strategy.dp_mode == "async":  # parameter server: batches split over the workers only
+            from ..async_sgd.engine import check_async_setup
+            self.config, accumulation = check_async_setup(strategy, cfg, world)
+            return strategy, accumulation
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
         check_pipeline_strategy(strategy, accumulation)
@@ -104,6 +108,11 @@ class Trainer:
             self.engine = GossipEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                        forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s)
             self.run_info["gossip"] = {**self.engine.topology.describe(), "order": self.engine.order}
+        elif self.strategy.dp_mode == "async":  # parameter server (async_sgd/engine.py)
+            from ..async_sgd.engine import AsyncEngine
+            self.engine = AsyncEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
+                                      forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s,
+                                      weight_decay=cfg.weight_decay)
         elif self.strategy.pp > 1:
             example = self._load(self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,
                                                                   micro_batch_size=cfg.micro_batch_size)[0],
@@ -215,6 +224,9 @@ class Trainer:
 
     def train(self) -> TrainResult:
         self._setup()
+        if self.strategy.dp_mode == "async":  # servers serve, workers run ahead: a loop of its own
+            from ..async_sgd.loop import train_async
+            return train_async(self)
         cfg = self.config
         start = self._resume() if cfg.resume else 0
         if start > cfg.steps:
