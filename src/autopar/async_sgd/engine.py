@@ -41,12 +41,21 @@ def check_async_setup(strategy: Strategy, config: TrainConfig, world: int) -> tu
         if getattr(config, name):
             raise ConfigError(f"dp_mode=async does not support {flag} yet (workers run ahead of each other; the "
                               f"run evaluates and checkpoints once, at the end); got {getattr(config, name)!r}")
-    config = config.with_micro_batches(roles.num_workers)
-    return config, config.accumulation_steps(roles.num_workers)
+    try:
+        config = config.with_micro_batches(roles.num_workers)
+        return config, config.accumulation_steps(roles.num_workers)
+    except ConfigError as exc:
+        raise ConfigError(f"dp_mode=async splits each global batch over the {roles.num_workers} worker(s) "
+                          f"(processes minus --servers {roles.servers}), so 'dp' below means workers: {exc}") from None
 
 
 class AsyncEngine:
-    """This rank's part of a parameter-server run (see async_sgd/__init__.py for the design)."""
+    """This rank's part of a parameter-server run (see async_sgd/__init__.py for the design).
+
+    Each of the W pushes of a step is one SGD update with that worker's share of the gradient;
+    weight decay is split the same way (weight_decay / W per push), so that a step of all W
+    workers decays the weights once, as a synchronous step does.
+    """
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  forward_fn: Callable, autocast: Callable, timeout_s: float, weight_decay: float,
@@ -68,7 +77,7 @@ class AsyncEngine:
         if self.is_server:
             self.server = ParameterServer(self.layout, self.roles.shard_of(self.rank), workers=self.roles.worker_ranks,
                                           staleness=strategy.staleness, links=self.links,
-                                          weight_decay=weight_decay, initial=initial)
+                                          weight_decay=weight_decay / self.roles.num_workers, initial=initial)
         else:
             self.client = ServerClient(self.layout, self.roles.server_ranks, self.links, rank=self.rank)
 
