@@ -139,3 +139,37 @@ def test_round_robin_server_is_delayed_sgd_bit_for_bit(rank_pool, servers):
         assert ps_losses == losses
         if staleness:
             assert {p.staleness for p in got["pushes"] if p.clock > 0} == {workers - 1}
+
+
+# ---------------------------------------------------------------------------- the study
+
+
+@pytest.mark.parametrize("name", ["least-squares", "logistic"])
+def test_study_gradient_matches_autograd(name):
+    from autopar.reproduce.delayed_sgd import PROBLEMS, make_data, sample_gradient, sample_losses
+    problem = PROBLEMS[name]
+    data = make_data(problem, seeds=3)
+    w = (0.3 * torch.randn(3, problem.dim, dtype=torch.float64)).requires_grad_()
+    x, y = data["x_train"][:, 5], data["y_train"][:, 5]
+    objective = sample_losses(problem, w, x[:, None], y[:, None]).sum() + 0.5 * problem.l2 * (w ** 2).sum()
+    objective.backward()
+    written = sample_gradient(problem, w.detach(), x, y, out=torch.empty_like(w))
+    assert torch.allclose(written, w.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_study_quick_run_writes_table_plot_and_json(tmp_path, capsys):
+    from autopar.reproduce import run_study
+    assert run_study("delayed-sgd", ["--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "generalization gap" in printed and "| tau |" in printed
+    results = json.loads((tmp_path / "delayed_sgd.json").read_text())
+    assert (tmp_path / "delayed_sgd.png").stat().st_size > 10_000
+    assert (tmp_path / "table.md").read_text() in printed
+    cells = results["problems"]["least-squares"]["cells"]
+    final = str(results["steps"])
+    # every cell has every seed's losses, and the delay changed the trajectory (but tau=0 rules coincide)
+    assert len(cells["fixed, constant eta|8"]["by_step"][final]["gap"]) == results["seeds"]
+    assert cells["fixed, constant eta|8"]["by_step"][final] != cells["fixed, constant eta|0"]["by_step"][final]
+    assert cells["fixed, eta/(1+tau)|0"] == cells["fixed, constant eta|0"]
+    with pytest.raises(ConfigError, match="unknown problem"):
+        run_study("delayed-sgd", ["--quick", "--problems", "svm", "--out", str(tmp_path)])
