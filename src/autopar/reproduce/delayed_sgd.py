@@ -117,7 +117,7 @@ def sample_gradient(problem: Problem, w: torch.Tensor, x: torch.Tensor, y: torch
 
 
 def run_cell(problem: Problem, data: dict, indices: torch.Tensor, *, eta: float, delay, steps: int,
-             checkpoints: list[int]) -> dict[int, dict]:
+             checkpoints: list[int]) -> dict[str, dict]:
     """One (tau, rule) cell for every seed at once: returns {step: {train, test, gap: per-seed lists}}."""
     seeds = data["x_train"].shape[0]
     w = torch.zeros(seeds, problem.dim, dtype=torch.float64, requires_grad=True)
@@ -136,7 +136,7 @@ def run_cell(problem: Problem, data: dict, indices: torch.Tensor, *, eta: float,
             with torch.no_grad():
                 train = sample_losses(problem, w, data["x_train"], data["y_train"]).mean(1)
                 test = sample_losses(problem, w, data["x_test"], data["y_test"]).mean(1)
-            out[t + 1] = {"train": train.tolist(), "test": test.tolist(), "gap": (test - train).tolist()}
+            out[str(t + 1)] = {"train": train.tolist(), "test": test.tolist(), "gap": (test - train).tolist()}
     return out
 
 
@@ -190,7 +190,7 @@ def run_study(args: argparse.Namespace) -> dict:
 DIVERGED = 100.0  # a run whose training loss ends above this many times its loss at w_0 diverged
 
 
-def _diverged(cell: dict, step: int, start_loss: float) -> bool:
+def _diverged(cell: dict, step: str, start_loss: float) -> bool:
     train = cell["by_step"][step]["train"]
     return not all(math.isfinite(v) and v < DIVERGED * start_loss for v in train)
 
@@ -204,8 +204,30 @@ def summary(results: dict, name: str, step: int, key: str = "gap") -> dict[str, 
         row = []
         for tau in results["taus"]:
             cell = cells[f"{rule}|{tau}"]
-            row.append((float("nan"), float("nan")) if _diverged(cell, step, info["start_loss"])
-                       else _mean_se(cell["by_step"][step][key]))
+            row.append((float("nan"), float("nan")) if _diverged(cell, str(step), info["start_loss"])
+                       else _mean_se(cell["by_step"][str(step)][key]))
+        out[rule] = row
+    return out
+
+
+def paired_delay_effect(results: dict, name: str, step: int) -> dict[str, list[tuple[float, float, int]]]:
+    """The gap change the delay causes, per seed against the same seed's run without delay at the same step
+    size (constant rules: tau = 0; eta/(1+tau): the SGD control): rule -> per tau (mean, s.e., seeds > 0)."""
+    info = results["problems"][name]
+    cells, key = info["cells"], str(step)
+    baseline = {RULES[0]: lambda tau: f"{RULES[0]}|0", RULES[1]: lambda tau: f"{RULES[0]}|0",
+                RULES[2]: lambda tau: f"{RULES[2]}|0", RULES[3]: lambda tau: f"{RULES[4]}|{tau}"}
+    out = {}
+    for rule, base in baseline.items():
+        row = []
+        for tau in results["taus"]:
+            cell, ref = cells[f"{rule}|{tau}"], cells[base(tau)]
+            if _diverged(cell, key, info["start_loss"]) or _diverged(ref, key, info["start_loss"]):
+                row.append((float("nan"), float("nan"), 0))
+                continue
+            diffs = [a - b for a, b in zip(cell["by_step"][key]["gap"], ref["by_step"][key]["gap"])]
+            mean, se = _mean_se(diffs)
+            row.append((mean, se, sum(d > 0 for d in diffs)))
         out[rule] = row
     return out
 
@@ -226,6 +248,16 @@ def table(results: dict) -> str:
                 cells = [f"{m:.4f} +- {se:.4f} [{train[rule][k][0]:.3f}]" if math.isfinite(m) else "diverged"
                          for rule, (m, se) in ((rule, gaps[rule][k]) for rule in RULES)]
                 lines.append(f"| {tau} | " + " | ".join(cells) + " |")
+        step = results["checkpoints"][-1]
+        effect = paired_delay_effect(results, name, step)
+        lines.append(f"\n{name}: change of the gap caused by the delay after {step} steps, paired per seed against "
+                     f"the same seed without delay at the same step size (mean +- s.e.; seeds where it grew)\n")
+        lines.append("| tau | " + " | ".join(effect) + " |")
+        lines.append("|---:|" + "---:|" * len(effect))
+        for k, tau in enumerate(results["taus"][1:], start=1):
+            cells = [f"{m:+.5f} +- {se:.5f} ({up}/{results['seeds']})" if math.isfinite(m) else "diverged"
+                     for m, se, up in (effect[rule][k] for rule in effect)]
+            lines.append(f"| {tau} | " + " | ".join(cells) + " |")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
