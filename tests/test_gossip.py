@@ -162,7 +162,7 @@ def test_pure_gossip_keeps_mean_and_contracts_by_sqrt_rho(rank_pool, world):
 # ---------------------------------------------------------------- the average iterate (test 4), overlap
 
 
-def _average_iterate(order: str, lr: float, latency: float, steps: int = 5) -> dict:
+def _average_iterate(order: str, lr: float, latency: float, steps: int = 5, perturb: bool = False) -> dict:
     rank, n = dist.get_rank(), dist.get_world_size()
     strategy = autopar.Strategy(dp_mode="gossip", topology="ring", gossip_order=order).resolved(n)
     mesh = ProcessMesh.build(strategy, timeout_s=60)
@@ -171,6 +171,10 @@ def _average_iterate(order: str, lr: float, latency: float, steps: int = 5) -> d
     links = Links(LinkModel(latency_s=latency), group=mesh.group("dp"), timeout_s=30)
     engine = GossipEngine(model, mesh, device=torch.device("cpu"), seed=0, forward_fn=lambda m, b: m(b["inputs"]),
                           autocast=contextlib.nullcontext, links=links, verbose=False)
+    if perturb:  # replicas start apart (they start equal otherwise)
+        with torch.no_grad():
+            for p in engine.flat.params:
+                p.add_(torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(rank)))
     optimizer = torch.optim.SGD(engine.module.parameters(), lr=lr)
     loss_share = lambda out, batch: (out - batch["labels"]).square().mean() / n  # shares sum to the global mean
 
@@ -217,10 +221,13 @@ def test_average_iterate_follows_averaged_gradient(rank_pool, order):
 
 
 def test_zero_step_through_the_engine_keeps_the_mean(rank_pool):
-    results = rank_pool(4).run(_average_iterate, "dpsgd", 0.0, 0.0)
+    results = rank_pool(4).run(_average_iterate, "dpsgd", 0.0, 0.0, perturb=True)
     for r in results:
-        assert max(r["errors"]) < 1e-13  # lr = 0: the average never moves
-        assert r["distances"] == sorted(r["distances"], reverse=True)  # models only get closer
+        assert max(r["errors"]) < 1e-13  # lr = 0: the average never moves while the replicas mix
+        distances = r["distances"]
+        assert distances[0] > 1.0
+        # ring n=4: each round shrinks the distance to consensus by at least sqrt(rho) = 1/3
+        assert all(b <= a / 3 * (1 + 1e-9) for a, b in zip(distances, distances[1:])), distances
 
 
 # ---------------------------------------------------------------- complete graph vs all-reduce (test 3)
@@ -246,3 +253,20 @@ def test_complete_graph_atc_equals_allreduce_and_dpsgd_does_not(rank_pool, tmp_p
     assert dpsgd[0]["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-6)  # same start
     for other in dpsgd[1:]:  # the checkpoint at the end set every replica to the average
         assert max_param_difference(other["params"], dpsgd[0]["params"]) == 0.0
+
+
+# ---------------------------------------------------------------- checkpoints hold the average
+
+
+def test_gossip_resume_continues_from_the_averaged_checkpoint(rank_pool, tmp_path):
+    pool = rank_pool(4)
+    strategy = {"dp_mode": "gossip", "topology": "ring"}
+    settings = dict(steps=6, optimizer="sgd", lr=0.2, grad_clip=0.0, checkpoint_every=3)
+    full = pool.run(train_builtin, "gpt-tiny", str(tmp_path / "full"), strategy=strategy, **settings)
+    resumed = pool.run(train_builtin, "gpt-tiny", str(tmp_path / "resumed"), strategy=strategy,
+                       resume=str(tmp_path / "full" / "checkpoints" / "step_00000003"), **settings)
+    for f, r in zip(full, resumed):
+        assert r["first_step"] == 4
+        # the uninterrupted run also set its replicas to the average at step 3: same state, same bits
+        assert r["losses"] == f["losses"][3:]
+        assert max_param_difference(f["params"], r["params"]) == 0.0

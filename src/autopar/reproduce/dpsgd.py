@@ -8,6 +8,8 @@ few epochs, with each data-parallel mode:
   a ring all-reduce in the delay model: 2(W-1) dependent messages of 1/W of the gradient);
 - gossip: D-PSGD on a ring (Metropolis weights 1/3): each worker sends its model to its two
   neighbours while it computes, then mixes (gossip/runner.py);
+- gossip-atc: the same ring in the adapt-then-combine order: update, then exchange and mix
+  (no overlap, but the gradient is taken at the mixed model);
 - ps: the parameter server of async_sgd (one extra server process, bounded staleness S):
   a push of the gradient and a pull of the parameters per worker per step.
 Every message goes through `autopar.data_parallel.links.Links`, which delays it by the
@@ -46,7 +48,7 @@ SETTINGS = {  # name: (latency_s, bandwidth bytes/s)
     "latency-10ms": (0.010, float("inf")),
     "bandwidth-5MB/s": (0.0001, 5e6),
 }
-METHODS = ("allreduce", "gossip", "ps")
+METHODS = ("allreduce", "gossip", "gossip-atc", "ps")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, nargs="+", default=[4, 8], help="worker counts (the PS adds one server)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), help=f"network settings: {', '.join(SETTINGS)}, "
                    f"or LATENCY_MS:BANDWIDTH_MBPS (e.g. 5:inf)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), help="allreduce gossip ps")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), help=" ".join(METHODS))
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--samples", type=int, default=1536, help="training samples (one epoch)")
     p.add_argument("--global-batch", type=int, default=64)
@@ -162,8 +164,9 @@ def _rank_main(rank: int, world: int, port: int, args: dict, results) -> None:
                     result = train_with_parameter_server(model, Task.loss, task.batch, staleness=args["staleness"],
                                                          servers=1, **common)
                 elif rank < workers:
-                    if method == "gossip":
+                    if method in ("gossip", "gossip-atc"):
                         result = train_with_gossip(model, Task.loss, task.batch, topology=args["topology"],
+                                                   order="atc" if method == "gossip-atc" else "dpsgd",
                                                    group=worker_group, **common)
                     else:
                         result = train_with_allreduce(model, Task.loss, task.batch, group=worker_group, **common)
@@ -279,7 +282,7 @@ def plot(records: list[dict], path: Path) -> bool:
     settings = list(dict.fromkeys(r["setting"] for r in records))
     fig, axes = plt.subplots(len(worker_counts), len(settings), figsize=(4 * len(settings), 3.2 * len(worker_counts)),
                              squeeze=False)
-    colours = {"allreduce": "tab:blue", "gossip": "tab:orange", "ps": "tab:green"}
+    colours = {"allreduce": "tab:blue", "gossip": "tab:orange", "gossip-atc": "tab:red", "ps": "tab:green"}
     for i, workers in enumerate(worker_counts):
         for j, setting in enumerate(settings):
             ax = axes[i][j]
