@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,3 +274,29 @@ def test_gossip_resume_continues_from_the_averaged_checkpoint(rank_pool, tmp_pat
         # the uninterrupted run also set its replicas to the average at step 3: same state, same bits
         assert r["losses"] == f["losses"][3:]
         assert max_param_difference(f["params"], r["params"]) == 0.0
+
+
+# ---------------------------------------------------------------- from the command line
+
+
+def _autopar(*args: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, timeout=180,
+                          cwd=root)
+
+
+def test_command_line_gossip_run_and_bad_topology(tmp_path):
+    small = ["train", "--model", "gpt-tiny", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
+             "--no-progress", "--eval-batches", "1", "--steps", "3", "--optimizer", "sgd", "--lr", "0.1",
+             "--dp-mode", "gossip"]
+    done = _autopar(*small, "--nproc", "2", "--out", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    assert "gossip topology ring: 2 replicas" in done.stdout
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["gossip"]["rho"] == 0.0 and info["gossip"]["mixing_matrix"] == [[0.5, 0.5], [0.5, 0.5]]
+    assert info["strategy"]["dp_mode"] == "gossip"
+    split = tmp_path / "split.txt"
+    split.write_text("1 0\n0 1\n")
+    done = _autopar(*small, "--nproc", "2", "--topology", str(split))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "not connected" in done.stderr and "(rank 0 of 2)" in done.stderr and "(rank 1 of 2)" in done.stderr

@@ -139,7 +139,10 @@ class Links:
         return self._link_free + self.model.latency_s
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> _Handle:
-        """Post a send; the delay runs in a sender thread, so it overlaps the caller's work."""
+        """Post a send; the delay runs in a sender thread, so it overlaps the caller's work.
+
+        As with torch.distributed.isend, `tensor` must stay unchanged until `.wait()` returns
+        (with a delay, the transport reads it only at the release time)."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count(nbytes)
         if self.model.is_free:
