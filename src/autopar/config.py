@@ -64,7 +64,8 @@ class Strategy:
     # How data-parallel replicas combine their work (synchronous all-reduce by default).
     dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
                                    "average with neighbours only) | async (parameter server, bounded staleness)")
-    topology: str = _f("ring", "gossip graph: ring|torus|exponential|complete, or a file holding the mixing matrix")
+    topology: str = _f("ring", "gossip graph: ring|torus|exponential|complete (Metropolis weights), or a text file "
+                               "holding the n x n doubly-stochastic mixing matrix, one row per line")
     gossip_order: str = _f("dpsgd", "gossip update order: dpsgd (gradient at the local model while mixing, "
                                     "Lian et al.) | atc (adapt, then combine)")
     staleness: int = _f(0, "parameter server: how many steps a worker's parameters may lag (0: synchronous)")
