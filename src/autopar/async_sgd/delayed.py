@@ -78,6 +78,9 @@ class ScheduledDelay:
             raise ConfigError(f"delay schedule gave tau={tau} at step {step}, outside [0, {self.max_delay}]")
         return tau
 
+    def __repr__(self) -> str:
+        return f"ScheduledDelay(max_delay={self.max_delay})"
+
 
 def _check_delay(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:

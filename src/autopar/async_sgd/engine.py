@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import Strategy, TrainConfig
 from ..data_parallel.links import LinkModel, Links
+from ..distributed import group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
@@ -70,7 +71,11 @@ class AsyncEngine:
         initial = self.layout.gather_params()
         dist.broadcast(initial, src=0)  # every rank starts from rank 0's weights
         self.layout.load_params(initial)
-        self.links = Links(link_model or LinkModel(), timeout_s=timeout_s)
+        # parameters travel as CPU tensors over gloo, which can receive from any source (NCCL cannot)
+        group = None
+        if device.type != "cpu":
+            group = dist.new_group(backend="gloo", pg_options=group_options("gloo", timeout_s))
+        self.links = Links(link_model or LinkModel(), group, timeout_s=timeout_s)
         self.is_server = self.roles.is_server(self.rank)
         self.server: ParameterServer | None = None
         self.client: ServerClient | None = None
