@@ -150,10 +150,11 @@ def _pure_gossip(name: str, steps: int) -> dict:
             "slowest_ratio": new_distance / distance}
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_pure_gossip_keeps_mean_and_contracts_by_sqrt_rho(rank_pool, world):
-    result = rank_pool(world).run(_pure_gossip, "ring", 6)[0]
-    assert result["sqrt_rho"] == pytest.approx(RING_SQRT_RHO[world], abs=5e-5)
+@pytest.mark.parametrize("world, name", [(4, "ring"), (8, "ring"), (8, "torus"), (8, "exponential")])
+def test_pure_gossip_keeps_mean_and_contracts_by_sqrt_rho(rank_pool, world, name):
+    result = rank_pool(world).run(_pure_gossip, name, 6)[0]
+    if name == "ring":
+        assert result["sqrt_rho"] == pytest.approx(RING_SQRT_RHO[world], abs=5e-5)
     # zero step: the mean of the replicas is kept (1^T W = 1^T), to float64 rounding
     assert max(result["mean_errors"]) < 1e-13
     # each step shrinks the consensus distance by at most sqrt(rho) ...
