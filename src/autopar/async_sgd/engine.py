@@ -123,10 +123,14 @@ class AsyncEngine:
     # ------------------------------------------------------------------ every rank
 
     def share_final_parameters(self) -> None:
-        """Collective: every rank (servers included) takes worker 0's final parameters, for eval and saving."""
+        """Collective: every rank (servers included) takes worker 0's final parameters, and its buffers (e.g.
+        normalisation statistics, which each worker kept for itself), for eval and saving."""
         flat = self.layout.gather_params()
         dist.broadcast(flat, src=0)
         self.layout.load_params(flat)
+        with torch.no_grad():
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0)
 
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
