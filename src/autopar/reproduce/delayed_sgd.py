@@ -60,7 +60,9 @@ TEST_SAMPLES = 4000
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autopar reproduce delayed-sgd", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="autopar reproduce delayed-sgd", description=__doc__.split("\n\n")[0] +
+                                " Step sizes: constant eta, 5 eta, and eta/(1+tau) with a same-step SGD control.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--taus", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32], help="delays to compare")
     p.add_argument("--seeds", type=int, default=20, help="independent problems (data and sampling) per cell")
     p.add_argument("--steps", type=int, default=2000, help="SGD steps T (single samples)")
