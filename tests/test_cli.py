@@ -81,7 +81,8 @@ def test_resume_from_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--nproc", "4", "--dp", "3"], "dp*tp*pp = 3*1*1 does not equal the number of processes (4)"),
-    (["--nproc", "2", "--tp", "2"], "tensor parallelism is not supported yet"),
+    (["--nproc", "4", "--tp", "4", "--model-arg", "n_head=2"], "tp=4 does not divide the 2 heads"),
+    (["--nproc", "2", "--tp", "2", "--model-arg", "vocab_size=321"], "tp=2 does not divide the vocabulary of 321"),
     (["--nproc", "2", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
     (["--nproc", "2", "--model-arg", "n_layers=3"], "unknown model argument 'n_layers'"),
     (["--nproc", "2", "--model-arg", "n_layer=abc"], "'abc'"),

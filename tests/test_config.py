@@ -72,8 +72,9 @@ def test_bad_flags(argv, needle):
 def test_degrees_must_match_world_size():
     with pytest.raises(ConfigError, match=r"dp\*tp\*pp = 3\*1\*1 does not equal the number of processes \(4\)"):
         Strategy(dp=3).resolved(4)
-    with pytest.raises(ConfigError, match="not supported yet"):
-        Strategy(tp=2).resolved(4)
+    assert Strategy(tp=2).resolved(4).dp == 2
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp = \?\*3\*1"):
+        Strategy(tp=3).resolved(4)
     assert Strategy(pp=2).resolved(4).dp == 2
     with pytest.raises(ConfigError, match="strategy.recompute must be one of"):
         Strategy(recompute="some").resolved(1)

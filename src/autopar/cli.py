@@ -87,7 +87,11 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     env = DistEnv.from_environ()
     if not env.launched and job.launch.nproc > 1:
         strategy = job.strategy.resolved(job.launch.nproc)  # fail here, before starting any process
-        accumulation = job.train.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp)
+        if strategy.dp_mode == "async":  # the parameter server splits batches over its workers only
+            from .async_sgd.engine import check_async_setup
+            accumulation = check_async_setup(strategy, job.train, job.launch.nproc)[1]
+        else:
+            accumulation = job.train.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp)
         from .train.engine import check_pipeline_strategy
         check_pipeline_strategy(strategy, accumulation)
         from .launch import launch

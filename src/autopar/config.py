@@ -64,7 +64,8 @@ class Strategy:
     # How data-parallel replicas combine their work (synchronous all-reduce by default).
     dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
                                    "average with neighbours only) | async (parameter server, bounded staleness)")
-    topology: str = _f("ring", "gossip graph: ring|torus|exponential|complete, or a file holding the mixing matrix")
+    topology: str = _f("ring", "gossip graph: ring|torus|exponential|complete (Metropolis weights), or a text file "
+                               "holding the n x n doubly-stochastic mixing matrix, one row per line")
     gossip_order: str = _f("dpsgd", "gossip update order: dpsgd (gradient at the local model while mixing, "
                                     "Lian et al.) | atc (adapt, then combine)")
     staleness: int = _f(0, "parameter server: how many steps a worker's parameters may lag (0: synchronous)")
@@ -87,6 +88,8 @@ class Strategy:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.dp_mode not in DP_MODES:
             raise ConfigError(f"strategy.dp_mode must be one of {choices(DP_MODES)}, got {self.dp_mode!r}")
+        _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
+        _check_positive_int("strategy.servers", self.servers)
         if self.sparse_embeddings not in SPARSE_EMBEDDING_MODES:
             raise ConfigError(f"strategy.sparse_embeddings must be one of {choices(SPARSE_EMBEDDING_MODES)}, "
                               f"got {self.sparse_embeddings!r}")

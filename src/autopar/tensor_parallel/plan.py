@@ -508,13 +508,14 @@ class _Analysis:
                 fqn = self.param_of.get(weight.name) if isinstance(weight, fx.Node) else None
                 if fqn is None or fqn in self.params or not (isinstance(ids, fx.Node) and ids.name in self.user_inputs):
                     continue
-                if any(u is not node for u in weight.users):
-                    continue
                 vocab = _shape(weight)[0]
-                if vocab % self.tp:
+                if vocab % self.tp:  # the largest layer would stay whole on every rank: say so, with the way out
                     raise ConfigError(f"tp={self.tp} does not divide the vocabulary of {vocab} rows of {fqn!r}; pad "
                                       f"the vocabulary to a multiple of {self.tp} (e.g. vocab_size="
-                                      f"{-(-vocab // self.tp) * self.tp}) or use a tp that divides {vocab}")
+                                      f"{-(-vocab // self.tp) * self.tp}: extra rows are never looked up) or use "
+                                      f"a tp that divides {vocab}")
+                if any(u is not node for u in weight.users):
+                    continue
                 self.embeddings[node.name] = vocab
                 self.params[fqn] = ParamShard(fqn, 0, (vocab,), "vocab")
 

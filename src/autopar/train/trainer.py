@@ -78,9 +78,16 @@ class Trainer:
         cfg.validate()
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
         strategy = self.strategy.resolved(world)
+        if strategy.dp_mode == "async":  # parameter server: batches split over the workers only
+            from ..async_sgd.engine import check_async_setup
+            self.config, accumulation = check_async_setup(strategy, cfg, world)
+            return strategy, accumulation
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
         check_pipeline_strategy(strategy, accumulation)
+        if strategy.dp_mode == "gossip":
+            from ..gossip import check_gossip_strategy
+            check_gossip_strategy(strategy)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
@@ -96,7 +103,17 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16"
                          else contextlib.nullcontext)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
-        if self.strategy.pp > 1 or self.strategy.tp > 1:
+        if self.strategy.dp_mode == "gossip":  # D-PSGD: replicas mix with neighbours (gossip/engine.py)
+            from ..gossip import GossipEngine
+            self.engine = GossipEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
+                                       forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s)
+            self.run_info["gossip"] = {**self.engine.topology.describe(), "order": self.engine.order}
+        elif self.strategy.dp_mode == "async":  # parameter server (async_sgd/engine.py)
+            from ..async_sgd.engine import AsyncEngine
+            self.engine = AsyncEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
+                                      forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s,
+                                      weight_decay=cfg.weight_decay)
+        elif self.strategy.pp > 1 or self.strategy.tp > 1:
             example = self._load(self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,
                                                                   micro_batch_size=cfg.micro_batch_size)[0],
                                  self.train_data)
@@ -195,6 +212,8 @@ class Trainer:
         return float(sums[0] / sums[1].clamp_min(1))
 
     def save(self, step: int) -> Path:
+        if hasattr(self.engine, "average_models"):  # gossip: replicas differ; save (and continue from) their mean
+            self.engine.average_models()
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
                                     {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel)
 
@@ -211,6 +230,9 @@ class Trainer:
 
     def train(self) -> TrainResult:
         self._setup()
+        if self.strategy.dp_mode == "async":  # servers serve, workers run ahead: a loop of its own
+            from ..async_sgd.loop import train_async
+            return train_async(self)
         cfg = self.config
         start = self._resume() if cfg.resume else 0
         if start > cfg.steps:

@@ -1,0 +1,153 @@
+"""The Trainer's engine for `--dp-mode async`: a worker (whole model, gradients pushed to the servers)
+or a server (a shard and its serve loop), chosen by rank.
+
+Kept apart from train/engine.py's DataParallelEngine because nothing here may use a
+collective during training: workers run ahead of each other by up to `staleness` steps.
+The trainer loop for this mode is loop.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Strategy, TrainConfig
+from ..data_parallel.links import LinkModel, Links
+from ..distributed import group_options
+from ..errors import ConfigError
+from ..mesh import ProcessMesh
+from ..models.materialize import materialize
+from ..train.loss import Batch, token_loss_sum
+from .layout import FlatLayout
+from .roles import Roles
+from .server import ParameterServer
+from .worker import PullResult, ServerClient
+
+
+def check_async_setup(strategy: Strategy, config: TrainConfig, world: int) -> tuple[TrainConfig, int]:
+    """Every check of an async run that needs no communication; returns the config with micro-batches
+    resolved over the WORKERS (not the world) and the micro-batches per worker per step."""
+    if strategy.pp > 1 or strategy.tp > 1:
+        raise ConfigError(f"dp_mode=async trains the whole model on every worker; it does not combine with "
+                          f"pp={strategy.pp} tp={strategy.tp}; use pp=1 tp=1 (or dp_mode=allreduce)")
+    roles = Roles.check(world, strategy.servers, strategy.staleness)
+    if config.optimizer != "sgd":
+        raise ConfigError(f"dp_mode=async: the servers apply every pushed gradient with plain SGD (the rule "
+                          f"asynchronous SGD is defined for); got --optimizer {config.optimizer}; use --optimizer sgd")
+    for name, flag in (("resume", "--resume"), ("checkpoint_every", "--checkpoint-every"),
+                       ("eval_every", "--eval-every")):
+        if getattr(config, name):
+            raise ConfigError(f"dp_mode=async does not support {flag} yet (workers run ahead of each other; the "
+                              f"run evaluates and checkpoints once, at the end); got {getattr(config, name)!r}")
+    try:
+        config = config.with_micro_batches(roles.num_workers)
+        return config, config.accumulation_steps(roles.num_workers)
+    except ConfigError as exc:
+        raise ConfigError(f"dp_mode=async splits each global batch over the {roles.num_workers} worker(s) "
+                          f"(processes minus --servers {roles.servers}), so 'dp' below means workers: {exc}") from None
+
+
+class AsyncEngine:
+    """This rank's part of a parameter-server run (see async_sgd/__init__.py for the design).
+
+    Each of the W pushes of a step is one SGD update with that worker's share of the gradient;
+    weight decay is split the same way (weight_decay / W per push), so that a step of all W
+    workers decays the weights once, as a synchronous step does.
+    """
+
+    tensor_parallel = None  # whole model per replica
+    token_loss_sum = staticmethod(token_loss_sum)
+
+    def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
+                 forward_fn: Callable, autocast: Callable, timeout_s: float, weight_decay: float,
+                 link_model: LinkModel | None = None):
+        strategy = mesh.strategy
+        self.module = materialize(model, device, seed=seed)
+        self.forward_fn, self.autocast = forward_fn, autocast
+        self.rank = dist.get_rank()
+        self.roles = Roles.check(dist.get_world_size(), strategy.servers, strategy.staleness)
+        self.staleness = strategy.staleness
+        self.layout = FlatLayout(self.module, self.roles.servers)
+        initial = self.layout.gather_params()
+        dist.broadcast(initial, src=0)  # every rank starts from rank 0's weights
+        self.layout.load_params(initial)
+        # parameters travel as CPU tensors over gloo, which can receive from any source (NCCL cannot)
+        group = None
+        if device.type != "cpu":
+            group = dist.new_group(backend="gloo", pg_options=group_options("gloo", timeout_s))
+        self.links = Links(link_model or LinkModel(), group, timeout_s=timeout_s)
+        self.is_server = self.roles.is_server(self.rank)
+        self.server: ParameterServer | None = None
+        self.client: ServerClient | None = None
+        if self.is_server:
+            self.server = ParameterServer(self.layout, self.roles.shard_of(self.rank), workers=self.roles.worker_ranks,
+                                          staleness=strategy.staleness, links=self.links,
+                                          weight_decay=weight_decay / self.roles.num_workers, initial=initial)
+        else:
+            self.client = ServerClient(self.layout, self.roles.server_ranks, self.links, rank=self.rank)
+
+    @property
+    def num_workers(self) -> int:
+        return self.roles.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.rank  # workers are ranks 0 .. W-1
+
+    # ------------------------------------------------------------------ worker side
+
+    def forward_backward(self, batches: list[Batch], loss_fn) -> torch.Tensor:
+        total = torch.zeros((), device=batches[0]["labels"].device)
+        self.module.train()
+        for batch in batches:
+            with self.autocast():
+                loss = loss_fn(self.forward_fn(self.module, batch), batch)
+            loss.backward()
+            total += loss.detach().float()
+        return total
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.layout.params, max_norm))
+
+    def push_pull(self, step: int, lr: float, *, final: bool) -> PullResult:
+        return self.client.push_pull(step, lr, final=final)
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ server side
+
+    def serve(self) -> None:
+        self.server.serve()
+
+    # ------------------------------------------------------------------ every rank
+
+    def share_final_parameters(self) -> None:
+        """Collective: every rank (servers included) takes worker 0's final parameters, and its buffers (e.g.
+        normalisation statistics, which each worker kept for itself), for eval and saving."""
+        flat = self.layout.gather_params()
+        dist.broadcast(flat, src=0)
+        self.layout.load_params(flat)
+        with torch.no_grad():
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0)
+
+    @torch.no_grad()
+    def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
+        self.module.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
+        for batch in batches:
+            with self.autocast():
+                sums += eval_loss(self.forward_fn(self.module, batch), batch)
+        self.module.train()
+        return sums
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.links.close()
+
