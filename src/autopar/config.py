@@ -108,7 +108,7 @@ class Strategy:
 class ModelConfig:
     """Which model to train (the built-in job; the Python API takes an nn.Module instead)."""
 
-    name: str = _f("gpt-mini", "model name: gpt-tiny|gpt-mini|gpt-small|gpt-medium|hf:gpt2|hf:llama|hf:bert",
+    name: str = _f("gpt-mini", "model name: gpt-tiny|gpt-mini|gpt-small|gpt-medium|word-lstm|word-gpt|hf:gpt2|hf:llama|hf:bert",
                    flag="--model")
     args: dict = _f({}, "model argument KEY=VALUE overriding the size table (repeatable)", flag="--model-arg")
 
@@ -118,7 +118,7 @@ class DataConfig:
     """The built-in data: an embedded corpus cut into fixed-length token windows."""
 
     corpus: str = _f("stdlib", "embedded text corpus (stdlib: the Python standard library's source)")
-    tokenizer: str = _f("byte", "tokenizer (byte: UTF-8 bytes plus special tokens)")
+    tokenizer: str = _f("byte", "tokenizer: byte (UTF-8 bytes plus special tokens) | word (words of the training text, vocab_size of them)")
     vocab_size: int = _f(32768, "word-level tokenizers: vocabulary size (the most frequent words of the training "
                                 "text; the rest become <unk>)")
     seq_len: int = _f(128, "tokens per training sequence")
