@@ -152,3 +152,39 @@ def reference_training(optimizer: str, *, steps: int = 4, lr: float = 0.05, spar
             opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
+
+
+_WORD_DATA: dict = {}
+
+
+def word_data(vocab_size: int, seq_len: int):
+    """Word-tokenized train/eval windows of the embedded corpus (cached per process)."""
+    key = (vocab_size, seq_len)
+    if key not in _WORD_DATA:
+        from autopar.data import build_datasets, build_tokenizer, load_corpus
+        corpus = load_corpus("stdlib")
+        tokenizer = build_tokenizer("word", corpus=corpus, vocab_size=vocab_size)
+        _WORD_DATA[key] = (tokenizer, *build_datasets(corpus, tokenizer, seq_len=seq_len, task="causal-lm", seed=0))
+    return _WORD_DATA[key]
+
+
+def train_word_lm(out: str, *, strategy: dict, vocab_size: int = 1024, seq_len: int = 16, model: str = "word-lstm",
+                  **train_kwargs) -> dict:
+    """The Trainer on a word LM; returns losses, grad norms, metrics and the full (gathered) parameters."""
+    import json
+    from pathlib import Path
+
+    from autopar.models import build_model
+    tokenizer, train_data, eval_data = word_data(vocab_size, seq_len)
+    net, _ = build_model(model, {"d_embed": 8, "d_hidden": 16} if model == "word-lstm" else {"d_model": 16},
+                         vocab_size=tokenizer.vocab_size, device="meta")
+    defaults = dict(steps=6, global_batch_size=8, micro_batch_size=2, lr=0.1, warmup_steps=2, eval_batches=1,
+                    out=out, progress=False, timeout_s=60, optimizer="sgd", weight_decay=0.0)
+    trainer = autopar.Trainer(net, train_data, strategy=autopar.Strategy(**strategy),
+                              config=autopar.TrainConfig(**{**defaults, **train_kwargs}), eval_data=eval_data)
+    result = trainer.train()
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    params = (trainer.engine.full_state_dict() if hasattr(trainer.engine, "full_state_dict")
+              else {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    return {"losses": result.losses, "eval_loss": result.eval_loss, "records": records, "params": params,
+            "description": getattr(trainer.engine, "description", "")}

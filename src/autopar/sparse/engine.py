@@ -211,6 +211,7 @@ class SparseEmbeddingEngine:
                 chunk = queue.pop()
                 sent = [ex.exchange_grad(record, grad, chunk=chunk, async_op=True) for record, grad in ex.stashed]
                 ex.deferred.append((step, lr, [p for p, _ in sent], [r for _, r in sent]))
+                ex.rows_deferred += sum(int(r.numel()) for _, r in sent)
             ex.stashed = []
             ex.step = step + 1
             for mb, flat in enumerate(next_flat):  # the next forward's lookups, overlapping the dense all-reduce

@@ -48,9 +48,16 @@ class RowVersions:
     def mark_applied(self, rows: torch.Tensor, step: int) -> None:
         self.applied[rows] = step
 
-    def check_read(self, rows: torch.Tensor, *, table: str, step: int) -> None:
-        stale = self.produced[rows] > self.applied[rows]
+    def is_stale(self, rows: torch.Tensor) -> bool:
         self.reads_checked += int(rows.numel())
+        return bool((self.produced[rows] > self.applied[rows]).any())
+
+    def check_read(self, rows: torch.Tensor, *, table: str, step: int, peer_found: bool = False) -> None:
+        stale = self.produced[rows] > self.applied[rows]
+        self.reads_checked += 0 if peer_found else int(rows.numel())
+        if peer_found and not bool(stale.any()):
+            raise StaleRowError(f"{table}: step {step}: another rank's shard was read before a pending update "
+                                f"landed (see that rank's error); the schedule must flush such rows first")
         if bool(stale.any()):
             bad = rows[stale][:5].tolist()
             raise StaleRowError(f"{table}: step {step} read row(s) {bad} (local numbering) before the update of step "

@@ -128,7 +128,7 @@ class TableExchange:
         self.stashed: list[tuple[LookupRecord, torch.Tensor]] = []
         self.prefetched: list[tuple[torch.Tensor, torch.Tensor, LookupRecord]] = []
         self.deferred: list[tuple[int, float, list[PendingExchange], list[torch.Tensor]]] = []
-        self.touched_rows: list[torch.Tensor] = []
+        self.rows_deferred = 0  # row-gradient pieces this rank received in deferred chunks (scheduling at work)
 
     @property
     def me(self) -> int:
@@ -162,7 +162,14 @@ class TableExchange:
                                     ledger=self.ledger, category="ids", dtype=torch.int64)
         start = layout.row_range[0]
         local = torch.cat(record.requested) - start
-        self.versions.check_read(local, table=self.name, step=self.step)
+        if self.scheduled:  # only owners see their rows' versions: agree on the verdict, so no rank hangs
+            stale = torch.tensor([int(self.versions.is_stale(local))])
+            dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self.group)
+            self.ledger.add("check", layout.world - 1, 8)
+            if int(stale):
+                self.versions.check_read(local, table=self.name, step=self.step, peer_found=True)
+        else:
+            self.versions.check_read(local, table=self.name, step=self.step)
         chunks = [shard[ids - start] for ids in record.requested]
         received = exchange(chunks, [n * layout.dim for n in record.sent], self.group, ledger=self.ledger,
                             category="lookup")
@@ -228,9 +235,12 @@ class TableExchange:
         """A coalesced COO gradient of the shard from (local rows, row gradients) parts (may be empty)."""
         width = self.layout.shard_shape[1]
         rows = torch.cat([r for r, _ in parts]) if parts else torch.empty(0, dtype=torch.long)
-        values = torch.cat([v for _, v in parts]) if parts else torch.empty(0, width)
-        return torch.sparse_coo_tensor(rows.view(1, -1), values.view(-1, width),
-                                       size=self.layout.shard_shape).coalesce()
+        values = torch.cat([v for _, v in parts]).view(-1, width) if parts else torch.empty(0, width)
+        # duplicates summed in order of appearance (CPU index_add_ is sequential): the same sums whichever
+        # chunk a row travelled in, so scheduled and unscheduled runs stay bit-identical
+        unique, inverse = torch.unique(rows, return_inverse=True)
+        summed = torch.zeros(unique.numel(), width, dtype=values.dtype).index_add_(0, inverse, values)
+        return torch.sparse_coo_tensor(unique.view(1, -1), summed, size=self.layout.shard_shape, is_coalesced=True)
 
     def finish_unscheduled(self) -> None:
         """End of backward: the step's full sparse gradient becomes the shard's .grad."""
