@@ -114,9 +114,12 @@ def train_sparse(mode: str, optimizer: str, *, sharding: str = "column", schedul
         ledgers.append(dict(engine.ledger.elements))
     params = engine.full_state_dict()
     checked = sum(ex.versions.reads_checked for ex in engine.exchanges)
+    deferred = sum(ex.rows_deferred for ex in engine.exchanges)
+    widths = [ex.layout.shard_shape[1] for ex in engine.exchanges]
     engine.close()
     return {"params": params, "losses": losses, "ledgers": ledgers, "sparse": [t.sparse for t in engine.tables],
-            "description": engine.description, "reads_checked": checked,
+            "description": engine.description, "reads_checked": checked, "rows_deferred": deferred,
+            "shard_width": widths[0] if widths else None, "dense_elements": engine.dense_elements,
             "local_unique": [int(torch.unique(torch.cat([b["input_ids"].reshape(-1) for b in local(s)])).numel())
                              for s in range(steps)]}
 
@@ -188,3 +191,51 @@ def train_word_lm(out: str, *, strategy: dict, vocab_size: int = 1024, seq_len: 
               else {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
     return {"losses": result.losses, "eval_loss": result.eval_loss, "records": records, "params": params,
             "description": getattr(trainer.engine, "description", "")}
+
+
+def config_error_of(fn, *args, **kwargs) -> str:
+    """Run fn on this rank; return the ConfigError's message (every rank must raise it), or '' if none."""
+    from autopar.errors import ConfigError
+    try:
+        fn(*args, **kwargs)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+class NoTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def embrace_without_table() -> str:
+    world = dist.get_world_size()
+    strategy = autopar.Strategy(dp=world, sparse_embeddings="embrace")
+    mesh = ProcessMesh.build(strategy.resolved(world), timeout_s=60)
+    config = autopar.TrainConfig(optimizer="sgd", timeout_s=60)
+    batch = {"inputs": torch.randn(2, 4), "labels": torch.zeros(2, 4)}
+    return config_error_of(SparseEmbeddingEngine, NoTable(), mesh, device=torch.device("cpu"), seed=0,
+                           forward_fn=lambda m, b: m(b["inputs"]), autocast=contextlib.nullcontext, config=config,
+                           batches_for_step=lambda step: [batch])
+
+
+def embrace_small_table(vocab: int, dim: int, sharding: str = "column", optimizer: str = "sgd",
+                        scheduled: bool = False, grad_clip: float = 0.0) -> str:
+    world = dist.get_world_size()
+    strategy = autopar.Strategy(dp=world, sparse_embeddings="embrace", sparse_threshold=1.0,
+                                sparse_sharding=sharding, sparse_schedule=scheduled)
+    mesh = ProcessMesh.build(strategy.resolved(world), timeout_s=60)
+    config = autopar.TrainConfig(optimizer=optimizer, timeout_s=60, grad_clip=grad_clip)
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, 2))
+    batch = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "labels": torch.zeros(1, 1, dtype=torch.long)}
+
+    def build():
+        engine = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
+                                       forward_fn=lambda m, b: m(b["input_ids"]), autocast=contextlib.nullcontext,
+                                       config=config, batches_for_step=lambda step: [batch])
+        engine.build_optimizer(config)
+    return config_error_of(build)
