@@ -145,10 +145,11 @@ class SparseEmbeddingEngine:
         """Every rank's (unique ids, summed rows) of each table, concatenated and summed: the global sparse grad."""
         for p in self.replicated_tables:
             grad = p.grad.coalesce() if p.grad is not None else torch.sparse_coo_tensor(
-                torch.empty(1, 0, dtype=torch.long), torch.empty(0, p.shape[1]), size=p.shape).coalesce()
+                torch.empty(1, 0, dtype=torch.long), torch.empty(0, p.shape[1]), size=p.shape, check_invariants=False).coalesce()
             ids = all_gather_varlen(grad.indices()[0], self.group, ledger=self.ledger, category="ids")
             rows = all_gather_varlen(grad.values(), self.group, ledger=self.ledger, category="rows")
-            p.grad = torch.sparse_coo_tensor(torch.cat(ids).view(1, -1), torch.cat(rows), size=p.shape).coalesce()
+            p.grad = torch.sparse_coo_tensor(torch.cat(ids).view(1, -1), torch.cat(rows), size=p.shape,
+                                             check_invariants=False).coalesce()
 
     def _table_lr(self, ex: TableExchange) -> float:
         return self.table_optimizers[id(ex.weight)].param_groups[0]["lr"]
@@ -292,4 +293,4 @@ def _values(grad: torch.Tensor | None) -> torch.Tensor:
 
 def _nonzero_rows(grad: torch.Tensor) -> torch.Tensor:
     rows = grad.abs().sum(dim=1).nonzero().view(-1)
-    return torch.sparse_coo_tensor(rows.view(1, -1), grad[rows], size=grad.shape).coalesce()
+    return torch.sparse_coo_tensor(rows.view(1, -1), grad[rows], size=grad.shape, check_invariants=False).coalesce()

@@ -240,7 +240,8 @@ class TableExchange:
         # chunk a row travelled in, so scheduled and unscheduled runs stay bit-identical
         unique, inverse = torch.unique(rows, return_inverse=True)
         summed = torch.zeros(unique.numel(), width, dtype=values.dtype).index_add_(0, inverse, values)
-        return torch.sparse_coo_tensor(unique.view(1, -1), summed, size=self.layout.shard_shape, is_coalesced=True)
+        return torch.sparse_coo_tensor(unique.view(1, -1), summed, size=self.layout.shard_shape, is_coalesced=True,
+                                       check_invariants=False)
 
     def finish_unscheduled(self) -> None:
         """End of backward: the step's full sparse gradient becomes the shard's .grad."""
