@@ -127,6 +127,8 @@ def _run_variants(rank: int, world: int, args: argparse.Namespace, train_tokens:
     times = {v: [] for v in VARIANTS}
     sent = {v: [] for v in VARIANTS}
     dense_elements = sum(p.numel() for p in engines["dense"].module.parameters())
+    table_elements = sum(t.num_rows * t.dim for t in engines["embrace"].tables if t.sparse)
+    table_bytes = {v: [] for v in VARIANTS}
     for step in range(total_steps):
         local = batches(step)
         order = VARIANTS[step % len(VARIANTS):] + VARIANTS[:step % len(VARIANTS)]
@@ -146,10 +148,15 @@ def _run_variants(rank: int, world: int, args: argparse.Namespace, train_tokens:
                 times[variant].append(float(elapsed))
                 if variant == "dense":
                     sent[variant].append(round(2 * (world - 1) / world * dense_elements) * 4)
+                    table_bytes[variant].append(round(2 * (world - 1) / world * table_elements) * 4)
                 else:
-                    mine = torch.tensor([float(engine.ledger.total_bytes())], dtype=torch.float64)
+                    ledger = engine.ledger.bytes
+                    mine = torch.tensor([float(engine.ledger.total_bytes()),
+                                         float(engine.ledger.total_bytes() - ledger.get("allreduce", 0))],
+                                        dtype=torch.float64)
                     dist.all_reduce(mine)
-                    sent[variant].append(float(mine) / world)
+                    sent[variant].append(float(mine[0]) / world)
+                    table_bytes[variant].append(float(mine[1]) / world)
     # the speedups must not change the training: every variant ends where dense does
     reference = {k: v.detach().clone() for k, v in engines["dense"].module.state_dict().items()}
     differences = {}
@@ -161,6 +168,7 @@ def _run_variants(rank: int, world: int, args: argparse.Namespace, train_tokens:
         engine.close()
     return {"world": world, "median_step_s": {v: statistics.median(t) for v, t in times.items()},
             "step_times_s": times, "bytes_per_step": {v: statistics.median(b) for v, b in sent.items()},
+            "table_bytes_per_step": {v: statistics.median(b) for v, b in table_bytes.items()},
             "max_param_difference_vs_dense": differences, "dense_params": dense_elements,
             "tables": [{"name": t.param_name, "rows": t.num_rows, "dim": t.dim, "rows_touched": t.rows_touched,
                         "sparse": t.sparse} for t in tables]}
@@ -191,14 +199,15 @@ def _run_world(world: int, args: argparse.Namespace, train_tokens: torch.Tensor,
 
 
 def table(records: list[dict]) -> str:
-    lines = ["world variant      MB/step/rank  median step ms  vs dense  vs allgather  max |param - dense|",
-             "-" * 92]
+    lines = ["world variant      table KB  total MB  median step ms  vs dense  vs allgather  max |param - dense|",
+             "-" * 96]
     for r in records:
         dense_t, gather_t = r["median_step_s"]["dense"], r["median_step_s"]["allgather"]
         for v in VARIANTS:
             t = r["median_step_s"][v]
             diff = r["max_param_difference_vs_dense"].get(v)
-            lines.append(f"{r['world']:>5} {v:<12} {r['bytes_per_step'][v] / 1e6:>12.3f} {t * 1e3:>15.1f} "
+            lines.append(f"{r['world']:>5} {v:<12} {r['table_bytes_per_step'][v] / 1e3:>8.1f} "
+                         f"{r['bytes_per_step'][v] / 1e6:>9.3f} {t * 1e3:>15.1f} "
                          f"{dense_t / t:>8.2f}x {gather_t / t:>12.2f}x  {'-' if diff is None else f'{diff:.1e}'}")
     return "\n".join(lines)
 
@@ -240,7 +249,10 @@ def main(argv: list[str]) -> int:
               f"{platform.python_version()}")
     tables = "; ".join(f"{t['name']} {t['rows']}x{t['dim']} ({t['rows_touched']} rows touched in step 1, "
                        f"{'sparse' if t['sparse'] else 'dense'})" for t in records[0]["tables"])
-    text = f"{header}\ntables: {tables}\n\n{table(records)}"
+    legend = ("per rank per step: table KB = what the sparse tables cost (dense: their share of the all-reduce, "
+              "ring model; others: measured ids + rows/lookups + gradients); total MB adds the dense all-reduce "
+              "(ring model 2(N-1)/N x elements x 4 B); step time = slowest rank, median; ratios > 1: faster")
+    text = f"{header}\ntables: {tables}\n{legend}\n\n{table(records)}"
     print(text, flush=True)
     bad = {(r["world"], v): d for r in records for v, d in r["max_param_difference_vs_dense"].items() if d > TOLERANCE}
     (out / "embrace.json").write_text(json.dumps({"args": vars(args), "records": records, "table": text,

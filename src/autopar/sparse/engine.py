@@ -146,7 +146,8 @@ class SparseEmbeddingEngine:
         for p in self.replicated_tables:
             grad = p.grad.coalesce() if p.grad is not None else torch.sparse_coo_tensor(
                 torch.empty(1, 0, dtype=torch.long), torch.empty(0, p.shape[1]), size=p.shape, check_invariants=False).coalesce()
-            ids = all_gather_varlen(grad.indices()[0], self.group, ledger=self.ledger, category="ids")
+            ids = all_gather_varlen(grad.indices()[0].to(torch.int32), self.group, ledger=self.ledger, category="ids")
+            ids = [i.long() for i in ids]
             rows = all_gather_varlen(grad.values(), self.group, ledger=self.ledger, category="rows")
             p.grad = torch.sparse_coo_tensor(torch.cat(ids).view(1, -1), torch.cat(rows), size=p.shape,
                                              check_invariants=False).coalesce()
@@ -191,8 +192,8 @@ class SparseEmbeddingEngine:
                 next_read = torch.unique(torch.cat([i for g in gathered for i in g]))
             elif has_next:
                 mine = torch.unique(torch.cat(next_flat))
-                next_read = torch.unique(torch.cat(all_gather_varlen(mine, ex.group, ledger=self.ledger,
-                                                                     category="ids")))
+                next_read = torch.unique(torch.cat(all_gather_varlen(mine.to(torch.int32), ex.group,
+                                                                     ledger=self.ledger, category="ids"))).long()
             else:
                 next_read = torch.arange(ex.layout.num_rows)  # last step: nothing to overlap with, all urgent
             if not ex.priority:

@@ -137,7 +137,9 @@ class TableExchange:
     # ------------------------------------------------------------------ forward
 
     def gather_ids(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return all_gather_varlen(flat, self.group, ledger=self.ledger, category="ids")
+        """Every rank's ids, sent as int32 (half the bytes of int64; tables have < 2^31 rows)."""
+        gathered = all_gather_varlen(flat.to(torch.int32), self.group, ledger=self.ledger, category="ids")
+        return [ids.long() for ids in gathered]
 
     @torch.no_grad()
     def lookup_values(self, flat: torch.Tensor, gathered: list[torch.Tensor] | None = None
@@ -158,8 +160,9 @@ class TableExchange:
         record.sent = torch.bincount(layout.owners(uniq), minlength=layout.world).tolist()
         expected = exchange_counts(record.sent, self.group)
         self.ledger.add("ids", layout.world - 1, 8)  # the counts themselves
-        record.requested = exchange(list(torch.split(uniq, record.sent)), expected, self.group,
-                                    ledger=self.ledger, category="ids", dtype=torch.int64)
+        requested = exchange(list(torch.split(uniq.to(torch.int32), record.sent)), expected, self.group,
+                             ledger=self.ledger, category="ids", dtype=torch.int32)
+        record.requested = [ids.long() for ids in requested]
         start = layout.row_range[0]
         local = torch.cat(record.requested) - start
         if self.scheduled:  # only owners see their rows' versions: agree on the verdict, so no rank hangs
