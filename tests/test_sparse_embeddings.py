@@ -143,13 +143,17 @@ def test_trainer_word_lm_embrace_and_allgather_match_dp1(rank_pool, tmp_path):
 
 
 def test_trainer_scheduled_sparse_adam_matches_dp1(rank_pool, tmp_path):
-    kwargs = dict(grad_clip=0.0, optimizer="sparse-adam", lr=0.01)
+    kwargs = dict(grad_clip=0.0, optimizer="sparse-adam", lr=0.01, eval_every=2)  # evals between prefetch and use
     expected = rank_pool(1).run(train_word_lm, str(tmp_path / "ref"), strategy={}, **kwargs)[0]
     results = rank_pool(2).run(train_word_lm, str(tmp_path / "sched"), strategy={
         "sparse_embeddings": "embrace", "sparse_schedule": True}, **kwargs)
     for got in results:
         assert max_difference(expected["params"], got["params"]) < 1e-5
         assert abs(expected["eval_loss"] - got["eval_loss"]) < 1e-5
+        evals = [r["eval_loss"] for r in got["records"] if "eval_loss" in r]
+        assert len(evals) == 3 and evals == pytest.approx([r["eval_loss"] for r in expected["records"]
+                                                           if "eval_loss" in r], rel=1e-5)
+        assert "2D scheduled" in got["description"]
 
 
 def test_bad_input_gets_clear_errors(rank_pool):

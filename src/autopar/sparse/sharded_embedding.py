@@ -182,7 +182,7 @@ class TableExchange:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding of `ids` (any shape), differentiable; uses the prefetched lookup if there is one."""
         flat = ids.reshape(-1).to(torch.long)
-        if self.prefetched:
+        if self.prefetched and torch.is_grad_enabled():  # a training forward (evaluation looks up afresh)
             cached_ids, values, record = self.prefetched.pop(0)
             if not torch.equal(cached_ids, flat):
                 raise RuntimeError(f"{self.name}: the prefetched lookup was for other ids than this forward's; "
