@@ -19,7 +19,7 @@ import torch
 import autopar
 from autopar.errors import ConfigError
 from autopar.sparse.schedule import RowPriorityQueue, RowVersions, StaleRowError
-from sparse_helpers import (DIM, VOCAB, TinyLM, embrace_small_table, embrace_without_table, lookup_matches_embedding,
+from sparse_helpers import (DIM, VOCAB, embrace_small_table, embrace_without_table, lookup_matches_embedding,
                             reference_training, train_sparse, train_word_lm)
 
 OPTIMIZERS = ["sgd", "adagrad", "sparse-adam"]

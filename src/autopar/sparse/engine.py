@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -199,7 +198,7 @@ class SparseEmbeddingEngine:
             if not ex.priority:
                 next_read = next_read[:0]  # tests only: a schedule that ignores the priority (must be caught)
             queue = RowPriorityQueue(next_read, num_rows=ex.layout.num_rows, step=step)
-            touched = torch.cat([ex._landing(record, None)[1] for record, _ in ex.stashed]) if ex.stashed \
+            touched = torch.cat([ex.landing(record, None)[1] for record, _ in ex.stashed]) if ex.stashed \
                 else torch.empty(0, dtype=torch.long)
             ex.versions.mark_produced(touched, step)
             urgent = queue.pop()

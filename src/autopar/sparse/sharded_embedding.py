@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .exchange import CommLedger, PendingExchange, all_gather_varlen, exchange, exchange_counts
-from .schedule import Chunk, RowPriorityQueue, RowVersions
+from .schedule import Chunk, RowVersions
 
 
 def even_splits(total: int, parts: int) -> list[int]:
@@ -203,7 +203,7 @@ class TableExchange:
         pending, rows = self.exchange_grad(record, grad, chunk=None)
         self.grad_parts.append((rows, torch.cat([p.view(-1, self.layout.shard_shape[1]) for p in pending.wait()])))
 
-    def _landing(self, record: LookupRecord, chunk: Chunk | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def landing(self, record: LookupRecord, chunk: Chunk | None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per source rank, the mask of its rows that this chunk carries, and their local row numbers."""
         sources = record.ids if self.layout.mode == "column" else record.requested
         masks = [torch.ones_like(ids, dtype=torch.bool) if chunk is None else chunk.select(ids) for ids in sources]
@@ -214,7 +214,7 @@ class TableExchange:
                       async_op: bool = False) -> tuple[PendingExchange, torch.Tensor]:
         """Send my lookup gradient (the rows `chunk` selects) to the owners; returns (pending, local rows)."""
         layout = self.layout
-        masks, rows = self._landing(record, chunk)
+        masks, rows = self.landing(record, chunk)
         width = layout.shard_shape[1]
         if layout.mode == "column":
             mine = record.ids[self.me]
