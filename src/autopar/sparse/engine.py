@@ -227,16 +227,15 @@ class SparseEmbeddingEngine:
     def clip_gradients(self, max_norm: float) -> float:
         if self.scheduled:
             return float("nan")  # part of the table gradient is still in flight (grad_clip must be 0)
-        squares = torch.zeros((), dtype=torch.float64)
-        for p in self.dense_params + self.replicated_tables * (self.mode == "allgather"):
-            if p.grad is not None:
-                squares += _values(p.grad).double().square().sum()
-        shards = torch.zeros((), dtype=torch.float64)
-        for ex in self.exchanges:
-            shards += _values(ex.weight.grad).double().square().sum()
+        # per-tensor norms in the gradient's dtype (as clip_grad_norm_ does), combined in float64
+        grads = [_values(p.grad) for p in self.dense_params + self.replicated_tables * (self.mode == "allgather")
+                 if p.grad is not None]
+        squares = sum(float(n) ** 2 for n in torch._foreach_norm(grads)) if grads else 0.0
+        shards = torch.tensor([sum(float(torch.linalg.vector_norm(_values(ex.weight.grad))) ** 2
+                                   for ex in self.exchanges)], dtype=torch.float64)
         if self.exchanges and self.world > 1:
             dist.all_reduce(shards, group=self.group)
-        norm = math.sqrt(float(squares + shards))
+        norm = math.sqrt(squares + float(shards))
         if math.isfinite(max_norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             unique = {id(p): p for p in self.dense_params + self.replicated_tables + [ex.weight for ex in self.exchanges]}
