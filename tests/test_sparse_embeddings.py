@@ -162,6 +162,8 @@ def test_bad_input_gets_clear_errors(rank_pool):
             autopar.Strategy(sparse_threshold=bad).resolved(2)
     with pytest.raises(ConfigError, match="data parallelism only"):
         autopar.Strategy(sparse_embeddings="embrace", pp=2).resolved(2)
+    with pytest.raises(ConfigError, match="needs --sparse-embeddings embrace"):
+        autopar.Strategy(sparse_embeddings="allgather", sparse_schedule=True).resolved(2)
     with pytest.raises(ConfigError, match="sparse_sharding"):
         autopar.Strategy(sparse_sharding="diagonal").resolved(2)
     pool = rank_pool(4)

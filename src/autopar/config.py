@@ -103,6 +103,9 @@ class Strategy:
                 or not 0 <= self.sparse_threshold <= 1:
             raise ConfigError(f"strategy.sparse_threshold is a fraction of rows and must be in [0, 1], got "
                               f"{self.sparse_threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
+        if self.sparse_schedule and self.sparse_embeddings != "embrace":
+            raise ConfigError(f"--sparse-schedule schedules the row exchange of sharded tables, so it needs "
+                              f"--sparse-embeddings embrace, got {self.sparse_embeddings!r}")
         if self.sparse_embeddings != "dense" and (self.pp > 1 or self.tp > 1):
             raise ConfigError(f"--sparse-embeddings {self.sparse_embeddings} works with data parallelism only, got "
                               f"pp={self.pp} tp={self.tp}; use pp=1 tp=1 or --sparse-embeddings dense")

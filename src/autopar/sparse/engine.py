@@ -68,6 +68,9 @@ class SparseEmbeddingEngine:
         self.description = describe(self.tables, self.mode if self.mode != "embrace"
                                     else f"embrace, {strategy.sparse_sharding}-wise"
                                          f"{', 2D scheduled' if self.scheduled else ''}")
+        if any(t.sparse for t in self.tables) and config.weight_decay > 0:
+            self.description += (f"\n  sparse tables get weight_decay 0 (decay moves every row every step: not "
+                                 f"row-separable); dense parameters keep {config.weight_decay:g}")
         if self.rank == 0 and log is not None:
             log(self.description)
         sparse = [t for t in self.tables if t.sparse]
