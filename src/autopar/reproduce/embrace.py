@@ -58,6 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "vocab_size", "d_embed", "d_hidden", "seq_len", "batch_per_rank"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     if any(w < 2 for w in args.worlds):
         parser.error("--worlds: every world size must be >= 2 (communication needs peers)")
     return args
