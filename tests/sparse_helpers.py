@@ -179,7 +179,9 @@ def train_word_lm(out: str, *, strategy: dict, vocab_size: int = 1024, seq_len: 
 
     from autopar.models import build_model
     tokenizer, train_data, eval_data = word_data(vocab_size, seq_len)
-    net, _ = build_model(model, {"d_embed": 8, "d_hidden": 16} if model == "word-lstm" else {"d_model": 16},
+    # (no biases in word-gpt: the key bias has an exactly-zero true gradient, and Adam-like rules turn its
+    # rounding noise into steps of lr size, which no two summation orders share)
+    net, _ = build_model(model, {"d_embed": 8, "d_hidden": 16} if model == "word-lstm" else {"d_model": 16, "bias": False},
                          vocab_size=tokenizer.vocab_size, device="meta")
     defaults = dict(steps=6, global_batch_size=8, micro_batch_size=2, lr=0.1, warmup_steps=2, eval_batches=1,
                     out=out, progress=False, timeout_s=60, optimizer="sgd", weight_decay=0.0)

@@ -142,8 +142,10 @@ def test_trainer_word_lm_embrace_and_allgather_match_dp1(rank_pool, tmp_path):
     assert expected["losses"][-1] < expected["losses"][0]
 
 
-def test_trainer_scheduled_sparse_adam_matches_dp1(rank_pool, tmp_path):
-    kwargs = dict(grad_clip=0.0, optimizer="sparse-adam", lr=0.01, eval_every=2)  # evals between prefetch and use
+@pytest.mark.parametrize("model", ["word-lstm", "word-gpt"])  # word-gpt: its position table is sparse too
+def test_trainer_scheduled_sparse_adam_matches_dp1(rank_pool, tmp_path, model):
+    kwargs = dict(grad_clip=0.0, optimizer="sparse-adam", lr=0.01, eval_every=2,  # evals between prefetch and use
+                  model=model)
     expected = rank_pool(1).run(train_word_lm, str(tmp_path / "ref"), strategy={}, **kwargs)[0]
     results = rank_pool(2).run(train_word_lm, str(tmp_path / "sched"), strategy={
         "sparse_embeddings": "embrace", "sparse_schedule": True}, **kwargs)
@@ -154,6 +156,8 @@ def test_trainer_scheduled_sparse_adam_matches_dp1(rank_pool, tmp_path):
         assert len(evals) == 3 and evals == pytest.approx([r["eval_loss"] for r in expected["records"]
                                                            if "eval_loss" in r], rel=1e-5)
         assert "2D scheduled" in got["description"]
+        if model == "word-gpt":  # read with positions, not token ids: its next reads are unknown
+            assert "pos_emb.weight is not read with the batch's token ids" in got["description"]
 
 
 def test_bad_input_gets_clear_errors(rank_pool):

@@ -49,8 +49,13 @@ def _other_uses(model: nn.Module, module: nn.Embedding, path: str) -> list[str]:
 
 @torch.no_grad()
 def classify_tables(model: nn.Module, run_forward: Callable[[], None], *, threshold: float,
-                    group: dist.ProcessGroup | None) -> list[TableInfo]:
-    """Measure every nn.Embedding's row density on one step (all ranks' batches); a collective."""
+                    group: dist.ProcessGroup | None, reads: dict[str, list[torch.Tensor]] | None = None
+                    ) -> list[TableInfo]:
+    """Measure every nn.Embedding's row density on one step (all ranks' batches); a collective.
+
+    `reads`, if given, receives each table's ids per lookup (the scheduler uses it to see which
+    tables are read with the batch's token ids, so that it can know their next reads).
+    """
     tables = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.Embedding)]
     touched = {path: torch.zeros(m.num_embeddings, dtype=torch.uint8) for path, m in tables}
 
@@ -58,6 +63,8 @@ def classify_tables(model: nn.Module, run_forward: Callable[[], None], *, thresh
         def hook(module, args):
             ids = args[0].detach().reshape(-1).to("cpu", torch.long)
             touched[path][ids] = 1
+            if reads is not None:
+                reads.setdefault(f"{path}.weight" if path else "weight", []).append(ids)
         return hook
 
     handles = [m.register_forward_pre_hook(recorder(path)) for path, m in tables]

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from ..train.engine import _broadcast_from_first_replica
-from ..train.loss import Batch
+from ..train.loss import Batch, main_input
 from .classify import TableInfo, check_sparse_tables, classify_tables, describe
 from .exchange import CommLedger, all_gather_varlen
 from .optim import HybridOptimizer, dense_optimizer, table_optimizer
@@ -60,9 +60,15 @@ class SparseEmbeddingEngine:
         self.ledger = CommLedger()
         self.step = 0
         first = batches_for_step(0)
+        reads: dict[str, list[torch.Tensor]] = {}
         self.tables: list[TableInfo] = classify_tables(
             self.module, lambda: [forward_fn(self.module, b) for b in first],
-            threshold=strategy.sparse_threshold, group=self.group)
+            threshold=strategy.sparse_threshold, group=self.group, reads=reads)
+        # 2D scheduling needs each table's next reads; known for tables read once per micro-batch with its
+        # token ids (a word table), not for e.g. a position table: those exchange unscheduled
+        token_ids = [_token_ids(b) for b in first]
+        keyed = {name for name, seen in reads.items()
+                 if len(seen) == len(token_ids) and all(torch.equal(a, b) for a, b in zip(seen, token_ids))}
         if self.mode != "dense":
             check_sparse_tables(self.tables, mode=self.mode, world=self.world, sharding=strategy.sparse_sharding)
         self.description = describe(self.tables, self.mode if self.mode != "embrace"
@@ -71,8 +77,6 @@ class SparseEmbeddingEngine:
         if any(t.sparse for t in self.tables) and config.weight_decay > 0:
             self.description += (f"\n  sparse tables get weight_decay 0 (decay moves every row every step: not "
                                  f"row-separable); dense parameters keep {config.weight_decay:g}")
-        if self.rank == 0 and log is not None:
-            log(self.description)
         sparse = [t for t in self.tables if t.sparse]
         self.exchanges: list[TableExchange] = []
         self.replicated_tables: list[nn.Parameter] = []  # allgather / dense: full tables with sparse updates
@@ -85,7 +89,10 @@ class SparseEmbeddingEngine:
                 parent = self.module.get_submodule(parent_path) if parent_path else self.module
                 table = ShardedEmbedding(getattr(parent, attr).weight, name=t.param_name, mode=strategy.sparse_sharding,
                                          group=exchange_group, ledger=self.ledger)
-                table.exchange.scheduled = self.scheduled
+                table.exchange.scheduled = self.scheduled and t.param_name in keyed
+                if self.scheduled and not table.exchange.scheduled:
+                    self.description += (f"\n  {t.param_name} is not read with the batch's token ids, so its next "
+                                         f"reads are unknown: exchanged unscheduled")
                 setattr(parent, attr, table)
                 self.exchanges.append(table.exchange)
         elif sparse:
@@ -97,6 +104,8 @@ class SparseEmbeddingEngine:
         table_ids = {id(ex.weight) for ex in self.exchanges}
         if self.mode == "allgather":
             table_ids |= {id(p) for p in self.replicated_tables}
+        if self.rank == 0 and log is not None:
+            log(self.description)
         self.dense_params = [p for p in self.module.parameters() if p.requires_grad and id(p) not in table_ids]
         self.sync = GradientSynchronizer(self.dense_params, self.group)
         self.dense_elements = sum(p.numel() for p in self.dense_params)
@@ -129,8 +138,8 @@ class SparseEmbeddingEngine:
             total += loss.detach().float()
         if self.scheduled:
             self._scheduled_update()
-        else:
-            for ex in self.exchanges:
+        for ex in self.exchanges:
+            if not ex.scheduled:
                 ex.finish_unscheduled()
         if self.mode == "allgather":
             self._allgather_table_grads()
@@ -184,9 +193,8 @@ class SparseEmbeddingEngine:
         reads, stream the rest, and prefetch the next step's lookups while the dense all-reduce is in flight."""
         step = self.step
         has_next = step + 1 < self.config.steps
-        next_flat = [b["input_ids" if "input_ids" in b else "inputs"].reshape(-1).long()
-                     for b in self.batches_for_step(step + 1)] if has_next else []
-        for ex in self.exchanges:
+        next_flat = [_token_ids(b) for b in self.batches_for_step(step + 1)] if has_next else []
+        for ex in (ex for ex in self.exchanges if ex.scheduled):
             self._land_deferred(ex)
             gathered: list[list[torch.Tensor]] = []
             if has_next and ex.layout.mode == "column":
@@ -228,7 +236,7 @@ class SparseEmbeddingEngine:
             self._land_deferred(ex)
 
     def clip_gradients(self, max_norm: float) -> float:
-        if self.scheduled:
+        if any(ex.scheduled for ex in self.exchanges):
             return float("nan")  # part of the table gradient is still in flight (grad_clip must be 0)
         # per-tensor norms in the gradient's dtype (as clip_grad_norm_ does), combined in float64
         grads = [_values(p.grad) for p in self.dense_params + self.replicated_tables * (self.mode == "allgather")
@@ -285,6 +293,10 @@ class SparseEmbeddingEngine:
     def close(self) -> None:
         self.flush()
         self.sync.remove()
+
+
+def _token_ids(batch: Batch) -> torch.Tensor:
+    return main_input(batch).reshape(-1).to(torch.long)
 
 
 def _values(grad: torch.Tensor | None) -> torch.Tensor:
