@@ -104,7 +104,8 @@ def train_sparse(mode: str, optimizer: str, *, sharding: str = "column", schedul
     tokens = 8 * 8
     for step in range(steps):
         batches = local(step)
-        loss_fn = lambda out, b: F.cross_entropy(out.reshape(-1, VOCAB), b["labels"].reshape(-1), reduction="sum") / tokens
+        loss_fn = lambda out, b: F.cross_entropy(out.reshape(-1, VOCAB), b["labels"].reshape(-1),  # noqa: E731
+                                                 reduction="sum") / tokens
         total = engine.forward_backward(batches, loss_fn)
         engine.clip_gradients(grad_clip if grad_clip > 0 else float("inf"))
         opt.step()
@@ -181,8 +182,8 @@ def train_word_lm(out: str, *, strategy: dict, vocab_size: int = 1024, seq_len: 
     tokenizer, train_data, eval_data = word_data(vocab_size, seq_len)
     # (no biases in word-gpt: the key bias has an exactly-zero true gradient, and Adam-like rules turn its
     # rounding noise into steps of lr size, which no two summation orders share)
-    net, _ = build_model(model, {"d_embed": 8, "d_hidden": 16} if model == "word-lstm" else {"d_model": 16, "bias": False},
-                         vocab_size=tokenizer.vocab_size, device="meta")
+    args = {"d_embed": 8, "d_hidden": 16} if model == "word-lstm" else {"d_model": 16, "bias": False}
+    net, _ = build_model(model, args, vocab_size=tokenizer.vocab_size, device="meta")
     defaults = dict(steps=6, global_batch_size=8, micro_batch_size=2, lr=0.1, warmup_steps=2, eval_batches=1,
                     out=out, progress=False, timeout_s=60, optimizer="sgd", weight_decay=0.0)
     trainer = autopar.Trainer(net, train_data, strategy=autopar.Strategy(**strategy),

@@ -172,7 +172,8 @@ def test_bad_input_gets_clear_errors(rank_pool):
         autopar.Strategy(sparse_sharding="diagonal").resolved(2)
     pool = rank_pool(4)
     assert all("needs a model with an nn.Embedding" in m for m in pool.run(embrace_without_table))
-    assert all("fewer than the 4 data-parallel ranks" in m and "3 rows" in m for m in pool.run(embrace_small_table, 3, 8))
+    small = pool.run(embrace_small_table, 3, 8)
+    assert all("fewer than the 4 data-parallel ranks" in m and "3 rows" in m for m in small)
     assert all("narrower than the 4 ranks" in m for m in pool.run(embrace_small_table, 50, 2))
     assert all(m == "" for m in pool.run(embrace_small_table, 50, 2, "row"))  # row sharding is fine there
     assert all("not row-separable" in m for m in pool.run(embrace_small_table, 50, 8, "column", "adamw"))

@@ -225,7 +225,8 @@ def plot(records: list[dict], path: Path) -> None:
         axes[0].bar(xs, [r["median_step_s"][v] * 1e3 for r in records], width, label=v)
         axes[1].bar(xs, [r["table_bytes_per_step"][v] / 1e3 for r in records], width, label=v)
     axes[1].set_yscale("log")
-    for ax, label in zip(axes, ("median step time (ms, slowest rank)", "embedding-table KB received per rank per step")):
+    labels = ("median step time (ms, slowest rank)", "embedding-table KB received per rank per step")
+    for ax, label in zip(axes, labels):
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(records))], [f"{r['world']} ranks" for r in records])
         ax.set_ylabel(label)
         ax.legend(fontsize=8)

@@ -46,7 +46,8 @@ class SparseEmbeddingEngine:
         if device.type != "cpu":
             raise ConfigError(f"--sparse-embeddings / sparse-adam run on CPU (gloo) in this version; got device "
                               f"{device.type}; use --device cpu")
-        self.mode, self.config, self.forward_fn, self.autocast = strategy.sparse_embeddings, config, forward_fn, autocast
+        self.mode, self.config = strategy.sparse_embeddings, config
+        self.forward_fn, self.autocast = forward_fn, autocast
         self.mesh, self.group = mesh, mesh.group("dp")
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.batches_for_step = batches_for_step
@@ -156,7 +157,8 @@ class SparseEmbeddingEngine:
         """Every rank's (unique ids, summed rows) of each table, concatenated and summed: the global sparse grad."""
         for p in self.replicated_tables:
             grad = p.grad.coalesce() if p.grad is not None else torch.sparse_coo_tensor(
-                torch.empty(1, 0, dtype=torch.long), torch.empty(0, p.shape[1]), size=p.shape, check_invariants=False).coalesce()
+                torch.empty(1, 0, dtype=torch.long), torch.empty(0, p.shape[1]), size=p.shape,
+                check_invariants=False).coalesce()
             ids = all_gather_varlen(grad.indices()[0].to(torch.int32), self.group, ledger=self.ledger, category="ids")
             ids = [i.long() for i in ids]
             rows = all_gather_varlen(grad.values(), self.group, ledger=self.ledger, category="rows")
@@ -249,7 +251,8 @@ class SparseEmbeddingEngine:
         norm = math.sqrt(squares + float(shards))
         if math.isfinite(max_norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
-            unique = {id(p): p for p in self.dense_params + self.replicated_tables + [ex.weight for ex in self.exchanges]}
+            everything = self.dense_params + self.replicated_tables + [ex.weight for ex in self.exchanges]
+            unique = {id(p): p for p in everything}
             for p in unique.values():
                 if p.grad is not None:
                     if p.grad.is_sparse:
