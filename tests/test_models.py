@@ -218,7 +218,7 @@ def test_unknown_model_lists_available():
         build_model("gpt-huge")
     assert str(err.value) == (
         "unknown model 'gpt-huge'; available: "
-        "{gpt-tiny, gpt-mini, gpt-small, gpt-medium, hf:gpt2, hf:llama, hf:bert}"
+        "{gpt-tiny, gpt-mini, gpt-small, gpt-medium, word-lstm, word-gpt, hf:gpt2, hf:llama, hf:bert}"
     )
 
 

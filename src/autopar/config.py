@@ -41,7 +41,8 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 RECOMPUTE_MODES = ("none", "all", "all-but-last")
 DP_MODES = ("allreduce", "gossip", "async")
 SPARSE_EMBEDDING_MODES = ("dense", "allgather", "embrace")
-OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam")
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam", "sparse-adam")
+SPARSE_SHARDINGS = ("column", "row")
 
 
 @dataclass(kw_only=True)
@@ -76,6 +77,8 @@ class Strategy:
     sparse_threshold: float = _f(0.1, "a table whose measured fraction of rows touched per step is below this "
                                       "is sparse")
     sparse_sharding: str = _f("column", "how embrace shards sparse tables over replicas: column|row")
+    sparse_schedule: bool = _f(False, "embrace: 2D communication scheduling (rows the next step reads are exchanged "
+                                      "and updated first, the rest deferred; needs grad_clip 0)")
 
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
@@ -93,6 +96,19 @@ class Strategy:
         if self.sparse_embeddings not in SPARSE_EMBEDDING_MODES:
             raise ConfigError(f"strategy.sparse_embeddings must be one of {choices(SPARSE_EMBEDDING_MODES)}, "
                               f"got {self.sparse_embeddings!r}")
+        if self.sparse_sharding not in SPARSE_SHARDINGS:
+            raise ConfigError(f"strategy.sparse_sharding must be one of {choices(SPARSE_SHARDINGS)}, "
+                              f"got {self.sparse_sharding!r}")
+        if isinstance(self.sparse_threshold, bool) or not isinstance(self.sparse_threshold, (int, float)) \
+                or not 0 <= self.sparse_threshold <= 1:
+            raise ConfigError(f"strategy.sparse_threshold is a fraction of rows and must be in [0, 1], got "
+                              f"{self.sparse_threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
+        if self.sparse_schedule and self.sparse_embeddings != "embrace":
+            raise ConfigError(f"--sparse-schedule schedules the row exchange of sharded tables, so it needs "
+                              f"--sparse-embeddings embrace, got {self.sparse_embeddings!r}")
+        if self.sparse_embeddings != "dense" and (self.pp > 1 or self.tp > 1):
+            raise ConfigError(f"--sparse-embeddings {self.sparse_embeddings} works with data parallelism only, got "
+                              f"pp={self.pp} tp={self.tp}; use pp=1 tp=1 or --sparse-embeddings dense")
         dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
         if dp * self.tp * self.pp != world_size or dp < 1:
             raise ConfigError(
@@ -108,7 +124,7 @@ class Strategy:
 class ModelConfig:
     """Which model to train (the built-in job; the Python API takes an nn.Module instead)."""
 
-    name: str = _f("gpt-mini", "model name: gpt-tiny|gpt-mini|gpt-small|gpt-medium|hf:gpt2|hf:llama|hf:bert",
+    name: str = _f("gpt-mini", "model name: gpt-tiny|gpt-mini|gpt-small|gpt-medium|word-lstm|word-gpt|hf:gpt2|hf:llama|hf:bert",
                    flag="--model")
     args: dict = _f({}, "model argument KEY=VALUE overriding the size table (repeatable)", flag="--model-arg")
 
@@ -118,7 +134,7 @@ class DataConfig:
     """The built-in data: an embedded corpus cut into fixed-length token windows."""
 
     corpus: str = _f("stdlib", "embedded text corpus (stdlib: the Python standard library's source)")
-    tokenizer: str = _f("byte", "tokenizer (byte: UTF-8 bytes plus special tokens)")
+    tokenizer: str = _f("byte", "tokenizer: byte (UTF-8 bytes plus special tokens) | word (words of the training text, vocab_size of them)")
     vocab_size: int = _f(32768, "word-level tokenizers: vocabulary size (the most frequent words of the training "
                                 "text; the rest become <unk>)")
     seq_len: int = _f(128, "tokens per training sequence")
@@ -133,7 +149,8 @@ class TrainConfig:
     micro_batch_size: int = _f(8, "sequences per forward/backward on one replica (gradients accumulate)")
     micro_batches: int | None = _f(None, "micro-batches per replica per step; if set, micro_batch_size = "
                                          "global_batch_size / (dp * micro_batches)")
-    optimizer: str = _f("adamw", "optimizer: adamw|adam|sgd|adagrad")
+    optimizer: str = _f("adamw", "optimizer: adamw|adam|sgd|adagrad|sparse-adam (SparseAdam on sparse embedding "
+                                           "tables, Adam on the rest)")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
     warmup_steps: int = _f(20, "steps of linear learning-rate warm-up")

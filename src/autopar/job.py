@@ -15,7 +15,8 @@ from .train import Trainer, TrainResult
 
 
 def run_job(job: JobConfig) -> TrainResult:
-    tokenizer = build_tokenizer(job.data.tokenizer)
+    corpus = load_corpus(job.data.corpus)
+    tokenizer = build_tokenizer(job.data.tokenizer, corpus=corpus, vocab_size=job.data.vocab_size)
     model, info = build_model(job.model.name, job.model.args, vocab_size=padded_vocab_size(tokenizer.vocab_size),
                               device="meta")
     if info.vocab_size < tokenizer.vocab_size:
@@ -24,7 +25,6 @@ def run_job(job: JobConfig) -> TrainResult:
     if job.data.seq_len > info.max_seq_len:
         raise ConfigError(f"seq_len={job.data.seq_len} is longer than {info.name}'s context of {info.max_seq_len} "
                           f"positions; use --seq-len <= {info.max_seq_len} or a larger max_seq_len model argument")
-    corpus = load_corpus(job.data.corpus)
     train_data, eval_data = build_datasets(corpus, tokenizer, seq_len=job.data.seq_len, task=info.task,
                                            seed=job.train.seed)
     resolved = dataclasses.replace(job, model=dataclasses.replace(job.model, args=info.args))

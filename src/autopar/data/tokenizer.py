@@ -1,8 +1,9 @@
 """Tokenizers turn corpus bytes into token ids.
 
-Only a byte-level tokenizer ships today: it needs no training and no download and has a
-small vocabulary, which suits CPU tests. A tokenizer is anything with the `Tokenizer`
-shape; register new ones in `TOKENIZERS`.
+`byte` needs no training and has a small vocabulary, which suits CPU tests; `word`
+(data/word_tokenizer.py) is trained on the corpus's training split and has a large,
+sparsely used vocabulary (for the sparse-embedding work). A tokenizer is anything with
+the `Tokenizer` shape; register new ones in `TOKENIZERS`.
 """
 
 from __future__ import annotations
@@ -43,13 +44,19 @@ class ByteTokenizer:
         return bytes(v for v in values if 0 <= v < 256).decode("utf-8", errors="replace")
 
 
-TOKENIZERS = {"byte": ByteTokenizer}
+TOKENIZERS = ("byte", "word")
 
 
-def build_tokenizer(name: str) -> Tokenizer:
-    if name not in TOKENIZERS:
-        raise DataError(f"unknown tokenizer {name!r}; available: {choices(TOKENIZERS)}")
-    return TOKENIZERS[name]()
+def build_tokenizer(name: str, *, corpus=None, vocab_size: int = 32768) -> Tokenizer:
+    """A tokenizer by name; trained ones (`word`) need the corpus whose training split they learn."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "word":
+        if corpus is None:
+            raise DataError("the word tokenizer is trained on a corpus; pass corpus= (the training split is used)")
+        from .word_tokenizer import WordTokenizer
+        return WordTokenizer.train(corpus.train, vocab_size)
+    raise DataError(f"unknown tokenizer {name!r}; available: {choices(TOKENIZERS)}")
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:

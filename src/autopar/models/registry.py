@@ -33,6 +33,12 @@ GPT_SIZES: dict[str, dict[str, int]] = {
 
 HF_NAMES = ("hf:gpt2", "hf:llama", "hf:bert")
 
+WORD_SIZES: dict[str, dict[str, int]] = {
+    "word-lstm": {},
+    "word-gpt": {"n_layer": 2, "n_head": 4, "d_model": 64, "max_seq_len": 256},
+}
+"""Word-level LMs with untied input embeddings (models/word_lm.py); vocabulary from the tokenizer."""
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -54,7 +60,7 @@ class ModelInfo:
 
 def available_models() -> list[str]:
     """Every name `build_model` accepts, GPT sizes first."""
-    return [*GPT_SIZES, *HF_NAMES]
+    return [*GPT_SIZES, *WORD_SIZES, *HF_NAMES]
 
 
 def count_params(module: nn.Module) -> int:
@@ -217,6 +223,31 @@ def build_gpt(
     return model, info
 
 
+def build_word_lm(
+    name: str, model_args: dict[str, Any], vocab_size: int | None, device: torch.device
+) -> tuple[nn.Module, ModelInfo]:
+    """word-lstm / word-gpt: the vocabulary comes from the (word) tokenizer unless model_args sets it."""
+    from .word_lm import WordGPT, WordLSTM, WordLSTMConfig  # noqa: PLC0415
+
+    config_cls, model_cls = (WordLSTMConfig, WordLSTM) if name == "word-lstm" else (GPTConfig, WordGPT)
+    valid = config_cls.field_names()
+    unknown = [k for k in model_args if k not in valid]
+    if unknown:
+        raise ModelError(f"unknown model argument '{unknown[0]}' for {name}; valid: {choices(sorted(valid))}")
+    defaults = asdict(config_cls())
+    resolved: dict[str, Any] = dict(WORD_SIZES[name])
+    if vocab_size is not None:
+        resolved["vocab_size"] = vocab_size
+    for key, value in model_args.items():
+        resolved[key] = coerce_value(name, key, value, defaults[key])
+    config = config_cls(**resolved)
+    with device:
+        model = model_cls(config)
+    info = ModelInfo(name=name, task="causal-lm", vocab_size=config.vocab_size, max_seq_len=config.max_seq_len,
+                     num_params=count_params(model), args=asdict(config))
+    return model, info
+
+
 def _build_hf(
     name: str, model_args: dict[str, Any], vocab_size: int | None, device: torch.device
 ) -> tuple[nn.Module, ModelInfo]:
@@ -227,6 +258,7 @@ def _build_hf(
 
 BUILDERS: dict[str, Callable[..., tuple[nn.Module, ModelInfo]]] = {
     **{name: build_gpt for name in GPT_SIZES},
+    **{name: build_word_lm for name in WORD_SIZES},
     **{name: _build_hf for name in HF_NAMES},
 }
 

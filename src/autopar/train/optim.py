@@ -1,4 +1,4 @@
-"""The optimizer (AdamW by default; Adam, SGD, Adagrad on request) with weight decay on matrices only,
+"""The optimizer (AdamW by default; Adam, SGD, Adagrad, sparse-adam on request) with weight decay on matrices only,
 and warm-up + cosine learning rate."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         return torch.optim.SGD(groups, lr=config.lr, foreach=True)
     if config.optimizer == "adagrad":
         return torch.optim.Adagrad(groups, lr=config.lr, foreach=True)
-    if config.optimizer == "adam":
+    if config.optimizer in ("adam", "sparse-adam"):  # sparse-adam: Adam on dense params (see sparse/optim.py)
         return torch.optim.Adam(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
 

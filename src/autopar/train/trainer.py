@@ -88,6 +88,9 @@ class Trainer:
         if strategy.dp_mode == "gossip":
             from ..gossip import check_gossip_strategy
             check_gossip_strategy(strategy)
+        if cfg.resume and (strategy.sparse_embeddings != "dense" or cfg.optimizer == "sparse-adam"):
+            raise ConfigError(f"--resume is not supported yet with --sparse-embeddings {strategy.sparse_embeddings} / "
+                              f"--optimizer {cfg.optimizer} (checkpoints hold per-rank table shards); start a new run")
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
@@ -120,12 +123,19 @@ class Trainer:
             self.engine = PipelineEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                          example_batch=example, num_microbatches=self.accumulation,
                                          autocast=self.autocast, timeout_s=cfg.timeout_s)
+        elif self.strategy.sparse_embeddings != "dense" or cfg.optimizer == "sparse-adam":
+            from ..sparse import SparseEmbeddingEngine  # EmbRace and its baselines (sparse/engine.py)
+            self.engine = SparseEmbeddingEngine(
+                self.model, self.mesh, device=self.device, seed=cfg.seed, forward_fn=self.forward_fn,
+                autocast=self.autocast, config=cfg, log=lambda text: print(text, flush=True),
+                batches_for_step=lambda step: self._local_batches(step, self.train_data))
         else:
             self.engine = DataParallelEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                              forward_fn=self.forward_fn, autocast=self.autocast)
         self.model = self.engine.module
         torch.manual_seed(cfg.seed + 1 + dist.get_rank())  # dropout etc.: per-rank streams
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer = (self.engine.build_optimizer(cfg) if hasattr(self.engine, "build_optimizer")
+                          else build_optimizer(self.model, cfg))
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.is_main = dist.get_rank() == 0
         self.run_dir = self._make_run_dir()
@@ -170,12 +180,15 @@ class Trainer:
         dist.all_reduce(count, group=self.dp_group)
         return count.clamp_min(1.0)
 
+    def _local_batches(self, step: int, data: Dataset) -> list[Batch]:
+        micro = self.sampler.local_micro_batches(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
+                                                 micro_batch_size=self.config.micro_batch_size)
+        return [self._load(indices, data) for indices in micro]
+
     def train_step(self, step: int) -> tuple[float, float, int]:
         """One optimizer step (0-based `step`): returns (loss, grad_norm, tokens in the global batch)."""
         cfg = self.config
-        micro = self.sampler.local_micro_batches(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
-                                                 micro_batch_size=cfg.micro_batch_size)
-        batches = [self._load(indices, self.train_data) for indices in micro]
+        batches = self._local_batches(step, self.train_data)
         global_count = self._global_target_count(batches)
         total = self.engine.forward_backward(batches, lambda out, batch: self._loss(out, batch, global_count))
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -214,6 +227,8 @@ class Trainer:
     def save(self, step: int) -> Path:
         if hasattr(self.engine, "average_models"):  # gossip: replicas differ; save (and continue from) their mean
             self.engine.average_models()
+        if hasattr(self.engine, "flush"):
+            self.engine.flush()  # 2D-scheduled sparse tables: land deferred row updates first
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
                                     {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel)
 
