@@ -140,13 +140,21 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         measure_block_times(graph, model)
     cap = ns.memory_cap_mb * 2**20 if ns.memory_cap_mb else None
     result = partition(graph, ns.pp, method=ns.method, memory_cap_bytes=cap)
+    tp_plan = None
+    if ns.tp != 1:
+        from .tensor_parallel import plan_tensor_parallel
+        tp_plan = plan_tensor_parallel(graph, ns.tp)
     if ns.json:
+        extra = {"tensor_parallel": tp_plan.to_dict()} if tp_plan is not None else {}
         print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len],
-                          "measured": ns.measure, **result.to_dict()}, indent=2))
+                          "measured": ns.measure, **result.to_dict(), **extra}, indent=2))
     else:
         print(f"{info.name}: {info.num_params:,} parameters, {len(graph.blocks)} blocks, micro-batch "
               f"{ns.micro_batch_size} x {ns.seq_len}, time {'measured' if ns.measure else 'estimated from FLOPs'}")
         print(result.table())
+        if tp_plan is not None:
+            print()
+            print(tp_plan.table())
     return 0
 
 
@@ -171,11 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the Python script to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("models", help="list the built-in models")
-    plan = sub.add_parser("plan", help="show how a model would be cut into pipeline stages (no training)",
+    plan = sub.add_parser("plan", help="show how a model would be cut into pipeline stages and split over "
+                          "tensor-parallel ranks (no training)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     plan.add_argument("--model", default="gpt-mini", help="model name (see `autopar models`)")
     plan.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="model argument (repeatable)")
     plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: show which layers are split how, "
+                      "and which stay replicated and why")
     plan.add_argument("--method", default="time", choices=["uniform", "parameters", "time"],
                       help="balance equal layers, parameter counts, or forward+backward time")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")

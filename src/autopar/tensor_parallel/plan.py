@@ -103,6 +103,7 @@ class TensorParallelPlan:
     vocab_output: bool = False  # the model's logits leave the graph sharded over the vocabulary
     vocab_size: int | None = None
     decisions: list[LayerDecision] = field(default_factory=list)
+    replicated_params: list[str] = field(default_factory=list)  # whole on every rank (norms, row biases, ...)
 
     def vocab_start(self, rank: int) -> int:
         assert self.vocab_size is not None
@@ -114,13 +115,17 @@ class TensorParallelPlan:
                  f"{'role':<16} {'module':<44} detail"]
         for d in self.decisions:
             lines.append(f"{d.role:<16} {d.module or d.node:<44} {d.detail}")
+        if self.replicated_params:
+            shown = ", ".join(self.replicated_params[:6]) + (", ..." if len(self.replicated_params) > 6 else "")
+            lines.append(f"whole on every rank: {len(self.replicated_params)} parameters (norms, biases added after "
+                         f"the all-reduce, position tables, unsplit layers): {shown}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "vocab_output": self.vocab_output,
                 "params": {k: {"dim": v.dim, "segments": list(v.segments), "role": v.role}
                            for k, v in self.params.items()},
-                "layers": [vars(d) for d in self.decisions]}
+                "layers": [vars(d) for d in self.decisions], "replicated": self.replicated_params}
 
 
 class _Failure(Exception):
@@ -559,6 +564,7 @@ class _Analysis:
             fqn = self.param_of[parts[1].name] if parts else ""
             plan.decisions.append(LayerDecision(name, self.module_of(node), [fqn] if fqn else [], "replicated",
                                                 f"{fqn}: {reason}"))
+        plan.replicated_params = [fqn for fqn in dict.fromkeys(self.param_of.values()) if fqn not in self.params]
         order = {n.name: i for i, n in enumerate(self.graph.graph.nodes)}
         plan.decisions.sort(key=lambda d: order.get(d.node, 0))
         return plan
