@@ -56,6 +56,7 @@ from autopar.trace import trace
 
 VARIANTS = ("ours", "dtensor")
 TOLERANCE = 1e-5  # relative to the largest magnitude of the reference value
+GRAD_FLOOR = 1e-3  # gradient errors are relative to max(own max |grad|, GRAD_FLOOR * model's max |grad|)
 TIMEOUT = timedelta(seconds=120)
 SEED = 0
 
@@ -140,8 +141,10 @@ def build_dtensor(meta_model: nn.Module, tp: int, device: torch.device) -> Varia
 # ----------------------------------------------------------------------------- checks and measurements
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.detach() - ref.detach()).abs().max() / ref.detach().abs().max().clamp_min(1e-30)).item()
+def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """max |got - ref| / max |ref|, the denominator at least `floor`."""
+    scale = max(ref.detach().abs().max().item(), floor, 1e-30)
+    return (got.detach() - ref.detach()).abs().max().item() / scale
 
 
 def check_against_reference(variant: Variant, reference: nn.Module, ref_out: torch.Tensor, ref_dx: torch.Tensor,
@@ -152,12 +155,16 @@ def check_against_reference(variant: Variant, reference: nn.Module, ref_out: tor
     out = variant.step(xin, w)
     errors = {"output": rel_err(out, ref_out), "input grad": rel_err(xin.grad, ref_dx)}
     ref_grads = dict(reference.named_parameters())
+    # k_proj.bias has an exactly-zero true gradient (softmax ignores a constant per query), so its
+    # computed values are rounding noise; gradients are judged relative to at least 1e-3 of the largest
+    # gradient in the model rather than relative to their own (possibly ~0) magnitude
+    floor = GRAD_FLOOR * max(p.grad.abs().max().item() for p in ref_grads.values())
     seen = set()
     for fqn, p in variant.named_params():
         if p.grad is None:
             raise RuntimeError(f"{variant.name}: parameter {fqn} got no gradient")
         whole = variant.gather_grad(fqn, p.grad)  # collective for sharded ones: same order on every rank
-        errors[fqn] = rel_err(whole, ref_grads[fqn].grad)
+        errors[fqn] = rel_err(whole, ref_grads[fqn].grad, floor)
         seen.add(fqn)
     missing = set(ref_grads) - seen
     if missing:
@@ -249,6 +256,9 @@ def run_tp(args, group, device: torch.device) -> dict:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     worst_where = {name: max(errors[name], key=errors[name].get) for name in VARIANTS}
     if worst.max().item() > TOLERANCE:
+        for name in VARIANTS:
+            print(f"rank {dist.get_rank()} {name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors[name].items()),
+                  flush=True)
         raise AssertionError(f"tp={tp}: not equal to the unsharded stack (relative tol {TOLERANCE:g}): "
                              + ", ".join(f"{n} max {worst[i].item():.2e} at {worst_where[n]}"
                                          for i, n in enumerate(VARIANTS)))

@@ -54,3 +54,28 @@ def test_api_misuse_gets_clear_errors(tmp_path):
                         config=autopar.TrainConfig(out=str(tmp_path))).train()
     with pytest.raises(ConfigError, match=r"dp\*tp\*pp = 2\*1\*1 does not equal the number of processes \(1\)"):
         autopar.Trainer(nn.Linear(2, 2), _data(), strategy=autopar.Strategy(dp=2)).train()
+
+
+def _train_with_custom_functions(out: str, strategy: dict, forward: bool) -> dict | str:
+    """gpt-tiny with a user loss (token-mean cross-entropy on whole logits), optionally a user forward."""
+    from autopar.data import padded_vocab_size
+    from autopar.models import build_model
+    from helpers import small_data
+    model, info = build_model("gpt-tiny", {"n_layer": 2}, vocab_size=padded_vocab_size(258), device="meta")
+    train_data, _ = small_data(info.task, 32)
+    extra = {"forward_fn": lambda m, b: m(b["input_ids"])} if forward else {}
+    trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**strategy), config=autopar.TrainConfig(
+        steps=4, global_batch_size=8, micro_batch_size=4, lr=1e-3, out=out, progress=False, timeout_s=60),
+        loss_fn=lambda logits, b: F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten()), **extra)
+    try:
+        return {"losses": trainer.train().losses}
+    except ConfigError as exc:
+        return str(exc)
+
+
+def test_tensor_parallel_custom_loss_sees_whole_logits(rank_pool, tmp_path):
+    single = rank_pool(1).run(_train_with_custom_functions, str(tmp_path / "one"), {}, False)[0]
+    for got in rank_pool(2).run(_train_with_custom_functions, str(tmp_path / "tp"), {"tp": 2}, False):
+        assert max_relative_difference(single["losses"], got["losses"]) < 1e-5
+    errors = rank_pool(2).run(_train_with_custom_functions, str(tmp_path / "fwd"), {"tp": 2}, True)
+    assert all("custom forward_fn cannot be used with pp=1 tp=2" in e for e in errors), errors

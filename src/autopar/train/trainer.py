@@ -85,6 +85,10 @@ class Trainer:
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
         check_pipeline_strategy(strategy, accumulation)
+        if (strategy.pp > 1 or strategy.tp > 1) and self.forward_fn is not default_forward:
+            raise ConfigError(f"a custom forward_fn cannot be used with pp={strategy.pp} tp={strategy.tp}: the model "
+                              f"is traced and its stages are called on the batch's main input ('input_ids' or "
+                              f"'inputs'); drop forward_fn, or use data parallelism only")
         if strategy.dp_mode == "gossip":
             from ..gossip import check_gossip_strategy
             check_gossip_strategy(strategy)
