@@ -32,7 +32,7 @@ def zipf_ids(generator: torch.Generator, shape: tuple[int, ...], vocab: int = VO
 
 def lookup_matches_embedding(mode: str, rows_per_rank: list[int]) -> dict:
     """Sharded lookup and its gradient vs nn.Embedding on the same table (every rank checks its own)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     full = torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
     ids = [zipf_ids(gen, (n, 3)) for n in rows_per_rank]  # every rank draws all ranks' ids (same seed)

@@ -114,13 +114,13 @@ class GossipEngine:
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  forward_fn: Callable, autocast: Callable, links: Links | None = None,
                  timeout_s: float = 300.0, verbose: bool = True):
-        from ..train.engine import _broadcast_from_first_replica
+        from ..train.engine import broadcast_from_first_replica
         strategy = mesh.strategy
         self.topology = check_gossip_strategy(strategy)
         self.order = strategy.gossip_order
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
-        _broadcast_from_first_replica(self.module, mesh)
+        broadcast_from_first_replica(self.module, mesh)
         group = mesh.group("dp")
         self.replicas = dist.get_world_size(group)
         self.links = links or Links(LinkModel(), group=group, timeout_s=timeout_s)

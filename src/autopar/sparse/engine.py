@@ -29,7 +29,7 @@ from ..distributed import group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
-from ..train.engine import _broadcast_from_first_replica
+from ..train.engine import broadcast_from_first_replica
 from ..train.loss import Batch, main_input, token_loss_sum
 from .classify import TableInfo, check_sparse_tables, classify_tables, describe
 from .exchange import CommLedger, all_gather_varlen
@@ -62,7 +62,7 @@ class SparseEmbeddingEngine:
                               f"gradient norm is not known when clipping would need it; use --grad-clip 0 "
                               f"(got {config.grad_clip})")
         self.module = materialize(model, device, seed=seed)
-        _broadcast_from_first_replica(self.module, mesh)
+        broadcast_from_first_replica(self.module, mesh)
         self.ledger = CommLedger()
         self.step = 0
         first = batches_for_step(0)

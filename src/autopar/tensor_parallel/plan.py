@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from torch.export.graph_signature import InputKind
 
 from ..errors import ConfigError
 from ..trace import ModelGraph
+from .layout import LayerDecision, ParamShard, TensorParallelPlan
 
 aten = torch.ops.aten
 
@@ -60,72 +61,6 @@ class Shard:
 
     def same_layout(self, other: Shard) -> bool:
         return self.dim == other.dim and self.segments == other.segments
-
-
-@dataclass
-class ParamShard:
-    """How one parameter is split: along `dim`, each segment sliced contiguously per rank."""
-
-    fqn: str
-    dim: int
-    segments: tuple[int, ...]
-    role: str  # column | row | vocab
-
-    def local_slices(self, rank: int, tp: int) -> list[tuple[int, int]]:
-        """(start, length) along `dim` of this rank's pieces, in order."""
-        out, offset = [], 0
-        for size in self.segments:
-            part = size // tp
-            out.append((offset + rank * part, part))
-            offset += size
-        return out
-
-
-@dataclass
-class LayerDecision:
-    """One line of the plan: a layer that was split, or stayed replicated and why."""
-
-    node: str
-    module: str
-    params: list[str]
-    role: str  # column | row | vocab-embedding | vocab-head | replicated
-    detail: str
-
-
-@dataclass
-class TensorParallelPlan:
-    tp: int
-    params: dict[str, ParamShard] = field(default_factory=dict)  # primary FQN -> how it is split
-    column: dict[str, int] = field(default_factory=dict)  # node -> index of the input to wrap in copy_to_tp
-    row: set[str] = field(default_factory=set)  # nodes whose output is summed over tp ranks
-    embeddings: dict[str, int] = field(default_factory=dict)  # node -> global vocabulary size
-    arg_edits: dict[str, dict[int, Any]] = field(default_factory=dict)  # node -> {arg index: new value}
-    vocab_output: bool = False  # the model's logits leave the graph sharded over the vocabulary
-    vocab_size: int | None = None
-    decisions: list[LayerDecision] = field(default_factory=list)
-    replicated_params: list[str] = field(default_factory=list)  # whole on every rank (norms, row biases, ...)
-
-    def vocab_start(self, rank: int) -> int:
-        assert self.vocab_size is not None
-        return rank * (self.vocab_size // self.tp)
-
-    def table(self) -> str:
-        lines = [f"tensor parallelism: tp={self.tp}, {len(self.params)} parameters split, "
-                 f"logits {'sharded over the vocabulary' if self.vocab_output else 'replicated'}",
-                 f"{'role':<16} {'module':<44} detail"]
-        for d in self.decisions:
-            lines.append(f"{d.role:<16} {d.module or d.node:<44} {d.detail}")
-        if self.replicated_params:
-            shown = ", ".join(self.replicated_params[:6]) + (", ..." if len(self.replicated_params) > 6 else "")
-            lines.append(f"whole on every rank: {len(self.replicated_params)} parameters (norms, biases added after "
-                         f"the all-reduce, position tables, unsplit layers): {shown}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"tp": self.tp, "vocab_output": self.vocab_output,
-                "params": {k: {"dim": v.dim, "segments": list(v.segments), "role": v.role}
-                           for k, v in self.params.items()},
-                "layers": [vars(d) for d in self.decisions], "replicated": self.replicated_params}
 
 
 class _Failure(Exception):

@@ -43,7 +43,7 @@ class DataParallelEngine:
                  forward_fn: Callable, autocast: Callable):
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
-        _broadcast_from_first_replica(self.module, mesh)
+        broadcast_from_first_replica(self.module, mesh)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
         self.token_loss_sum = token_loss_sum
         self.tensor_parallel = None
@@ -83,7 +83,7 @@ class DataParallelEngine:
         self.sync.remove()
 
 
-def _broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
+def broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
     """Every replica starts from replica 0's weights (a no-op after seeded meta materialisation)."""
     if mesh.dp_size == 1:
         return
