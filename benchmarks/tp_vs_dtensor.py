@@ -14,13 +14,16 @@ states [B, T, D]) built from one seed, parallelised two ways:
 
 First both are checked against the unsharded stack (fp32): outputs, the gradient of the
 input and every (gathered) parameter gradient must agree to a relative 1e-5, or the run
-fails. Then forward+backward steps are timed interleaved (ours, dtensor, dtensor, ours, ...:
-the order alternates every step) after warm-up; a step's time is the slowest rank's, the
+fails (a gradient's scale is at least 1e-2 of the model's largest gradient: k_proj.bias has
+an exactly-zero true gradient, so its own magnitude is rounding noise). Then forward+backward
+steps are timed interleaved (ours, dtensor, dtensor, ours, ...: the order alternates every
+step) after warm-up; a step's time is the slowest rank's, the
 table reports medians and ours/DTensor. Memory per rank: parameter bytes, the bytes autograd
 saves for backward in one step (saved-tensor hooks, each storage once, weights excluded),
-and on CUDA the peak allocated during a step above what was resident before it.
+and on CUDA the peak allocated during a step above what was resident before it. The
+all-reduces one step issues are counted with the profiler (the reason the times differ).
 
-    python benchmarks/tp_vs_dtensor.py                      # tp 2 and 4 (~1-2 min on 2 busy cores)
+    python benchmarks/tp_vs_dtensor.py                      # tp 2 and 4 (~1 min on 2 busy cores)
     python benchmarks/tp_vs_dtensor.py --tp 2 --steps 5     # smoke test
     python benchmarks/tp_vs_dtensor.py --device cuda        # ranks share the visible GPUs (gloo)
 """
@@ -56,7 +59,7 @@ from autopar.trace import trace
 
 VARIANTS = ("ours", "dtensor")
 TOLERANCE = 1e-5  # relative to the largest magnitude of the reference value
-GRAD_FLOOR = 1e-3  # gradient errors are relative to max(own max |grad|, GRAD_FLOOR * model's max |grad|)
+GRAD_FLOOR = 1e-2  # gradient errors are relative to max(own max |grad|, GRAD_FLOOR * model's max |grad|)
 TIMEOUT = timedelta(seconds=120)
 SEED = 0
 
@@ -156,7 +159,7 @@ def check_against_reference(variant: Variant, reference: nn.Module, ref_out: tor
     errors = {"output": rel_err(out, ref_out), "input grad": rel_err(xin.grad, ref_dx)}
     ref_grads = dict(reference.named_parameters())
     # k_proj.bias has an exactly-zero true gradient (softmax ignores a constant per query), so its
-    # computed values are rounding noise; gradients are judged relative to at least 1e-3 of the largest
+    # computed values are rounding noise; gradients are judged relative to at least 1e-2 of the largest
     # gradient in the model rather than relative to their own (possibly ~0) magnitude
     floor = GRAD_FLOOR * max(p.grad.abs().max().item() for p in ref_grads.values())
     seen = set()
@@ -195,6 +198,22 @@ def saved_bytes(variant: Variant, x: torch.Tensor, w: torch.Tensor) -> int:
     (out * w).sum().backward()
     variant.zero_grad()
     return total
+
+
+def collectives_per_step(variant: Variant, x: torch.Tensor, w: torch.Tensor) -> dict[str, int]:
+    """How many all-reduces / all-gathers one forward+backward issues (profiler events at the c10d layer)."""
+    from torch.profiler import profile
+    variant.zero_grad()
+    with profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        variant.step(x, w)
+    variant.zero_grad()
+    counts = {"all_reduce": 0, "all_gather": 0}
+    for event in prof.events():
+        if event.name == "c10d::allreduce_":
+            counts["all_reduce"] += 1
+        elif event.name in ("c10d::allgather_", "c10d::_allgather_base_"):
+            counts["all_gather"] += 1
+    return counts
 
 
 def sync(device: torch.device) -> None:
@@ -265,6 +284,7 @@ def run_tp(args, group, device: torch.device) -> dict:
     del reference, ref_out, xin
 
     saved = {name: saved_bytes(variants[name], x, w) for name in VARIANTS}
+    collectives = {name: collectives_per_step(variants[name], x, w) for name in VARIANTS}
     timing = time_variants(variants, x, w, args, group, device)
     t = timing["times"]
     return {
@@ -274,6 +294,7 @@ def run_tp(args, group, device: torch.device) -> dict:
         "param_bytes": {n: variants[n].param_bytes() for n in VARIANTS},
         "unsharded_param_bytes": ref_bytes,
         "saved_bytes": saved,
+        "collectives_per_step": collectives,
         "cuda_peak_bytes": timing["cuda_peak"] if device.type == "cuda" else None,
         "max_rel_err": {n: worst[i].item() for i, n in enumerate(VARIANTS)},
         "build_s": {"ours": build_ours_s, "dtensor": build_dtensor_s},
@@ -314,19 +335,22 @@ def report(args, results: list[dict]) -> str:
         f"1 thread per rank | {os.cpu_count()} CPU cores, load {args.load[0]:.1f} | torch {torch.__version__} | "
         f"python {platform.python_version()}",
         f"step = forward + backward of sum(out * w); {args.warmup} warm-up + {args.steps} timed steps per variant, "
-        f"interleaved; median of the slowest rank; paired = median of per-step ours/dtensor",
+        f"interleaved; median of the slowest rank; paired = median of per-step ours/dtensor;\n"
+        f"all-reduces = c10d all-reduces in one step (profiler); saved act = bytes autograd keeps for backward",
         "",
     ]
     header = (f"{'tp':>2} | {'ours ms':>8} {'DTensor ms':>10} {'ours/DT':>7} {'paired':>6} | "
-              f"{'params MiB/rank ours/DT (whole)':>31} | {'saved act MiB ours/DT':>21}"
+              f"{'params MiB/rank ours/DT (whole)':>31} | {'saved act MiB ours/DT':>21} | {'all-reduces ours/DT':>19}"
               + (f" | {'CUDA step peak MiB ours/DT':>26}" if cuda else "") + f" | {'max rel err ours/DT':>19}")
     lines += [header, "-" * len(header)]
     for r in results:
         m, p, s, e = r["median_ms"], r["param_bytes"], r["saved_bytes"], r["max_rel_err"]
+        reduces = {n: r["collectives_per_step"][n]["all_reduce"] for n in VARIANTS}
         row = (f"{r['tp']:>2} | {m['ours']:>8.1f} {m['dtensor']:>10.1f} {m['ours'] / m['dtensor']:>7.3f} "
                f"{r['paired_ratio']:>6.3f} | "
                f"{mib(p['ours']) + ' / ' + mib(p['dtensor']) + ' (' + mib(r['unsharded_param_bytes']) + ')':>31} | "
-               f"{mib(s['ours']) + ' / ' + mib(s['dtensor']):>21}")
+               f"{mib(s['ours']) + ' / ' + mib(s['dtensor']):>21} | "
+               f"{'%d / %d' % (reduces['ours'], reduces['dtensor']):>19}")
         if cuda:
             c = r["cuda_peak_bytes"]
             row += f" | {mib(c['ours']) + ' / ' + mib(c['dtensor']):>26}"
