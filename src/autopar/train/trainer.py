@@ -85,6 +85,8 @@ class Trainer:
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
         check_pipeline_strategy(strategy, accumulation)
+        from ..tensor_parallel.subpipeline import check_tp_subbatches
+        check_tp_subbatches(strategy, cfg.micro_batch_size)
         if strategy.dp_mode == "gossip":
             from ..gossip import check_gossip_strategy
             check_gossip_strategy(strategy)
