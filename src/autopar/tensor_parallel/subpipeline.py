@@ -218,13 +218,25 @@ def batch_dim(full: tuple[int, ...] | None, sub: tuple[int, ...] | None, k: int,
     return differing[0]
 
 
-def _shape(node) -> tuple[int, ...] | None:
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+def _output_shapes(stage: nn.Module, graph, flat_outputs) -> list[tuple[int, ...] | None]:
+    """Traced shape of each position of a stage's flat output (None for non-tensor leaves).
+
+    Read from the traced graph by the names the stage sends (the last stage: the model's
+    outputs), since rewritten pieces hold nodes the trace never had.
+    """
+    from ..partition.stages import _output_nodes
+    by_name = {n.name: n for n in graph.graph.nodes}
+    names = iter([n.name for n in _output_nodes(graph.graph)] if stage.is_last else stage.spec.outputs)
+    shapes = []
+    for value in flat_outputs:
+        node = by_name[next(names)] if isinstance(value, fx.Node) else None
+        val = node.meta.get("val") if node is not None else None
+        shapes.append(tuple(val.shape) if isinstance(val, torch.Tensor) else None)
+    return shapes
 
 
 def sub_pipeline_stage(stage: nn.Module, sub_stage: nn.Module, sub_plan, group: dist.ProcessGroup, k: int,
-                       device: torch.device) -> fx.GraphModule:
+                       device: torch.device, *, full_graph, sub_graph) -> fx.GraphModule:
     """Replace a tensor-parallel stage's pieces by one interleaved graph built from `sub_stage`.
 
     `stage` is the materialised, parallelised StageModule (its parameters stay where they
@@ -242,10 +254,10 @@ def sub_pipeline_stage(stage: nn.Module, sub_stage: nn.Module, sub_plan, group: 
     for holder, dim, sub in zip(holders, input_dims, sub_stage.input_shapes):
         if dim is not None:
             holder.meta["sub_size"] = sub[dim]
-    full_out = next(n for n in stage._pieces[-1].graph.nodes if n.op == "output").args[0]
     sub_out = next(n for n in pieces[-1].graph.nodes if n.op == "output").args[0]
-    output_dims = [batch_dim(_shape(f), _shape(s), k, f"stage output {i}")
-                   for i, (f, s) in enumerate(zip(full_out, sub_out))]
+    full_shapes = _output_shapes(stage, full_graph, sub_out)
+    sub_shapes = _output_shapes(sub_stage, sub_graph, sub_out)
+    output_dims = [batch_dim(f, s, k, f"stage output {i}") for i, (f, s) in enumerate(zip(full_shapes, sub_shapes))]
     module = interleave(inlined, k=k, input_dims=input_dims, output_dims=output_dims, group=group)
     retarget_device(module, device)
     spec = stage.spec
@@ -274,4 +286,5 @@ def sub_pipeline_stages(stages: dict[int, nn.Module], model: nn.Module, partitio
     sub_plan = plan_tensor_parallel(graph, dist.get_world_size(group))
     for index, stage in stages.items():
         sub_stage = StageModule(graph, specs[index], partition.num_stages)
-        sub_pipeline_stage(stage, sub_stage, sub_plan, group, k, device)
+        sub_pipeline_stage(stage, sub_stage, sub_plan, group, k, device, full_graph=partition.graph,
+                           sub_graph=graph)
