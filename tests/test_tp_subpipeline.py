@@ -91,3 +91,25 @@ def test_bad_tp_subbatches_is_a_clear_error(tmp_path):
         check_tp_subbatches(autopar.Strategy(tp=2, tp_subbatches=3), 4)
     with pytest.raises(ConfigError, match="tp=1"):
         check_tp_subbatches(autopar.Strategy(tp=1, tp_subbatches=2), 4)
+
+
+def _setup_error(k: int, micro: int) -> str:
+    from autopar.models import build_model
+    from autopar.data import padded_vocab_size
+    from helpers import small_data
+
+    net, info = build_model("gpt-tiny", MODELS["gpt-tiny"], vocab_size=padded_vocab_size(258), device="meta")
+    config = autopar.TrainConfig(steps=1, global_batch_size=2 * micro, micro_batch_size=micro, out=None,
+                                 progress=False, timeout_s=60)
+    trainer = autopar.Trainer(net, small_data(info.task, 32)[0], strategy=autopar.Strategy(tp=2, tp_subbatches=k),
+                              config=config)
+    try:
+        trainer.train()
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_trainer_refuses_a_k_that_does_not_divide_the_micro_batch_on_every_rank(rank_pool):
+    for message in rank_pool(2).run(_setup_error, 3, 4):
+        assert "tp_subbatches=3 does not divide micro_batch_size=4" in message, message
