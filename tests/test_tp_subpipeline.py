@@ -9,7 +9,6 @@ then copy j+1's compute of the same segment runs, and only then does copy j wait
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 import autopar
 from autopar.errors import ConfigError
@@ -24,6 +23,7 @@ LAYOUTS = [
     ("hf:llama", 2, {"tp": 2, "tp_subbatches": 2}, 4),
     ("gpt-tiny", 4, {"tp": 2, "pp": 2, "schedule": "1f1b", "tp_subbatches": 2}, 2),
     ("hf:llama", 4, {"tp": 2, "pp": 2, "schedule": "1f1b", "tp_subbatches": 2}, 2),
+    ("gpt-tiny", 4, {"tp": 2, "pp": 2, "schedule": "1f1b", "recompute": "all", "tp_subbatches": 2}, 2),
 ]
 
 
@@ -38,7 +38,6 @@ def test_sub_pipelined_tp_matches_single_process(rank_pool, tmp_path, tmp_path_f
 def _interleaving(model: str, k: int, micro: int) -> list[list[tuple[str, int, str]]]:
     """(kind, sub-batch, reduce) for every start / wait / compute node of this rank's built stage graph."""
     from autopar.models import build_model
-    from autopar.tensor_parallel.subpipeline import sub_pipeline_stages  # noqa: F401  (the code under test)
     from helpers import small_data
     from autopar.data import padded_vocab_size
 
@@ -67,9 +66,9 @@ def test_sub_batches_are_interleaved(rank_pool):
     starts = [(i, j, name) for i, (kind, j, name) in enumerate(order) if kind == START]
     waits = {(j, name): i for i, (kind, j, name) in enumerate(order) if kind == WAIT}
     assert len(starts) == k * 2 * MODELS["gpt-tiny"]["n_layer"]  # attention + MLP reduce per layer, per copy
-    reduce_of_start = {}
-    for i, j, source in starts:  # the start's argument is copy j's row matmul; pair it with its wait by position
-        reduce_of_start[(j, len([s for s in starts if s[1] == j and s[0] < i]))] = i
+    reduce_of_start = {}  # (copy, n-th reduce of that copy) -> position; copies start their reduces in one order
+    for i, j, _ in starts:
+        reduce_of_start[(j, sum(1 for s in starts if s[1] == j and s[0] < i))] = i
     waits_by_copy = {j: sorted(i for (jj, _), i in waits.items() if jj == j) for j in range(k)}
     for j in range(k):
         assert len(waits_by_copy[j]) == 2 * MODELS["gpt-tiny"]["n_layer"]

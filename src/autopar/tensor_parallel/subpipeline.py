@@ -178,7 +178,8 @@ def interleave(inlined: _Inlined, *, k: int, input_dims: list[int | None], outpu
     def lookup(j: int, node: fx.Node) -> fx.Node:
         if node in reduces:
             if node not in waited[j]:  # first use of copy j's reduced value: wait here
-                waited[j][node] = new.create_node("call_module", WAIT, (copies[j][node],), name=f"{WAIT}_{node.name}_sub{j}")
+                waited[j][node] = new.create_node("call_module", WAIT, (copies[j][node],),
+                                                  name=f"{WAIT}_{node.name}_sub{j}")
                 waited[j][node].meta["subbatch"] = j
             return waited[j][node]
         return copies[j][node] if node in copies[j] else shared[node]
@@ -189,7 +190,8 @@ def interleave(inlined: _Inlined, *, k: int, input_dims: list[int | None], outpu
                 if segment[n] != s:
                     continue
                 if n in reduces:
-                    made = new.create_node("call_module", START, (lookup(j, n.args[0]),), name=f"{START}_{n.name}_sub{j}")
+                    made = new.create_node("call_module", START, (lookup(j, n.args[0]),),
+                                           name=f"{START}_{n.name}_sub{j}")
                 else:
                     made = new.node_copy(n, lambda a: lookup(j, a))
                 made.meta["subbatch"] = j
