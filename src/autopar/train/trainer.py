@@ -84,9 +84,9 @@ class Trainer:
             return strategy, accumulation
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
-        check_pipeline_strategy(strategy, accumulation)
         from ..tensor_parallel.subpipeline import check_tp_subbatches
         check_tp_subbatches(strategy, cfg.micro_batch_size)
+        check_pipeline_strategy(strategy, accumulation)
         if strategy.dp_mode == "gossip":
             from ..gossip import check_gossip_strategy
             check_gossip_strategy(strategy)
