@@ -62,6 +62,9 @@ class Strategy:
     recompute: str = _f("none", "whole-stage recomputation scheduled by the pipeline: none|all|all-but-last")
     memory_budget_mb: float | None = _f(None, "per-rank memory budget (MiB): recompute the fewest blocks of each "
                                               "stage that fit it (stage-aware recomputation)")
+    tp_subbatches: int = _f(1, "sub-pipelined tensor parallelism: split each micro-batch of a tensor-parallel "
+                                  "stage into K sub-batches so each tp all-reduce overlaps the next sub-batch's "
+                                  "compute (Merak); must divide the micro-batch size")
     # How data-parallel replicas combine their work (synchronous all-reduce by default).
     dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
                                    "average with neighbours only) | async (parameter server, bounded staleness)")
@@ -87,6 +90,7 @@ class Strategy:
         if self.dp is not None:
             _check_positive_int("strategy.dp", self.dp)
         _check_positive_int("strategy.chunks", self.chunks)
+        _check_positive_int("strategy.tp_subbatches", self.tp_subbatches)
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.dp_mode not in DP_MODES:

@@ -193,6 +193,10 @@ class PipelineEngine:
             self.tensor_parallel = TensorParallel(plan_tensor_parallel(graph, strategy.tp), mesh.group("tp"))
             for stage in self.stages.values():
                 self.tensor_parallel.parallelize(stage)
+            if strategy.tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)
+                from ..tensor_parallel.subpipeline import sub_pipeline_stages
+                sub_pipeline_stages(self.stages, model, self.partition, example, strategy.tp_subbatches,
+                                    mesh.group("tp"), device)
         self.module = LocalStages(self.stages)
         recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
                      "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]

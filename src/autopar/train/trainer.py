@@ -84,6 +84,8 @@ class Trainer:
             return strategy, accumulation
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
+        from ..tensor_parallel.subpipeline import check_tp_subbatches
+        check_tp_subbatches(strategy, cfg.micro_batch_size)
         check_pipeline_strategy(strategy, accumulation)
         if (strategy.pp > 1 or strategy.tp > 1) and self.forward_fn is not default_forward:
             raise ConfigError(f"a custom forward_fn cannot be used with pp={strategy.pp} tp={strategy.tp}: the model "

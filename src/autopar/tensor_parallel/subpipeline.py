@@ -1,0 +1,293 @@
+"""Sub-pipelined tensor parallelism: overlap each tp all-reduce with the next sub-batch's compute.
+
+A tensor-parallel stage waits on one all-reduce per row-parallel layer (two per transformer
+layer). Merak's idea: split the micro-batch along the batch dimension into K independent
+sub-batches and run them as a software pipeline, so that while the all-reduce of sub-batch
+j is in flight the rank computes sub-batch j+1. Rows of a batch never mix in these models,
+so the result is K=1's up to rounding (a matmul over fewer rows may block differently:
+1e-7 relative on the benchmark's model; identical on the test models).
+
+How it is built (no model changes):
+
+1. the model is traced a second time at the sub-batch shape (B/K rows), which keeps every
+   static view size right, and the same stage cut and tensor-parallel rewrite are applied
+   to that trace (its own plan: the local view sizes there are for B/K rows);
+2. the stage's graph pieces are inlined into one graph, and every `ReduceFromTP` call is
+   split into an asynchronous start and a wait placed just before the value's first use;
+3. the graph is cut into segments at those reduces (a node's segment = how many reduces
+   lie on its longest path from the inputs), and the K copies are emitted segment by
+   segment: segment s of copies 0..K-1, then segment s+1 of copies 0..K-1. So the wait
+   for copy j's reduce comes after segment s of copies j+1.., which is what hides it;
+   segments span attention, MLP and the next layer alike (the whole stage is one graph);
+4. batched stage inputs are narrowed into K slices, batched outputs concatenated.
+
+Unlike Merak's hand-written GPT-2 blocks, every copy reads only its own sub-batch's values
+(Merak's level-2/3 functions reuse sub-batch 1's residual for sub-batch 2); the tests check
+equality with a single process. Backward runs through autograd: the reduce's gradient is
+the identity, and `copy_to_tp`'s gradient all-reduce stays synchronous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from ..errors import ConfigError, ModelError
+from .apply import ReduceFromTP, rewrite_graph
+
+START, WAIT = "tp_reduce_start", "tp_reduce_wait"
+
+
+def check_tp_subbatches(strategy, micro_batch_size: int) -> None:
+    """Same error on every rank, before any process group: K must divide the micro-batch."""
+    k = strategy.tp_subbatches
+    if k == 1:
+        return
+    if strategy.tp == 1:
+        raise ConfigError(f"strategy.tp_subbatches={k} splits tensor-parallel stages, but tp=1; "
+                          f"use --tp 2 or more, or --tp-subbatches 1")
+    if micro_batch_size % k:
+        divisors = [d for d in range(1, micro_batch_size + 1) if micro_batch_size % d == 0]
+        raise ConfigError(f"strategy.tp_subbatches={k} does not divide micro_batch_size={micro_batch_size}; "
+                          f"use one of {divisors} (or change the micro-batch size)")
+
+
+class InflightReduces:
+    """All-reduces started but not yet waited on, by the tensor they write into."""
+
+    def __init__(self):
+        self.handles: dict[int, dist.Work] = {}
+
+    def start(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.handles[id(buffer)] = dist.all_reduce(buffer, group=group, async_op=True)
+
+    def wait(self, buffer: torch.Tensor) -> None:
+        handle = self.handles.pop(id(buffer), None)
+        if handle is None:
+            raise RuntimeError("sub-pipelined tp: waiting on an all-reduce that was never started")
+        handle.wait()  # bounded by the tp group's timeout
+
+
+class _StartReduce(torch.autograd.Function):
+    """g's forward, started asynchronously on a copy; its backward is the identity (as g's)."""
+
+    @staticmethod
+    def forward(ctx, x, group, inflight):
+        buffer = x.contiguous().clone()
+        inflight.start(buffer, group)
+        return buffer
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class ReduceStart(nn.Module):
+    def __init__(self, group: dist.ProcessGroup, inflight: InflightReduces):
+        super().__init__()
+        self.group, self.inflight = group, inflight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _StartReduce.apply(x, self.group, self.inflight)
+
+
+class ReduceWait(nn.Module):
+    """Blocks until the all-reduce writing into x is done; x (same tensor, same autograd node) passes through."""
+
+    def __init__(self, inflight: InflightReduces):
+        super().__init__()
+        self.inflight = inflight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inflight.wait(x)
+        return x
+
+
+@dataclass
+class _Inlined:
+    graph: fx.Graph
+    root: nn.Module
+    params: list[str]
+    buffers: list[str]
+    num_inputs: int
+
+
+def inline_pieces(pieces: list[fx.GraphModule], piece_specs: list) -> _Inlined:
+    """One graph for a chain of pieces: (params..., buffers..., stage inputs...) -> last piece's outputs."""
+    params = list(dict.fromkeys(f for spec in piece_specs for f in spec.params))
+    buffers = list(dict.fromkeys(f for spec in piece_specs for f in spec.buffers))
+    new, root = fx.Graph(), nn.Module()
+    state = {fqn: new.placeholder("s_" + fqn.replace(".", "_")) for fqn in [*params, *buffers]}
+    values = [new.placeholder(name) for name in piece_specs[0].inputs]
+    num_inputs = len(values)
+    for piece, spec in zip(pieces, piece_specs):
+        holders = [n for n in piece.graph.nodes if n.op == "placeholder"]
+        fqns = [*spec.params, *spec.buffers]
+        env = {h: state[f] for h, f in zip(holders, fqns)}
+        env.update(zip(holders[len(fqns):], values))
+        for name, child in piece.named_children():
+            if not hasattr(root, name):
+                root.add_module(name, child)
+        output = None
+        for node in piece.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                output = node.args[0]
+                continue
+            env[node] = new.node_copy(node, lambda a: env[a])
+        values = [env[a] if isinstance(a, fx.Node) else a for a in output]
+    new.output(tuple(values))
+    return _Inlined(new, root, params, buffers, num_inputs)
+
+
+def interleave(inlined: _Inlined, *, k: int, input_dims: list[int | None], output_dims: list[int | None],
+               group: dist.ProcessGroup) -> fx.GraphModule:
+    """K copies of the inlined sub-batch graph as a software pipeline (module docstring, steps 2-4)."""
+    graph, root = inlined.graph, inlined.root
+    inflight = InflightReduces()
+    root.add_module(START, ReduceStart(group, inflight))
+    root.add_module(WAIT, ReduceWait(inflight))
+    nodes = list(graph.nodes)
+    reduces = {n for n in nodes if n.op == "call_module" and isinstance(root.get_submodule(n.target), ReduceFromTP)}
+    holders = [n for n in nodes if n.op == "placeholder"]
+    compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+    output = next(n for n in nodes if n.op == "output")
+    segment: dict[fx.Node, int] = {}
+    for n in compute:
+        segment[n] = max((segment.get(a, 0) + (a in reduces) for a in n.all_input_nodes), default=0)
+
+    new = fx.Graph()
+    shared = {h: new.placeholder(h.name) for h in holders}
+    shared.update({n: new.get_attr(n.target) for n in nodes if n.op == "get_attr"})
+    copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(k)]
+    state_count = len(inlined.params) + len(inlined.buffers)
+    for index, dim in enumerate(input_dims):
+        if dim is None:
+            continue
+        holder = holders[state_count + index]
+        size = holder.meta.get("sub_size")
+        for j in range(k):
+            piece = new.call_function(torch.narrow, (shared[holder], dim, j * size, size))
+            copies[j][holder] = new.call_method("contiguous", (piece,)) if dim else piece
+    waited: list[dict[fx.Node, fx.Node]] = [{} for _ in range(k)]
+
+    def lookup(j: int, node: fx.Node) -> fx.Node:
+        if node in reduces:
+            if node not in waited[j]:  # first use of copy j's reduced value: wait here
+                waited[j][node] = new.create_node("call_module", WAIT, (copies[j][node],),
+                                                  name=f"{WAIT}_{node.name}_sub{j}")
+                waited[j][node].meta["subbatch"] = j
+            return waited[j][node]
+        return copies[j][node] if node in copies[j] else shared[node]
+
+    for s in range(max(segment.values(), default=0) + 1):
+        for j in range(k):
+            for n in compute:
+                if segment[n] != s:
+                    continue
+                if n in reduces:
+                    made = new.create_node("call_module", START, (lookup(j, n.args[0]),),
+                                           name=f"{START}_{n.name}_sub{j}")
+                else:
+                    made = new.node_copy(n, lambda a: lookup(j, a))
+                made.meta["subbatch"] = j
+                copies[j][n] = made
+    results = []
+    for value, dim in zip(output.args[0], output_dims):
+        if not isinstance(value, fx.Node):
+            results.append(value)
+        elif dim is None:
+            results.append(lookup(0, value))
+        else:
+            results.append(new.call_function(torch.cat, ([lookup(j, value) for j in range(k)], dim)))
+    new.output(tuple(results))
+    new.lint()
+    return fx.GraphModule(root, new)
+
+
+def batch_dim(full: tuple[int, ...] | None, sub: tuple[int, ...] | None, k: int, what: str) -> int | None:
+    """The dimension that holds the batch (full = K x sub there, equal elsewhere), or None if unbatched."""
+    if full is None or sub is None or tuple(full) == tuple(sub):
+        return None
+    differing = [d for d, (f, s) in enumerate(zip(full, sub)) if f != s] if len(full) == len(sub) else []
+    if len(differing) != 1 or full[differing[0]] != k * sub[differing[0]]:
+        raise ModelError(f"cannot split {what} into {k} sub-batches: its shape is {list(full)} for the micro-batch "
+                         f"but {list(sub)} for a sub-batch; --tp-subbatches needs every batch-carrying value to "
+                         f"scale along one dimension (use --tp-subbatches 1)")
+    return differing[0]
+
+
+def _output_shapes(stage: nn.Module, graph, flat_outputs) -> list[tuple[int, ...] | None]:
+    """Traced shape of each position of a stage's flat output (None for non-tensor leaves).
+
+    Read from the traced graph by the names the stage sends (the last stage: the model's
+    outputs), since rewritten pieces hold nodes the trace never had.
+    """
+    from ..partition.stages import _output_nodes
+    by_name = {n.name: n for n in graph.graph.nodes}
+    names = iter([n.name for n in _output_nodes(graph.graph)] if stage.is_last else stage.spec.outputs)
+    shapes = []
+    for value in flat_outputs:
+        node = by_name[next(names)] if isinstance(value, fx.Node) else None
+        val = node.meta.get("val") if node is not None else None
+        shapes.append(tuple(val.shape) if isinstance(val, torch.Tensor) else None)
+    return shapes
+
+
+def sub_pipeline_stage(stage: nn.Module, sub_stage: nn.Module, sub_plan, group: dist.ProcessGroup, k: int,
+                       device: torch.device, *, full_graph, sub_graph) -> fx.GraphModule:
+    """Replace a tensor-parallel stage's pieces by one interleaved graph built from `sub_stage`.
+
+    `stage` is the materialised, parallelised StageModule (its parameters stay where they
+    are); `sub_stage` is the same stage built on meta from the sub-batch trace.
+    """
+    from ..partition.stages import StageSpec, retarget_device
+
+    pieces = list(sub_stage._pieces)
+    for piece in pieces:
+        rewrite_graph(piece, sub_plan, group)
+    inlined = inline_pieces(pieces, sub_stage.piece_specs)
+    input_dims = [batch_dim(f, s, k, f"stage input {name}")
+                  for name, f, s in zip(stage.spec.inputs, stage.input_shapes, sub_stage.input_shapes)]
+    holders = [n for n in inlined.graph.nodes if n.op == "placeholder"][len(inlined.params) + len(inlined.buffers):]
+    for holder, dim, sub in zip(holders, input_dims, sub_stage.input_shapes):
+        if dim is not None:
+            holder.meta["sub_size"] = sub[dim]
+    sub_out = next(n for n in pieces[-1].graph.nodes if n.op == "output").args[0]
+    full_shapes = _output_shapes(stage, full_graph, sub_out)
+    sub_shapes = _output_shapes(sub_stage, sub_graph, sub_out)
+    output_dims = [batch_dim(f, s, k, f"stage output {i}") for i, (f, s) in enumerate(zip(full_shapes, sub_shapes))]
+    module = interleave(inlined, k=k, input_dims=input_dims, output_dims=output_dims, group=group)
+    retarget_device(module, device)
+    spec = stage.spec
+    stage._pieces = nn.ModuleList([module])
+    stage.piece_specs = [StageSpec(index=spec.index, blocks=spec.blocks, nodes=[], inputs=spec.inputs,
+                                   outputs=spec.outputs, params=inlined.params, buffers=inlined.buffers,
+                                   block_range=spec.block_range)]
+    return module
+
+
+def sub_pipeline_stages(stages: dict[int, nn.Module], model: nn.Module, partition, example: torch.Tensor, k: int,
+                        group: dist.ProcessGroup, device: torch.device) -> None:
+    """Trace the model at B/K rows and turn each of this rank's tensor-parallel stages into K interleaved copies."""
+    from ..partition.stages import StageModule, plan_stages
+    from ..trace import trace
+    from .plan import plan_tensor_parallel
+
+    if example.shape[0] % k:
+        raise ConfigError(f"strategy.tp_subbatches={k} does not divide the micro-batch size {example.shape[0]}")
+    sub_shape = (example.shape[0] // k, *example.shape[1:])
+    graph = trace(model, (torch.zeros(sub_shape, dtype=example.dtype, device="meta"),))
+    if len(graph.blocks) != len(partition.graph.blocks):
+        raise ModelError(f"the model traced at {sub_shape[0]} rows has {len(graph.blocks)} blocks but "
+                         f"{len(partition.graph.blocks)} at {example.shape[0]}; use --tp-subbatches 1")
+    specs = plan_stages(graph, partition.bounds)
+    sub_plan = plan_tensor_parallel(graph, dist.get_world_size(group))
+    for index, stage in stages.items():
+        sub_stage = StageModule(graph, specs[index], partition.num_stages)
+        sub_pipeline_stage(stage, sub_stage, sub_plan, group, k, device, full_graph=partition.graph,
+                           sub_graph=graph)
