@@ -20,6 +20,7 @@ from ..distributed import group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from ..train.engine import whole_model_eval_sums
 from ..train.loss import Batch, token_loss_sum
 from .layout import FlatLayout
 from .roles import Roles
@@ -137,13 +138,7 @@ class AsyncEngine:
 
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
-        self.module.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
-        for batch in batches:
-            with self.autocast():
-                sums += eval_loss(self.forward_fn(self.module, batch), batch)
-        self.module.train()
-        return sums
+        return whole_model_eval_sums(self.module, self.forward_fn, self.autocast, batches, eval_loss)
 
     def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
         return {}

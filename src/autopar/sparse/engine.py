@@ -29,7 +29,7 @@ from ..distributed import group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
-from ..train.engine import broadcast_from_first_replica
+from ..train.engine import broadcast_from_first_replica, whole_model_eval_sums
 from ..train.loss import Batch, main_input, token_loss_sum
 from .classify import TableInfo, check_sparse_tables, classify_tables, describe
 from .exchange import CommLedger, all_gather_varlen
@@ -269,13 +269,7 @@ class SparseEmbeddingEngine:
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
         self.flush()
-        self.module.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
-        for batch in batches:
-            with self.autocast():
-                sums += eval_loss(self.forward_fn(self.module, batch), batch)
-        self.module.train()
-        return sums
+        return whole_model_eval_sums(self.module, self.forward_fn, self.autocast, batches, eval_loss)
 
     def zero_grad(self) -> None:
         self.sync.zero_grad()

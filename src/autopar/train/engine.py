@@ -65,13 +65,7 @@ class DataParallelEngine:
 
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
-        self.module.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
-        for batch in batches:
-            with self.autocast():
-                sums += eval_loss(self.forward_fn(self.module, batch), batch)
-        self.module.train()
-        return sums
+        return whole_model_eval_sums(self.module, self.forward_fn, self.autocast, batches, eval_loss)
 
     def zero_grad(self) -> None:
         self.sync.zero_grad()
@@ -81,6 +75,19 @@ class DataParallelEngine:
 
     def close(self) -> None:
         self.sync.remove()
+
+
+@torch.no_grad()
+def whole_model_eval_sums(module: nn.Module, forward_fn: Callable, autocast: Callable, batches: list[Batch],
+                          eval_loss: Callable) -> torch.Tensor:
+    """[loss sum, weight] of a replica holding the whole model, in eval mode (dropout off)."""
+    module.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
+    for batch in batches:
+        with autocast():
+            sums += eval_loss(forward_fn(module, batch), batch)
+    module.train()
+    return sums
 
 
 def broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
