@@ -20,7 +20,7 @@ from ..distributed import group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
-from ..train.engine import whole_model_eval_sums
+from ..train.engine import accumulate_gradients, whole_model_eval_sums
 from ..train.loss import Batch, token_loss_sum
 from .layout import FlatLayout
 from .roles import Roles
@@ -101,13 +101,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ worker side
 
     def forward_backward(self, batches: list[Batch], loss_fn) -> torch.Tensor:
-        total = torch.zeros((), device=batches[0]["labels"].device)
-        self.module.train()
-        for batch in batches:
-            with self.autocast():
-                loss = loss_fn(self.forward_fn(self.module, batch), batch)
-            loss.backward()
-            total += loss.detach().float()
+        total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn)
         return total
 
     def clip_gradients(self, max_norm: float) -> float:

@@ -41,6 +41,7 @@ from ..data_parallel.links import LinkModel, Links
 from ..errors import ConfigError, choices
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from ..train.engine import accumulate_gradients, broadcast_from_first_replica
 from ..train.loss import Batch, token_loss_sum
 from .mixer import GossipMixer
 from .topology import BUILTIN, Topology, build_topology
@@ -114,7 +115,6 @@ class GossipEngine:
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  forward_fn: Callable, autocast: Callable, links: Links | None = None,
                  timeout_s: float = 300.0, verbose: bool = True):
-        from ..train.engine import broadcast_from_first_replica
         strategy = mesh.strategy
         self.topology = check_gossip_strategy(strategy)
         self.order = strategy.gossip_order
@@ -147,13 +147,7 @@ class GossipEngine:
         if self.order == "dpsgd":
             flats = self.flat.gather()
             self.mixer.start(flats)  # the exchange runs while this replica computes its gradient
-        total = torch.zeros((), device=batches[0]["labels"].device)
-        self.module.train()
-        for batch in batches:
-            with self.autocast():
-                loss = loss_fn(self.forward_fn(self.module, batch), batch)
-            loss.backward()
-            total += loss.detach().float()
+        total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn)
         self.scale_gradients()
         if flats is not None:
             self.mixer.finish(flats)

@@ -150,22 +150,7 @@ class GPT(nn.Module):
         Called on construction and again by `materialize` after a meta-device build; on
         meta tensors it does nothing (and costs nothing).
         """
-        std = 0.02
-        resid_std = std / math.sqrt(2 * self.config.n_layer)
-        residual = {id(m) for b in self.blocks for m in (b.attn.out_proj, b.mlp.fc_out)}
-        for module in self.modules():
-            if module is self.lm_head:
-                continue  # its weight is tok_emb.weight, initialised once below
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, resid_std if id(module) in residual else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        init_gpt_weights(self, self.blocks, skip=self.lm_head)  # lm_head's weight is tok_emb.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -184,3 +169,25 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+@torch.no_grad()
+def init_gpt_weights(root: nn.Module, blocks: nn.ModuleList, skip: nn.Module | None = None) -> None:
+    """GPT-2 initialisation of every module under `root` (normal 0.02; the blocks' residual output
+    projections get std / sqrt(2 * layers); norms 1 and 0), `skip` aside (a tied alias)."""
+    std = 0.02
+    resid_std = std / math.sqrt(2 * len(blocks))
+    residual = {id(m) for b in blocks for m in (b.attn.out_proj, b.mlp.fc_out)}
+    for module in root.modules():
+        if module is skip:
+            continue
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, resid_std if id(module) in residual else std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)

@@ -21,7 +21,7 @@ from torch import nn
 
 from autopar.errors import ModelError
 
-from .gpt import Block, GPTConfig
+from .gpt import Block, GPTConfig, init_gpt_weights
 
 
 @dataclass
@@ -90,20 +90,7 @@ class WordGPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        std = 0.02
-        resid_std = std / math.sqrt(2 * self.config.n_layer)
-        residual = {id(m) for b in self.blocks for m in (b.attn.out_proj, b.mlp.fc_out)}
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, resid_std if id(module) in residual else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        init_gpt_weights(self, self.blocks)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2:

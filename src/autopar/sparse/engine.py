@@ -15,7 +15,6 @@ table. Data parallelism only (Strategy.resolved refuses pp/tp > 1); gloo/CPU onl
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 
@@ -29,7 +28,11 @@ from ..distributed import group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
-from ..train.engine import broadcast_from_first_replica, whole_model_eval_sums
+from ..train.engine import (
+    accumulate_gradients,
+    broadcast_from_first_replica,
+    whole_model_eval_sums,
+)
 from ..train.loss import Batch, main_input, token_loss_sum
 from .classify import TableInfo, check_sparse_tables, classify_tables, describe
 from .exchange import CommLedger, all_gather_varlen
@@ -134,14 +137,7 @@ class SparseEmbeddingEngine:
 
     def forward_backward(self, batches: list[Batch], loss_fn: Callable) -> torch.Tensor:
         self.ledger.reset()
-        total = torch.zeros((), device=batches[0]["labels"].device)
-        self.module.train()
-        for i, batch in enumerate(batches):
-            with (contextlib.nullcontext() if i == len(batches) - 1 else self.sync.no_sync()):
-                with self.autocast():
-                    loss = loss_fn(self.forward_fn(self.module, batch), batch)
-                loss.backward()
-            total += loss.detach().float()
+        total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn, self.sync.no_sync)
         if self.scheduled:
             self._scheduled_update()
         for ex in self.exchanges:

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data.datasets import IGNORE_INDEX
 from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
-from ..data.datasets import IGNORE_INDEX
 from .loss import Batch, count_targets, main_input, token_loss_sum
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # (model output, batch) -> this micro-batch's loss share
@@ -49,14 +49,7 @@ class DataParallelEngine:
         self.tensor_parallel = None
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
-        total = torch.zeros((), device=batches[0]["labels"].device)
-        self.module.train()
-        for i, batch in enumerate(batches):
-            with (contextlib.nullcontext() if i == len(batches) - 1 else self.sync.no_sync()):
-                with self.autocast():
-                    loss = loss_fn(self.forward_fn(self.module, batch), batch)
-                loss.backward()
-            total += loss.detach().float()
+        total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn, self.sync.no_sync)
         self.sync.finish()
         return total
 
@@ -75,6 +68,22 @@ class DataParallelEngine:
 
     def close(self) -> None:
         self.sync.remove()
+
+
+def accumulate_gradients(module: nn.Module, forward_fn: Callable, autocast: Callable, batches: list[Batch],
+                         loss_fn: LossFn, no_sync: Callable | None = None) -> torch.Tensor:
+    """Forward and backward of every micro-batch of a replica holding the whole model; returns the
+    summed loss. `no_sync` (a context factory) defers gradient communication until the last one."""
+    total = torch.zeros((), device=batches[0]["labels"].device)
+    module.train()
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with (contextlib.nullcontext() if last or no_sync is None else no_sync()):
+            with autocast():
+                loss = loss_fn(forward_fn(module, batch), batch)
+            loss.backward()
+        total += loss.detach().float()
+    return total
 
 
 @torch.no_grad()
