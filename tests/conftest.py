@@ -12,6 +12,29 @@ sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the
 from rank_pool import RankPool  # noqa: E402
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, else platform's guess)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def pytest_sessionstart(session):
+    """Name the machine once per run, even under -q: float results can depend on the CPU's vector width."""
+    import torch
+    line = (f"cpu: {_cpu_model()} ({os.cpu_count()} logical cores); torch {torch.__version__}, "
+            f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def rank_pool():
     pools: dict[int, RankPool] = {}

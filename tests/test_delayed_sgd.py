@@ -36,7 +36,7 @@ def test_zero_delay_is_plain_sgd_bit_for_bit():
             loss2(w2, c2, t).backward()
         delayed.step()
         delayed.zero_grad()
-    assert torch.equal(w1, w2) and torch.equal(c1, c2)
+    assert torch.equal(w1, w2) and torch.equal(c1, c2)  # bitwise: DelayedSGD runs the same torch SGD ops
 
 
 def _explicit_delayed_run(delays: list[int], lr: float) -> list[torch.Tensor]:
@@ -134,6 +134,7 @@ def test_round_robin_server_is_delayed_sgd_bit_for_bit(rank_pool, servers):
         got = rank_pool(4).run(_round_robin_run, staleness, servers, steps)[0]
         workers = got["workers"]
         params, losses = _simulate(delay_of(workers), workers, steps)
+        # bitwise: same forward/backward shapes per worker, same elementwise SGD update on same-size tensors
         assert torch.equal(params, got["params"]), (staleness, float((params - got["params"]).abs().max()))
         ps_losses = [got["worker_losses"][u % workers][u // workers] for u in range(steps * workers)]
         assert ps_losses == losses

@@ -41,7 +41,7 @@ def test_ring_rho_matches_reference(n):
 def test_builtin_graphs_are_symmetric_doubly_stochastic(name, n):
     topology = build_topology(name, n)
     w = topology.weights
-    assert torch.equal(w, w.T) and (w >= 0).all()
+    assert torch.equal(w, w.T) and (w >= 0).all()  # exact: each weight is computed once and mirrored
     assert torch.allclose(w.sum(0), torch.ones(n, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(w.sum(1), torch.ones(n, dtype=torch.float64), atol=1e-12)
     assert 0 <= topology.rho < 1
@@ -222,7 +222,7 @@ def test_average_iterate_follows_averaged_gradient(rank_pool, order):
     # an injected latency changes the timing only: the same bits come out
     delayed = pool.run(_average_iterate, order, 0.1, 0.02)
     for r, d in zip(results, delayed):
-        assert torch.equal(r["final"], d["final"])
+        assert torch.equal(r["final"], d["final"])  # bitwise: a delay reorders nothing, same ops in same order
 
 
 def test_zero_step_through_the_engine_keeps_the_mean(rank_pool):
@@ -257,7 +257,7 @@ def test_complete_graph_atc_equals_allreduce_and_dpsgd_does_not(rank_pool, tmp_p
     assert max_relative_difference(dpsgd[0]["losses"][1:], reference["losses"][1:]) > 1e-4
     assert dpsgd[0]["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-6)  # same start
     for other in dpsgd[1:]:  # the checkpoint at the end set every replica to the average
-        assert max_param_difference(other["params"], dpsgd[0]["params"]) == 0.0
+        assert max_param_difference(other["params"], dpsgd[0]["params"]) == 0.0  # bitwise: one all-reduce result
 
 
 # ---------------------------------------------------------------- checkpoints hold the average
@@ -273,8 +273,8 @@ def test_gossip_resume_continues_from_the_averaged_checkpoint(rank_pool, tmp_pat
     for f, r in zip(full, resumed):
         assert r["first_step"] == 4
         # the uninterrupted run also set its replicas to the average at step 3: same state, same bits
-        assert r["losses"] == f["losses"][3:]
-        assert max_param_difference(f["params"], r["params"]) == 0.0
+        assert r["losses"] == f["losses"][3:]  # bitwise: same ops, shapes and order on the same state
+        assert max_param_difference(f["params"], r["params"]) == 0.0  # (the same)
 
 
 # ---------------------------------------------------------------- from the command line

@@ -34,6 +34,7 @@ def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def same_state(a: dict, b: dict) -> bool:
+    """Bitwise: used only for states made by the same seeded init ops in the same order."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -59,7 +60,7 @@ def test_gpt_is_causal():
     y = x.clone()
     y[:, 8] = (y[:, 8] + 1) % 256
     a, b = model(x), model(y)
-    assert torch.equal(a[:, :8], b[:, :8])
+    assert torch.equal(a[:, :8], b[:, :8])  # bitwise: same model, same shapes, rows that see the same tokens
     assert not torch.allclose(a[:, 8:], b[:, 8:])
 
 
@@ -116,7 +117,7 @@ def test_gpt_init_scales_residual_projections():
     assert block.attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert block.attn.out_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
     assert block.mlp.fc_out.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
-    assert torch.equal(block.ln_1.weight, torch.ones(256))
+    assert torch.equal(block.ln_1.weight, torch.ones(256))  # exact: constant init, no arithmetic
     assert torch.equal(block.attn.q_proj.bias, torch.zeros(256))
 
 
@@ -198,7 +199,7 @@ def test_hf_llama_rotary_buffers_match_a_cpu_build():
     got, want = dict(meta.named_buffers()), dict(cpu.named_buffers())
     assert got.keys() == want.keys() and any("inv_freq" in k for k in got)
     for key in got:
-        assert torch.equal(got[key], want[key]), key
+        assert torch.equal(got[key], want[key]), key  # bitwise: the same buffer formula on the same shapes
     config = meta.config
     assert config.num_key_value_heads < config.num_attention_heads  # GQA
     assert config.use_cache is False and info.max_seq_len == 256

@@ -39,6 +39,8 @@ def test_one_worker_is_plain_sgd(rank_pool, tmp_path):
     out = str(tmp_path / "ps")
     results = _trainer_run(rank_pool, 2, out, {"dp_mode": "async", "staleness": 3, "servers": 1},
                            micro_batch_size=8)
+    # bitwise: the worker runs the reference's forward/backward/eval on the same shapes (eval split as training)
+    # and the server's SGD is the same elementwise update on tensors of the same sizes
     for got in results:  # the server rank ends with the same parameters
         assert got["losses"] == reference["losses"]
         assert max_param_difference(reference["params"], got["params"]) == 0.0

@@ -61,7 +61,7 @@ def test_stages_reproduce_outputs_and_gradients(name, pp, method):
     ids = torch.randint(0, 256, SHAPE, generator=torch.Generator().manual_seed(1))
     expected = logits_of(full(ids))
     got = logits_of(run_stages(stages, ids))
-    assert torch.equal(got, expected)
+    assert torch.equal(got, expected)  # bitwise: the stage graphs run the eager model's aten ops on the same shapes
     expected.float().square().mean().backward()
     got.float().square().mean().backward()
     sum_shared_gradients(stages, part.shared)
@@ -103,7 +103,7 @@ def test_tied_weights_stay_equal_and_train_like_the_full_model(name):
             opt.zero_grad()
     for fqn, owners in part.shared.items():
         copies = [stages[s].get_parameter(fqn) for s in owners]
-        assert all(torch.equal(copies[0], c) for c in copies[1:])
+        assert all(torch.equal(copies[0], c) for c in copies[1:])  # bitwise: copies get the same summed gradient
         torch.testing.assert_close(copies[0], full.get_parameter(fqn), rtol=1e-5, atol=1e-6)
 
 
@@ -174,7 +174,7 @@ def test_a_rank_materialises_only_its_stage_with_the_full_models_init(name):
         stage = part.materialize_stage(index, model, "cpu", seed=7)
         assert {n for n, _ in stage.named_parameters()} == set(part.specs[index].params)
         for fqn, value in stage.named_parameters():
-            assert torch.equal(value, full.get_parameter(fqn)), fqn
+            assert torch.equal(value, full.get_parameter(fqn)), fqn  # bitwise: the same seeded init draws
         for fqn, value in stage.named_buffers():
             assert torch.equal(value, full.get_buffer(fqn)), fqn
     assert all(p.is_meta for p in model.parameters())  # the traced model itself is untouched

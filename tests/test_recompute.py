@@ -32,6 +32,7 @@ def test_recomputing_blocks_keeps_outputs_and_gradients_and_saves_memory():
         out.square().mean().backward()
         results.append((out.detach(), xin.grad, [p.grad.clone() for p in stage.parameters()]))
     for out, xgrad, pgrads in results[1:]:
+        # bitwise: recomputation reruns the same forward ops on the same shapes
         assert torch.equal(out, results[0][0]) and torch.equal(xgrad, results[0][1])
         assert all(torch.equal(a, b) for a, b in zip(pgrads, results[0][2]))
     saved = measure_saved_bytes(stage, (x,))

@@ -80,7 +80,8 @@ def train_async(trainer: Trainer) -> TrainResult:
             records = _worker_steps(trainer, progress)
         trained_s = time.perf_counter() - began
         engine.share_final_parameters()
-        result.eval_loss = trainer.evaluate()
+        # workers split the eval batches as they split the training ones; servers only join the sum
+        result.eval_loss = trainer.evaluate((0, 0) if engine.is_server else (engine.worker_index, engine.num_workers))
         server = engine.server
         mine = {"records": records, "trained_s": trained_s,
                 "pushes": server.pushes if server else [], "pulls": server.pulls if server else [],

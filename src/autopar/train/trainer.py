@@ -216,16 +216,22 @@ class Trainer:
         return torch.stack([self.loss_fn(output, batch).double() * n,
                             torch.tensor(float(n), dtype=torch.float64, device=self.device)])
 
-    def evaluate(self) -> float | None:
-        """Mean loss over `eval_batches` fixed global batches of the held-out data."""
+    def evaluate(self, replica: tuple[int, int] | None = None) -> float | None:
+        """Mean loss over `eval_batches` fixed global batches of the held-out data.
+
+        `replica` is (index, count) of this rank among the ranks that split the eval batches, exactly as the
+        training batches are split (default: its dp coordinates); (0, 0) takes part in the sum only. The split
+        must be the training split: a parameter server's lone worker then evaluates the whole batch in one
+        micro-batch as one process does, the same reduction in the same precision.
+        """
         if self.eval_data is None:
             return None
         cfg = self.config
+        index, count = replica if replica is not None else (self.mesh.dp_rank, self.mesh.dp_size)
         sampler = GlobalBatchSampler(len(self.eval_data), cfg.global_batch_size, seed=cfg.seed, shuffle=False)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for k in range(cfg.eval_batches):
-            micro = sampler.local_micro_batches(k, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
-                                                micro_batch_size=cfg.micro_batch_size)
+        for k in range(cfg.eval_batches if count else 0):
+            micro = sampler.local_micro_batches(k, dp_rank=index, dp_size=count, micro_batch_size=cfg.micro_batch_size)
             sums += self.engine.eval_sums([self._load(indices, self.eval_data) for indices in micro], self._eval_pair)
         dist.all_reduce(sums)
         return float(sums[0] / sums[1].clamp_min(1))
