@@ -198,7 +198,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
 def _input_keys(exported: ExportedProgram, num_args: int) -> list[int | str]:
     """Which call argument each user input of the graph is (export may order keywords its own way)."""
     spec = exported.call_spec.in_spec  # (args, kwargs)
-    kwargs_spec = spec.children_specs[1] if spec is not None and spec.num_children == 2 else None
+    kwargs_spec = spec.child(1) if spec is not None and spec.num_children == 2 else None
     names = list(kwargs_spec.context) if kwargs_spec is not None and kwargs_spec.context else []
     keys: list[int | str] = [*range(num_args), *names]
     users = [s for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
