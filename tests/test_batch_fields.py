@@ -120,6 +120,15 @@ def test_every_field_reaches_the_model(rank_pool, tmp_path, tmp_path_factory, fa
         assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5, (rank, expected, got)
 
 
+@pytest.mark.parametrize("strategy", [{"pp": 2, "recompute": "all"}, {"tp": 2, "tp_subbatches": 2},
+                                      {"pp": 2, "memory_budget_mb": 64}], ids=["recompute", "tp-subbatches", "budget"])
+def test_masks_reach_recomputed_and_sub_batched_stages(rank_pool, tmp_path, tmp_path_factory, strategy):
+    """Recomputation re-runs stages on their kept inputs; tp sub-batches split the mask with the ids."""
+    expected = reference(rank_pool, tmp_path_factory, "gpt2")
+    for rank, got in enumerate(rank_pool(2).run(train, "gpt2", str(tmp_path), strategy=strategy)):
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, expected, got)
+
+
 def _with_extra_field(out: str, value) -> str:
     data = [{**s, "note": value} for s in samples("gpt2")]
     config = autopar.TrainConfig(steps=1, global_batch_size=4, micro_batch_size=2, out=out, progress=False,
@@ -134,3 +143,21 @@ def _with_extra_field(out: str, value) -> str:
 def test_a_field_that_cannot_be_passed_is_a_clear_error(rank_pool, tmp_path):
     for message in rank_pool(2).run(_with_extra_field, str(tmp_path), "a string"):
         assert "batch field 'note'" in message and "not a tensor" in message, message
+
+
+def _eval_of_another_length(out: str) -> str:
+    data = samples("gpt2")
+    shorter = [{k: v[2:] for k, v in s.items()} for s in data[:4]]
+    config = autopar.TrainConfig(steps=1, global_batch_size=4, micro_batch_size=2, eval_batches=1, out=out,
+                                 progress=False, timeout_s=60)
+    try:
+        autopar.Trainer(build("gpt2"), data, strategy=autopar.Strategy(pp=2), config=config, eval_data=shorter).train()
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_field_shape_unlike_the_trace_is_a_clear_error_on_every_rank(rank_pool, tmp_path):
+    """Eval batches padded to another length than the traced ones: named, on both pp ranks (no hang)."""
+    for message in rank_pool(2).run(_eval_of_another_length, str(tmp_path)):
+        assert "has shape [2, 10]" in message and "[2, 12]" in message, message
