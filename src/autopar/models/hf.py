@@ -184,3 +184,19 @@ def build_hf(
         args={k: v for k, v in resolved.items() if v is not None},
     )
     return model, info
+
+
+def turn_off_kv_cache(model: nn.Module) -> bool:
+    """Set `use_cache=False` on every config a model's modules carry; True if any had it on.
+
+    A Hugging Face model built from a default config returns its key/value cache (a
+    DynamicCache object, not a tensor) from forward, which cannot be traced and is of no use
+    in training. Encoder-decoder stacks keep their own copies of the config, hence all of them.
+    """
+    changed = False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            changed = True
+    return changed

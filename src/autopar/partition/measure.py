@@ -17,7 +17,7 @@ from torch import nn
 
 from ..models.materialize import materialize
 from ..trace import ModelGraph
-from .stages import StageModule, materialize_stage, plan_stages
+from .stages import StageModule, lifted_constant_values, materialize_stage, plan_stages
 
 
 def _example(value: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -31,7 +31,12 @@ def measure_block_times(graph: ModelGraph, model: nn.Module, *, device: str = "c
     """Seconds of forward+backward per block; also stored in graph.blocks[i].time_s."""
     specs = plan_stages(graph, list(range(len(graph.blocks) + 1)))
     full = materialize(copy.deepcopy(model), device, seed=seed)
-    stages = [materialize_stage(StageModule(graph, spec, len(specs)), full) for spec in specs]
+    stages = [StageModule(graph, spec, len(specs)) for spec in specs]
+    if any(v is None for stage in stages for v in stage.constants.values()):
+        constants = lifted_constant_values(model, graph, torch.device(device))
+        for stage in stages:
+            stage.constants.update({k: constants[k] for k in stage.constants if k in constants})
+    stages = [materialize_stage(stage, full) for stage in stages]
     target = torch.device(device)
     samples: list[list[float]] = [[] for _ in stages]
     for repeat in range(repeats + 1):  # the first pass warms up

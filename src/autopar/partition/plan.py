@@ -27,7 +27,7 @@ from ..errors import ConfigError, choices
 from ..models.materialize import materialize_partial
 from ..trace import ModelGraph
 from . import algorithms
-from .stages import StageModule, StageSpec, materialize_stage, plan_stages
+from .stages import StageModule, StageSpec, lifted_constant_values, materialize_stage, plan_stages
 
 METHODS = ("uniform", "parameters", "time")
 
@@ -89,7 +89,10 @@ class Partition:
         one scratch buffer) are allocated, so a rank never holds the whole model.
         """
         source = materialize_partial(copy.deepcopy(model), set(self.specs[index].params), device, seed=seed)
-        return materialize_stage(self.build_stage(index), source)
+        stage = self.build_stage(index)
+        if any(v is None for v in stage.constants.values()):
+            stage.constants.update(lifted_constant_values(model, self.graph, torch.device(device)))
+        return materialize_stage(stage, source)
 
     def to_dict(self) -> dict:
         return {"method": self.method, "bounds": self.bounds, "shared_parameters": self.shared,

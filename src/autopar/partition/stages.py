@@ -15,6 +15,7 @@ and replicates tied weights without keeping them equal. Here:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,8 +92,10 @@ def _output_nodes(fx_graph: fx.Graph) -> list[fx.Node]:
 
 
 def _buffers_read(graph: ModelGraph, nodes: list[str]) -> list[str]:
+    """Buffers and lifted tensor constants (a tensor made in forward) the nodes read: each stage
+    that reads one holds its own copy."""
     buffer_of = {spec.arg.name: spec.target for spec in graph.exported.graph_signature.input_specs
-                 if spec.kind == InputKind.BUFFER}
+                 if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR)}
     wanted = set(nodes)
     found = []
     for node in graph.graph.nodes:
@@ -151,10 +154,16 @@ class StageModule(nn.Module):
         state = graph.exported.state_dict
         for fqn in spec.params:
             _set_by_path(self, fqn, torch.empty_like(state[graph.export_name(fqn)], device="meta"), buffer=False)
+        # lifted tensor constants (made in forward): their values, for materialize_stage; None where the
+        # trace on meta knows only the shape (see lifted_constant_values)
+        self.constants: dict[str, torch.Tensor | None] = {}
+        kinds = {s.target: s.kind for s in signature}
         for fqn in spec.buffers:
             source = state.get(fqn, graph.exported.constants.get(fqn))
             if source is None:  # non-persistent buffers are kept with constants in the exported program
                 source = _find_nonpersistent(graph, fqn)
+            if kinds.get(fqn) == InputKind.CONSTANT_TENSOR:
+                self.constants[fqn] = None if source.is_meta else source.detach().clone()
             _set_by_path(self, fqn, torch.empty_like(source, device="meta"), buffer=True,
                          persistent=persistent.get(fqn, True))
         by_name = {n.name: n for n in graph.graph.nodes}
@@ -245,8 +254,28 @@ def materialize_stage(stage: StageModule, full_model: nn.Module) -> StageModule:
         for fqn in stage.spec.params:
             stage.get_parameter(fqn).copy_(full_model.get_parameter(fqn))
         for fqn in stage.spec.buffers:
-            stage.get_buffer(fqn).copy_(full_model.get_buffer(fqn))
+            value = stage.constants[fqn] if fqn in stage.constants else full_model.get_buffer(fqn)
+            if value is None:
+                raise ModelError(f"stage {stage.spec.index} reads the tensor constant {fqn!r}, made in forward, "
+                                 f"whose value is unknown; fill StageModule.constants (lifted_constant_values)")
+            stage.get_buffer(fqn).copy_(value)
     return stage
+
+
+def lifted_constant_values(model: nn.Module, graph: ModelGraph, device: torch.device) -> dict[str, torch.Tensor]:
+    """The values of the tensor constants a model makes in forward (`torch.tensor(..., device=x.device)`).
+
+    A trace on meta knows only their shapes, so the model is traced once more with its
+    tensors on `device`: this costs an uninitialised copy of the whole model there, paid only
+    by models that make such constants. Names agree because the same code runs in the same order.
+    """
+    from ..trace import trace
+    real = copy.deepcopy(model).to_empty(device=device)
+    zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+    again = trace(real, tuple(zeros(a) for a in graph.example_args),
+                  {k: zeros(v) for k, v in graph.example_kwargs.items()})
+    return {k: v.detach().clone() for k, v in again.exported.constants.items()
+            if isinstance(v, torch.Tensor) and not v.is_meta}
 
 
 def _swap_device(value: Any, device: torch.device) -> Any:

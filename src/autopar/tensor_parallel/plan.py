@@ -107,6 +107,8 @@ class _Analysis:
             if spec.kind == InputKind.PARAMETER:
                 self.param_of[spec.arg.name] = primary_of_export.get(spec.target, spec.target)
         self.user_inputs = {spec.arg.name for spec in signature.input_specs if spec.kind == InputKind.USER_INPUT}
+        # the model's main input (positional): other inputs (token types, positions) index small tables
+        self.main_input = next((s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT), None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -441,12 +443,12 @@ class _Analysis:
                 raise _Failure(frozenset(origins), f"parameter {fqn!r} is read by layers that would split it "
                                                    f"differently (or not at all)")
             self.params[fqn] = uses[0][1]
-        # a token embedding (looked up with the model's input ids) is vocab-parallel on its own too
+        # a token embedding (looked up with the model's main input ids) is vocab-parallel on its own too
         for node in self.graph.graph.nodes:
             if node.target is aten.embedding.default and node.name not in self.embeddings:
                 weight, ids = node.args[0], node.args[1]
                 fqn = self.param_of.get(weight.name) if isinstance(weight, fx.Node) else None
-                if fqn is None or fqn in self.params or not (isinstance(ids, fx.Node) and ids.name in self.user_inputs):
+                if fqn is None or fqn in self.params or not (isinstance(ids, fx.Node) and ids.name == self.main_input):
                     continue
                 vocab = _shape(weight)[0]
                 if vocab % self.tp:  # the largest layer would stay whole on every rank: say so, with the way out

@@ -271,20 +271,35 @@ def sub_pipeline_stage(stage: nn.Module, sub_stage: nn.Module, sub_plan, group: 
     return module
 
 
-def sub_pipeline_stages(stages: dict[int, nn.Module], model: nn.Module, partition, example: torch.Tensor, k: int,
+def sub_batch_inputs(args: tuple, kwargs: dict, k: int) -> tuple[tuple, dict]:
+    """The model's traced inputs at B/K rows: every input with the main input's B rows is cut
+    to B/K (masks, token types, decoder ids split the same way); one that broadcasts over the
+    batch (position_ids of 1 row) is kept whole."""
+    rows = args[0].shape[0]
+    if rows % k:
+        raise ConfigError(f"strategy.tp_subbatches={k} does not divide the micro-batch size {rows}")
+
+    def cut(value: torch.Tensor) -> torch.Tensor:
+        if value.dim() == 0 or value.shape[0] != rows:
+            return value
+        return torch.zeros((rows // k, *value.shape[1:]), dtype=value.dtype, device="meta")
+
+    return tuple(cut(a) for a in args), {name: cut(v) for name, v in kwargs.items()}
+
+
+def sub_pipeline_stages(stages: dict[int, nn.Module], model: nn.Module, partition, k: int,
                         group: dist.ProcessGroup, device: torch.device) -> None:
     """Trace the model at B/K rows and turn each of this rank's tensor-parallel stages into K interleaved copies."""
     from ..partition.stages import StageModule, plan_stages
     from ..trace import trace
     from .plan import plan_tensor_parallel
 
-    if example.shape[0] % k:
-        raise ConfigError(f"strategy.tp_subbatches={k} does not divide the micro-batch size {example.shape[0]}")
-    sub_shape = (example.shape[0] // k, *example.shape[1:])
-    graph = trace(model, (torch.zeros(sub_shape, dtype=example.dtype, device="meta"),))
-    if len(graph.blocks) != len(partition.graph.blocks):
-        raise ModelError(f"the model traced at {sub_shape[0]} rows has {len(graph.blocks)} blocks but "
-                         f"{len(partition.graph.blocks)} at {example.shape[0]}; use --tp-subbatches 1")
+    full = partition.graph
+    args, kwargs = sub_batch_inputs(full.example_args, full.example_kwargs, k)
+    graph = trace(model, args, kwargs)
+    if len(graph.blocks) != len(full.blocks):
+        raise ModelError(f"the model traced at {args[0].shape[0]} rows has {len(graph.blocks)} blocks but "
+                         f"{len(full.blocks)} at {full.example_args[0].shape[0]}; use --tp-subbatches 1")
     specs = plan_stages(graph, partition.bounds)
     sub_plan = plan_tensor_parallel(graph, dist.get_world_size(group))
     for index, stage in stages.items():

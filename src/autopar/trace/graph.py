@@ -8,10 +8,18 @@ which keeps every reshape size a constant that later passes (tensor parallelism)
 
 Nodes are grouped into contiguous *blocks*, the units a pipeline cut may fall between:
 the prelude (everything before the first repeated layer: embeddings, masks, rotary
-tables), one block per repeated layer (the children of the model's largest ModuleList,
-found from parameter counts, not from names), and the postlude (final norm, head). A cut
-between blocks is where few tensors cross: the hidden state, plus any value a later layer
-still needs (attention mask, position embeddings), which the stage builder carries.
+tables), one block per repeated layer, and the postlude (final norm, head). The repeated
+layers are the children of the model's *stacks*: its largest ModuleList (found from
+parameter counts, not from names) plus any other ModuleList of like layers at least half
+its size (an encoder-decoder's encoder.block and decoder.block), in forward order; the
+code between two stacks (the encoder's final norm, the decoder's embedding) joins the
+block before it. A cut between blocks is where few tensors cross: the hidden state, plus
+any value a later layer still needs (attention mask, position embeddings, the encoder's
+output), which the stage builder carries.
+
+The model is traced on every input its forward takes from the batch (the main input
+positional, the other fields as keywords: `train.loss.forward_inputs`); the graph's user
+inputs are those tensors, in the order `ModelGraph.input_keys` names.
 """
 
 from __future__ import annotations
@@ -62,11 +70,15 @@ class ModelGraph:
     exported: ExportedProgram
     nodes: dict[str, NodeCost]
     blocks: list[Block]
-    layers_path: str  # FQN of the ModuleList whose children are the repeated layers
+    layers_path: str  # FQN of the (first) ModuleList whose children are the repeated layers
     param_numel: dict[str, int]  # primary FQN -> elements
     tied: list[list[str]]  # groups of FQNs naming one tensor (primary name first)
-    example_inputs: tuple
+    example_inputs: tuple  # the user inputs, flat, in the graph's order
     export_names: dict[str, str] = field(default_factory=dict)  # primary FQN -> the exported program's name
+    stacks: list[str] = field(default_factory=list)  # every ModuleList of repeated layers, in forward order
+    input_keys: list[int | str] = field(default_factory=list)  # per user input: positional index or keyword
+    example_args: tuple = ()
+    example_kwargs: dict = field(default_factory=dict)
 
     def export_name(self, fqn: str) -> str:
         """The name torch.export gave a parameter (it may pick another alias of a tied weight)."""
@@ -103,6 +115,27 @@ def find_layers(model: nn.Module) -> str:
     return best
 
 
+def find_stacks(model: nn.Module) -> list[str]:
+    """Every stack of repeated layers (in named_modules order; `trace` puts them in forward order).
+
+    The largest ModuleList (find_layers), plus each other ModuleList that neither contains
+    nor sits inside a chosen one, holds layers of one class, and has at least half the
+    largest one's parameters: the encoder and decoder stacks of a T5 or BART, but not the
+    per-block sub-layer lists inside them nor a small list of heads.
+    """
+    largest = find_layers(model)
+    size = {path: sum(p.numel() for p in m.parameters()) for path, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) >= 1}
+    chosen = [largest]
+    for path, count in size.items():
+        module = model.get_submodule(path)
+        nested = any(path.startswith(c + ".") or c.startswith(path + ".") or path == c for c in chosen)
+        alike = len({type(child) for child in module}) == 1
+        if not nested and alike and 2 * count >= size[largest]:
+            chosen.append(path)
+    return [path for path in size if path in chosen]
+
+
 
 
 def _layer_index(path: str, layers: str) -> int | None:
@@ -114,9 +147,18 @@ def _layer_index(path: str, layers: str) -> int | None:
 
 
 def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> ModelGraph:
-    """Export `model` on the given inputs (meta tensors are fine) and cost every node."""
+    """Export `model` on the given inputs (meta tensors are fine) and cost every node.
+
+    Called as the model is called: `model(*example_inputs, **example_kwargs)`; every input
+    must be a tensor (a graph input the pipeline can carry and tp can split into sub-batches).
+    """
+    example_kwargs = dict(example_kwargs or {})
+    for key, value in [*enumerate(example_inputs), *example_kwargs.items()]:
+        if not isinstance(value, torch.Tensor):
+            raise ModelError(f"cannot trace {type(model).__name__} with input {key!r} of type "
+                             f"{type(value).__name__}: traced inputs must be tensors")
     try:
-        exported = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+        exported = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs, strict=False)
     except Exception as exc:  # export reports many kinds of failure; name the op and the way out
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first[:400]}. "
@@ -127,7 +169,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
         raise ModelError(f"{type(model).__name__} updates buffers or inputs in forward "
                          f"({', '.join(str(s.target) for s in mutated[:3])}); pipeline partitioning does not "
                          f"support that yet")
-    layers = find_layers(model)
+    stacks = find_stacks(model)
     # A tied weight is named as the model's own named_parameters() names it (its first alias),
     # so stages, checkpoints and optimizers agree with the unpartitioned model.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -137,33 +179,64 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     export_names = {primary[id(params[spec.target])]: spec.target for spec in exported.graph_signature.input_specs
                     if spec.kind == InputKind.PARAMETER}
     param_numel = {fqn: params[fqn].numel() for fqn in canonical.values()}
-    nodes, blocks = _assign_blocks(exported, layers, canonical)
-    _count_flops(exported, nodes)
+    nodes, blocks, stacks = _assign_blocks(exported, stacks, canonical)
+    keys = _input_keys(exported, len(example_inputs))
+    flat = tuple(example_inputs[k] if isinstance(k, int) else example_kwargs[k] for k in keys)
+    _count_flops(exported, nodes, flat)
     for cost in nodes.values():
         block = blocks[cost.block]
         block.flops += cost.flops
         block.activation_bytes += cost.out_bytes
     for block in blocks:
         block.num_params = sum(param_numel[p] for p in block.params)
-    return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=layers, param_numel=param_numel,
-                      tied=tied_groups(model)[0], example_inputs=tuple(example_inputs), export_names=export_names)
+    return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=stacks[0], param_numel=param_numel,
+                      tied=tied_groups(model)[0], example_inputs=flat, export_names=export_names,
+                      stacks=stacks, input_keys=keys, example_args=tuple(example_inputs),
+                      example_kwargs=example_kwargs)
 
 
-def _assign_blocks(exported: ExportedProgram, layers: str,
-                   canonical: dict[str, str]) -> tuple[dict[str, NodeCost], list[Block]]:
-    """Give every operation a block index, non-decreasing in graph order (so blocks are contiguous)."""
+def _input_keys(exported: ExportedProgram, num_args: int) -> list[int | str]:
+    """Which call argument each user input of the graph is (export may order keywords its own way)."""
+    spec = exported.call_spec.in_spec  # (args, kwargs)
+    kwargs_spec = spec.child(1) if spec is not None and spec.num_children == 2 else None
+    names = list(kwargs_spec.context) if kwargs_spec is not None and kwargs_spec.context else []
+    keys: list[int | str] = [*range(num_args), *names]
+    users = [s for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(users) != len(keys):
+        raise ModelError(f"the traced graph has {len(users)} inputs for {len(keys)} call arguments ({keys}); "
+                         f"every input must be a tensor")
+    return keys
+
+
+def _layer_key(stack: list[tuple[str, Any]], stacks: list[str]) -> tuple[int, int] | None:
+    """(stack, layer) of the innermost repeated layer an operation ran in, or None."""
+    found = None
+    for path, _ in stack:
+        for k, layers in enumerate(stacks):
+            if (i := _layer_index(path, layers)) is not None:
+                found = (k, i)
+    return found
+
+
+def _assign_blocks(exported: ExportedProgram, stacks: list[str],
+                   canonical: dict[str, str]) -> tuple[dict[str, NodeCost], list[Block], list[str]]:
+    """Give every operation a block index, non-decreasing in graph order (so blocks are contiguous).
+
+    Layers are numbered in the order the graph first runs them, so an encoder's layers come
+    before its decoder's; returns the stacks that ran, in that order.
+    """
     calls = [n for n in exported.graph.nodes if n.op == "call_function"]
     layer_of = {}
     for n in calls:
         stack = list(n.meta.get("nn_module_stack", {}).values())
         path = stack[-1][0] if stack else ""
-        indices = [i for p, _ in stack if (i := _layer_index(p, layers)) is not None]
-        layer_of[n.name] = (path, indices[-1] if indices else None)
-    seen_layers = sorted({i for _, i in layer_of.values() if i is not None})
+        layer_of[n.name] = (path, _layer_key(stack, stacks))
+    seen_layers = list(dict.fromkeys(key for _, key in layer_of.values() if key is not None))
     if not seen_layers:
-        raise ModelError(f"no operation ran inside the repeated layers {layers!r}; cannot cut the model")
+        raise ModelError(f"no operation ran inside the repeated layers {', '.join(stacks)}; cannot cut the model")
     position = {layer: k + 1 for k, layer in enumerate(seen_layers)}  # block 0 is the prelude
-    blocks = [Block("prelude")] + [Block(f"{layers}.{i}") for i in seen_layers] + [Block("postlude")]
+    blocks = ([Block("prelude")] + [Block(f"{stacks[k]}.{i}") for k, i in seen_layers] + [Block("postlude")])
+    ran = [stacks[k] for k in dict.fromkeys(k for k, _ in seen_layers)]
     nodes: dict[str, NodeCost] = {}
     current = 0
     last_layer_op = max(i for i, n in enumerate(calls) if layer_of[n.name][1] is not None)
@@ -179,12 +252,12 @@ def _assign_blocks(exported: ExportedProgram, layers: str,
         block = blocks[current]
         block.nodes.append(n.name)
         block.params.extend(p for p in reads if p not in block.params)
-    return nodes, blocks
+    return nodes, blocks, ran
 
 
 
 
-def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost]) -> None:
+def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost], user_inputs: tuple) -> None:
     """Forward FLOPs per node, by running the graph on meta tensors under a flop counter."""
     graph_module = exported.graph_module
 
@@ -200,7 +273,7 @@ def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost]) -> None:
     args = []
     sig = exported.graph_signature
     state = {**exported.state_dict, **exported.constants}
-    user = iter(exported.example_inputs[0]) if exported.example_inputs else iter(())
+    user = iter(user_inputs)
     for spec in sig.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             value = next(user)

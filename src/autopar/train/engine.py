@@ -31,6 +31,7 @@ from ..distributed import backend_for, group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from .fields import first_stage_inputs, traced_call
 from .loss import Batch, count_targets, main_input, token_loss_sum
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # (model output, batch) -> this micro-batch's loss share
@@ -193,7 +194,7 @@ class PipelineEngine:
         self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
         self.num_stages = strategy.pp * strategy.chunks
         example = main_input(example_batch)
-        graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device="meta"),))
+        graph = trace(model, *self._traced_call(model, example_batch))
         if self.num_stages > len(graph.blocks):
             raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
                               f"only {len(graph.blocks)} blocks to cut between (embedding part, "
@@ -211,8 +212,8 @@ class PipelineEngine:
                 self.tensor_parallel.parallelize(stage)
             if strategy.tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)
                 from ..tensor_parallel.subpipeline import sub_pipeline_stages
-                sub_pipeline_stages(self.stages, model, self.partition, example, strategy.tp_subbatches,
-                                    mesh.group("tp"), device)
+                sub_pipeline_stages(self.stages, model, self.partition, strategy.tp_subbatches, mesh.group("tp"),
+                                    device)
         self.module = LocalStages(self.stages)
         recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
                      "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]
@@ -226,7 +227,7 @@ class PipelineEngine:
         self.runtime = PipelineRuntime(stages=self.stages, num_stages=self.num_stages, pp=self.pp, pp_rank=self.pp_rank,
                                        p2p=p2p, loss_fn=lambda out, batch: self._loss_fn(out, batch),
                                        recompute=recompute, autocast=autocast, placement=placement,
-                                       first_input=lambda b: (main_input(b),))
+                                       first_input=self._first_stage_inputs)
         self.recompute_plan = None
         if strategy.memory_budget_mb is not None:
             self.recompute_plan = self._plan_recompute(strategy.memory_budget_mb * 2**20, example, num_microbatches)
@@ -234,6 +235,19 @@ class PipelineEngine:
         self._shared = self._shared_groups(device, placement, timeout_s)
         self._loss_fn: LossFn = lambda out, batch: out
         self.last_events: list = []
+
+    @staticmethod
+    def _traced_call(model: nn.Module, example_batch: Batch) -> tuple[tuple, dict]:
+        """Trace on every non-label batch field (train/fields.py), with a model's key/value cache off."""
+        from ..models.hf import turn_off_kv_cache
+        if turn_off_kv_cache(model) and dist.get_rank() == 0:
+            print(f"{type(model).__name__}: set config.use_cache=False for training (a key/value cache "
+                  f"cannot be traced and is not used when training)", flush=True)
+        return traced_call(example_batch)
+
+    def _first_stage_inputs(self, batch: Batch) -> tuple:
+        graph = self.partition.graph
+        return first_stage_inputs(batch, graph.input_keys, [tuple(v.shape) for v in graph.example_inputs])
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
         if self.tensor_parallel is None:
@@ -248,8 +262,8 @@ class PipelineEngine:
         graph_nodes = {n.name: n for n in self.partition.graph.graph.nodes}
         saved, state = {}, {}
         for s, stage in self.stages.items():
-            if s == 0:
-                inputs = (torch.zeros(example.shape, dtype=example.dtype, device=example.device),)
+            if s == 0:  # the model's inputs: ids and masks as zeros, float inputs random
+                inputs = tuple(_random_like(v, example.device) for v in self.partition.graph.example_inputs)
             else:
                 inputs = tuple(_random_like(graph_nodes[name].meta["val"], example.device) for name in stage.spec.inputs)
             saved[s] = measure_saved_bytes(stage, inputs)
@@ -302,6 +316,8 @@ class PipelineEngine:
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         self._loss_fn = loss_fn
         self.module.train()
+        for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
+            self._first_stage_inputs(batch)
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
         step = self.runtime.run(self.actions, batches, record=True, sync_context=sync)
         self.last_events = step.events
@@ -338,6 +354,8 @@ class PipelineEngine:
         """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
         self.module.eval()
         self._loss_fn = eval_loss
+        for batch in batches:
+            self._first_stage_inputs(batch)
         step = self.runtime.run(self.eval_actions, batches)
         self.module.train()
         if self.num_stages - 1 in self.stages and self.tp_rank == 0:

@@ -39,10 +39,18 @@ def main_input(batch: Batch) -> torch.Tensor:
     raise KeyError(f"a batch needs 'input_ids' or 'inputs', got keys {sorted(batch)}; or pass forward_fn to the Trainer")
 
 
+def forward_inputs(batch: Batch) -> tuple[tuple, dict]:
+    """(args, kwargs) the model is called with: the main input positional, every other non-label
+    field as a keyword (attention_mask, token_type_ids, decoder_input_ids, ...). Traced engines
+    trace and call the model on exactly these, so every layout sees what one process sees."""
+    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "inputs", "labels")}
+    return (main_input(batch),), extra
+
+
 def default_forward(model: torch.nn.Module, batch: Batch) -> Any:
     """Call the model on the main input, passing any other non-label fields as keyword arguments."""
-    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "inputs", "labels")}
-    return model(main_input(batch), **extra)
+    args, kwargs = forward_inputs(batch)
+    return model(*args, **kwargs)
 
 
 def tokens_in(batch: Batch) -> int:

@@ -89,8 +89,9 @@ class Trainer:
         check_pipeline_strategy(strategy, accumulation)
         if (strategy.pp > 1 or strategy.tp > 1) and self.forward_fn is not default_forward:
             raise ConfigError(f"a custom forward_fn cannot be used with pp={strategy.pp} tp={strategy.tp}: the model "
-                              f"is traced and its stages are called on the batch's main input ('input_ids' or "
-                              f"'inputs'); drop forward_fn, or use data parallelism only")
+                              f"is traced as the default forward calls it (main input 'input_ids' or 'inputs', "
+                              f"every other non-label field as a keyword); drop forward_fn, or use data "
+                              f"parallelism only")
         if strategy.dp_mode == "gossip":
             from ..gossip import check_gossip_strategy
             check_gossip_strategy(strategy)
