@@ -28,6 +28,7 @@ from torch import nn
 from ..data.datasets import IGNORE_INDEX
 from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
+from ..dropout import eager_micro_batch
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
@@ -78,7 +79,7 @@ def accumulate_gradients(module: nn.Module, forward_fn: Callable, autocast: Call
     module.train()
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
-        with (contextlib.nullcontext() if last or no_sync is None else no_sync()):
+        with (contextlib.nullcontext() if last or no_sync is None else no_sync()), eager_micro_batch(i):
             with autocast():
                 loss = loss_fn(forward_fn(module, batch), batch)
             loss.backward()
@@ -193,6 +194,7 @@ class PipelineEngine:
         self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
         self.num_stages = strategy.pp * strategy.chunks
         example = main_input(example_batch)
+        model.train()  # the training graph (dropout nodes on), as whole-model engines run it
         graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device="meta"),))
         if self.num_stages > len(graph.blocks):
             raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
