@@ -338,10 +338,12 @@ class PipelineEngine:
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
         """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
-        self.module.eval()
+        for stage in self.stages.values():  # LocalStages holds parameters, not the stages: set their mode
+            stage.eval()  # dropout off
         self._loss_fn = eval_loss
         step = self.runtime.run(self.eval_actions, batches)
-        self.module.train()
+        for stage in self.stages.values():
+            stage.train()
         if self.num_stages - 1 in self.stages and self.tp_rank == 0:
             return step.loss.double()
         return torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
