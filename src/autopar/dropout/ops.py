@@ -56,6 +56,7 @@ def dropout_noise(shape: tuple[int, ...], p: float, op: int, scope: DropoutScope
                   cache: dict | None = None) -> torch.Tensor:
     """keep / (1 - p) for an activation of `shape` (channel: one draw per (sample, channel), broadcast)."""
     samples = scope.samples_on(device)
+    cache = scope.element_keys if cache is None else cache
     elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=cache)
     keep = keep_mask(sample_keys(scope.seed, scope.step, op, samples), elements, p)
     keep = keep.reshape(shape[0], *keep.shape[2:])

@@ -32,6 +32,8 @@ class DropoutScope:
     micro_batches: tuple[tuple[int, ...], ...]
     samples: torch.Tensor | None = None  # int64 [B]: the current micro-batch's global sample indices
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
+    # per-element hashes by layout, shared by the step's micro-batches (they depend on shapes only)
+    element_keys: dict = field(default_factory=dict, compare=False, repr=False)
 
     def samples_on(self, device: torch.device) -> torch.Tensor:
         if self.samples is None:
@@ -70,7 +72,8 @@ def micro_batch(index: int):
     if not 0 <= index < len(scope.micro_batches):
         raise RuntimeError(f"micro-batch {index} is outside the step's {len(scope.micro_batches)} micro-batches")
     samples = torch.tensor(scope.micro_batches[index], dtype=torch.int64)
-    return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples))
+    return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples,
+                                  element_keys=scope.element_keys))
 
 
 def checkpoint_context_fn():
