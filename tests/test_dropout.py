@@ -139,37 +139,41 @@ def test_alpha_dropout_is_refused():
 
 
 _references: dict = {}
+MODELS = {"gpt-tiny": MODEL_ARGS,  # dropout on embeddings, residual branches and (SDPA) attention weights
+          "hf:gpt2": {"n_layer": 2, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}}  # fused qkv
 
 
-def reference(rank_pool, tmp_path_factory, dropout: float) -> dict:
-    if dropout not in _references:
+def reference(rank_pool, tmp_path_factory, model: str, model_args: dict) -> dict:
+    key = (model, tuple(sorted(model_args.items())))
+    if key not in _references:
         out = str(tmp_path_factory.mktemp("reference"))
-        _references[dropout] = rank_pool(1).run(train_builtin, "gpt-tiny", out,
-                                                model_args={**MODEL_ARGS, "dropout": dropout}, steps=STEPS,
-                                                global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH)[0]
-    return _references[dropout]
+        _references[key] = rank_pool(1).run(train_builtin, model, out, model_args=model_args, steps=STEPS,
+                                             global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH)[0]
+    return _references[key]
 
 
 def test_the_reference_really_drops(rank_pool, tmp_path_factory):
     """Without this the equivalence tests below could pass with dropout silently off."""
-    on, off = reference(rank_pool, tmp_path_factory, 0.1), reference(rank_pool, tmp_path_factory, 0.0)
+    on = reference(rank_pool, tmp_path_factory, "gpt-tiny", MODEL_ARGS)
+    off = reference(rank_pool, tmp_path_factory, "gpt-tiny", {**MODEL_ARGS, "dropout": 0.0})
     assert max_relative_difference(on["losses"][1:], off["losses"][1:]) > 1e-3
 
 
-# (world, strategy, micro-batch size)
+# (model, world, strategy, micro-batch size)
 LAYOUTS = [
-    (2, {"dp": 2}, 2),
-    (2, {"pp": 2, "schedule": "1f1b", "recompute": "all"}, 2),
-    (2, {"pp": 2, "schedule": "1f1b", "memory_budget_mb": 3.0}, 2),  # block checkpointing inside stages
-    (2, {"tp": 2}, 4),
-    (2, {"tp": 2, "tp_subbatches": 2}, 4),
+    ("gpt-tiny", 2, {"dp": 2}, 2),
+    ("gpt-tiny", 2, {"pp": 2, "schedule": "1f1b", "recompute": "all"}, 2),
+    ("gpt-tiny", 2, {"pp": 2, "schedule": "1f1b", "memory_budget_mb": 3.0}, 2),  # block checkpointing in stages
+    ("gpt-tiny", 2, {"tp": 2}, 4),
+    ("gpt-tiny", 2, {"tp": 2, "tp_subbatches": 2}, 4),
+    ("hf:gpt2", 2, {"tp": 2}, 4),
 ]
 
 
-@pytest.mark.parametrize("world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
-def test_dropout_matches_single_process(rank_pool, tmp_path, tmp_path_factory, world, strategy, micro):
-    expected = reference(rank_pool, tmp_path_factory, 0.1)
-    results = rank_pool(world).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODEL_ARGS, steps=STEPS,
+@pytest.mark.parametrize("model,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
+def test_dropout_matches_single_process(rank_pool, tmp_path, tmp_path_factory, model, world, strategy, micro):
+    expected = reference(rank_pool, tmp_path_factory, model, MODELS[model])
+    results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
                                    strategy=strategy, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
     for rank, got in enumerate(results):
         assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, expected["losses"],
