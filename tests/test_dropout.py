@@ -13,6 +13,7 @@ import torch
 from autopar.dropout import dropout_step, eager_micro_batch, micro_batch
 from autopar.dropout.mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions
 from autopar.dropout.ops import TPShard, dropout_noise
+from autopar.errors import ModelError
 from helpers import max_relative_difference, train_builtin
 
 STEPS = 3
@@ -80,7 +81,7 @@ def test_flattened_batch_rows_are_read_as_samples():
     with dropout_step(0, 0, [[6]]), micro_batch(0):
         one = dropout_noise((3, 4), 0.5, 0, active_scope(), dtype=torch.float32, device=torch.device("cpu"))
     assert torch.equal(two[3:], one)
-    with dropout_step(0, 0, [[5, 6]]), micro_batch(0), pytest.raises(ValueError, match="leading dimension"):
+    with dropout_step(0, 0, [[5, 6]]), micro_batch(0), pytest.raises(ModelError, match="leading dimension"):
         dropout_noise((3, 4), 0.5, 0, active_scope(), dtype=torch.float32, device=torch.device("cpu"))
 
 

@@ -130,6 +130,11 @@ def replace_dropout_nodes(module: fx.GraphModule, numbering: dict[str, int], bat
         if node.op != "call_function" or node.name not in numbering:  # a placeholder may carry the name
             continue
         kind = "attention" if node.target is SDPA else ELEMENTWISE[node.target]
+        value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] % batch):
+            raise ModelError(f"dropout {node.name} acts on a tensor of shape {list(value.shape)} whose leading "
+                             f"dimension is not a multiple of the micro-batch's {batch} samples; layout-independent "
+                             f"dropout needs the batch as the leading dimension (or set this dropout to 0)")
         name = f"layout_free_{node.name}"
         module.add_module(name, GraphDropout(kind, numbering[node.name], batch, node.name))
         with graph.inserting_after(node):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ModelError
 from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions
 from .scope import DropoutScope
 
@@ -34,14 +35,14 @@ def _element_keys(shape: tuple[int, ...], batch: int, *, channel: bool, shard: T
     if cache is not None and key in cache:
         return cache[key]
     if shape[0] % batch:
-        raise ValueError(f"dropout on a tensor of shape {list(shape)}: its leading dimension is not a multiple of the "
+        raise ModelError(f"dropout on a tensor of shape {list(shape)}: its leading dimension is not a multiple of the "
                          f"micro-batch's {batch} samples, so the samples cannot be told apart; layout-independent "
                          f"dropout needs the batch as the leading dimension")
     per_sample = (shape[0] // batch, *(shape[1:2] if channel else shape[1:]))
     full, index = list(per_sample), [None] * len(per_sample)
     if shard is not None and shard.dim < len(per_sample):
         if shard.dim == 0:
-            raise ValueError(f"dropout on a tensor of shape {list(shape)} split over tensor-parallel ranks along "
+            raise ModelError(f"dropout on a tensor of shape {list(shape)} split over tensor-parallel ranks along "
                              f"its batch dimension")
         full[shard.dim] = sum(shard.segments)
         index[shard.dim] = shard_positions(full[shard.dim], shard.segments, shard.rank, shard.tp)
@@ -71,7 +72,7 @@ def dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, channel:
             shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
     """x * keep / (1 - p), as torch's dropout computes it, with the layout-free mask of operation `op`."""
     if channel and x.dim() < 2:
-        raise ValueError(f"channel dropout needs a batched input [N, C, ...], got shape {list(x.shape)}")
+        raise ModelError(f"channel dropout needs a batched input [N, C, ...], got shape {list(x.shape)}")
     noise = dropout_noise(tuple(x.shape), p, op, scope, dtype=x.dtype, device=x.device, channel=channel,
                           shard=shard, cache=cache)
     return x.mul_(noise) if inplace else x * noise
