@@ -131,7 +131,8 @@ def replace_dropout_nodes(module: fx.GraphModule, numbering: dict[str, int], bat
             continue
         kind = "attention" if node.target is SDPA else ELEMENTWISE[node.target]
         value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] % batch):
+        drops = kind == "attention" or float(_arg(node, 1, "p", 0.5)) > 0  # p = 0 stays the identity anyway
+        if drops and isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] % batch):
             raise ModelError(f"dropout {node.name} acts on a tensor of shape {list(value.shape)} whose leading "
                              f"dimension is not a multiple of the micro-batch's {batch} samples; layout-independent "
                              f"dropout needs the batch as the leading dimension (or set this dropout to 0)")
