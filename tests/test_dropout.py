@@ -188,3 +188,13 @@ def test_dropout_matches_single_process(rank_pool, tmp_path, tmp_path_factory, m
         # (all-reduced gradients are identical on every rank), so bit-identical
         for name, value in results[0]["params"].items():
             assert torch.equal(value, results[1]["params"][name]), name
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_dropout_in_layers_the_model_checkpoints_itself_is_refused(reentrant):
+    """Their recomputation in backward would draw torch's own mask: an error, not a silently different mask."""
+    from autopar.errors import ConfigError
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    x = torch.ones(2, 4, requires_grad=True)
+    with dropout_step(0, 0, [[0, 1]]), eager_micro_batch(0), pytest.raises(ConfigError, match="checkpoint"):
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=reentrant)

@@ -7,8 +7,10 @@ numbered in call order, which is the order of the dropout nodes of the traced gr
 (graph.py), and computed with the layout-free mask of that number. Everything else passes
 through untouched. Alpha dropout is refused: its affine correction is not implemented here.
 
-A dropout call during backward (a model that checkpoints its own layers and recomputes
-them) would get the wrong number: it is refused rather than silently drawing another mask.
+A model that checkpoints its own layers (torch.utils.checkpoint) recomputes them in
+backward without this mode (torch restores only device modes there), so their dropout
+would silently draw torch's mask: a dropout in a checkpointed region (or with gradients
+off in a training forward: reentrant checkpointing) is refused instead.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ class LayoutFreeDropoutMode(TorchFunctionMode):
         self.scope, self.next_op = scope, 0
 
     def _take_op(self) -> int:
-        if torch._C._current_autograd_node() is not None:
-            raise ConfigError("a dropout ran during backward (the model recomputes checkpointed layers itself); "
-                              "layout-independent dropout cannot number it. Turn off the model's own gradient "
-                              "checkpointing (use --recompute / --memory-budget-mb instead) or set dropout to 0")
+        if _inside_checkpoint():
+            raise ConfigError("a dropout runs inside a layer the model checkpoints itself (torch.utils.checkpoint, "
+                              "e.g. gradient_checkpointing_enable()): its recomputation in backward would draw "
+                              "torch's own mask, not this one. Turn off the model's own checkpointing (use autopar's "
+                              "--recompute / --memory-budget-mb instead) or set dropout to 0")
         op, self.next_op = self.next_op, self.next_op + 1
         return op
 
@@ -75,3 +78,14 @@ class LayoutFreeDropoutMode(TorchFunctionMode):
                 return ops.attention(q, k, v, mask, float(p), bool(causal), scale, bool(gqa), self._take_op(),
                                      self.scope)
         return func(*args, **kwargs)
+
+
+def _inside_checkpoint() -> bool:
+    """Whether this call runs in a checkpointed region (whose backward-time recomputation torch runs
+    without this mode: torch.utils.checkpoint restores only device modes) or in backward itself."""
+    if torch._C._current_autograd_node() is not None:
+        return True
+    if not torch.is_grad_enabled():  # a training forward with gradients off: reentrant checkpoint (or no_grad)
+        return True
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
