@@ -48,3 +48,11 @@ class GlobalBatchSampler:
         per_rank = len(batch) // dp_size
         mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+    def local_micro_positions(self, step: int, *, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[list[int]]:
+        """Global sample index (position in the stream of samples: step * global batch + offset) of each
+        sample of `local_micro_batches`, in the same order; independent of how the batch is split."""
+        first = step * self.global_batch_size
+        per_rank = self.global_batch_size // dp_size
+        mine = list(range(first + dp_rank * per_rank, first + (dp_rank + 1) * per_rank))
+        return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

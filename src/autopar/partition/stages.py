@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
+from ..dropout import checkpoint_context_fn, dropout_numbering, replace_dropout_nodes
 from ..errors import ModelError
 from ..trace import ModelGraph
 
@@ -174,6 +175,11 @@ class StageModule(nn.Module):
         self._pieces = nn.ModuleList(
             _stage_graph_module(graph, piece, names, is_last=self.is_last and piece is per_block[-1])
             for piece in per_block)
+        numbering = dropout_numbering(graph.graph)  # whole-graph order: every stage numbers alike
+        if numbering:
+            batch = graph.example_inputs[0].shape[0]
+            for piece in self._pieces:
+                replace_dropout_nodes(piece, numbering, batch)
 
     @property
     def num_blocks(self) -> int:
@@ -191,7 +197,8 @@ class StageModule(nn.Module):
         for i, (piece, spec) in enumerate(zip(self._pieces, self.piece_specs)):
             state = [self.get_parameter(f) for f in spec.params] + [self.get_buffer(f) for f in spec.buffers]
             if i < self.recompute_blocks and torch.is_grad_enabled():
-                values = torch.utils.checkpoint.checkpoint(piece, *state, *values, use_reentrant=False)
+                values = torch.utils.checkpoint.checkpoint(piece, *state, *values, use_reentrant=False,
+                                                     context_fn=checkpoint_context_fn)
             else:
                 values = piece(*state, *values)
         if self.is_last:

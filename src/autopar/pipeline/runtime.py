@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dropout import micro_batch
 from .actions import Action, Op, stage_to_rank
 from .p2p import P2P, Pending
 
@@ -109,7 +110,7 @@ class PipelineRuntime:
                     x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in x)
                 inputs[(s, mb)] = x
                 keep_graph = s not in self.recompute and torch.is_grad_enabled()
-                with torch.set_grad_enabled(keep_graph):
+                with torch.set_grad_enabled(keep_graph), micro_batch(mb):
                     out = self._forward(s, x, batches[mb])
                 if s == self.num_stages - 1:
                     loss = out[0].detach() if loss is None else loss + out[0].detach()
@@ -117,7 +118,8 @@ class PipelineRuntime:
                     local[("F", s + 1, mb)] = out
                 outputs[(s, mb)] = out if keep_graph or s == self.num_stages - 1 else tuple(v.detach() for v in out)
             elif op == Op.RECOMPUTE:
-                outputs[(s, mb)] = self._forward(s, inputs[(s, mb)], batches[mb])
+                with micro_batch(mb):  # the same masks as its forward
+                    outputs[(s, mb)] = self._forward(s, inputs[(s, mb)], batches[mb])
             elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                 out = outputs.pop((s, mb))
                 grads = None if s == self.num_stages - 1 else take("B", s + 1, mb)

@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from typing import Any
 
+from ..dropout import shard_dropout
 from ..train.loss import logits_of
 from .layers import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 from .plan import ParamShard, TensorParallelPlan
@@ -115,6 +116,7 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
             node.replace_all_uses_with(lookup)
             graph.erase_node(node)
             changed += 1
+    shard_dropout(module, plan.value_shards, rank, plan.tp)
     graph.lint()
     module.recompile()
     return changed

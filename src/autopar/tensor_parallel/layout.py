@@ -52,6 +52,7 @@ class TensorParallelPlan:
     vocab_size: int | None = None
     decisions: list[LayerDecision] = field(default_factory=list)
     replicated_params: list[str] = field(default_factory=list)  # whole on every rank (norms, row biases, ...)
+    value_shards: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # node -> (dim, segments)
 
     def vocab_start(self, rank: int) -> int:
         assert self.vocab_size is not None

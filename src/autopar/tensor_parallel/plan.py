@@ -504,4 +504,6 @@ class _Analysis:
         plan.replicated_params = [fqn for fqn in dict.fromkeys(self.param_of.values()) if fqn not in self.params]
         order = {n.name: i for i, n in enumerate(self.graph.graph.nodes)}
         plan.decisions.sort(key=lambda d: order.get(d.node, 0))
+        # how each sharded value is split (dropout draws its slice of the whole mask: autopar/dropout)
+        plan.value_shards = {n.name: (s.dim, s.segments) for n, s in self.state.items() if isinstance(s, Shard)}
         return plan

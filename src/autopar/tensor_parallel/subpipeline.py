@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from ..dropout import GraphDropout
 from ..errors import ConfigError, ModelError
 from .apply import ReduceFromTP, rewrite_graph
 
@@ -194,6 +195,8 @@ def interleave(inlined: _Inlined, *, k: int, input_dims: list[int | None], outpu
                                            name=f"{START}_{n.name}_sub{j}")
                 else:
                     made = new.node_copy(n, lambda a: lookup(j, a))
+                    if made.op == "call_module" and isinstance(root.get_submodule(made.target), GraphDropout):
+                        made.kwargs = {**made.kwargs, "subbatch": j}  # copy j's rows of the samples
                 made.meta["subbatch"] = j
                 copies[j][n] = made
     results = []

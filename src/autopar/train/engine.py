@@ -28,6 +28,7 @@ from torch import nn
 from ..data.datasets import IGNORE_INDEX
 from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
+from ..dropout import eager_micro_batch
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
@@ -79,7 +80,7 @@ def accumulate_gradients(module: nn.Module, forward_fn: Callable, autocast: Call
     module.train()
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
-        with (contextlib.nullcontext() if last or no_sync is None else no_sync()):
+        with (contextlib.nullcontext() if last or no_sync is None else no_sync()), eager_micro_batch(i):
             with autocast():
                 loss = loss_fn(forward_fn(module, batch), batch)
             loss.backward()
@@ -194,6 +195,7 @@ class PipelineEngine:
         self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
         self.num_stages = strategy.pp * strategy.chunks
         example = main_input(example_batch)
+        model.train()  # the training graph (dropout nodes on), as whole-model engines run it
         graph = trace(model, *self._traced_call(model, example_batch))
         if self.num_stages > len(graph.blocks):
             raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
@@ -352,12 +354,14 @@ class PipelineEngine:
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
         """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
-        self.module.eval()
+        for stage in self.stages.values():  # LocalStages holds parameters, not the stages: set their mode
+            stage.eval()  # dropout off
         self._loss_fn = eval_loss
         for batch in batches:
             self._first_stage_inputs(batch)
         step = self.runtime.run(self.eval_actions, batches)
-        self.module.train()
+        for stage in self.stages.values():
+            stage.train()
         if self.num_stages - 1 in self.stages and self.tp_rank == 0:
             return step.loss.double()
         return torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)

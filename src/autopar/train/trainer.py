@@ -32,6 +32,7 @@ from .. import __version__
 from ..config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
 from ..data.sampler import GlobalBatchSampler
 from ..distributed import DistEnv, init_distributed
+from ..dropout import dropout_step
 from ..errors import ConfigError, DataError
 from ..mesh import ProcessMesh
 from . import checkpoint as ckpt
@@ -140,7 +141,9 @@ class Trainer:
             self.engine = DataParallelEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                              forward_fn=self.forward_fn, autocast=self.autocast)
         self.model = self.engine.module
-        torch.manual_seed(cfg.seed + 1 + dist.get_rank())  # dropout etc.: per-rank streams
+        # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout
+        # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
+        torch.manual_seed(cfg.seed + 1 + dist.get_rank() // self.strategy.tp)
         self.optimizer = (self.engine.build_optimizer(cfg) if hasattr(self.engine, "build_optimizer")
                           else build_optimizer(self.model, cfg))
         self.scheduler = build_scheduler(self.optimizer, cfg)
@@ -197,7 +200,10 @@ class Trainer:
         cfg = self.config
         batches = self._local_batches(step, self.train_data)
         global_count = self._global_target_count(batches)
-        total = self.engine.forward_backward(batches, lambda out, batch: self._loss(out, batch, global_count))
+        samples = self.sampler.local_micro_positions(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
+                                                     micro_batch_size=cfg.micro_batch_size)
+        with dropout_step(cfg.seed, step, samples):  # masks as one process draws them (autopar/dropout)
+            total = self.engine.forward_backward(batches, lambda out, batch: self._loss(out, batch, global_count))
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()

@@ -1,0 +1,103 @@
+"""Dropout and attention-dropout computed with layout-free masks (mask.py) for one micro-batch.
+
+Both the eager interception (eager.py) and the rewritten graph nodes (graph.py) call these,
+so every engine runs the same operations on the same masks. The batch is the leading
+dimension of the activation, possibly flattened with the dimensions after it
+([B * T, F] is read as [B, T, F]); a tensor whose leading size is not a multiple of the
+micro-batch size is refused (its samples cannot be told apart).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ModelError
+from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions
+from .scope import DropoutScope
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """The activation is split over tp ranks along `dim` (of the activation), per segment."""
+
+    dim: int
+    segments: tuple[int, ...]
+    rank: int
+    tp: int
+
+
+def _element_keys(shape: tuple[int, ...], batch: int, *, channel: bool, shard: TPShard | None,
+                  device: torch.device, cache: dict | None) -> torch.Tensor:
+    key = (shape, batch, channel, shard, device)
+    if cache is not None and key in cache:
+        return cache[key]
+    if shape[0] % batch:
+        raise ModelError(f"dropout on a tensor of shape {list(shape)}: its leading dimension is not a multiple of the "
+                         f"micro-batch's {batch} samples, so the samples cannot be told apart; layout-independent "
+                         f"dropout needs the batch as the leading dimension")
+    per_sample = (shape[0] // batch, *(shape[1:2] if channel else shape[1:]))
+    full, index = list(per_sample), [None] * len(per_sample)
+    if shard is not None and shard.dim < len(per_sample):
+        if shard.dim == 0:
+            raise ModelError(f"dropout on a tensor of shape {list(shape)} split over tensor-parallel ranks along "
+                             f"its batch dimension")
+        full[shard.dim] = sum(shard.segments)
+        index[shard.dim] = shard_positions(full[shard.dim], shard.segments, shard.rank, shard.tp)
+    keys = element_keys(element_ids(full, index, device))
+    if cache is not None:
+        cache[key] = keys
+    return keys
+
+
+def dropout_noise(shape: tuple[int, ...], p: float, op: int, scope: DropoutScope, *, dtype: torch.dtype,
+                  device: torch.device, channel: bool = False, shard: TPShard | None = None,
+                  cache: dict | None = None) -> torch.Tensor:
+    """keep / (1 - p) for an activation of `shape` (channel: one draw per (sample, channel), broadcast)."""
+    samples = scope.samples_on(device)
+    cache = scope.element_keys if cache is None else cache
+    elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=cache)
+    keep = keep_mask(sample_keys(scope.seed, scope.step, op, samples), elements, p)
+    keep = keep.reshape(shape[0], *keep.shape[2:])
+    if channel:
+        keep = keep.reshape(*keep.shape, *([1] * (len(shape) - 2)))
+    if p >= 1.0:
+        return torch.zeros(keep.shape, dtype=dtype, device=device)
+    return keep.to(dtype).div_(1.0 - p)
+
+
+def dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, channel: bool = False,
+            shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
+    """x * keep / (1 - p), as torch's dropout computes it, with the layout-free mask of operation `op`."""
+    if channel and x.dim() < 2:
+        raise ModelError(f"channel dropout needs a batched input [N, C, ...], got shape {list(x.shape)}")
+    noise = dropout_noise(tuple(x.shape), p, op, scope, dtype=x.dtype, device=x.device, channel=channel,
+                          shard=shard, cache=cache)
+    return x.mul_(noise) if inplace else x * noise
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, p: float,
+              is_causal: bool, scale: float | None, enable_gqa: bool, op: int, scope: DropoutScope, *,
+              shard: TPShard | None = None, cache: dict | None = None) -> torch.Tensor:
+    """Scaled dot-product attention written out, with layout-free dropout on the attention weights.
+
+    The fused kernels draw their own random numbers; the explicit form is what lets the
+    mask be ours. The mask's elements are the whole [heads, L, S] weights of a sample (a
+    tp rank holding some heads draws their slice).
+    """
+    length, source = q.size(-2), k.size(-2)
+    if enable_gqa and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+    factor = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * factor
+    if is_causal:
+        allowed = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    weights = dropout(weights, p, op, scope, shard=shard, cache=cache)
+    return weights @ v
