@@ -38,6 +38,7 @@ class LayerDecision:
     params: list[str]
     role: str  # column | row | vocab-embedding | vocab-head | replicated
     detail: str
+    reason: str = ""  # for a layer kept whole: why, in a few words (the banner groups by it)
 
 
 @dataclass
@@ -52,6 +53,25 @@ class TensorParallelPlan:
     vocab_size: int | None = None
     decisions: list[LayerDecision] = field(default_factory=list)
     replicated_params: list[str] = field(default_factory=list)  # whole on every rank (norms, row biases, ...)
+    linears: int = 0  # linear layers (on parameters) in the model
+
+    def summary(self) -> str:
+        """One line for the run's banner: how much was split, what stayed whole and why."""
+        count = {role: sum(1 for d in self.decisions if d.role == role)
+                 for role in ("column", "row", "vocab-head", "vocab-embedding", "replicated")}
+        split = count["column"] + count["row"] + count["vocab-head"]
+        line = (f"tensor parallel: {split} of {self.linears} linears split (column {count['column']}, row "
+                f"{count['row']}, vocab {count['vocab-head']})")
+        if count["vocab-embedding"]:
+            line += f", {count['vocab-embedding']} embedding(s) split over the vocabulary"
+        reasons: dict[str, int] = {}
+        for d in self.decisions:
+            if d.role == "replicated":
+                reasons[d.reason or d.detail] = reasons.get(d.reason or d.detail, 0) + 1
+        line += f"; {count['replicated']} kept whole"
+        if reasons:
+            line += ": " + "; ".join(f"{n} x {why}" for why, n in reasons.items())
+        return line
 
     def vocab_start(self, rank: int) -> int:
         assert self.vocab_size is not None
@@ -73,4 +93,5 @@ class TensorParallelPlan:
         return {"tp": self.tp, "vocab_output": self.vocab_output,
                 "params": {k: {"dim": v.dim, "segments": list(v.segments), "role": v.role}
                            for k, v in self.params.items()},
-                "layers": [vars(d) for d in self.decisions], "replicated": self.replicated_params}
+                "layers": [vars(d) for d in self.decisions], "replicated": self.replicated_params,
+                "summary": self.summary()}

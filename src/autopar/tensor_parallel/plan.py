@@ -54,6 +54,7 @@ def plan_tensor_parallel(graph: ModelGraph, tp: int) -> TensorParallelPlan:
     if tp < 1:
         raise ConfigError(f"tp must be a positive integer, got {tp}")
     analysis = _Analysis(graph, tp)
+    analysis.check_heads()
     excluded: dict[str, str] = {}
     while True:
         try:
@@ -80,6 +81,14 @@ class _Analysis:
         self.user_inputs = {spec.arg.name for spec in signature.input_specs if spec.kind == InputKind.USER_INPUT}
 
     # ------------------------------------------------------------------ helpers
+
+    def check_heads(self) -> None:
+        """A tp that does not divide the query heads of an attention is an error, not a silent whole attention."""
+        for node in self.graph.graph.nodes:
+            q_shape = shape_of(node.args[0]) if node.target is aten.scaled_dot_product_attention.default else None
+            if self.tp > 1 and q_shape and len(q_shape) == 4 and q_shape[1] % self.tp:
+                raise ConfigError(f"tp={self.tp} does not divide the {q_shape[1]} heads of the attention in "
+                                  f"{self.module_of(node) or node.name!r}; use a tp that divides {q_shape[1]}")
 
     def module_of(self, node: fx.Node) -> str:
         cost = self.graph.nodes.get(node.name)
@@ -293,6 +302,21 @@ class _Analysis:
                 self.embeddings[node.name] = vocab
                 self.params[fqn] = ParamShard(fqn, 0, (vocab,), "vocab")
 
+    def whole_layer_feeding(self, node: fx.Node, excluded: dict[str, str]) -> str | None:
+        """The module of a layer kept whole whose output reaches this linear's input without another linear."""
+        frontier, seen = [self.linear_parts(node)[0]], set()
+        while frontier and len(seen) < 64:
+            value = frontier.pop()
+            if not isinstance(value, fx.Node) or value in seen or value.op != "call_function":
+                continue
+            seen.add(value)
+            if self.linear_parts(value) is not None:
+                if value.name in excluded:
+                    return self.module_of(value) or value.name
+                continue
+            frontier.extend(value.all_input_nodes)
+        return None
+
     def node(self, name: str) -> fx.Node:
         if not hasattr(self, "_by_name"):
             self._by_name = {n.name: n for n in self.graph.graph.nodes}
@@ -331,8 +355,16 @@ class _Analysis:
             node = self.node(name)
             parts = self.linear_parts(node)
             fqn = self.param_of[parts[1].name] if parts else ""
+            why, _, where = reason.partition(" at ")
+            leaf = re.search(r" in '([^']*)'$", where)
+            short = re.sub(r" \([^()]*\)", "", why) + (f" in {leaf.group(1).rpartition('.')[2]}" if leaf else "")
+            feeding = self.whole_layer_feeding(node, excluded) if parts else None
+            if feeding:  # would have been the row partner of a layer kept whole: say that first
+                short = "its input comes from a layer kept whole"
+                reason = f"its input comes from {feeding!r}, kept whole; as a column layer on its own: {reason}"
             plan.decisions.append(LayerDecision(name, self.module_of(node), [fqn] if fqn else [], "replicated",
-                                                f"{fqn}: {reason}"))
+                                                f"{fqn}: {reason}", reason=short))
+        plan.linears = sum(1 for n in self.graph.graph.nodes if n.op == "call_function" and self.linear_parts(n))
         plan.replicated_params = [fqn for fqn in dict.fromkeys(self.param_of.values()) if fqn not in self.params]
         order = {n.name: i for i, n in enumerate(self.graph.graph.nodes)}
         plan.decisions.sort(key=lambda d: order.get(d.node, 0))

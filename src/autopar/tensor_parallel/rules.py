@@ -316,9 +316,9 @@ def reduction(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
     dims = arg(node, 1, "dim", None)
     dims = [norm_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims or [])]
     if not dims or first.dim in dims:
-        what = "a mean" if node.target is aten.mean.dim else "a reduction"
-        raise ctx.fail(node, [first], f"{what} over the sharded dimension (as a norm over all heads' features "
-                                      f"does): it would mix the shards")
+        what = "a norm or mean" if node.target is aten.mean.dim else "a reduction"
+        raise ctx.fail(node, [first], f"{what} over all heads' features (the sharded dimension): it would mix "
+                                      f"the shards")
     keep = arg(node, 2, "keepdim", False)
     return first.moved(first.dim if keep else first.dim - sum(1 for d in dims if d < first.dim))
 
@@ -344,15 +344,14 @@ def attention(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
     head_dim = len(q_shape) - 3
     if not all(s is not None and s.dim == head_dim for s in states):
         inside = [name for name, s in zip("qkv", states) if s is not None and s.dim == len(q_shape) - 1]
-        if "q" in inside and q_shape[head_dim] % ctx.tp:
-            module = ctx.module_of(node) or node.name
-            raise ConfigError(f"tp={ctx.tp} does not divide the {q_shape[head_dim]} attention head(s) of "
-                              f"{module!r}; use a tp that divides {q_shape[head_dim]}")
         if inside:
-            raise ctx.fail(node, shards, f"attention whose {'/'.join(inside)} are split inside the heads, not by "
-                                         f"heads (fewer key/value heads than tp={ctx.tp}, as in multi-query "
-                                         f"attention: every rank would need the whole k and v)")
-        raise ctx.fail(node, shards, "attention whose q, k and v are not all split by heads")
+            raise ctx.fail(node, shards, f"attention with fewer key/value heads than tp={ctx.tp} (multi-query): "
+                                         f"{'/'.join(inside)} would be split inside the heads, and every rank "
+                                         f"needs them whole")
+        whole = [name for name, s in zip("qkv", states) if s is None]
+        split_ = [name for name, s in zip("qkv", states) if s is not None]
+        raise ctx.fail(node, shards, f"attention whose {'/'.join(whole)} stay whole while {'/'.join(split_)} "
+                                     f"would be split by heads")
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node):
         if ctx.shard_of(mask) is not None:
