@@ -87,6 +87,7 @@ class TensorParallelPlan:
             shown = ", ".join(self.replicated_params[:6]) + (", ..." if len(self.replicated_params) > 6 else "")
             lines.append(f"whole on every rank: {len(self.replicated_params)} parameters (norms, biases added after "
                          f"the all-reduce, position tables, unsplit layers): {shown}")
+        lines.append(self.summary())
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
