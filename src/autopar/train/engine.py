@@ -292,7 +292,9 @@ class PipelineEngine:
         if self.tensor_parallel is not None:
             lines.append(self.tensor_parallel.plan.summary() + " (tp_plan.txt)")
         if self.recompute_report is not None:
-            chosen = ", ".join(f"stage {s}: {k}" for s, k in sorted(self.recompute_report.blocks.items()))
+            blocks = sorted(self.recompute_report.blocks.items())
+            chosen = (", ".join(f"stage {s}: {k}" for s, k in blocks) if any(k for _, k in blocks)
+                      else "none, it fits without")
             lines.append(f"memory budget {self.recompute_report.budget / 2**20:g} MiB per rank: blocks recomputed "
                          f"{chosen} (recompute_plan.txt)")
         return lines
