@@ -240,11 +240,12 @@ def slice_(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
     if k is None:
         raise ctx.fail(node, [first], f"slicing [{start}:{end}] along the sharded dimension, which does not "
                                       f"take one of its segments {list(first.segments)}")
+    if any(key in node.kwargs for key in ("dim", "start", "end")):
+        raise ctx.fail(node, [first], "a slice of the sharded dimension with keyword bounds")
     local_start = sum(s // ctx.tp for s in first.segments[:k])
-    args = list(node.args) + [None] * (4 - len(node.args))
-    args[1], args[2], args[3] = d, local_start, local_start + first.segments[k] // ctx.tp
-    for index in (1, 2, 3):
-        ctx.edit(node, index, args[index])
+    local = {1: d, 2: local_start, 3: local_start + first.segments[k] // ctx.tp}
+    for index in range(1, min(len(node.args), 4)):  # an absent start is 0 and an absent end the last segment's
+        ctx.edit(node, index, local[index])
     return Shard(d, (first.segments[k],), first.origins)
 
 
