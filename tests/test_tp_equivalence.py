@@ -70,8 +70,8 @@ def test_tensor_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_fa
         assert got["local_numel"] < 0.8 * per_stage, (got["local_numel"], per_stage)
 
 
-def train_phi3(out: str, *, strategy: dict | None = None, micro_batch_size: int) -> dict:
-    """A tiny phi3 (fused qkv_proj cut by slices, gate_up_proj by chunk) built on meta, trained 3 steps."""
+def train_hf(family: str, out: str, *, strategy: dict | None = None, micro_batch_size: int) -> dict:
+    """A tiny Hugging Face model of this family built on meta from AutoConfig, trained 3 steps."""
     import json
     from pathlib import Path
 
@@ -81,7 +81,7 @@ def train_phi3(out: str, *, strategy: dict | None = None, micro_batch_size: int)
     from transformers import AutoConfig, AutoModelForCausalLM
     import torch
 
-    config = AutoConfig.for_model("phi3", vocab_size=padded_vocab_size(258), use_cache=False, hidden_size=64,
+    config = AutoConfig.for_model(family, vocab_size=padded_vocab_size(258), use_cache=False, hidden_size=64,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   intermediate_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
@@ -100,8 +100,8 @@ def train_phi3(out: str, *, strategy: dict | None = None, micro_batch_size: int)
 
 def test_phi3_fused_projections_split_per_segment_match_single_process(rank_pool, tmp_path):
     """phi3's qkv_proj (sliced into q|k|v) and gate_up_proj (chunked) split per segment at tp=2, as one process."""
-    expected = rank_pool(1).run(train_phi3, str(tmp_path / "one"), micro_batch_size=GLOBAL_BATCH)[0]
-    results = rank_pool(2).run(train_phi3, str(tmp_path / "tp"), strategy={"tp": 2}, micro_batch_size=4)
+    expected = rank_pool(1).run(train_hf, "phi3", str(tmp_path / "one"), micro_batch_size=GLOBAL_BATCH)[0]
+    results = rank_pool(2).run(train_hf, "phi3", str(tmp_path / "tp"), strategy={"tp": 2}, micro_batch_size=4)
     assert_matches(expected, results)
     whole = sum(v.numel() for v in expected["params"].values())
     assert all(got["local_numel"] < 0.6 * whole for got in results)  # every layer linear is split, not only the head
@@ -112,3 +112,15 @@ def test_phi3_fused_projections_split_per_segment_match_single_process(rank_pool
         assert re.search(rf"row +model\.layers\.{layer}\.mlp\.down_proj", table)
     assert "tensor parallel: 9 of 9 linears split (column 4, row 4, vocab 1)" in results[0]["banner"]
     assert not (tmp_path / "one" / "tp_plan.txt").exists()  # tp=1: nothing to report
+
+
+def test_olmo2_q_norm_and_k_norm_over_split_heads_match_single_process(rank_pool, tmp_path):
+    """olmo2's RMS norm over all heads' features: local means summed over tp, its weight split with the heads."""
+    expected = rank_pool(1).run(train_hf, "olmo2", str(tmp_path / "one"), micro_batch_size=GLOBAL_BATCH)[0]
+    results = rank_pool(2).run(train_hf, "olmo2", str(tmp_path / "tp"), strategy={"tp": 2}, micro_batch_size=4)
+    assert_matches(expected, results)
+    table = (tmp_path / "tp" / "tp_plan.txt").read_text()
+    assert re.search(r"column +model\.layers\.0\.self_attn\.q_proj ", table)
+    assert re.search(r"per-feature +model\.layers\.0\.self_attn\.q_norm .*\[64\] -> 32 per rank", table)
+    assert re.search(r"tp-sum +model\.layers\.0\.self_attn\.k_norm ", table)
+    assert "tensor parallel: 15 of 15 linears split" in results[0]["banner"]

@@ -265,16 +265,26 @@ def test_bloom_attention_stays_whole_because_heads_merge_into_the_batch():
     assert r["transformer.h.0.mlp.dense_h_to_4h"] == "column" and r["transformer.h.0.mlp.dense_4h_to_h"] == "row"
 
 
-def test_olmo2_q_norm_and_k_norm_keep_attention_whole_and_say_why():
+def test_olmo2_q_norm_and_k_norm_are_split_with_their_heads_and_summed_over_tp():
     plan = hf_plan("olmo2", 2)
-    details = {d.module: d for d in plan.decisions}
-    for proj, norm in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
-        d = details[f"model.layers.0.self_attn.{proj}"]
-        assert d.role == "replicated" and "over all heads' features" in d.detail and norm in d.detail
-    assert details["model.layers.0.self_attn.v_proj"].role == "replicated"
-    assert "q/k stay whole" in details["model.layers.0.self_attn.v_proj"].detail
-    assert details["model.layers.0.mlp.gate_proj"].role == "column"
-    assert details["model.layers.0.mlp.down_proj"].role == "row"
+    r = roles(plan)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert r[f"model.layers.0.self_attn.{proj}"] == "column"
+    assert r["model.layers.0.self_attn.o_proj"] == "row"
+    for norm, features in (("q_norm", 64), ("k_norm", 32)):
+        shard = plan.params[f"model.layers.0.self_attn.{norm}.weight"]  # scales the split features: split too
+        assert shard.dim == 0 and shard.segments == (features,)
+    sums = [d for d in plan.decisions if d.role == "tp-sum"]
+    assert {d.module for d in sums} == {f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("q_norm", "k_norm")}
+    assert set(plan.sums.values()) == {2}  # a mean: the ranks' means summed, divided by tp
+    assert len(plan.copies) == 4  # each norm's rsqrt meets the shards through copy_to_tp (its gradient summed)
+    assert "model.layers.0.post_attention_layernorm.weight" in plan.replicated_params  # on the residual: whole
+
+
+def test_a_max_over_the_split_features_still_keeps_its_layers_whole():
+    x = hand_built(aten.amax.default, (2, 16, 64), ([-1], True), [(2, 16, 1)])
+    with pytest.raises(PlanFailure, match="a reduction over all heads' features"):
+        rules.reduction(RuleContext(tp=2), x[1], [(x[0], Shard(2, (64,), frozenset({"q"})))])
 
 
 @pytest.mark.parametrize("heads", [1, 3])

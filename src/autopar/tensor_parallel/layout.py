@@ -36,7 +36,7 @@ class LayerDecision:
     node: str
     module: str
     params: list[str]
-    role: str  # column | row | vocab-embedding | vocab-head | replicated
+    role: str  # column | row | vocab-embedding | vocab-head | per-feature | tp-sum | replicated
     detail: str
     reason: str = ""  # for a layer kept whole: why, in a few words (the banner groups by it)
 
@@ -49,6 +49,8 @@ class TensorParallelPlan:
     row: set[str] = field(default_factory=set)  # nodes whose output is summed over tp ranks
     embeddings: dict[str, int] = field(default_factory=dict)  # node -> global vocabulary size
     arg_edits: dict[str, dict[int, Any]] = field(default_factory=dict)  # node -> {arg index: new value}
+    sums: dict[str, int] = field(default_factory=dict)  # node -> divisor: its result summed over tp ranks
+    copies: dict[str, list[str]] = field(default_factory=dict)  # node -> whole operands read through copy_to_tp
     vocab_output: bool = False  # the model's logits leave the graph sharded over the vocabulary
     vocab_size: int | None = None
     decisions: list[LayerDecision] = field(default_factory=list)

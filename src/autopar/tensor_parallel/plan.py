@@ -13,8 +13,11 @@ layer names per model family. Here the plan comes from the exported graph (stati
    column and row layers, runs the rules in graph order and assigns the parameters.
 3. A linear whose input is sharded on its contraction dimension is the *row* partner: it
    sums partial products with one all-reduce, after which the value is replicated again.
-4. If a sharded value reaches an operation that would mix the shards (a norm or a
-   reduction over the sharded dimension, a reshape that interleaves them, an unknown op),
+4. A sum or mean over the sharded dimension (an RMS norm over all heads' features) is
+   summed over the tp ranks with one all-reduce, and the norm's weight is split with the
+   features it scales.
+5. If a sharded value reaches an operation that would mix the shards (a layer norm or a
+   max over the sharded dimension, a reshape that interleaves them, an unknown op),
    every column layer feeding it is put back to replicated and the analysis reruns, so a
    pattern the planner does not recognise stays replicated and the plan says why.
 
@@ -39,7 +42,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import ConfigError
 from ..trace import ModelGraph
 from .layout import LayerDecision, ParamShard, TensorParallelPlan
-from .rules import PASS_THROUGH, SPLITS, VIEWS, PlanFailure, RuleContext, Shard, norm_dim, rule_for, shape_of
+from .rules import PASS_THROUGH, SPLITS, SUMMED, VIEWS, PlanFailure, RuleContext, Shard, norm_dim, rule_for, shape_of
 from .rules import arg as rule_arg
 
 aten = torch.ops.aten
@@ -154,7 +157,7 @@ class _Analysis:
     # ------------------------------------------------------------------ propagation
 
     def run(self, excluded: dict[str, str]) -> None:
-        self.rules = RuleContext(self.tp, module_of=self.module_of)
+        self.rules = RuleContext(self.tp, module_of=self.module_of, is_param=lambda n: n.name in self.param_of)
         self.state = self.rules.state
         self.edits = self.rules.edits
         self.columns: dict[str, tuple[fx.Node, int, tuple[int, ...]]] = {}
@@ -188,8 +191,8 @@ class _Analysis:
         if node.target is operator.getitem:
             parent = self.state.get(node.args[0])
             return parent[node.args[1]] if isinstance(parent, list) else None
-        if not inputs:
-            return None
+        if not inputs:  # whole; a value computed from a tp sum stays marked so its gradient is summed too
+            return SUMMED if any(self.state.get(v) == SUMMED for v in node.all_input_nodes) else None
         op_rule = rule_for(node.target)
         if op_rule is None:
             raise self.rules.fail(node, [s for _, s in inputs], "an operation the tensor-parallel planner does not know")
@@ -201,7 +204,7 @@ class _Analysis:
         x, w, bias, out_dim, in_dim = linear
         xs = self.state.get(x)
         features = shape_of(w)[out_dim]
-        if xs is None:
+        if xs is None or xs == SUMMED:
             if node.name in excluded:
                 return None
             if features % self.tp:
@@ -256,15 +259,18 @@ class _Analysis:
         for name, (w, segments) in self.rows.items():
             in_dim = self.linear_parts(self.node(name))[4]
             claim(name, w, ParamShard(self.param_of[w.name], in_dim, segments, "row"))
+        for name, (param, dim, segments) in self.rules.param_operands.items():  # a norm's per-feature weight
+            claim(name, param, ParamShard(self.param_of[param.name], dim, segments, "column"))
         # every other read of a split parameter must agree with its layout
         split = set(claims)
         self.embeddings: dict[str, int] = {}
         for node in self.graph.graph.nodes:
             if node.op != "call_function" or node.name in self.columns or node.name in self.rows:
                 continue
+            operand = self.rules.param_operands.get(node.name)
             for arg in node.all_input_nodes:
                 fqn = self.param_of.get(arg.name)
-                if fqn not in split:
+                if fqn not in split or (operand is not None and operand[0] is arg):
                     continue
                 if node.target is aten.embedding.default and node.args[0] is arg:
                     layout = [s for _, s in claims[fqn]][0]
@@ -281,6 +287,8 @@ class _Analysis:
                     if name in self.columns:
                         origins.add(name)
                     origins |= self.row_origins.get(name, frozenset())
+                    if name in self.rules.param_operands:
+                        origins |= self.state[self.node(name)].origins
                 raise PlanFailure(frozenset(origins), f"parameter {fqn!r} is read by layers that would split it "
                                                    f"differently (or not at all)")
             self.params[fqn] = uses[0][1]
@@ -324,7 +332,8 @@ class _Analysis:
 
     def finish(self, excluded: dict[str, str]) -> TensorParallelPlan:
         plan = TensorParallelPlan(tp=self.tp, params=self.params, row=set(self.rows), embeddings=self.embeddings,
-                                  arg_edits=self.edits, vocab_output=self.vocab_output)
+                                  arg_edits=self.edits, vocab_output=self.vocab_output, sums=self.rules.sums,
+                                  copies=self.rules.copies)
         sizes = {v for v in self.embeddings.values()}
         if self.vocab_output:
             head = next(iter(self.vocab_origins))
@@ -346,6 +355,17 @@ class _Analysis:
             plan.decisions.append(LayerDecision(name, self.module_of(node), [self.param_of[w.name]], "row",
                                                 f"input features split, outputs summed (all-reduce): "
                                                 f"{self.param_of[w.name]} {list(shape_of(w))}"))
+        for name, (param, dim, segments) in self.rules.param_operands.items():
+            node, fqn = self.node(name), self.param_of[param.name]
+            plan.decisions.append(LayerDecision(name, self.module_of(node), [fqn], "per-feature",
+                                                f"weight split with the features it scales: {fqn} "
+                                                f"{list(shape_of(param))} -> {sum(segments) // self.tp} per rank"))
+        for name, divisor in self.rules.sums.items():
+            node = self.node(name)
+            plan.decisions.append(LayerDecision(name, self.module_of(node), [], "tp-sum",
+                                                f"{'mean' if divisor > 1 else 'sum'} over the split features: "
+                                                f"local {'mean' if divisor > 1 else 'sum'}s summed over the tp ranks "
+                                                f"(all-reduce){f', divided by {divisor}' if divisor > 1 else ''}"))
         for name, vocab in self.embeddings.items():
             node = self.node(name)
             fqn = self.param_of[node.args[0].name]

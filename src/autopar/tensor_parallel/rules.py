@@ -46,6 +46,9 @@ class Shard:
         return Shard(dim, self.segments, self.origins)
 
 
+SUMMED = "summed"  # the state of a whole value computed from a sum over tp ranks (its gradient is partial)
+
+
 class PlanFailure(Exception):
     """A sharded value reached an operation that would mix its shards: its column layers go back to whole."""
 
@@ -75,6 +78,11 @@ class RuleContext:
     tp: int
     state: dict[fx.Node, Any] = field(default_factory=dict)
     edits: dict[str, dict[int, Any]] = field(default_factory=dict)  # node -> {arg index: local value}
+    sums: dict[str, int] = field(default_factory=dict)  # node -> divisor: sum its result over tp, then divide
+    param_operands: dict[str, tuple[fx.Node, int, tuple[int, ...]]] = field(default_factory=dict)  # node ->
+    # (a parameter it reads per feature, that parameter's sharded dim, segments): sliced like the features
+    is_param: Callable[[fx.Node], bool] = lambda node: False
+    copies: dict[str, list[str]] = field(default_factory=dict)  # node -> whole operands to pass through copy_to_tp
     module_of: Callable[[fx.Node], str] = lambda node: ""
 
     def shard_of(self, node: Any) -> Shard | None:
@@ -125,8 +133,13 @@ def elementwise(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
             continue
         pos = dim - (len(out_shape) - len(shape))
         if pos >= 0 and shape[pos] != 1:
+            if ctx.is_param(value) and shape[pos] == sum(first.segments) and node.name not in ctx.param_operands:
+                ctx.param_operands[node.name] = (value, pos, first.segments)  # a norm's weight: split with them
+                continue
             raise ctx.fail(node, shards, f"a replicated operand ({value.name}, shape {list(shape)}) that is "
                                          f"not broadcast along the sharded dimension")
+        if ctx.state.get(value) == SUMMED:  # each rank's gradient of it is its shard's part: sum them
+            ctx.copies.setdefault(node.name, []).append(value.name)
     return Shard(dim, first.segments, _origins(shards))
 
 
@@ -311,11 +324,19 @@ def softmax(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
 
 
 @rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
-def reduction(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
+def reduction(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard | None:
+    """Other dims keep the sharding; a sum or mean over the sharded dim only is summed over the tp ranks.
+
+    Every rank holds the same number of the features, so the whole mean is the mean of the
+    ranks' means (an RMS norm over all heads' features, as olmo2's q_norm): one all-reduce.
+    """
     value, first = inputs[0]
     ndim = len(shape_of(value))
     dims = arg(node, 1, "dim", None)
     dims = [norm_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims or [])]
+    if dims == [first.dim] and node.target in (aten.mean.dim, aten.sum.dim_IntList) and not node.kwargs.get("dtype"):
+        ctx.sums[node.name] = ctx.tp if node.target is aten.mean.dim else 1
+        return SUMMED  # whole once summed; its gradient is summed where it meets the shards again
     if not dims or first.dim in dims:
         what = "a norm or mean" if node.target is aten.mean.dim else "a reduction"
         raise ctx.fail(node, [first], f"{what} over all heads' features (the sharded dimension): it would mix "
