@@ -73,17 +73,18 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 
 @dataclass
 class RuleContext:
-    """What a rule may read and write: the tp degree, the sharding of every value seen so far, the size edits."""
+    """What a rule may read (the tp degree, the sharding of every value so far) and what it records."""
 
     tp: int
-    state: dict[fx.Node, Any] = field(default_factory=dict)
-    edits: dict[str, dict[int, Any]] = field(default_factory=dict)  # node -> {arg index: local value}
-    sums: dict[str, int] = field(default_factory=dict)  # node -> divisor: sum its result over tp, then divide
-    param_operands: dict[str, tuple[fx.Node, int, tuple[int, ...]]] = field(default_factory=dict)  # node ->
-    # (a parameter it reads per feature, that parameter's sharded dim, segments): sliced like the features
-    is_param: Callable[[fx.Node], bool] = lambda node: False
-    copies: dict[str, list[str]] = field(default_factory=dict)  # node -> whole operands to pass through copy_to_tp
+    state: dict[fx.Node, Any] = field(default_factory=dict)  # value -> Shard | list | SUMMED | None (whole)
     module_of: Callable[[fx.Node], str] = lambda node: ""
+    is_param: Callable[[fx.Node], bool] = lambda node: False
+    # what the rules found, applied to the stage graphs by apply.py (keyed by node name)
+    edits: dict[str, dict[int, Any]] = field(default_factory=dict)  # {arg index: local value}
+    sums: dict[str, int] = field(default_factory=dict)  # divisor: result summed over tp ranks, then divided
+    copies: dict[str, list[str]] = field(default_factory=dict)  # whole operands read through copy_to_tp
+    # a parameter read per feature (a norm's weight): (its node, its split dim, segments), split like the features
+    param_operands: dict[str, tuple[fx.Node, int, tuple[int, ...]]] = field(default_factory=dict)
 
     def shard_of(self, node: Any) -> Shard | None:
         value = self.state.get(node) if isinstance(node, fx.Node) else None
