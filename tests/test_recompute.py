@@ -94,5 +94,7 @@ def test_the_budget_decides_the_recomputation(rank_pool, tmp_path):
     assert roomy == [{0: 0}, {1: 0}]
     tight = rank_pool(2).run(_planned_blocks, str(tmp_path / "b"), 3.0)
     assert tight[0][0] >= 1 and tight[1] == {1: 0}  # the first stage recomputes, the last does not
+    written = (tmp_path / "b" / "recompute_plan.txt").read_text()  # the run folder says what was chosen
+    assert f"stage 0: {tight[0][0]} block(s) recomputed" in written and "stage 1: 0 block(s)" in written
     impossible = rank_pool(2).run(_planned_blocks, str(tmp_path / "c"), 0.5)
     assert "memory budget" in impossible[0]["error"] and "memory-budget-mb" in impossible[1]["error"]

@@ -79,6 +79,24 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
                 args[index] = value
             node.args = tuple(args)
             changed += 1
+        for operand in plan.copies.get(node.name, ()):  # a whole value met by shards: its gradient summed
+            source = next(a for a in node.all_input_nodes if a.name == operand)
+            if source not in copies:
+                name = _add(module, f"tp_copy_{source.name}", CopyToTP(group))
+                with graph.inserting_after(source):
+                    copies[source] = graph.call_module(name, (source,))
+            node.replace_input_with(source, copies[source])
+            changed += 1
+        if node.name in plan.sums:  # a sum or mean over the split features: add the ranks' parts
+            name = _add(module, f"tp_sum_{node.name}", ReduceFromTP(group))
+            with graph.inserting_after(node):
+                summed = graph.call_module(name, (node,))
+            result = summed
+            if plan.sums[node.name] > 1:
+                with graph.inserting_after(summed):
+                    result = graph.call_function(aten.div.Tensor, (summed, plan.sums[node.name]))
+            node.replace_all_uses_with(result, delete_user_cb=lambda user: user is not summed)
+            changed += 1
         if node.name in plan.column:
             index = plan.column[node.name]
             source = node.args[index]

@@ -36,8 +36,9 @@ class LayerDecision:
     node: str
     module: str
     params: list[str]
-    role: str  # column | row | vocab-embedding | vocab-head | replicated
+    role: str  # column | row | vocab-embedding | vocab-head | per-feature | tp-sum | replicated
     detail: str
+    reason: str = ""  # for a layer kept whole: why, in a few words (the banner groups by it)
 
 
 @dataclass
@@ -48,11 +49,32 @@ class TensorParallelPlan:
     row: set[str] = field(default_factory=set)  # nodes whose output is summed over tp ranks
     embeddings: dict[str, int] = field(default_factory=dict)  # node -> global vocabulary size
     arg_edits: dict[str, dict[int, Any]] = field(default_factory=dict)  # node -> {arg index: new value}
+    sums: dict[str, int] = field(default_factory=dict)  # node -> divisor: its result summed over tp ranks
+    copies: dict[str, list[str]] = field(default_factory=dict)  # node -> whole operands read through copy_to_tp
     vocab_output: bool = False  # the model's logits leave the graph sharded over the vocabulary
     vocab_size: int | None = None
     decisions: list[LayerDecision] = field(default_factory=list)
     replicated_params: list[str] = field(default_factory=list)  # whole on every rank (norms, row biases, ...)
     value_shards: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # node -> (dim, segments)
+    linears: int = 0  # linear layers (on parameters) in the model
+
+    def summary(self) -> str:
+        """One line for the run's banner: how much was split, what stayed whole and why."""
+        count = {role: sum(1 for d in self.decisions if d.role == role)
+                 for role in ("column", "row", "vocab-head", "vocab-embedding", "replicated")}
+        split = count["column"] + count["row"] + count["vocab-head"]
+        line = (f"tensor parallel: {split} of {self.linears} linears split (column {count['column']}, row "
+                f"{count['row']}, vocab {count['vocab-head']})")
+        if count["vocab-embedding"]:
+            line += f", {count['vocab-embedding']} embedding(s) split over the vocabulary"
+        reasons: dict[str, int] = {}
+        for d in self.decisions:
+            if d.role == "replicated":
+                reasons[d.reason or d.detail] = reasons.get(d.reason or d.detail, 0) + 1
+        line += f"; {count['replicated']} kept whole"
+        if reasons:
+            line += ": " + "; ".join(f"{n} x {why}" for why, n in reasons.items())
+        return line
 
     def vocab_start(self, rank: int) -> int:
         assert self.vocab_size is not None
@@ -68,10 +90,12 @@ class TensorParallelPlan:
             shown = ", ".join(self.replicated_params[:6]) + (", ..." if len(self.replicated_params) > 6 else "")
             lines.append(f"whole on every rank: {len(self.replicated_params)} parameters (norms, biases added after "
                          f"the all-reduce, position tables, unsplit layers): {shown}")
+        lines.append(self.summary())
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "vocab_output": self.vocab_output,
                 "params": {k: {"dim": v.dim, "segments": list(v.segments), "role": v.role}
                            for k, v in self.params.items()},
-                "layers": [vars(d) for d in self.decisions], "replicated": self.replicated_params}
+                "layers": [vars(d) for d in self.decisions], "replicated": self.replicated_params,
+                "summary": self.summary()}

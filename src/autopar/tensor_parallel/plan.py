@@ -8,25 +8,31 @@ layer names per model family. Here the plan comes from the exported graph (stati
 2. Sharding is propagated forward through the operations that work per feature or per
    head: elementwise ops (with broadcast operands), views and reshapes (whose static sizes
    are edited: the head count becomes heads / tp), transposes, splits of a fused qkv
-   output, rotary slicing, scaled-dot-product attention, batched matmuls.
+   output, rotary slicing, scaled-dot-product attention, batched matmuls. Each operation
+   has its own small rule in rules.py (a table from aten op to rule); this file finds the
+   column and row layers, runs the rules in graph order and assigns the parameters.
 3. A linear whose input is sharded on its contraction dimension is the *row* partner: it
    sums partial products with one all-reduce, after which the value is replicated again.
-4. If a sharded value reaches an operation that would mix the shards (a norm or a
-   reduction over the sharded dimension, a reshape that interleaves them, an unknown op),
+4. A sum or mean over the sharded dimension (an RMS norm over all heads' features) is
+   summed over the tp ranks with one all-reduce, and the norm's weight is split with the
+   features it scales.
+5. If a sharded value reaches an operation that would mix the shards (a layer norm or a
+   max over the sharded dimension, a reshape that interleaves them, an unknown op),
    every column layer feeding it is put back to replicated and the analysis reruns, so a
    pattern the planner does not recognise stays replicated and the plan says why.
 
-A fused projection (GPT-2's c_attn, split into q, k, v) is sharded per *segment*: each rank
-holds its slice of q, of k and of v, so the split that follows still yields whole heads.
+A fused projection (GPT-2's c_attn, phi3's qkv_proj and gate_up_proj: cut into pieces by a
+split, a chunk, or slices that tile its features) is sharded per *segment*: each rank holds
+its slice of q, of k and of v (of gate and of up), so the cut that follows still yields whole
+heads, with its sizes or offsets edited to the local ones.
 The token embedding and a tied output head become vocabulary-parallel; the logits then stay
 sharded over the vocabulary and the loss is computed without gathering them.
 """
 
 from __future__ import annotations
 
-import math
 import operator
-from dataclasses import dataclass
+import re
 from typing import Any
 
 import torch
@@ -36,46 +42,14 @@ from torch.export.graph_signature import InputKind
 from ..errors import ConfigError
 from ..trace import ModelGraph
 from .layout import LayerDecision, ParamShard, TensorParallelPlan
+from .rules import PASS_THROUGH, SPLITS, SUMMED, VIEWS, PlanFailure, RuleContext, Shard, norm_dim, rule_for, shape_of
+from .rules import arg as rule_arg
 
 aten = torch.ops.aten
 
 LINEAR = {aten.linear.default}
 ADDMM = {aten.addmm.default}  # Conv1D (HF GPT-2): addmm(bias, x2d, weight[in, out])
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-PASS_THROUGH = {aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
-                aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default,
-                aten.clone.default, aten.native_dropout.default}
-SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
-REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
-SDPA = {aten.scaled_dot_product_attention.default}
-MATMUL = {aten.matmul.default, aten.bmm.default}
-
-
-@dataclass(frozen=True)
-class Shard:
-    """A value split over the tp ranks along `dim`, in contiguous per-segment slices."""
-
-    dim: int
-    segments: tuple[int, ...]  # global sizes of the segments along `dim` (fused q|k|v: three)
-    origins: frozenset[str] = frozenset()  # the column layers this sharding comes from
-
-    def same_layout(self, other: Shard) -> bool:
-        return self.dim == other.dim and self.segments == other.segments
-
-
-class _Failure(Exception):
-    def __init__(self, origins: frozenset[str], reason: str):
-        super().__init__(reason)
-        self.origins, self.reason = origins, reason
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _norm_dim(dim: int, ndim: int) -> int:
-    return dim + ndim if dim < 0 else dim
+FOLLOW = set(VIEWS) | set(PASS_THROUGH) | {aten.unsqueeze.default}  # keep a column's features whole and last
 
 
 def plan_tensor_parallel(graph: ModelGraph, tp: int) -> TensorParallelPlan:
@@ -83,13 +57,14 @@ def plan_tensor_parallel(graph: ModelGraph, tp: int) -> TensorParallelPlan:
     if tp < 1:
         raise ConfigError(f"tp must be a positive integer, got {tp}")
     analysis = _Analysis(graph, tp)
+    analysis.check_heads()
     excluded: dict[str, str] = {}
     while True:
         try:
             analysis.run(excluded)
             analysis.assign_params(excluded)
             break
-        except _Failure as failure:
+        except PlanFailure as failure:
             if not failure.origins:  # nothing to put back: a bug in the rules, not the model
                 raise
             for origin in failure.origins:
@@ -111,6 +86,14 @@ class _Analysis:
         self.main_input = next((s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT), None)
 
     # ------------------------------------------------------------------ helpers
+
+    def check_heads(self) -> None:
+        """A tp that does not divide the query heads of an attention is an error, not a silent whole attention."""
+        for node in self.graph.graph.nodes:
+            q_shape = shape_of(node.args[0]) if node.target is aten.scaled_dot_product_attention.default else None
+            if self.tp > 1 and q_shape and len(q_shape) == 4 and q_shape[1] % self.tp:
+                raise ConfigError(f"tp={self.tp} does not divide the {q_shape[1]} heads of the attention in "
+                                  f"{self.module_of(node) or node.name!r}; use a tp that divides {q_shape[1]}")
 
     def module_of(self, node: fx.Node) -> str:
         cost = self.graph.nodes.get(node.name)
@@ -134,34 +117,53 @@ class _Analysis:
         return x, w, bias, out_dim, in_dim
 
     def column_layout(self, node: fx.Node, features: int) -> tuple[int, ...]:
-        """Segments of a column output: the sizes of a split on its feature dim further down (fused qkv)."""
-        frontier, seen = [node], set()
+        """Segments of a column output: how the pieces taken from its features further down cut them.
+
+        A fused projection (q|k|v, gate|up) is cut by a split, a chunk, or slices that together
+        cover the features; each segment is then sharded on its own, so every rank holds its share
+        of each piece. Without such a cut the features are one segment.
+        """
+        frontier, seen, slices = [node], set(), set()
         while frontier:
             value = frontier.pop()
+            in_shape = shape_of(value)
             for user in value.users:
                 if user in seen:
                     continue
                 seen.add(user)
-                shape = _shape(user)
-                if user.target in (aten.split.Tensor, aten.split_with_sizes.default):
-                    in_shape = _shape(value)
-                    dim = _norm_dim(user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0), len(in_shape))
-                    if dim == len(in_shape) - 1 and in_shape[-1] == features:
-                        sizes = user.args[1]
-                        if isinstance(sizes, int):
-                            return tuple([sizes] * (features // sizes)) if features % sizes == 0 else (features,)
-                        return tuple(sizes)
-                elif (user.target in VIEWS or user.target in PASS_THROUGH) and shape and shape[-1] == features:
+                shape = shape_of(user)
+                if user.target in SPLITS + (aten.chunk.default, aten.slice.Tensor):
+                    dim_index = 1 if user.target is aten.slice.Tensor else 2
+                    dim = norm_dim(rule_arg(user, dim_index, "dim", 0), len(in_shape))
+                    if dim != len(in_shape) - 1:
+                        continue
+                    if user.target is aten.slice.Tensor:
+                        start, end = rule_arg(user, 2, "start", 0) or 0, rule_arg(user, 3, "end", None)
+                        if rule_arg(user, 4, "step", 1) == 1:
+                            slices.add((start, min(features, features if end is None else end)))
+                        continue
+                    sizes = user.args[1]
+                    if user.target is aten.chunk.default:
+                        sizes = features // sizes if features % sizes == 0 else features
+                    if isinstance(sizes, int):
+                        return tuple([sizes] * (features // sizes)) if features % sizes == 0 else (features,)
+                    return tuple(sizes)
+                elif user.target in FOLLOW and shape and shape[-1] == features:
                     frontier.append(user)
+        ordered = sorted(slices)
+        if len(ordered) > 1 and ordered[0][0] == 0 and ordered[-1][1] == features and all(
+                a[1] == b[0] for a, b in zip(ordered, ordered[1:])):
+            return tuple(end - start for start, end in ordered)  # slices that tile the features: the segments
         return (features,)
 
     # ------------------------------------------------------------------ propagation
 
     def run(self, excluded: dict[str, str]) -> None:
-        self.state: dict[fx.Node, Any] = {}
+        self.rules = RuleContext(self.tp, module_of=self.module_of, is_param=lambda n: n.name in self.param_of)
+        self.state = self.rules.state
+        self.edits = self.rules.edits
         self.columns: dict[str, tuple[fx.Node, int, tuple[int, ...]]] = {}
         self.rows: dict[str, tuple[fx.Node, tuple[int, ...]]] = {}
-        self.edits: dict[str, dict[int, Any]] = {}
         self.vocab_output = False
         self.vocab_origins: frozenset[str] = frozenset()
         self.row_origins: dict[str, frozenset[str]] = {}  # row layer -> the column layers feeding it
@@ -173,212 +175,56 @@ class _Analysis:
 
     def sharded_inputs(self, node: fx.Node) -> list[tuple[fx.Node, Shard]]:
         found = []
-        for arg in node.all_input_nodes:
-            s = self.state.get(arg)
+        for value in node.all_input_nodes:
+            s = self.state.get(value)
             if isinstance(s, Shard):
-                found.append((arg, s))
+                found.append((value, s))
             elif isinstance(s, list) and any(isinstance(x, Shard) for x in s) and node.target is not operator.getitem:
-                raise _Failure(frozenset().union(*(x.origins for x in s if isinstance(x, Shard))),
-                               f"{node.name} ({node.target}) takes a split list of sharded values")
+                raise PlanFailure(frozenset().union(*(x.origins for x in s if isinstance(x, Shard))),
+                                  f"{node.name} ({node.target}) takes a split list of sharded values")
         return found
 
-    def fail(self, node: fx.Node, shards: list[Shard], why: str) -> _Failure:
-        origins = frozenset().union(*(s.origins for s in shards)) if shards else frozenset()
-        where = self.module_of(node) or node.name
-        return _Failure(origins, f"{why} at {node.name} ({node.target}) in {where!r}")
-
     def visit(self, node: fx.Node, excluded: dict[str, str]) -> Any:
+        """The sharding of one node's result: linears start or end it, every other op follows its rule."""
         linear = self.linear_parts(node)
         inputs = self.sharded_inputs(node)
-        shards = [s for _, s in inputs]
         if linear is not None:
-            x, w, bias, out_dim, in_dim = linear
-            xs = self.state.get(x)
-            features = _shape(w)[out_dim]
-            if xs is None:
-                if node.name in excluded:
-                    return None
-                if features % self.tp:
-                    excluded[node.name] = f"{features} output features are not divisible by tp={self.tp}"
-                    return None
-                segments = self.column_layout(node, features)
-                if any(s % self.tp for s in segments):
-                    excluded[node.name] = f"segments {list(segments)} are not divisible by tp={self.tp}"
-                    return None
-                self.columns[node.name] = (w, out_dim, segments)
-                return Shard(len(_shape(node)) - 1, segments, frozenset([node.name]))
-            x_shape = _shape(x)
-            if isinstance(xs, Shard) and xs.dim == len(x_shape) - 1 and x_shape[-1] == _shape(w)[in_dim]:
-                self.rows[node.name] = (w, xs.segments)
-                self.row_origins[node.name] = xs.origins
-                return None
-            raise self.fail(node, shards, "a linear layer reads a value sharded on a non-feature dimension")
+            return self.visit_linear(node, linear, inputs, excluded)
         if node.target is operator.getitem:
             parent = self.state.get(node.args[0])
             return parent[node.args[1]] if isinstance(parent, list) else None
-        if not shards:
+        if not inputs:  # whole; a value computed from a tp sum stays marked so its gradient is summed too
+            return SUMMED if any(self.state.get(v) == SUMMED for v in node.all_input_nodes) else None
+        op_rule = rule_for(node.target)
+        if op_rule is None:
+            raise self.rules.fail(node, [s for _, s in inputs], "an operation the tensor-parallel planner does not know")
+        return op_rule(self.rules, node, inputs)
+
+    def visit_linear(self, node: fx.Node, linear: tuple, inputs: list[tuple[fx.Node, Shard]],
+                     excluded: dict[str, str]) -> Shard | None:
+        """A linear on a replicated input becomes a column layer; on features sharded by one, its row partner."""
+        x, w, bias, out_dim, in_dim = linear
+        xs = self.state.get(x)
+        features = shape_of(w)[out_dim]
+        if xs is None or xs == SUMMED:
+            if node.name in excluded:
+                return None
+            if features % self.tp:
+                excluded[node.name] = f"{features} output features are not divisible by tp={self.tp}"
+                return None
+            segments = self.column_layout(node, features)
+            if any(s % self.tp for s in segments):
+                excluded[node.name] = f"segments {list(segments)} are not divisible by tp={self.tp}"
+                return None
+            self.columns[node.name] = (w, out_dim, segments)
+            return Shard(len(shape_of(node)) - 1, segments, frozenset([node.name]))
+        x_shape = shape_of(x)
+        if isinstance(xs, Shard) and xs.dim == len(x_shape) - 1 and x_shape[-1] == shape_of(w)[in_dim]:
+            self.rows[node.name] = (w, xs.segments)
+            self.row_origins[node.name] = xs.origins
             return None
-        target = node.target
-        out_shape = _shape(node)
-        first_arg, first = inputs[0]
-        if target in PASS_THROUGH or (hasattr(target, "tags") and torch.Tag.pointwise in target.tags):
-            return self.elementwise(node, inputs)
-        if target is aten._assert_tensor_metadata.default:
-            return None
-        in_shape = _shape(first_arg)
-        if target in VIEWS:
-            return self.view(node, first, in_shape, out_shape)
-        if target is aten.transpose.int:
-            d0, d1 = (_norm_dim(d, len(in_shape)) for d in node.args[1:3])
-            dim = d1 if first.dim == d0 else d0 if first.dim == d1 else first.dim
-            return Shard(dim, first.segments, first.origins)
-        if target is aten.permute.default:
-            dims = [_norm_dim(d, len(in_shape)) for d in node.args[1]]
-            return Shard(dims.index(first.dim), first.segments, first.origins)
-        if target is aten.t.default:
-            return Shard(1 - first.dim, first.segments, first.origins)
-        if target is aten.unsqueeze.default:
-            d = _norm_dim(node.args[1], len(out_shape))
-            return Shard(first.dim + (1 if d <= first.dim else 0), first.segments, first.origins)
-        if target is aten.expand.default:
-            offset = len(out_shape) - len(in_shape)
-            dim = first.dim + offset
-            sizes = list(node.args[1])
-            if sizes[dim] != -1:
-                sizes[dim] = sizes[dim] // self.tp
-                self.edits.setdefault(node.name, {})[1] = sizes
-            return Shard(dim, first.segments, first.origins)
-        if target in (aten.slice.Tensor, aten.select.int):
-            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
-            if d == first.dim:
-                raise self.fail(node, shards, "slicing along the sharded dimension")
-            dim = first.dim - (1 if target is aten.select.int and d < first.dim else 0)
-            return Shard(dim, first.segments, first.origins)
-        if target is aten.cat.default:
-            tensors = node.args[0]
-            d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
-            states = [self.state.get(t) for t in tensors]
-            if not all(isinstance(s, Shard) and s.same_layout(first) for s in states) or d == first.dim:
-                raise self.fail(node, shards, "concatenating values with different tensor-parallel layouts")
-            return Shard(first.dim, first.segments, frozenset().union(*(s.origins for s in states)))
-        if target in (aten.split.Tensor, aten.split_with_sizes.default):
-            return self.split(node, first, in_shape)
-        if target in SOFTMAX:
-            if _norm_dim(node.args[1], len(in_shape)) == first.dim:
-                raise self.fail(node, shards, "softmax over the sharded dimension")
-            return first
-        if target in REDUCTIONS:
-            dims = node.args[1] if len(node.args) > 1 else None
-            dims = [_norm_dim(d, len(in_shape)) for d in ([dims] if isinstance(dims, int) else dims or [])]
-            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-            if not dims or first.dim in dims:
-                raise self.fail(node, shards, "a reduction over the sharded dimension")
-            dim = first.dim if keep else first.dim - sum(1 for d in dims if d < first.dim)
-            return Shard(dim, first.segments, first.origins)
-        if target is aten.layer_norm.default:
-            if first.dim >= len(in_shape) - len(node.args[1]):
-                raise self.fail(node, shards, "a normalisation over the sharded dimension")
-            return first
-        if target in SDPA:
-            return self.attention(node, inputs)
-        if target in MATMUL:
-            return self.matmul(node, inputs)
-        raise self.fail(node, shards, "an operation the tensor-parallel planner does not know")
-
-    def elementwise(self, node: fx.Node, inputs: list[tuple[fx.Node, Shard]]) -> Shard:
-        out_shape = _shape(node)
-        shards = [s for _, s in inputs]
-        first_arg, first = inputs[0]
-        dim = first.dim + len(out_shape) - len(_shape(first_arg))
-        for arg, s in inputs:
-            if s.dim + len(out_shape) - len(_shape(arg)) != dim or s.segments != first.segments:
-                raise self.fail(node, shards, "an elementwise operation on values with different layouts")
-        for arg in node.all_input_nodes:
-            if isinstance(self.state.get(arg), Shard):
-                continue
-            shape = _shape(arg)
-            if shape is None:
-                continue
-            pos = dim - (len(out_shape) - len(shape))
-            if pos >= 0 and shape[pos] != 1:
-                raise self.fail(node, shards, f"a replicated operand ({arg.name}, shape {list(shape)}) that is "
-                                               f"not broadcast along the sharded dimension")
-        return Shard(dim, first.segments, frozenset().union(*(s.origins for s in shards)))
-
-    def view(self, node: fx.Node, first: Shard, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> Shard:
-        d, size = first.dim, in_shape[first.dim]
-        prefix = math.prod(in_shape[:d])
-        inner = math.prod(in_shape[d + 1:])
-        acc = 1
-        for e, out in enumerate(out_shape):
-            if acc == prefix and out != 1:
-                if out == size:
-                    segments = first.segments
-                elif len(first.segments) > 1:
-                    raise self.fail(node, [first], "reshaping a fused (multi-segment) sharded dimension")
-                elif out % size == 0 and inner % (out // size) == 0:
-                    segments = (out,)  # merged with inner dims: the shard stays the outer factor
-                elif size % out == 0:
-                    if out % self.tp:  # split into (heads, head_dim): the heads are divided
-                        module = self.module_of(node) or node.name
-                        raise ConfigError(
-                            f"tp={self.tp} does not divide the {out} heads (or groups) that {module!r} splits its "
-                            f"{size} features into; use a tp that divides {out}")
-                    segments = (out,)
-                else:
-                    break
-                sizes = list(node.args[1])
-                if sizes[e] != -1:
-                    sizes[e] = out // self.tp
-                    self.edits.setdefault(node.name, {})[1] = sizes
-                return Shard(e, segments, first.origins)
-            acc *= out
-            if acc > prefix:
-                break
-        raise self.fail(node, [first], "a reshape that interleaves the sharded dimension with others")
-
-    def split(self, node: fx.Node, first: Shard, in_shape: tuple[int, ...]) -> list:
-        d = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(in_shape))
-        out_count = len(node.meta["val"])
-        if d != first.dim:
-            return [first] * out_count
-        sizes = node.args[1]
-        sizes = [sizes] * out_count if isinstance(sizes, int) else list(sizes)
-        if sizes[:len(first.segments)] != list(first.segments) or len(sizes) != len(first.segments):
-            raise self.fail(node, [first], "a split of the sharded dimension that does not follow its segments")
-        new = sizes[0] // self.tp if node.target is aten.split.Tensor else [s // self.tp for s in sizes]
-        self.edits.setdefault(node.name, {})[1] = new
-        return [Shard(d, (s,), first.origins) for s in sizes]
-
-    def attention(self, node: fx.Node, inputs: list[tuple[fx.Node, Shard]]) -> Shard:
-        q, k, v = node.args[:3]
-        shards = [s for _, s in inputs]
-        states = [self.state.get(t) for t in (q, k, v)]
-        head_dim = len(_shape(q)) - 3
-        if not all(isinstance(s, Shard) and s.dim == head_dim for s in states):
-            raise self.fail(node, shards, "attention whose q, k and v are not all split by heads")
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node):
-            if isinstance(self.state.get(mask), Shard):
-                raise self.fail(node, shards, "an attention mask split by heads")
-            shape = _shape(mask)
-            pos = head_dim - (len(_shape(q)) - len(shape))
-            if pos >= 0 and shape[pos] != 1:
-                raise self.fail(node, shards, f"an attention mask with a head dimension ({list(shape)})")
-        return Shard(head_dim, states[0].segments, frozenset().union(*(s.origins for s in states)))
-
-    def matmul(self, node: fx.Node, inputs: list[tuple[fx.Node, Shard]]) -> Shard:
-        a, b = node.args[:2]
-        shards = [s for _, s in inputs]
-        sa, sb = self.state.get(a), self.state.get(b)
-        out_ndim = len(_shape(node))
-        if not (isinstance(sa, Shard) and isinstance(sb, Shard)):
-            raise self.fail(node, shards, "a matmul of a sharded and a replicated value")
-        da = sa.dim + out_ndim - len(_shape(a))
-        db = sb.dim + out_ndim - len(_shape(b))
-        if da != db or da >= out_ndim - 2 or sa.segments != sb.segments:
-            raise self.fail(node, shards, "a matmul over the sharded dimension")
-        return Shard(da, sa.segments, sa.origins | sb.origins)
+        raise self.rules.fail(node, [s for _, s in inputs],
+                              "a linear layer reads a value sharded on a non-feature dimension")
 
     def visit_output(self, node: fx.Node) -> None:
         outputs = list(node.args[0]) if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
@@ -386,11 +232,11 @@ class _Analysis:
             s = self.state.get(value) if isinstance(value, fx.Node) else None
             if not isinstance(s, Shard):
                 continue
-            shape = _shape(value)
+            shape = shape_of(value)
             if i == 0 and s.dim == len(shape) - 1 and len(s.segments) == 1:
                 self.vocab_output, self.vocab_origins = True, s.origins
             else:
-                raise _Failure(s.origins, f"model output {i} ({value.name}) would leave the model sharded")
+                raise PlanFailure(s.origins, f"model output {i} ({value.name}) would leave the model sharded")
 
     # ------------------------------------------------------------------ parameters
 
@@ -415,15 +261,18 @@ class _Analysis:
         for name, (w, segments) in self.rows.items():
             in_dim = self.linear_parts(self.node(name))[4]
             claim(name, w, ParamShard(self.param_of[w.name], in_dim, segments, "row"))
+        for name, (param, dim, segments) in self.rules.param_operands.items():  # a norm's per-feature weight
+            claim(name, param, ParamShard(self.param_of[param.name], dim, segments, "column"))
         # every other read of a split parameter must agree with its layout
         split = set(claims)
         self.embeddings: dict[str, int] = {}
         for node in self.graph.graph.nodes:
             if node.op != "call_function" or node.name in self.columns or node.name in self.rows:
                 continue
+            operand = self.rules.param_operands.get(node.name)
             for arg in node.all_input_nodes:
                 fqn = self.param_of.get(arg.name)
-                if fqn not in split:
+                if fqn not in split or (operand is not None and operand[0] is arg):
                     continue
                 if node.target is aten.embedding.default and node.args[0] is arg:
                     layout = [s for _, s in claims[fqn]][0]
@@ -440,7 +289,9 @@ class _Analysis:
                     if name in self.columns:
                         origins.add(name)
                     origins |= self.row_origins.get(name, frozenset())
-                raise _Failure(frozenset(origins), f"parameter {fqn!r} is read by layers that would split it "
+                    if name in self.rules.param_operands:
+                        origins |= self.state[self.node(name)].origins
+                raise PlanFailure(frozenset(origins), f"parameter {fqn!r} is read by layers that would split it "
                                                    f"differently (or not at all)")
             self.params[fqn] = uses[0][1]
         # a token embedding (looked up with the model's main input ids) is vocab-parallel on its own too
@@ -450,7 +301,7 @@ class _Analysis:
                 fqn = self.param_of.get(weight.name) if isinstance(weight, fx.Node) else None
                 if fqn is None or fqn in self.params or not (isinstance(ids, fx.Node) and ids.name == self.main_input):
                     continue
-                vocab = _shape(weight)[0]
+                vocab = shape_of(weight)[0]
                 if vocab % self.tp:  # the largest layer would stay whole on every rank: say so, with the way out
                     raise ConfigError(f"tp={self.tp} does not divide the vocabulary of {vocab} rows of {fqn!r}; pad "
                                       f"the vocabulary to a multiple of {self.tp} (e.g. vocab_size="
@@ -461,6 +312,21 @@ class _Analysis:
                 self.embeddings[node.name] = vocab
                 self.params[fqn] = ParamShard(fqn, 0, (vocab,), "vocab")
 
+    def whole_layer_feeding(self, node: fx.Node, excluded: dict[str, str]) -> str | None:
+        """The module of a layer kept whole whose output reaches this linear's input without another linear."""
+        frontier, seen = [self.linear_parts(node)[0]], set()
+        while frontier and len(seen) < 64:
+            value = frontier.pop()
+            if not isinstance(value, fx.Node) or value in seen or value.op != "call_function":
+                continue
+            seen.add(value)
+            if self.linear_parts(value) is not None:
+                if value.name in excluded:
+                    return self.module_of(value) or value.name
+                continue
+            frontier.extend(value.all_input_nodes)
+        return None
+
     def node(self, name: str) -> fx.Node:
         if not hasattr(self, "_by_name"):
             self._by_name = {n.name: n for n in self.graph.graph.nodes}
@@ -468,12 +334,13 @@ class _Analysis:
 
     def finish(self, excluded: dict[str, str]) -> TensorParallelPlan:
         plan = TensorParallelPlan(tp=self.tp, params=self.params, row=set(self.rows), embeddings=self.embeddings,
-                                  arg_edits=self.edits, vocab_output=self.vocab_output)
+                                  arg_edits=self.edits, vocab_output=self.vocab_output, sums=self.rules.sums,
+                                  copies=self.rules.copies)
         sizes = {v for v in self.embeddings.values()}
         if self.vocab_output:
             head = next(iter(self.vocab_origins))
             w, out_dim, _ = self.columns[head]
-            sizes.add(_shape(w)[out_dim])
+            sizes.add(shape_of(w)[out_dim])
         if len(sizes) > 1:
             raise ConfigError(f"tensor parallelism found vocabulary-parallel layers of different sizes {sorted(sizes)}")
         plan.vocab_size = sizes.pop() if sizes else None
@@ -481,7 +348,7 @@ class _Analysis:
             node = self.node(name)
             plan.column[name] = 0 if node.target in LINEAR else 1
             role = "vocab-head" if name in self.vocab_origins else "column"
-            detail = (f"output features split: {self.param_of[w.name]} {list(_shape(w))} -> "
+            detail = (f"output features split: {self.param_of[w.name]} {list(shape_of(w))} -> "
                       f"{'+'.join(str(s // self.tp) for s in segments)} per rank"
                       + (f" ({len(segments)} fused segments)" if len(segments) > 1 else ""))
             plan.decisions.append(LayerDecision(name, self.module_of(node), [self.param_of[w.name]], role, detail))
@@ -489,7 +356,18 @@ class _Analysis:
             node = self.node(name)
             plan.decisions.append(LayerDecision(name, self.module_of(node), [self.param_of[w.name]], "row",
                                                 f"input features split, outputs summed (all-reduce): "
-                                                f"{self.param_of[w.name]} {list(_shape(w))}"))
+                                                f"{self.param_of[w.name]} {list(shape_of(w))}"))
+        for name, (param, dim, segments) in self.rules.param_operands.items():
+            node, fqn = self.node(name), self.param_of[param.name]
+            plan.decisions.append(LayerDecision(name, self.module_of(node), [fqn], "per-feature",
+                                                f"weight split with the features it scales: {fqn} "
+                                                f"{list(shape_of(param))} -> {sum(segments) // self.tp} per rank"))
+        for name, divisor in self.rules.sums.items():
+            node = self.node(name)
+            plan.decisions.append(LayerDecision(name, self.module_of(node), [], "tp-sum",
+                                                f"{'mean' if divisor > 1 else 'sum'} over the split features: "
+                                                f"local {'mean' if divisor > 1 else 'sum'}s summed over the tp ranks "
+                                                f"(all-reduce){f', divided by {divisor}' if divisor > 1 else ''}"))
         for name, vocab in self.embeddings.items():
             node = self.node(name)
             fqn = self.param_of[node.args[0].name]
@@ -499,8 +377,16 @@ class _Analysis:
             node = self.node(name)
             parts = self.linear_parts(node)
             fqn = self.param_of[parts[1].name] if parts else ""
+            why, _, where = reason.partition(" at ")
+            leaf = re.search(r" in '([^']*)'$", where)
+            short = re.sub(r" \([^()]*\)", "", why) + (f" in {leaf.group(1).rpartition('.')[2]}" if leaf else "")
+            feeding = self.whole_layer_feeding(node, excluded) if parts else None
+            if feeding:  # would have been the row partner of a layer kept whole: say that first
+                short = "its input comes from a layer kept whole"
+                reason = f"its input comes from {feeding!r}, kept whole; as a column layer on its own: {reason}"
             plan.decisions.append(LayerDecision(name, self.module_of(node), [fqn] if fqn else [], "replicated",
-                                                f"{fqn}: {reason}"))
+                                                f"{fqn}: {reason}", reason=short))
+        plan.linears = sum(1 for n in self.graph.graph.nodes if n.op == "call_function" and self.linear_parts(n))
         plan.replicated_params = [fqn for fqn in dict.fromkeys(self.param_of.values()) if fqn not in self.params]
         order = {n.name: i for i, n in enumerate(self.graph.graph.nodes)}
         plan.decisions.sort(key=lambda d: order.get(d.node, 0))

@@ -230,7 +230,7 @@ class PipelineEngine:
                                        p2p=p2p, loss_fn=lambda out, batch: self._loss_fn(out, batch),
                                        recompute=recompute, autocast=autocast, placement=placement,
                                        first_input=self._first_stage_inputs)
-        self.recompute_plan = None
+        self.recompute_plan = self.recompute_report = None  # this rank's stages; every pipeline rank's
         if strategy.memory_budget_mb is not None:
             self.recompute_plan = self._plan_recompute(strategy.memory_budget_mb * 2**20, example, num_microbatches)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
@@ -290,7 +290,40 @@ class PipelineEngine:
                               f"see its message")
         for s, blocks in plan.blocks.items():
             self.stages[s].recompute_blocks = blocks
+        self.recompute_report = self._whole_recompute_plan(plan)
         return plan
+
+    def _whole_recompute_plan(self, plan):
+        """Every pipeline rank's choice in one plan (each rank planned only its own stages), for the report."""
+        from ..pipeline.recompute import RecomputePlan
+        parts = [None] * self.pp
+        dist.all_gather_object(parts, (plan.blocks, plan.memory), group=self.mesh.group("pp"))
+        blocks = {s: k for part_blocks, _ in parts for s, k in part_blocks.items()}
+        memory = {s: m for _, part_memory in parts for s, m in part_memory.items()}
+        return RecomputePlan(blocks=blocks, memory=memory, budget=plan.budget)
+
+    def banner_lines(self) -> list[str]:
+        """What this engine chose that the run should say at its start: the TP split, the recomputation."""
+        lines = []
+        if self.tensor_parallel is not None:
+            lines.append(self.tensor_parallel.plan.summary() + " (tp_plan.txt)")
+        if self.recompute_report is not None:
+            blocks = sorted(self.recompute_report.blocks.items())
+            chosen = (", ".join(f"stage {s}: {k}" for s, k in blocks) if any(k for _, k in blocks)
+                      else "none, it fits without")
+            lines.append(f"memory budget {self.recompute_report.budget / 2**20:g} MiB per rank: blocks recomputed "
+                         f"{chosen} (recompute_plan.txt)")
+        return lines
+
+    def run_files(self) -> dict[str, str]:
+        """Files for the run folder (name -> text): the TP plan table and the recomputation plan."""
+        files = {}
+        if self.tensor_parallel is not None:
+            files["tp_plan.txt"] = self.tensor_parallel.plan.table() + "\n"
+        if self.recompute_report is not None:
+            files["recompute_plan.txt"] = (self.recompute_report.describe().replace("; ", "\n  ").replace(": ", ":\n  ", 1)
+                                           + "\n(budget per pipeline rank, from --memory-budget-mb)\n")
+        return files
 
     def _shared_groups(self, device: torch.device, placement: str,
                        timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:

@@ -162,6 +162,8 @@ class Trainer:
                     "strategy": to_dict(self.strategy), "accumulation_steps": self.accumulation,
                     "model_class": type(self.model).__name__, **self.run_info}
             (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+            for name, text in getattr(self.engine, "run_files", dict)().items():  # what the engine chose
+                (run_dir / name).write_text(text)
         return run_dir
 
     def _config_toml(self) -> str:
@@ -342,6 +344,7 @@ class Trainer:
                  f"{self.accumulation} micro-batch(es) of {self.config.micro_batch_size} per replica per step",
                  f"run folder: {self.run_dir}"]
         lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model")]
+        lines += getattr(self.engine, "banner_lines", list)()
         if start:
             lines.append(f"resumed at step {start} from {self.config.resume}")
         return "\n".join(lines)
