@@ -136,6 +136,10 @@ def materialize_partial(module: nn.Module, keep: set[str], device: str | torch.d
     """
     target = to_device(device)
     params, buffers = tied_groups(module)
+    if not _has_meta(module):  # built for real: its weights are the user's, kept (as `materialize` does)
+        module.to(target)
+        retie(module, params, buffers)
+        return module
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
     for path, p in module.named_parameters(remove_duplicate=False):
         owner_path, _, attr = path.rpartition(".")

@@ -8,14 +8,18 @@ which keeps every reshape size a constant that later passes (tensor parallelism)
 
 Nodes are grouped into contiguous *blocks*, the units a pipeline cut may fall between:
 the prelude (everything before the first repeated layer: embeddings, masks, rotary
-tables), one block per repeated layer (the children of the model's largest ModuleList,
-found from parameter counts, not from names), and the postlude (final norm, head). A cut
+tables), one block per repeated layer (the children of the model's largest stack, an
+nn.ModuleList or nn.Sequential, found from parameter counts, not from names), and the
+postlude (final norm, head); a model with no stack is one block (tensor parallelism works
+on the graph and needs no cut). A cut
 between blocks is where few tensors cross: the hidden state, plus any value a later layer
 still needs (attention mask, position embeddings), which the stage builder carries.
 """
 
 from __future__ import annotations
 
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +27,15 @@ import torch
 from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ModelError
 from ..models.materialize import tied_groups
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -62,7 +71,7 @@ class ModelGraph:
     exported: ExportedProgram
     nodes: dict[str, NodeCost]
     blocks: list[Block]
-    layers_path: str  # FQN of the ModuleList whose children are the repeated layers
+    layers_path: str | None  # FQN of the stack whose children are the repeated layers ("": the model; None: no stack)
     param_numel: dict[str, int]  # primary FQN -> elements
     tied: list[list[str]]  # groups of FQNs naming one tensor (primary name first)
     example_inputs: tuple
@@ -89,28 +98,47 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def find_layers(model: nn.Module) -> str:
-    """The ModuleList holding the most parameters: the model's repeated layers."""
-    best, best_params = "", -1
+def _is_stack(module: nn.Module) -> bool:
+    """A container of blocks called one after another: an nn.ModuleList, or an nn.Sequential of >= 2."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) >= 1
+    return isinstance(module, nn.Sequential) and len(module) >= 2
+
+
+def find_layers(model: nn.Module) -> str | None:
+    """The stack (ModuleList or Sequential) holding the most parameters: the model's repeated layers.
+
+    None when the model has no stack: it is then one block (tensor parallelism needs no cut)."""
+    best, best_params = None, -1
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 1:
+        if _is_stack(module):
             count = sum(p.numel() for p in module.parameters())
             if count > best_params:
                 best, best_params = path, count
-    if not best:
-        raise ModelError(f"{type(model).__name__} has no nn.ModuleList of repeated layers to cut between; "
-                         f"pipeline partitioning needs one (e.g. self.layers = nn.ModuleList([...]))")
     return best
 
 
-
-
-def _layer_index(path: str, layers: str) -> int | None:
-    prefix = layers + "."
-    if not path.startswith(prefix):
+def _layer_index(path: str, layers: str, position: dict[str, int]) -> int | None:
+    """Which child of the stack `layers` the module at `path` is in (a Sequential's children may be named)."""
+    prefix = layers + "." if layers else ""
+    if not path.startswith(prefix) or path == layers:
         return None
-    head = path[len(prefix):].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    return position.get(path[len(prefix):].split(".", 1)[0])
+
+
+def _trace_hint(exc: Exception) -> str:
+    """What to do about a torch.export failure, by its real cause."""
+    if isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc):
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not f.filename.startswith((_TORCH_DIR, _AUTOPAR_DIR)) and "site-packages" not in f.filename]
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        return (f"The forward branches on a tensor's values{where}, which a traced graph cannot do: compute both "
+                f"branches and pick with torch.where, or move the decision out of forward")
+    if "FakeTensorDeviceMismatch" in type(exc).__name__ or "found at least two devices" in str(exc):
+        return ("The model's tensors and its inputs are on different devices while tracing: build the whole "
+                "model either on the meta device or for real (a tensor attribute that is neither a parameter "
+                "nor a buffer keeps the device it was made on)")
+    return "Make the failing operation traceable by torch.export (non-strict), or pass a model whose forward takes only tensors"
 
 
 def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> ModelGraph:
@@ -120,14 +148,14 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     except Exception as exc:  # export reports many kinds of failure; name the op and the way out
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first[:400]}. "
-                         f"Make the failing operation traceable (no data-dependent Python control flow on "
-                         f"tensor values), or pass a model whose forward takes only tensors") from None
+                         f"{_trace_hint(exc)}") from None
     mutated = [s for s in exported.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
     if mutated:
         raise ModelError(f"{type(model).__name__} updates buffers or inputs in forward "
                          f"({', '.join(str(s.target) for s in mutated[:3])}); pipeline partitioning does not "
                          f"support that yet")
     layers = find_layers(model)
+    children = [name for name, _ in model.get_submodule(layers).named_children()] if layers is not None else []
     # A tied weight is named as the model's own named_parameters() names it (its first alias),
     # so stages, checkpoints and optimizers agree with the unpartitioned model.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -137,7 +165,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     export_names = {primary[id(params[spec.target])]: spec.target for spec in exported.graph_signature.input_specs
                     if spec.kind == InputKind.PARAMETER}
     param_numel = {fqn: params[fqn].numel() for fqn in canonical.values()}
-    nodes, blocks = _assign_blocks(exported, layers, canonical)
+    nodes, blocks = _assign_blocks(exported, layers, {name: i for i, name in enumerate(children)}, canonical)
     _count_flops(exported, nodes)
     for cost in nodes.values():
         block = blocks[cost.block]
@@ -149,7 +177,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
                       tied=tied_groups(model)[0], example_inputs=tuple(example_inputs), export_names=export_names)
 
 
-def _assign_blocks(exported: ExportedProgram, layers: str,
+def _assign_blocks(exported: ExportedProgram, layers: str | None, children: dict[str, int],
                    canonical: dict[str, str]) -> tuple[dict[str, NodeCost], list[Block]]:
     """Give every operation a block index, non-decreasing in graph order (so blocks are contiguous)."""
     calls = [n for n in exported.graph.nodes if n.op == "call_function"]
@@ -157,16 +185,20 @@ def _assign_blocks(exported: ExportedProgram, layers: str,
     for n in calls:
         stack = list(n.meta.get("nn_module_stack", {}).values())
         path = stack[-1][0] if stack else ""
-        indices = [i for p, _ in stack if (i := _layer_index(p, layers)) is not None]
+        indices = ([i for p, _ in stack if (i := _layer_index(p, layers, children)) is not None]
+                   if layers is not None else [])
         layer_of[n.name] = (path, indices[-1] if indices else None)
     seen_layers = sorted({i for _, i in layer_of.values() if i is not None})
-    if not seen_layers:
+    if layers is not None and not seen_layers:
         raise ModelError(f"no operation ran inside the repeated layers {layers!r}; cannot cut the model")
     position = {layer: k + 1 for k, layer in enumerate(seen_layers)}  # block 0 is the prelude
-    blocks = [Block("prelude")] + [Block(f"{layers}.{i}") for i in seen_layers] + [Block("postlude")]
+    names = list(children)
+    prefix = layers + "." if layers else ""
+    blocks = ([Block("prelude")] + [Block(f"{prefix}{names[i]}") for i in seen_layers] + [Block("postlude")]
+              if seen_layers else [Block("model")])  # no stack: one block, nothing to cut
     nodes: dict[str, NodeCost] = {}
     current = 0
-    last_layer_op = max(i for i, n in enumerate(calls) if layer_of[n.name][1] is not None)
+    last_layer_op = max((i for i, n in enumerate(calls) if layer_of[n.name][1] is not None), default=len(calls))
     for index, n in enumerate(calls):
         path, layer = layer_of[n.name]
         if layer is not None:

@@ -104,7 +104,11 @@ def broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
     if mesh.dp_size == 1:
         return
     group = mesh.group("dp")
-    src = dist.get_global_rank(group, 0)
+    broadcast_state(module, group, src=dist.get_global_rank(group, 0))
+
+
+def broadcast_state(module: nn.Module, group: Any, *, src: int) -> None:
+    """Overwrite `module`'s parameters and buffers with global rank `src`'s, over `group`."""
     unique = list({id(t): t for t in module.state_dict(keep_vars=True).values()}.values())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in unique:
@@ -193,8 +197,13 @@ class PipelineEngine:
         self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
         self.num_stages = strategy.pp * strategy.chunks
         example = main_input(example_batch)
-        graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device="meta"),))
-        if self.num_stages > len(graph.blocks):
+        built_for_real = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if built_for_real:  # every rank starts from rank 0's weights, as the whole-model engines do
+            broadcast_state(model, dist.group.WORLD, src=0)
+        # trace where the model lives: a real model's tensors and a meta input cannot meet in one op
+        traced_on = next(model.parameters()).device if built_for_real else torch.device("meta")
+        graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device=traced_on),))
+        if graph.layers_path is not None and self.num_stages > len(graph.blocks):  # no stack: partition() says so
             raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
                               f"only {len(graph.blocks)} blocks to cut between (embedding part, "
                               f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
