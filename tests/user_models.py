@@ -75,6 +75,26 @@ class TinyViT(BareViT):
                 module.reset_parameters()
 
 
+class PartlyInitViT(BareViT):
+    """An init method that forgets the bare parameters (a common slip): the check after init must catch it."""
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+
+
+class NoStackMlp(nn.Module):
+    """Two linears and no container of blocks: tensor parallelism needs none."""
+
+    def __init__(self, features: int = 8, hidden: int = 32):
+        super().__init__()
+        self.fc_in = nn.Linear(features, hidden)
+        self.fc_out = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x))).squeeze(-1)
+
+
 class ConvBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int):
         super().__init__()
@@ -151,10 +171,15 @@ def build(kind: str) -> tuple[nn.Module, object, object]:
         with torch.device("meta"):
             model = SequentialLM()
         return model, token_data(), None
-    if kind in ("vit", "vit-no-init"):
+    if kind in ("vit", "vit-no-init", "vit-part-init"):
         with torch.device("meta"):
-            model = TinyViT() if kind == "vit" else BareViT()
+            model = {"vit": TinyViT, "vit-no-init": BareViT, "vit-part-init": PartlyInitViT}[kind]()
         return model, image_data(), cross_entropy
+    if kind == "no-stack":
+        with torch.device("meta"):
+            model = NoStackMlp()
+        gen = torch.Generator().manual_seed(0)
+        return model, TensorDataset(torch.randn(16, 8, generator=gen), torch.randn(16, generator=gen)), mse
     if kind == "vit-real":
         torch.manual_seed(7)
         return TinyViT(), image_data(), cross_entropy

@@ -28,7 +28,7 @@ from torch import nn
 from ..data.datasets import IGNORE_INDEX
 from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
-from ..errors import ConfigError
+from ..errors import AutoparError, ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from .loss import Batch, count_targets, main_input, token_loss_sum
@@ -123,6 +123,24 @@ def broadcast_state(module: nn.Module, group: Any, *, src: int) -> None:
                 offset += t.numel()
 
 
+def on_every_rank(build: Callable[[], Any]) -> Any:
+    """`build()`, where a user error one rank finds is raised on every rank (the others would wait on it)."""
+    error = None
+    try:
+        result = build()
+    except AutoparError as exc:
+        error = exc
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else (type(error), str(error)))
+    if error is not None:
+        raise error
+    found = next((m for m in messages if m is not None), None)
+    if found is not None:
+        kind, text = found
+        raise kind(f"(found on rank {messages.index(found)}) {text}")
+    return result
+
+
 def _random_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     if value.is_floating_point():
         return torch.randn(value.shape, dtype=value.dtype, device=device)
@@ -210,7 +228,8 @@ class PipelineEngine:
         self.partition = partition(graph, self.num_stages, method=strategy.partition)
         placement = "loop"
         mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
-        self.stages = {s: self.partition.materialize_stage(s, model, device, seed=seed) for s in mine}
+        self.stages = on_every_rank(lambda: {s: self.partition.materialize_stage(s, model, device, seed=seed)
+                                             for s in mine})  # an uninitialised weight is found by its stage's rank
         self.tensor_parallel = None
         self.tp_rank = mesh.local_rank("tp")
         if strategy.tp > 1:
