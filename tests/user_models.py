@@ -204,7 +204,8 @@ def train_user_model(kind: str, out: str, *, strategy: dict | None = None, steps
                               eval_data=data, loss_fn=loss_fn)
     result = trainer.train()
     return {"losses": result.losses, "eval_loss": result.eval_loss, "params": whole_parameters(trainer),
-            "finite": all(math.isfinite(v) for v in result.losses)}
+            "finite": all(math.isfinite(v) for v in result.losses),
+            "local_numel": sum(p.numel() for p in trainer.model.parameters())}
 
 
 def error_of(fn, *args, **kwargs) -> str:
