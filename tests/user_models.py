@@ -180,12 +180,10 @@ def build(kind: str) -> tuple[nn.Module, object, object]:
             model = NoStackMlp()
         gen = torch.Generator().manual_seed(0)
         return model, TensorDataset(torch.randn(16, 8, generator=gen), torch.randn(16, generator=gen)), mse
-    if kind == "vit-real":
-        torch.manual_seed(7)
-        return TinyViT(), image_data(), cross_entropy
-    if kind == "unet":
-        torch.manual_seed(7)  # built for real: every rank builds the same weights (replica 0's are used anyway)
-        return TinyUNet(), denoise_data(), mse
+    if kind in ("vit-real", "unet"):
+        # built for real, and differently on every rank (as unseeded builds are): rank 0's weights must be used
+        torch.manual_seed(7 + torch.distributed.get_rank())
+        return (TinyViT(), image_data(), cross_entropy) if kind == "vit-real" else (TinyUNet(), denoise_data(), mse)
     if kind == "nan":
         with torch.device("meta"):
             model = LogOfNegative()
