@@ -3,7 +3,7 @@
 Each case is compared with a world of one on the same global batches: losses within 1e-5
 relative over 3 steps, the same eval loss, and the same parameters once tensor-parallel
 slices are gathered (1e-5 absolute). The cases: a token model whose blocks sit in an
-nn.Sequential (the README's style), a ViT-shaped classifier with bare cls/position
+nn.Sequential (the README's style), a plain MLP that is itself an nn.Sequential, a ViT-shaped classifier with bare cls/position
 parameters built on meta with an init method, the same ViT built for real (its bare
 parameters meet the float images in one op: tracing used to mix meta and real devices), a U-Net with long skip connections built for
 real on float images with a custom MSE loss, and a model with no stack at all under tp.
@@ -47,6 +47,7 @@ def assert_matches(expected: dict, results: list[dict]) -> None:
 
 @pytest.mark.parametrize("kind,strategy", [
     ("sequential-lm", {"pp": 2}), ("sequential-lm", {"tp": 2}),
+    ("root-sequential", {"pp": 2, "partition": "uniform"}),
     ("vit", {"pp": 2}), ("vit", {"tp": 2}),
     ("vit-real", {"pp": 2}), ("vit-real", {"tp": 2}),
     ("unet", {"pp": 2}), ("unet", {"tp": 2}),

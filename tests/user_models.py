@@ -175,6 +175,12 @@ def build(kind: str) -> tuple[nn.Module, object, object]:
         with torch.device("meta"):
             model = {"vit": TinyViT, "vit-no-init": BareViT, "vit-part-init": PartlyInitViT}[kind]()
         return model, image_data(), cross_entropy
+    if kind == "root-sequential":  # the model is itself the stack (a plain MLP)
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1),
+                                  nn.Flatten(0))
+        gen = torch.Generator().manual_seed(0)
+        return model, TensorDataset(torch.randn(16, 8, generator=gen), torch.randn(16, generator=gen)), mse
     if kind == "no-stack":
         with torch.device("meta"):
             model = NoStackMlp()

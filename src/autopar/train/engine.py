@@ -107,8 +107,9 @@ def broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
     broadcast_state(module, group, src=dist.get_global_rank(group, 0))
 
 
-def broadcast_state(module: nn.Module, group: Any, *, src: int) -> None:
-    """Overwrite `module`'s parameters and buffers with global rank `src`'s, over `group`."""
+def broadcast_state(module: nn.Module, group: Any, *, src: int, device: torch.device | None = None) -> None:
+    """Overwrite `module`'s parameters and buffers with global rank `src`'s, over `group` (sent from
+    `device` when given: a model still on the CPU under a GPU backend)."""
     unique = list({id(t): t for t in module.state_dict(keep_vars=True).values()}.values())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in unique:
@@ -116,6 +117,7 @@ def broadcast_state(module: nn.Module, group: Any, *, src: int) -> None:
     with torch.no_grad():
         for tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            flat = flat.to(device) if device is not None else flat
             dist.broadcast(flat, src=src, group=group)
             offset = 0
             for t in tensors:
@@ -217,7 +219,7 @@ class PipelineEngine:
         example = main_input(example_batch)
         built_for_real = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         if built_for_real:  # every rank starts from rank 0's weights, as the whole-model engines do
-            broadcast_state(model, dist.group.WORLD, src=0)
+            broadcast_state(model, dist.group.WORLD, src=0, device=device)
         # trace where the model lives: a real model's tensors and a meta input cannot meet in one op
         traced_on = next(model.parameters()).device if built_for_real else torch.device("meta")
         graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device=traced_on),))
