@@ -221,7 +221,8 @@ class PipelineEngine:
         if built_for_real:  # every rank starts from rank 0's weights, as the whole-model engines do
             broadcast_state(model, dist.group.WORLD, src=0, device=device)
         # trace where the model lives: a real model's tensors and a meta input cannot meet in one op
-        traced_on = next(model.parameters()).device if built_for_real else torch.device("meta")
+        traced_on = (next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+                     if built_for_real else torch.device("meta"))
         graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device=traced_on),))
         if graph.layers_path is not None and self.num_stages > len(graph.blocks):  # no stack: partition() says so
             raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
