@@ -134,6 +134,7 @@ def test_module_reset_methods_cover_torch_attention():
     ("vit-no-init", {"pp": 2}, "'cls_token', parameter 'pos_embed'"),
     ("vit-part-init", {"pp": 2}, "'cls_token', parameter 'pos_embed'.*unwritten"),
     ("nan", {"dp": 2}, "the loss is nan at step 1"),
+    ("nan", {"tp": 2}, "the loss is nan at step 1"),
 ], ids=lambda v: str(v))
 def test_untrainable_models_stop_with_a_message_on_every_rank(rank_pool, tmp_path, kind, strategy, match):
     import re
