@@ -159,8 +159,10 @@ class DataDependent(nn.Module):
 
 
 def test_models_that_cannot_be_partitioned_get_clear_errors():
-    with pytest.raises(ModelError, match="no nn.ModuleList of repeated layers"):
-        trace(NoLayers(), (torch.zeros(2, 4),))
+    graph = trace(NoLayers(), (torch.zeros(2, 4),))  # no stack: one block, which tp can still use
+    assert [b.name for b in graph.blocks] == ["model"]
+    with pytest.raises(ModelError, match="need a stack of blocks to cut between"):
+        partition(graph, 2)
     with pytest.raises(ModelError, match="torch.export could not trace DataDependent"):
         trace(DataDependent(), (torch.zeros(2, 4),))
 

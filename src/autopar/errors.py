@@ -31,6 +31,10 @@ class CheckpointError(AutoparError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
+class TrainingError(AutoparError):
+    """Training cannot go on (the loss became NaN or infinite)."""
+
+
 class DistributedError(AutoparError):
     """The process group could not be formed, or another rank failed."""
 

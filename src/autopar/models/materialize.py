@@ -9,12 +9,14 @@ weights (e.g. the embedding / output head), so ties are recorded first and resto
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from ..errors import ModelError
 from .registry import to_device
 
 TieGroups = list[list[str]]
@@ -85,18 +87,117 @@ def _clear_hf_init_flags(module: nn.Module) -> None:
         sub.__dict__.pop("_is_hf_initialized", None)
 
 
+_RESET_METHODS = ("reset_parameters", "_reset_parameters")  # torch's modules; MultiheadAttention uses the second
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Submodules, children before their parent: the order in which construction initialises them."""
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}{name}.")
+    yield prefix.rstrip("."), module
+
+
+def _reset_method(module: nn.Module):
+    for name in _RESET_METHODS:
+        method = getattr(module, name, None)
+        if callable(method):
+            return method
+    return None
+
+
+def _model_init(module: nn.Module):
+    """The model's own init method, if it has one: `init_weights()`, or `_init_weights(module)` applied to
+    every submodule (the transformers / nanoGPT convention; a `_init_weights()` taking no module is called once)."""
+    method = getattr(module, "init_weights", None)
+    if callable(method):
+        return method
+    method = getattr(module, "_init_weights", None)
+    if not callable(method):
+        return None
+    takes_module = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                       for p in inspect.signature(method).parameters.values())
+    return (lambda: module.apply(method)) if takes_module else method
+
+
+def check_init_rules(module: nn.Module) -> None:
+    """Fail early (the same way on every rank) when a meta-built tensor has no rule to initialise it.
+
+    A model with its own init method is trusted here (`materialize` checks the result); otherwise every
+    parameter and buffer must belong to a module with `reset_parameters` (itself or an ancestor).
+    """
+    if _model_init(module) is not None:
+        return
+    covered: set[str] = set()
+    for path, sub in module.named_modules():
+        if _reset_method(sub) is not None:
+            covered.add(path)
+    missing = []
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, tensor in named:
+            owner = name.rpartition(".")[0]
+            ancestors = {owner.rsplit(".", k)[0] for k in range(owner.count(".") + 1)} | {""} if owner else {""}
+            if tensor.is_meta and not ancestors & covered:
+                missing.append(f"{kind} {name!r}")
+    if missing:
+        raise ModelError(_uninitialised_message(
+            module, missing, "no module holding {them} has reset_parameters() and the model has no init method"))
+
+
+def _uninitialised_message(module: nn.Module, missing: list[str], why: str) -> str:
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    them = "it" if len(missing) == 1 else "them"
+    return (f"{type(module).__name__} was built on the meta device, where tensors hold no values, and nothing "
+            f"would set {shown}: {why.format(them=them)}. Give the model an init_weights() (or "
+            f"_init_weights(module)) that sets {them}, or build the model for real (not on meta)")
+
+
+def _fill_sentinels(module: nn.Module) -> dict[int, int]:
+    """Fill fresh storage with values no init leaves behind (NaN; the largest integer; True), so that what
+    the init did not write can be found; returns each non-float tensor's version counter."""
+    versions = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        with torch.no_grad():
+            if t.is_floating_point() or t.is_complex():
+                t.fill_(float("nan"))
+            else:
+                t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+                versions[id(t)] = t._version
+    return versions
+
+
+def _unwritten(module: nn.Module, versions: dict[int, int], only: set[str] | None = None) -> list[str]:
+    """Tensors (or parts) the init left at their sentinel; `only`: the parameters to look at."""
+    found = []
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if kind == "parameter" and only is not None and name not in only:
+                continue
+            if t.is_floating_point() or t.is_complex():
+                stale = bool(torch.isnan(t).any())
+            else:
+                sentinel = True if t.dtype == torch.bool else torch.iinfo(t.dtype).max
+                stale = versions.get(id(t)) == t._version and bool((t == sentinel).all())
+            if stale:
+                found.append(f"{kind} {name!r}")
+    return found
+
+
 @torch.no_grad()
 def _initialise(module: nn.Module) -> None:
+    """Every submodule's reset_parameters (children first, as construction runs them), then the model's own
+    init; a model with `init_weights()` (our GPT, transformers' PreTrainedModel: it also refills
+    non-persistent buffers such as rotary inv_freq) is left to that alone."""
     if callable(getattr(module, "init_weights", None)):
-        # Our GPT and transformers' PreTrainedModel (which also refills non-persistent
-        # buffers such as rotary inv_freq and BERT's position_ids).
         _clear_hf_init_flags(module)
         module.init_weights()
         return
-    for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
+    for _, sub in _post_order(module):
+        reset = _reset_method(sub)
+        if reset is not None:
             reset()
+    model_init = _model_init(module)
+    if model_init is not None:
+        model_init()
 
 
 def materialize(module: nn.Module, device: str | torch.device = "cpu", *, seed: int) -> nn.Module:
@@ -104,8 +205,10 @@ def materialize(module: nn.Module, device: str | torch.device = "cpu", *, seed: 
 
     Same seed, same device type -> bit-identical weights on every call and every rank.
     A module that is not on the meta device is only moved (its weights are kept).
-    Caveat: a module with neither `init_weights` nor `reset_parameters` everywhere keeps
-    uninitialised memory for whatever those do not cover (custom Parameters, buffers).
+    Every parameter and buffer must be set by a rule: its module's (or an ancestor's)
+    `reset_parameters`, or the model's `init_weights()` / `_init_weights(module)`. One that no rule
+    covers (a bare nn.Parameter on a model without an init method) or that the init leaves
+    unwritten is a ModelError naming it, never NaN or garbage trained on silently.
     """
     target = to_device(device)
     params, buffers = tied_groups(module)
@@ -113,12 +216,17 @@ def materialize(module: nn.Module, device: str | torch.device = "cpu", *, seed: 
         module.to(target)
         retie(module, params, buffers)
         return module
+    check_init_rules(module)
     module.to_empty(device=target)
     retie(module, params, buffers)
     if callable(getattr(module, "tie_weights", None)):
         module.tie_weights()  # transformers: re-applies ties it knows about by config
+    versions = _fill_sentinels(module)
     with seeded(target, seed):
         _initialise(module)
+    missing = _unwritten(module, versions)
+    if missing:
+        raise ModelError(_uninitialised_message(module, missing, "the model's init leaves {them} unwritten"))
     return module
 
 
@@ -136,6 +244,11 @@ def materialize_partial(module: nn.Module, keep: set[str], device: str | torch.d
     """
     target = to_device(device)
     params, buffers = tied_groups(module)
+    if not _has_meta(module):  # built for real: its weights are the user's, kept (as `materialize` does)
+        module.to(target)
+        retie(module, params, buffers)
+        return module
+    check_init_rules(module)
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
     for path, p in module.named_parameters(remove_duplicate=False):
         owner_path, _, attr = path.rpartition(".")
@@ -158,8 +271,13 @@ def materialize_partial(module: nn.Module, keep: set[str], device: str | torch.d
             if b is not None and b.is_meta:
                 sub._buffers[name] = torch.empty_like(b, device=target)
     retie(module, params, buffers)
+    versions = _fill_sentinels(module)
     with seeded(target, seed):
         _initialise(module)
+    kept_names = {path for pid, places in owners.items() if pid in kept_ids for _, _, path in places}
+    missing = _unwritten(module, versions, only=kept_names)  # the others share scratch: not checkable here
+    if missing:
+        raise ModelError(_uninitialised_message(module, missing, "the model's init leaves {them} unwritten"))
     for pid, places in owners.items():
         if pid not in kept_ids:
             old = places[0][0]._parameters[places[0][1]]

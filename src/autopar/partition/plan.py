@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from ..errors import ConfigError, choices
+from ..errors import ConfigError, ModelError, choices
 from ..models.materialize import materialize_partial
 from ..trace import ModelGraph
 from . import algorithms
@@ -158,6 +158,10 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
     """Cut `graph` into `num_stages` stages with the given method."""
     if method not in METHODS:
         raise ConfigError(f"unknown partition method {method!r}; use one of {choices(METHODS)}")
+    if graph.layers_path is None and num_stages > 1:
+        raise ModelError(f"{num_stages} pipeline stages need a stack of blocks to cut between, and the traced model "
+                         f"has none: hold the repeated layers in an nn.ModuleList or an nn.Sequential of at least 2 "
+                         f"modules, or use pp=1 (tensor and data parallelism need no stack)")
     blocks = graph.blocks
     cut_values = crossings(graph)
     elem = _param_bytes(graph)

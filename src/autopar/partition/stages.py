@@ -148,6 +148,8 @@ class StageModule(nn.Module):
         self.spec = spec
         self.is_last = spec.index == num_stages - 1
         self.recompute_blocks = 0
+        example = graph.example_inputs[0] if graph.example_inputs else None
+        self.traced_device = example.device if isinstance(example, torch.Tensor) else torch.device("meta")
         self._out_spec = graph.exported.call_spec.out_spec if self.is_last else None
         signature = graph.exported.graph_signature.input_specs
         names = {s.target: s.arg.name for s in signature}
@@ -256,7 +258,7 @@ def materialize_stage(stage: StageModule, full_model: nn.Module) -> StageModule:
     """
     device = next(p.device for p in full_model.parameters() if not p.is_meta)
     stage.to_empty(device=device)
-    retarget_device(stage, device)
+    retarget_device(stage, device, traced=stage.traced_device)
     with torch.no_grad():
         for fqn in stage.spec.params:
             stage.get_parameter(fqn).copy_(full_model.get_parameter(fqn))
@@ -285,20 +287,21 @@ def lifted_constant_values(model: nn.Module, graph: ModelGraph, device: torch.de
             if isinstance(v, torch.Tensor) and not v.is_meta}
 
 
-def _swap_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.device) and value.type == "meta":
+def _swap_device(value: Any, device: torch.device, traced: torch.device) -> Any:
+    if isinstance(value, torch.device) and (value.type == "meta" or value == traced):
         return device
     if isinstance(value, (list, tuple)):
-        return type(value)(_swap_device(v, device) for v in value)
+        return type(value)(_swap_device(v, device, traced) for v in value)
     return value
 
 
-def retarget_device(module: nn.Module, device: torch.device) -> None:
-    """Rewrite device arguments baked in by tracing on meta (arange, to, metadata asserts), nested graphs too."""
+def retarget_device(module: nn.Module, device: torch.device, traced: torch.device = torch.device("meta")) -> None:
+    """Rewrite device arguments baked in by tracing on meta, or on `traced` where a model built for real was
+    traced where it lives (arange, to, metadata asserts), nested graphs too."""
     for sub in module.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
         for node in sub.graph.nodes:
-            node.args = _swap_device(node.args, device)
-            node.kwargs = {k: _swap_device(v, device) for k, v in node.kwargs.items()}
+            node.args = _swap_device(node.args, device, traced)
+            node.kwargs = {k: _swap_device(v, device, traced) for k, v in node.kwargs.items()}
         sub.recompile()

@@ -9,9 +9,11 @@ which keeps every reshape size a constant that later passes (tensor parallelism)
 Nodes are grouped into contiguous *blocks*, the units a pipeline cut may fall between:
 the prelude (everything before the first repeated layer: embeddings, masks, rotary
 tables), one block per repeated layer, and the postlude (final norm, head). The repeated
-layers are the children of the model's *stacks*: its largest ModuleList (found from
-parameter counts, not from names) plus any other ModuleList of like layers at least half
-its size (an encoder-decoder's encoder.block and decoder.block), in forward order; the
+layers are the children of the model's *stacks* (an nn.ModuleList, or an nn.Sequential of
+two or more): its largest stack (found from parameter counts, not from names) plus any
+other stack of like layers at least half its size (an encoder-decoder's encoder.block and
+decoder.block), in forward order; a model with no stack is one block (tensor parallelism
+works on the graph and needs no cut); the
 code between two stacks (the encoder's final norm, the decoder's embedding) joins the
 block before it. A cut between blocks is where few tensors cross: the hidden state, plus
 any value a later layer still needs (attention mask, position embeddings, the encoder's
@@ -24,6 +26,8 @@ inputs are those tensors, in the order `ModelGraph.input_keys` names.
 
 from __future__ import annotations
 
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +35,15 @@ import torch
 from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ModelError
 from ..models.materialize import tied_groups
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -70,7 +79,7 @@ class ModelGraph:
     exported: ExportedProgram
     nodes: dict[str, NodeCost]
     blocks: list[Block]
-    layers_path: str  # FQN of the (first) ModuleList whose children are the repeated layers
+    layers_path: str | None  # FQN of the (first) stack of repeated layers ("": the model itself; None: no stack)
     param_numel: dict[str, int]  # primary FQN -> elements
     tied: list[list[str]]  # groups of FQNs naming one tensor (primary name first)
     example_inputs: tuple  # the user inputs, flat, in the graph's order
@@ -101,49 +110,70 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def find_layers(model: nn.Module) -> str:
-    """The ModuleList holding the most parameters: the model's repeated layers."""
-    best, best_params = "", -1
+def _is_stack(module: nn.Module) -> bool:
+    """A container of blocks called one after another: an nn.ModuleList, or an nn.Sequential of >= 2."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) >= 1
+    return isinstance(module, nn.Sequential) and len(module) >= 2
+
+
+def find_layers(model: nn.Module) -> str | None:
+    """The stack (ModuleList or Sequential) holding the most parameters: the model's repeated layers.
+
+    None when the model has no stack: it is then one block (tensor parallelism needs no cut)."""
+    best, best_params = None, -1
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 1:
+        if _is_stack(module):
             count = sum(p.numel() for p in module.parameters())
             if count > best_params:
                 best, best_params = path, count
-    if not best:
-        raise ModelError(f"{type(model).__name__} has no nn.ModuleList of repeated layers to cut between; "
-                         f"pipeline partitioning needs one (e.g. self.layers = nn.ModuleList([...]))")
     return best
 
 
 def find_stacks(model: nn.Module) -> list[str]:
     """Every stack of repeated layers (in named_modules order; `trace` puts them in forward order).
 
-    The largest ModuleList (find_layers), plus each other ModuleList that neither contains
-    nor sits inside a chosen one, holds layers of one class, and has at least half the
-    largest one's parameters: the encoder and decoder stacks of a T5 or BART, but not the
-    per-block sub-layer lists inside them nor a small list of heads.
+    The largest stack (find_layers), plus each other stack that neither contains nor sits
+    inside a chosen one, holds layers of one class, and has at least half the largest one's
+    parameters: the encoder and decoder stacks of a T5 or BART, but not the per-block
+    sub-layer lists inside them nor a small list of heads. Empty when the model has no stack.
     """
     largest = find_layers(model)
-    size = {path: sum(p.numel() for p in m.parameters()) for path, m in model.named_modules()
-            if isinstance(m, nn.ModuleList) and len(m) >= 1}
+    if largest is None:
+        return []
+    size = {path: sum(p.numel() for p in m.parameters()) for path, m in model.named_modules() if _is_stack(m)}
     chosen = [largest]
     for path, count in size.items():
         module = model.get_submodule(path)
-        nested = any(path.startswith(c + ".") or c.startswith(path + ".") or path == c for c in chosen)
+        nested = any(path.startswith(c + ".") or c.startswith(path + ".") or path == c or c == "" or path == ""
+                     for c in chosen)
         alike = len({type(child) for child in module}) == 1
         if not nested and alike and 2 * count >= size[largest]:
             chosen.append(path)
     return [path for path in size if path in chosen]
 
 
-
-
-def _layer_index(path: str, layers: str) -> int | None:
-    prefix = layers + "."
-    if not path.startswith(prefix):
+def _layer_index(path: str, layers: str, position: dict[str, int]) -> int | None:
+    """Which child of the stack `layers` the module at `path` is in (a Sequential's children may be named)."""
+    prefix = layers + "." if layers else ""
+    if not path.startswith(prefix) or path == layers:
         return None
-    head = path[len(prefix):].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    return position.get(path[len(prefix):].split(".", 1)[0])
+
+
+def _trace_hint(exc: Exception) -> str:
+    """What to do about a torch.export failure, by its real cause."""
+    if isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc):
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not f.filename.startswith((_TORCH_DIR, _AUTOPAR_DIR)) and "site-packages" not in f.filename]
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        return (f"The forward branches on a tensor's values{where}, which a traced graph cannot do: compute both "
+                f"branches and pick with torch.where, or move the decision out of forward")
+    if "FakeTensorDeviceMismatch" in type(exc).__name__ or "found at least two devices" in str(exc):
+        return ("The model's tensors and its inputs are on different devices while tracing: build the whole "
+                "model either on the meta device or for real (a tensor attribute that is neither a parameter "
+                "nor a buffer keeps the device it was made on)")
+    return "Make the failing operation traceable by torch.export (non-strict), or pass a model whose forward takes only tensors"
 
 
 def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> ModelGraph:
@@ -162,8 +192,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     except Exception as exc:  # export reports many kinds of failure; name the op and the way out
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first[:400]}. "
-                         f"Make the failing operation traceable (no data-dependent Python control flow on "
-                         f"tensor values), or pass a model whose forward takes only tensors") from None
+                         f"{_trace_hint(exc)}") from None
     mutated = [s for s in exported.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
     if mutated:
         raise ModelError(f"{type(model).__name__} updates buffers or inputs in forward "
@@ -179,7 +208,9 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     export_names = {primary[id(params[spec.target])]: spec.target for spec in exported.graph_signature.input_specs
                     if spec.kind == InputKind.PARAMETER}
     param_numel = {fqn: params[fqn].numel() for fqn in canonical.values()}
-    nodes, blocks, stacks = _assign_blocks(exported, stacks, canonical)
+    children = {path: {name: i for i, (name, _) in enumerate(model.get_submodule(path).named_children())}
+                for path in stacks}
+    nodes, blocks, stacks = _assign_blocks(exported, stacks, children, canonical)
     keys = _input_keys(exported, len(example_inputs))
     flat = tuple(example_inputs[k] if isinstance(k, int) else example_kwargs[k] for k in keys)
     _count_flops(exported, nodes, flat)
@@ -189,7 +220,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
         block.activation_bytes += cost.out_bytes
     for block in blocks:
         block.num_params = sum(param_numel[p] for p in block.params)
-    return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=stacks[0], param_numel=param_numel,
+    return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=stacks[0] if stacks else None, param_numel=param_numel,
                       tied=tied_groups(model)[0], example_inputs=flat, export_names=export_names,
                       stacks=stacks, input_keys=keys, example_args=tuple(example_inputs),
                       example_kwargs=example_kwargs)
@@ -208,17 +239,18 @@ def _input_keys(exported: ExportedProgram, num_args: int) -> list[int | str]:
     return keys
 
 
-def _layer_key(stack: list[tuple[str, Any]], stacks: list[str]) -> tuple[int, int] | None:
+def _layer_key(stack: list[tuple[str, Any]], stacks: list[str],
+               children: dict[str, dict[str, int]]) -> tuple[int, int] | None:
     """(stack, layer) of the innermost repeated layer an operation ran in, or None."""
     found = None
     for path, _ in stack:
         for k, layers in enumerate(stacks):
-            if (i := _layer_index(path, layers)) is not None:
+            if (i := _layer_index(path, layers, children[layers])) is not None:
                 found = (k, i)
     return found
 
 
-def _assign_blocks(exported: ExportedProgram, stacks: list[str],
+def _assign_blocks(exported: ExportedProgram, stacks: list[str], children: dict[str, dict[str, int]],
                    canonical: dict[str, str]) -> tuple[dict[str, NodeCost], list[Block], list[str]]:
     """Give every operation a block index, non-decreasing in graph order (so blocks are contiguous).
 
@@ -230,16 +262,19 @@ def _assign_blocks(exported: ExportedProgram, stacks: list[str],
     for n in calls:
         stack = list(n.meta.get("nn_module_stack", {}).values())
         path = stack[-1][0] if stack else ""
-        layer_of[n.name] = (path, _layer_key(stack, stacks))
+        layer_of[n.name] = (path, _layer_key(stack, stacks, children))
     seen_layers = list(dict.fromkeys(key for _, key in layer_of.values() if key is not None))
-    if not seen_layers:
+    if stacks and not seen_layers:
         raise ModelError(f"no operation ran inside the repeated layers {', '.join(stacks)}; cannot cut the model")
     position = {layer: k + 1 for k, layer in enumerate(seen_layers)}  # block 0 is the prelude
-    blocks = ([Block("prelude")] + [Block(f"{stacks[k]}.{i}") for k, i in seen_layers] + [Block("postlude")])
+    names = {path: list(kids) for path, kids in children.items()}
+    prefix = {path: path + "." if path else "" for path in stacks}
+    blocks = ([Block("prelude")] + [Block(f"{prefix[stacks[k]]}{names[stacks[k]][i]}") for k, i in seen_layers]
+              + [Block("postlude")] if seen_layers else [Block("model")])  # no stack: one block, nothing to cut
     ran = [stacks[k] for k in dict.fromkeys(k for k, _ in seen_layers)]
     nodes: dict[str, NodeCost] = {}
     current = 0
-    last_layer_op = max(i for i, n in enumerate(calls) if layer_of[n.name][1] is not None)
+    last_layer_op = max((i for i, n in enumerate(calls) if layer_of[n.name][1] is not None), default=len(calls))
     for index, n in enumerate(calls):
         path, layer = layer_of[n.name]
         if layer is not None:

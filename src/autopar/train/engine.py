@@ -29,7 +29,7 @@ from ..data.datasets import IGNORE_INDEX
 from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
 from ..dropout import eager_micro_batch
-from ..errors import ConfigError
+from ..errors import AutoparError, ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from .fields import first_stage_inputs, traced_call
@@ -106,7 +106,12 @@ def broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
     if mesh.dp_size == 1:
         return
     group = mesh.group("dp")
-    src = dist.get_global_rank(group, 0)
+    broadcast_state(module, group, src=dist.get_global_rank(group, 0))
+
+
+def broadcast_state(module: nn.Module, group: Any, *, src: int, device: torch.device | None = None) -> None:
+    """Overwrite `module`'s parameters and buffers with global rank `src`'s, over `group` (sent from
+    `device` when given: a model still on the CPU under a GPU backend)."""
     unique = list({id(t): t for t in module.state_dict(keep_vars=True).values()}.values())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in unique:
@@ -114,11 +119,30 @@ def broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
     with torch.no_grad():
         for tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            flat = flat.to(device) if device is not None else flat
             dist.broadcast(flat, src=src, group=group)
             offset = 0
             for t in tensors:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def on_every_rank(build: Callable[[], Any]) -> Any:
+    """`build()`, where a user error one rank finds is raised on every rank (the others would wait on it)."""
+    error = None
+    try:
+        result = build()
+    except AutoparError as exc:
+        error = exc
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else (type(error), str(error)))
+    if error is not None:
+        raise error
+    found = next((m for m in messages if m is not None), None)
+    if found is not None:
+        kind, text = found
+        raise kind(f"(found on rank {messages.index(found)}) {text}")
+    return result
 
 
 def _random_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -195,16 +219,23 @@ class PipelineEngine:
         self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
         self.num_stages = strategy.pp * strategy.chunks
         example = main_input(example_batch)
+        built_for_real = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if built_for_real:  # every rank starts from rank 0's weights, as the whole-model engines do
+            broadcast_state(model, dist.group.WORLD, src=0, device=device)
+        # trace where the model lives: a real model's tensors and a meta input cannot meet in one op
+        traced_on = (next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+                     if built_for_real else torch.device("meta"))
         model.train()  # the training graph (dropout nodes on), as whole-model engines run it
-        graph = trace(model, *self._traced_call(model, example_batch))
-        if self.num_stages > len(graph.blocks):
+        graph = trace(model, *self._traced_call(model, example_batch, traced_on))
+        if graph.layers_path is not None and self.num_stages > len(graph.blocks):  # no stack: partition() says so
             raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
                               f"only {len(graph.blocks)} blocks to cut between (embedding part, "
                               f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
         self.partition = partition(graph, self.num_stages, method=strategy.partition)
         placement = "loop"
         mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
-        self.stages = {s: self.partition.materialize_stage(s, model, device, seed=seed) for s in mine}
+        self.stages = on_every_rank(lambda: {s: self.partition.materialize_stage(s, model, device, seed=seed)
+                                             for s in mine})  # an uninitialised weight is found by its stage's rank
         self.tensor_parallel = None
         self.tp_rank = mesh.local_rank("tp")
         if strategy.tp > 1:
@@ -239,13 +270,13 @@ class PipelineEngine:
         self.last_events: list = []
 
     @staticmethod
-    def _traced_call(model: nn.Module, example_batch: Batch) -> tuple[tuple, dict]:
+    def _traced_call(model: nn.Module, example_batch: Batch, device: torch.device) -> tuple[tuple, dict]:
         """Trace on every non-label batch field (train/fields.py), with a model's key/value cache off."""
         from ..models.hf import turn_off_kv_cache
         if turn_off_kv_cache(model) and dist.get_rank() == 0:
             print(f"{type(model).__name__}: set config.use_cache=False for training (a key/value cache "
                   f"cannot be traced and is not used when training)", flush=True)
-        return traced_call(example_batch)
+        return traced_call(example_batch, device)
 
     def _first_stage_inputs(self, batch: Batch) -> tuple:
         graph = self.partition.graph

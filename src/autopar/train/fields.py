@@ -24,8 +24,9 @@ from ..errors import ConfigError
 from .loss import Batch, forward_inputs
 
 
-def traced_call(batch: Batch) -> tuple[tuple, dict]:
-    """Meta (args, kwargs) to trace the model on, as default_forward would call it on `batch`."""
+def traced_call(batch: Batch, device: torch.device | str = "meta") -> tuple[tuple, dict]:
+    """(args, kwargs) of zeros on `device` (meta, or where a model built for real lives) to trace the model on,
+    as default_forward would call it on `batch`."""
     args, kwargs = forward_inputs(batch)
     for key, value in [("main input", args[0]), *kwargs.items()]:
         if not isinstance(value, torch.Tensor):
@@ -33,8 +34,8 @@ def traced_call(batch: Batch) -> tuple[tuple, dict]:
                               f"the model is traced on every batch field but 'labels', so each must be a tensor "
                               f"with the same shape in every micro-batch. Drop the field from the samples or make "
                               f"it a tensor")
-    meta = lambda t: torch.zeros(t.shape, dtype=t.dtype, device="meta")
-    return tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
+    zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+    return tuple(zeros(a) for a in args), {k: zeros(v) for k, v in kwargs.items()}
 
 
 def first_stage_inputs(batch: Batch, input_keys: list[int | str], shapes: list[tuple[int, ...]]) -> tuple:

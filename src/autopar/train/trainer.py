@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -33,7 +34,7 @@ from ..config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
 from ..data.sampler import GlobalBatchSampler
 from ..distributed import DistEnv, init_distributed
 from ..dropout import dropout_step
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, TrainingError
 from ..mesh import ProcessMesh
 from . import checkpoint as ckpt
 from .engine import DataParallelEngine, PipelineEngine, check_pipeline_strategy, eval_token_sums
@@ -285,6 +286,8 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 began = time.perf_counter()
                 loss, grad_norm, tokens = self.train_step(step)
+                if not math.isfinite(loss):  # the same summed loss on every rank: all stop together
+                    raise TrainingError(_non_finite_message(loss, step + 1, lr, grad_norm, self.run_dir))
                 elapsed = time.perf_counter() - began
                 peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=world)
@@ -348,6 +351,13 @@ class Trainer:
         if start:
             lines.append(f"resumed at step {start} from {self.config.resume}")
         return "\n".join(lines)
+
+
+def _non_finite_message(loss: float, step: int, lr: float, grad_norm: float, run_dir: Path) -> str:
+    return (f"the loss is {loss} at step {step} (lr {lr:g}, gradient norm {grad_norm:g}); training stopped rather "
+            f"than go on with non-finite weights. Lower the learning rate (--lr) or clip gradients (--grad-clip), "
+            f"or look in the model and loss for a log, division or square root of a value that can reach zero "
+            f"or below; {run_dir}/metrics.jsonl has the steps before")
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
