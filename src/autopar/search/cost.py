@@ -22,7 +22,7 @@ from ..partition import algorithms
 from .cluster import Cluster
 from .memory import BUCKET_BYTES, OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
 from .profile import ModelProfile
-from .timeline import PipelineTimes, StageCosts, pipeline_times, structural_in_flight
+from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled
 
 RECOMPUTE = ("none", "stage-aware", "all")
 PARTITIONS = ("uniform", "parameters", "time")
@@ -88,8 +88,8 @@ class StepModel:
         self.act_scale = 0.5 if dtype == "bf16" else 1.0
         self._blocks: dict = {}
         self._bounds: dict = {}
-        self._in_flight: dict = {}
         self._timelines: dict = {}
+        self._schedules: dict = {}
 
     # ------------------------------------------------------------------ per-block costs
 
@@ -126,12 +126,28 @@ class StepModel:
             self._bounds[key] = tuple(cut)
         return self._bounds[key]
 
-    def in_flight(self, c: Candidate, recompute: frozenset[int]) -> PipelineTimes:
-        key = (c.schedule, c.pp, c.chunks, c.num_microbatches, recompute)
-        if key not in self._in_flight:
-            self._in_flight[key] = structural_in_flight(c.schedule, pp=c.pp, chunks=c.chunks,
-                                                        num_microbatches=c.num_microbatches, recompute=recompute)
-        return self._in_flight[key]
+    def timeline(self, c: Candidate, recompute: frozenset[int], costs: StageCosts) -> PipelineTimes:
+        """The simulated pipeline, shared by candidates whose normalised stage costs agree (timeline.py)."""
+        scale, shape = normalised(costs)
+        key = (c.schedule, c.pp, c.chunks, c.num_microbatches, recompute, shape)
+        times = self._timelines.get(key)
+        if times is None:
+            times = pipeline_times(c.schedule, pp=c.pp, chunks=c.chunks, num_microbatches=c.num_microbatches,
+                                   recompute=recompute, costs=shape, cache=self._schedules)
+            self._timelines[key] = times
+        return scaled(times, scale)
+
+    def stage_costs(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...]) -> StageCosts:
+        forward, backward, _ = self.block_times(c.tp, c.micro_batch_size)
+        cl, overhead = self.cluster, self.cluster.per_action_overhead_s
+        f_stage = [sum(forward[a:b]) + overhead for a, b in spans]
+        b_stage = [sum(backward[a:b]) + sum(forward[a:a + k]) + overhead for (a, b), k in zip(spans, blocks)]
+        inter = c.dp * c.tp >= cl.devices_per_node and c.pp > 1
+        send = [cl.p2p(self.profile.boundary_bytes[b - 1] * c.micro_batch_size * self.act_scale, inter_node=inter)
+                if b < self.profile.num_blocks else 0.0 for a, b in spans]
+        send_back = [0.0] + send[:-1]  # the gradient of stage s's input is as big as stage s-1's output
+        # whole-stage recomputation (R) reruns the stage's forward
+        return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back))
 
     # ------------------------------------------------------------------ one candidate
 
@@ -145,7 +161,8 @@ class StepModel:
         inputs = [0.0] + list(self.profile.boundary_bytes)
         whole = c.recompute == "all"
         recompute = frozenset(range(stages)) if whole else frozenset()
-        structure = self.in_flight(c, recompute)
+        structure = self.timeline(c, recompute, self.stage_costs(c, [(bounds[s], bounds[s + 1]) for s in range(stages)],
+                                                                  (0,) * stages))
         spans = [(bounds[s], bounds[s + 1]) for s in range(stages)]
         local_params = [sum(prof.params[a:b]) for a, b in spans]
         shared_first, shared_last = self.profile.shared_blocks
@@ -180,22 +197,9 @@ class StepModel:
             per_rank[rank_of[s]] += m.total
         fits = max(per_rank) <= cl.memory_bytes
 
-        overhead = cl.per_action_overhead_s
-        f_stage = [sum(forward[a:b]) + overhead for a, b in spans]
-        b_stage = [sum(backward[a:b]) + sum(forward[a:a + k]) + overhead for (a, b), k in zip(spans, blocks)]
-        r_stage = f_stage  # whole-stage recomputation reruns the stage's forward
-        inter = c.dp * c.tp >= cl.devices_per_node and c.pp > 1
-        send = [cl.p2p(self.profile.boundary_bytes[b - 1] * mbs * self.act_scale, inter_node=inter)
-                if b < self.profile.num_blocks else 0.0 for a, b in spans]
-        send_back = [0.0] + send[:-1]  # the gradient of stage s's input is as big as stage s-1's output
-        costs = StageCosts(tuple(f_stage), tuple(b_stage), tuple(r_stage), tuple(send), tuple(send_back))
-        key = (c.schedule, c.pp, c.chunks, c.num_microbatches, recompute, costs)
-        times = self._timelines.get(key)
-        if times is None:
-            times = pipeline_times(c.schedule, pp=c.pp, chunks=c.chunks, num_microbatches=c.num_microbatches,
-                                   recompute=recompute, costs=costs)
-            if len(self._timelines) < 20000:
-                self._timelines[key] = times
+        costs = self.stage_costs(c, spans, blocks)
+        times = structure if not any(blocks) else self.timeline(c, recompute, costs)
+        b_stage = costs.backward
 
         # after the pipeline drains: data-parallel all-reduce, tied-weight sum, optimizer step
         finish_all, dp_exposed, comm, opt_time = [], [], [], []

@@ -17,7 +17,8 @@ from ..pipeline.actions import Action, Op
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
 
-SIMULATE_LIMIT = 768  # stages x micro-batches above which the timeline is extrapolated
+SIMULATE_LIMIT = 0  # stages x micro-batches above which a schedule longer than 3pp micro-batches is extrapolated
+ROUND_DIGITS = 3  # significant digits kept of each normalised stage cost when looking up the cache
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,16 @@ class PipelineTimes:
 
 
 def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
-              costs: StageCosts) -> PipelineTimes:
+              costs: StageCosts, cache: dict | None = None) -> PipelineTimes:
     stages = pp * chunks
-    lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
+    key = (schedule, pp, chunks, m, recompute)
+    if cache is not None and (key, costs) in cache:
+        return cache[(key, costs)]
+    lists = cache.get(key) if cache is not None else None
+    if lists is None:
+        lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
+        if cache is not None:
+            cache[key] = lists
 
     def cost(action: Action) -> float:
         s, op = action.stage, action.op
@@ -72,20 +80,26 @@ def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
     for rank, start, end, action in timeline.compute_events():
         finish[rank] = max(finish[rank], end)
         busy[rank] += end - start
-    return PipelineTimes(makespan=timeline.makespan, finish=tuple(finish), busy=tuple(busy),
-                         in_flight=tuple(timeline.peak_activations.get(s, 0) for s in range(stages)),
-                         stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(stages)))
+    result = PipelineTimes(makespan=timeline.makespan, finish=tuple(finish), busy=tuple(busy),
+                           in_flight=tuple(timeline.peak_activations.get(s, 0) for s in range(stages)),
+                           stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(stages)))
+    if cache is not None:
+        cache[(key, costs)] = result  # the two steady-state runs serve every longer schedule
+    return result
 
 
 def pipeline_times(schedule: str, *, pp: int, chunks: int, num_microbatches: int, recompute: frozenset[int],
-                   costs: StageCosts, limit: int = SIMULATE_LIMIT) -> PipelineTimes:
-    """Simulate the schedule, directly when short, else from two steady-state simulations."""
+                   costs: StageCosts, limit: int = SIMULATE_LIMIT, cache: dict | None = None) -> PipelineTimes:
+    """Simulate the schedule, directly when short, else from two steady-state simulations.
+
+    `cache` (a dict the caller owns) keeps built schedules and simulated timelines between calls.
+    """
     m = num_microbatches
     low, high = 2 * pp, 3 * pp
     if m * pp * chunks <= limit or m <= high:
-        return _simulate(schedule, pp, chunks, m, recompute, costs)
-    a = _simulate(schedule, pp, chunks, low, recompute, costs)
-    b = _simulate(schedule, pp, chunks, high, recompute, costs)
+        return _simulate(schedule, pp, chunks, m, recompute, costs, cache)
+    a = _simulate(schedule, pp, chunks, low, recompute, costs, cache)
+    b = _simulate(schedule, pp, chunks, high, recompute, costs, cache)
     t = (m - low) / (high - low)
 
     def line(x: tuple, y: tuple, integer: bool = False) -> tuple:
@@ -95,6 +109,23 @@ def pipeline_times(schedule: str, *, pp: int, chunks: int, num_microbatches: int
     return PipelineTimes(makespan=a.makespan + (b.makespan - a.makespan) * t, finish=line(a.finish, b.finish),
                          busy=line(a.busy, b.busy), in_flight=line(a.in_flight, b.in_flight, True),
                          stashed=line(a.stashed, b.stashed, True))
+
+
+def normalised(costs: StageCosts) -> tuple[float, StageCosts]:
+    """(scale, costs / scale rounded to ROUND_DIGITS significant digits): timelines scale with their costs,
+    so candidates whose stage costs have the same shape (other micro-batch sizes) share one simulation."""
+    scale = max(f + b for f, b in zip(costs.forward, costs.backward)) or 1.0
+
+    def r(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(float(f"{v / scale:.{ROUND_DIGITS}g}") for v in values)
+
+    return scale, StageCosts(r(costs.forward), r(costs.backward), r(costs.recompute), r(costs.send_activation),
+                             r(costs.send_gradient))
+
+
+def scaled(times: PipelineTimes, scale: float) -> PipelineTimes:
+    return PipelineTimes(makespan=times.makespan * scale, finish=tuple(v * scale for v in times.finish),
+                         busy=tuple(v * scale for v in times.busy), in_flight=times.in_flight, stashed=times.stashed)
 
 
 def structural_in_flight(schedule: str, *, pp: int, chunks: int, num_microbatches: int,
