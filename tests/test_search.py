@@ -219,3 +219,23 @@ def test_plan_auto_json_is_a_strategy(capsys):
     assert train["global_batch_size"] == strategy.dp * train["micro_batch_size"] * train["micro_batches"]
     assert plan["prediction"]["step_time_s"] > 0 and len(plan["alternatives"]) == 1
     assert math.isfinite(plan["prediction"]["bubble_fraction"])
+
+
+def test_profile_scaled_from_two_layers_equals_a_full_trace():
+    from autopar.search.profile import profile_model
+    full = profile_model("gpt-tiny", seq_len=32, tp_degrees=(1, 2), model_args={"n_layer": 3})
+    scaled = profile_model("gpt-tiny", seq_len=32, tp_degrees=(1, 2), layers=3)
+    for name in ("flops", "saved_bytes", "params", "boundary_bytes", "shared_params", "shared_blocks"):
+        assert getattr(scaled, name) == pytest.approx(getattr(full, name)), name
+    assert scaled.tp[2].allreduce_bytes == pytest.approx(full.tp[2].allreduce_bytes)
+    from autopar.data import build_tokenizer, padded_vocab_size
+    from autopar.models import build_model
+    _, info = build_model("gpt-tiny", {"n_layer": 3}, vocab_size=padded_vocab_size(build_tokenizer("byte").vocab_size))
+    assert full.num_params == info.num_params  # a tied weight counted once, where first used
+
+
+def test_calibrate_measures_gloo_links_on_two_ranks():
+    from autopar.search.calibrate import measure_links
+    links = measure_links(2)
+    assert links["p2p"]["bandwidth_bytes_per_s"] > 0 and links["p2p"]["latency_s"] >= 0
+    assert set(links["allreduce"]) == {"2"} and links["allreduce"]["2"]["bandwidth_bytes_per_s"] > 0
