@@ -126,12 +126,3 @@ def normalised(costs: StageCosts) -> tuple[float, StageCosts]:
 def scaled(times: PipelineTimes, scale: float) -> PipelineTimes:
     return PipelineTimes(makespan=times.makespan * scale, finish=tuple(v * scale for v in times.finish),
                          busy=tuple(v * scale for v in times.busy), in_flight=times.in_flight, stashed=times.stashed)
-
-
-def structural_in_flight(schedule: str, *, pp: int, chunks: int, num_microbatches: int,
-                         recompute: frozenset[int]) -> PipelineTimes:
-    """In-flight counts with unit costs (F=1, B=2, no transfer time): what the schedule's order allows."""
-    stages = pp * chunks
-    unit = StageCosts((1.0,) * stages, (2.0,) * stages, (1.0,) * stages, (0.0,) * stages, (0.0,) * stages)
-    return pipeline_times(schedule, pp=pp, chunks=chunks, num_microbatches=num_microbatches, recompute=recompute,
-                          costs=unit)
