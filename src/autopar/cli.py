@@ -131,6 +131,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from .partition.measure import measure_block_times
     from .trace import trace
     args = _overrides(argparse.Namespace(**{"model.args": ns.model_arg or []})).get("model", {}).get("args", {})
+    if ns.auto:  # the strategy search (search/command.py)
+        from .search.command import cmd_plan_auto
+        return cmd_plan_auto(ns, args)
     tokenizer = build_tokenizer("byte")
     model, info = build_model(ns.model, args, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
     if ns.seq_len > info.max_seq_len:
@@ -194,6 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-cap-mb", type=float, default=None, help="per-stage memory cap (MiB)")
     plan.add_argument("--measure", action="store_true", help="time every block instead of estimating from FLOPs")
     plan.add_argument("--json", action="store_true", help="print the partition as JSON")
+    auto = plan.add_argument_group("strategy search (--auto)")
+    auto.add_argument("--auto", action="store_true", help="search dp x tp x pp, micro-batching, schedule, "
+                      "recomputation and partition for --nproc devices; print the top plans")
+    auto.add_argument("--nproc", type=int, default=None, help="devices to plan for")
+    auto.add_argument("--cluster", default=None, help="cluster TOML file (autopar calibrate) or preset: "
+                      "v100-16gb-nvlink|a100-40gb|a100-80gb|h100-80gb|rtx3090-24gb-pcie|cpu-local (default)")
+    auto.add_argument("--memory-per-device-gb", type=float, default=None, help="override the cluster's memory")
+    auto.add_argument("--top", type=int, default=5, help="plans to show")
+    auto.add_argument("--global-batch-size", type=int, default=32, help="sequences per optimizer step")
+    auto.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training precision")
+    auto.add_argument("--mcmc-steps", type=int, default=0, help="then refine the winner by an MCMC walk over "
+                      "per-stage cuts and recomputation (0: off)")
+    calibrate = sub.add_parser("calibrate", help="measure this machine (compute, gloo links, overhead) and write "
+                               "a cluster TOML for `plan --auto --cluster FILE`")
+    calibrate.add_argument("--nproc", type=int, default=2, help="local ranks to measure collectives with")
+    calibrate.add_argument("--out", default="cluster.toml", help="where to write the cluster file")
     reproduce = sub.add_parser("reproduce", help="rerun a paper's experiment and print its table "
                                "(`autopar reproduce` lists them; `autopar reproduce NAME --help` shows options)")
     reproduce.add_argument("study", nargs="?", help="which experiment")
@@ -213,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             code = cmd_launch(ns)
         elif ns.command == "plan":
             code = cmd_plan(ns)
+        elif ns.command == "calibrate":
+            from .search.calibrate import cmd_calibrate
+            code = cmd_calibrate(ns)
         elif ns.command == "reproduce":
             code = cmd_reproduce(ns)
         else:

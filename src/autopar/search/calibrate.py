@@ -1,0 +1,107 @@
+"""`autopar calibrate`: measure this machine and write a cluster TOML the search can use.
+
+Measured, each in a few seconds (under 2 minutes in all):
+- matmul rate of one thread (ranks run one thread each, see launch.py) at the shapes the
+  built-in models use (tokens x d_model x 4 d_model for gpt-tiny .. gpt-small widths), fp32
+  and bf16; the median is the device's rate, with compute_efficiency 1;
+- per-action overhead: one tiny forward+backward (what every pipeline action pays in Python
+  and autograd bookkeeping beyond its FLOPs);
+- memory bandwidth of a large copy (bounds the optimizer step);
+- gloo point-to-point and all-reduce per group size 2..N, on N ranks started by the
+  project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth.
+Memory per device is this machine's RAM divided by N.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, DistributedError
+from .cluster import Cluster, Link
+
+SHAPES = ((512, 64, 256), (512, 128, 512), (1024, 256, 1024), (1024, 768, 768))  # tokens x in x out
+
+
+def _seconds(fn, repeats: int = 5) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
+
+
+def matmul_rate(dtype: torch.dtype = torch.float32) -> float:
+    """Median FLOP/s of one thread over the models' matmul shapes."""
+    rates = []
+    for m, k, n in SHAPES:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        rates.append(2 * m * k * n / _seconds(lambda: a @ b))
+    return statistics.median(rates)
+
+
+def action_overhead() -> float:
+    """Seconds of a forward+backward whose arithmetic is negligible: the per-action fixed cost."""
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def step() -> None:
+        layer(torch.relu(layer(x))).sum().backward()
+
+    return _seconds(step, repeats=50)
+
+
+def memory_bandwidth() -> float:
+    src, dst = torch.empty(16 * 2**20), torch.empty(16 * 2**20)  # 64 MiB each
+    return 2 * src.numel() * 4 / _seconds(lambda: dst.copy_(src))
+
+
+def measure_links(nproc: int) -> dict:
+    """Run calibrate_ranks on `nproc` local ranks; returns its fits."""
+    from ..launch import launch
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "links.json"
+        code = launch([sys.executable, "-m", "autopar.search.calibrate_ranks", str(out)], nproc)
+        if code != 0 or not out.exists():
+            raise DistributedError(f"calibrate: the {nproc}-rank link measurement failed (exit code {code}); "
+                                   f"see the ranks' messages above")
+        return json.loads(out.read_text())
+
+
+def calibrate(nproc: int) -> Cluster:
+    if nproc < 2:
+        raise ConfigError(f"calibrate --nproc must be >= 2 to measure links between ranks, got {nproc}")
+    torch.set_num_threads(1)
+    fp32, bf16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
+    overhead, bandwidth = action_overhead(), memory_bandwidth()
+    links = measure_links(nproc)
+    p2p = Link(**links["p2p"])
+    table = {int(n): Link(**fit) for n, fit in links["allreduce"].items()}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return Cluster(name="calibrated", source=f"measured by autopar calibrate on {socket.gethostname()} at {stamp} "
+                   f"with {nproc} gloo ranks of one thread", num_devices=nproc, devices_per_node=nproc,
+                   memory_per_device_gb=round(ram / nproc / 2**30, 2), flops_per_s={"fp32": fp32, "bf16": bf16},
+                   compute_efficiency=1.0, memory_bandwidth_bytes_per_s=bandwidth, intra_node=p2p,
+                   inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1)
+
+
+def cmd_calibrate(ns) -> int:
+    began = time.perf_counter()
+    cluster = calibrate(ns.nproc)
+    Path(ns.out).write_text(cluster.to_toml())
+    print(f"wrote {ns.out} in {time.perf_counter() - began:.0f} s: matmul {cluster.flops_per_s['fp32'] / 1e9:.1f} "
+          f"GFLOP/s fp32 per thread, overhead {cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
+          f"{cluster.intra_node.latency_s * 1e6:.0f} us + {cluster.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    return 0

@@ -1,0 +1,295 @@
+"""What the machines are: a typed cluster description, its TOML form, presets, and collective costs.
+
+A cluster is devices grouped into nodes, each device with a memory size and compute rates,
+joined inside a node by one link and between nodes by another. Every link is latency plus
+bandwidth (the alpha-beta model), from which the collectives are costed as ring algorithms:
+
+    all-reduce      2 (n-1) alpha + 2 (n-1)/n * bytes / beta
+    all-gather      (n-1) alpha + (n-1)/n * bytes / beta     (bytes: the gathered result)
+    reduce-scatter  (n-1) alpha + (n-1)/n * bytes / beta     (bytes: the full input)
+    point-to-point  alpha + bytes / beta
+
+A group whose ranks all sit in one node uses the intra-node link, otherwise the slower one.
+The presets' figures come from vendors' published datasheets and say so in `source`;
+latencies and the sustained fraction of peak are typical values, not datasheet figures, and
+are labelled as such. `autopar calibrate` measures this machine instead (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+from ..errors import ConfigError, choices
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A connection between two devices: a fixed latency plus bytes over a bandwidth."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def p2p(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices, their memory and speed, and the links between them."""
+
+    name: str
+    source: str  # where the figures come from (datasheet, calibration on host X, ...)
+    num_devices: int
+    devices_per_node: int
+    memory_per_device_gb: float
+    flops_per_s: dict[str, float]  # peak dense matmul rate per dtype
+    compute_efficiency: float  # fraction of peak a training step sustains on large matmuls
+    memory_bandwidth_bytes_per_s: float  # device memory: bounds the optimizer step
+    intra_node: Link
+    inter_node: Link
+    per_action_overhead_s: float = 0.0  # framework time per pipeline action (launches, Python)
+    allreduce_table: dict[int, Link] = field(default_factory=dict)
+    """Measured all-reduce per group size (latency per step, bus bandwidth), overriding the ring model."""
+    memory_headroom: float = 1.1  # predicted peak is multiplied by this (allocator slack, fragmentation)
+
+    # ---------------------------------------------------------------- geometry
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_per_device_gb * 2**30
+
+    def rate(self, dtype: str) -> float:
+        """Sustained FLOP/s of one device for `dtype`."""
+        if dtype not in self.flops_per_s:
+            raise ConfigError(f"cluster {self.name!r} has no compute rate for dtype {dtype!r}; it lists "
+                              f"{choices(self.flops_per_s)}; add flops_per_s.{dtype} to the cluster file")
+        return self.flops_per_s[dtype] * self.compute_efficiency
+
+    def link_for(self, span: int) -> Link:
+        """The link a group uses whose ranks lie within `span` consecutive ranks."""
+        return self.intra_node if span <= self.devices_per_node else self.inter_node
+
+    # ---------------------------------------------------------------- collectives
+
+    def p2p(self, nbytes: float, *, inter_node: bool) -> float:
+        return (self.inter_node if inter_node else self.intra_node).p2p(nbytes)
+
+    def all_reduce(self, nbytes: float, n: int, *, span: int | None = None) -> float:
+        """Ring all-reduce of `nbytes` over `n` ranks spread over `span` consecutive ranks (default n)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if n in self.allreduce_table and (span or n) <= self.devices_per_node:
+            link = self.allreduce_table[n]
+        else:
+            link = self.link_for(span or n)
+        return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
+
+    def all_gather(self, nbytes: float, n: int, *, span: int | None = None) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        link = self.link_for(span or n)
+        return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
+
+    reduce_scatter = all_gather  # same ring volume, opposite direction
+
+    # ---------------------------------------------------------------- file form
+
+    def replace(self, **changes) -> Cluster:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["allreduce_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_table.items()}
+        return out
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+# --------------------------------------------------------------------------------- loading
+
+
+def _number(data: dict, key: str, where: str, *, minimum: float = 0.0, strict: bool = True,
+            maximum: float | None = None, integer: bool = False) -> float:
+    """A required number with a range check; the error names the field, the value and what works."""
+    name = f"{where}{key}"
+    if key not in data:
+        raise ConfigError(f"cluster file: missing field {name!r}")
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"cluster file: field {name!r} must be {kind}, got {value!r}")
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum) or \
+            (maximum is not None and value > maximum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        upper = f" and <= {maximum:g}" if maximum is not None else ""
+        raise ConfigError(f"cluster file: field {name!r} must be {bound}{upper}, got {value!r}")
+    return value
+
+
+def _link(data: dict, key: str) -> Link:
+    table = data.get(key)
+    if not isinstance(table, dict):
+        raise ConfigError(f"cluster file: missing table [{key}] (latency_s and bandwidth_bytes_per_s)")
+    return Link(latency_s=_number(table, "latency_s", f"{key}.", strict=False),
+                bandwidth_bytes_per_s=_number(table, "bandwidth_bytes_per_s", f"{key}."))
+
+
+def cluster_from_dict(data: dict) -> Cluster:
+    """A Cluster from its TOML tables; every missing or impossible value is refused by name."""
+    known = {f.name for f in dataclasses.fields(Cluster)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"cluster file: unknown field(s) {unknown}; valid fields: {choices(sorted(known))}")
+    num_devices = int(_number(data, "num_devices", "", integer=True))
+    per_node = int(_number(data, "devices_per_node", "", integer=True))
+    if per_node > num_devices:
+        raise ConfigError(f"cluster file: field 'devices_per_node' ({per_node}) cannot exceed 'num_devices' "
+                          f"({num_devices})")
+    if num_devices % per_node:
+        raise ConfigError(f"cluster file: field 'num_devices' ({num_devices}) must be a multiple of "
+                          f"'devices_per_node' ({per_node}): nodes are alike")
+    rates = data.get("flops_per_s")
+    if not isinstance(rates, dict) or not rates:
+        raise ConfigError(f"cluster file: missing table [flops_per_s] (peak FLOP/s per dtype, e.g. fp32 = 1.9e13)")
+    bad = sorted(set(rates) - set(DTYPES))
+    if bad:
+        raise ConfigError(f"cluster file: flops_per_s has unknown dtype(s) {bad}; use {choices(DTYPES)}")
+    flops = {k: _number(rates, k, "flops_per_s.") for k in rates}
+    table = {}
+    for n, link in (data.get("allreduce_table") or {}).items():
+        if not str(n).isdigit() or int(n) < 2:
+            raise ConfigError(f"cluster file: allreduce_table key {n!r} must be a group size >= 2")
+        table[int(n)] = _link({"t": link}, "t") if isinstance(link, dict) else _link({}, f"allreduce_table.{n}")
+    return Cluster(
+        name=str(data.get("name", "custom")), source=str(data.get("source", "cluster file")),
+        num_devices=num_devices, devices_per_node=per_node,
+        memory_per_device_gb=_number(data, "memory_per_device_gb", ""),
+        flops_per_s=flops,
+        compute_efficiency=_number(data, "compute_efficiency", "", maximum=1.0),
+        memory_bandwidth_bytes_per_s=_number(data, "memory_bandwidth_bytes_per_s", ""),
+        intra_node=_link(data, "intra_node"), inter_node=_link(data, "inter_node"),
+        per_action_overhead_s=_number(data, "per_action_overhead_s", "", strict=False) if
+        "per_action_overhead_s" in data else 0.0,
+        allreduce_table=table,
+        memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
+        "memory_headroom" in data else 1.1)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"cluster file {str(path)!r} does not exist; give a file or a preset "
+                          f"({choices(PRESET_NAMES)})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
+    return cluster_from_dict(data)
+
+
+# --------------------------------------------------------------------------------- presets
+
+_GB = 1e9
+_TYPICAL = ("latencies (NVLink/PCIe 5 us, InfiniBand/Ethernet 10 us) and compute_efficiency 0.5 are typical "
+            "values, not datasheet figures")
+
+
+def _gpu(name: str, source: str, *, memory_gb: float, fp32: float, bf16: float, hbm: float, intra_bw: float,
+         inter_bw: float, per_node: int, nodes: int) -> Cluster:
+    return Cluster(name=name, source=f"{source}; {_TYPICAL}", num_devices=per_node * nodes,
+                   devices_per_node=per_node, memory_per_device_gb=memory_gb,
+                   flops_per_s={"fp32": fp32, "bf16": bf16}, compute_efficiency=0.5,
+                   memory_bandwidth_bytes_per_s=hbm, intra_node=Link(5e-6, intra_bw), inter_node=Link(10e-6, inter_bw),
+                   per_action_overhead_s=20e-6, memory_headroom=1.1)
+
+
+def _presets() -> dict[str, Cluster]:
+    """Built fresh on each call: no module-level mutable state."""
+    return {
+        "v100-16gb-nvlink": _gpu(
+            "v100-16gb-nvlink", "NVIDIA V100 SXM2 datasheet: 15.7 TFLOPS fp32, 125 TFLOPS fp16 tensor core (used "
+            "for bf16, which V100 lacks), 900 GB/s HBM2, NVLink 300 GB/s total (150 GB/s per direction); DGX-1 "
+            "nodes of 8 with 4x100 Gb/s EDR InfiniBand (6.25 GB/s per GPU)",
+            memory_gb=16, fp32=15.7e12, bf16=125e12, hbm=900 * _GB, intra_bw=150 * _GB, inter_bw=6.25 * _GB,
+            per_node=8, nodes=8),
+        "a100-40gb": _gpu(
+            "a100-40gb", "NVIDIA A100 SXM4 40GB datasheet: 19.5 TFLOPS fp32, 312 TFLOPS bf16 dense, 1555 GB/s "
+            "HBM2, NVLink 600 GB/s total (300 GB/s per direction); DGX A100 nodes of 8 with 8x200 Gb/s HDR "
+            "InfiniBand (25 GB/s per GPU)",
+            memory_gb=40, fp32=19.5e12, bf16=312e12, hbm=1555 * _GB, intra_bw=300 * _GB, inter_bw=25 * _GB,
+            per_node=8, nodes=8),
+        "a100-80gb": _gpu(
+            "a100-80gb", "NVIDIA A100 SXM4 80GB datasheet: 19.5 TFLOPS fp32, 312 TFLOPS bf16 dense, 2039 GB/s "
+            "HBM2e, NVLink 600 GB/s total (300 GB/s per direction); DGX A100 nodes of 8 with 8x200 Gb/s HDR "
+            "InfiniBand (25 GB/s per GPU)",
+            memory_gb=80, fp32=19.5e12, bf16=312e12, hbm=2039 * _GB, intra_bw=300 * _GB, inter_bw=25 * _GB,
+            per_node=8, nodes=8),
+        "h100-80gb": _gpu(
+            "h100-80gb", "NVIDIA H100 SXM5 datasheet: 67 TFLOPS fp32, 989 TFLOPS bf16 dense, 3350 GB/s HBM3, "
+            "NVLink 900 GB/s total (450 GB/s per direction); DGX H100 nodes of 8 with 8x400 Gb/s NDR "
+            "InfiniBand (50 GB/s per GPU)",
+            memory_gb=80, fp32=67e12, bf16=989e12, hbm=3350 * _GB, intra_bw=450 * _GB, inter_bw=50 * _GB,
+            per_node=8, nodes=8),
+        "rtx3090-24gb-pcie": _gpu(
+            "rtx3090-24gb-pcie", "NVIDIA GeForce RTX 3090 datasheet: 35.6 TFLOPS fp32, 71 TFLOPS fp16/bf16 dense "
+            "tensor core, 936 GB/s GDDR6X; no NVLink in this preset: PCIe 4.0 x16 32 GB/s per direction; nodes "
+            "of 4 joined by 100 Gb/s Ethernet (12.5 GB/s per node, 3.1 GB/s per GPU)",
+            memory_gb=24, fp32=35.6e12, bf16=71e12, hbm=936 * _GB, intra_bw=32 * _GB, inter_bw=3.125 * _GB,
+            per_node=4, nodes=4),
+        "cpu-local": _cpu_local(),
+    }
+
+
+def _cpu_local() -> Cluster:
+    """This machine, uncalibrated: one rank per core, rough rates; run `autopar calibrate` to measure."""
+    cores = os.cpu_count() or 1
+    return Cluster(name="cpu-local", source="rough defaults for one CPU thread per rank (not measured: run "
+                   "`autopar calibrate` for this machine's figures)", num_devices=max(8, cores),
+                   devices_per_node=max(8, cores), memory_per_device_gb=4.0,
+                   flops_per_s={"fp32": 2e10, "bf16": 1e10}, compute_efficiency=1.0,
+                   memory_bandwidth_bytes_per_s=5 * _GB, intra_node=Link(50e-6, 1 * _GB), inter_node=Link(100e-6, 0.1 * _GB),
+                   per_action_overhead_s=200e-6, memory_headroom=1.1)
+
+
+PRESET_NAMES = ("v100-16gb-nvlink", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090-24gb-pcie", "cpu-local")
+
+
+def preset(name: str) -> Cluster:
+    table = _presets()
+    if name not in table:
+        raise ConfigError(f"unknown cluster preset {name!r}; use one of {choices(PRESET_NAMES)} or a TOML file")
+    return table[name]
+
+
+def resolve_cluster(spec: str | None, *, nproc: int | None = None, memory_per_device_gb: float | None = None) -> Cluster:
+    """A preset name or a TOML path (default cpu-local), resized to `nproc` devices if asked."""
+    spec = spec or "cpu-local"
+    cluster = preset(spec) if spec in PRESET_NAMES else load_cluster(spec)
+    if memory_per_device_gb is not None:
+        if not memory_per_device_gb > 0:
+            raise ConfigError(f"--memory-per-device-gb must be > 0, got {memory_per_device_gb}")
+        cluster = cluster.replace(memory_per_device_gb=float(memory_per_device_gb))
+    if nproc is not None:
+        if nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+        per_node = min(cluster.devices_per_node, nproc)
+        if nproc % per_node:
+            raise ConfigError(f"--nproc {nproc} is not a whole number of {cluster.name} nodes of "
+                              f"{cluster.devices_per_node} devices; use a multiple of {cluster.devices_per_node}")
+        cluster = cluster.replace(num_devices=nproc, devices_per_node=per_node)
+    return cluster

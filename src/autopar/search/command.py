@@ -1,0 +1,80 @@
+"""`autopar plan --auto`: search the strategies for a model on a cluster and print the best, or a plan JSON.
+
+The plan's `strategy` table holds Strategy fields (config.py) and its `train` table the
+micro-batch settings, so `--plan plan.json` can rerun it; `prediction` holds what the model
+predicted, for comparison with the measured run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ..errors import ConfigError
+from .cluster import resolve_cluster
+from .cost import Estimate, StepModel
+from .profile import profile_model
+from .search import SearchSpace, divisors, exhaustive, mcmc, require_fit, why
+
+
+def plan_dict(e: Estimate, model: StepModel) -> dict:
+    """A plan: Strategy fields + micro-batch settings + the prediction behind them."""
+    c = e.candidate
+    strategy = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "schedule": c.schedule, "chunks": c.chunks,
+                "partition": c.partition, "recompute": "all" if c.recompute == "all" else "none"}
+    if c.recompute == "stage-aware" and any(e.recompute_blocks):
+        strategy["memory_budget_mb"] = round(model.cluster.memory_bytes / 2**20, 1)
+    return {
+        "strategy": strategy,
+        "train": {"global_batch_size": model.global_batch_size, "micro_batch_size": c.micro_batch_size,
+                  "micro_batches": c.num_microbatches, "dtype": model.dtype},
+        "prediction": {
+            "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "bubble_fraction": e.bubble,
+            "comm_share": e.comm_share, "peak_memory_bytes_per_rank": [round(m) for m in e.memory_per_rank],
+            "memory_per_stage": [m.to_dict() for m in e.memory_per_stage], "stage_bounds": list(e.bounds),
+            "recompute_blocks_per_stage": list(e.recompute_blocks), "parts_s": e.parts},
+        "model": model.profile.name, "seq_len": model.profile.seq_len, "cluster": model.cluster.name,
+    }
+
+
+def cmd_plan_auto(ns, model_args: dict) -> int:
+    """Run the search from parsed `plan` flags (see cli.py) and print the top plans."""
+    if ns.nproc is None or ns.nproc < 1:
+        raise ConfigError(f"plan --auto needs --nproc N >= 1 (the devices to plan for), got {ns.nproc}")
+    if ns.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {ns.top}")
+    cluster = resolve_cluster(ns.cluster, nproc=ns.nproc, memory_per_device_gb=ns.memory_per_device_gb)
+    began = time.perf_counter()
+    tps = tuple(d for d in divisors(ns.nproc) if d <= cluster.devices_per_node)
+    profile = profile_model(ns.model, seq_len=ns.seq_len, tp_degrees=tps, model_args=model_args)
+    model = StepModel(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype)
+    result = exhaustive(model, SearchSpace(nproc=ns.nproc))
+    require_fit(result, model)
+    best = result.ranked[0]
+    walked = 0
+    if ns.mcmc_steps:
+        found, walked = mcmc(model, SearchSpace(nproc=ns.nproc), steps=ns.mcmc_steps, seed=0, start=best.candidate)
+        if found is not None and found.step_time_s < best.step_time_s:
+            result.ranked.insert(0, found)
+    elapsed = time.perf_counter() - began
+    top = result.ranked[:ns.top]
+    sentence = why(top[0], result.ranked[1] if len(result.ranked) > 1 else None)
+    if ns.json:
+        print(json.dumps({**plan_dict(top[0], model), "why": sentence,
+                          "alternatives": [plan_dict(e, model) for e in top[1:]],
+                          "search": {"evaluated": result.evaluated, "pruned_memory": result.pruned,
+                                     "mcmc_states": walked, "seconds": elapsed}}, indent=2))
+        return 0
+    print(f"{profile.name}: {profile.num_params:,} parameters, seq_len {profile.seq_len}, global batch "
+          f"{ns.global_batch_size}; cluster {cluster.name}: {cluster.num_devices} devices, "
+          f"{cluster.memory_per_device_gb:g} GiB each ({cluster.source})")
+    print(f"searched {result.evaluated} configurations in {elapsed:.1f} s ({result.pruned} over memory"
+          + (f", MCMC scored {walked} more" if walked else "") + ")")
+    print(f"{'#':>2} {'step':>10} {'tokens/s':>11} {'bubble':>7} {'comm':>6} {'peak/rank':>10}  configuration")
+    for i, e in enumerate(top, 1):
+        print(f"{i:>2} {e.step_time_s * 1e3:8.2f}ms {e.tokens_per_s:>11.0f} {e.bubble:>7.1%} {e.comm_share:>6.1%} "
+              f"{e.peak_memory / 2**20:>8.1f}Mi  {e.candidate.describe()}")
+    mem = ", ".join(f"stage {s}: {m.total / 2**20:.1f} MiB" for s, m in enumerate(top[0].memory_per_stage))
+    print(f"winner's memory per stage: {mem}")
+    print(f"why: {sentence}")
+    return 0

@@ -1,0 +1,232 @@
+"""Predicted time and memory of one training step for (model profile, strategy, cluster).
+
+    per block    forward  = FLOPs / rate + TP all-reduces;  backward = 2 x FLOPs / rate + TP all-reduces
+    per stage    sums over its blocks, + the per-action overhead; stage-aware recomputation adds its
+                 blocks' forward to the backward; whole-stage recomputation is the schedule's R action
+    pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
+    after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
+                 (only what outlasts it, or the last bucket, shows), the tied-weight gradient sum
+                 between first and last stage, and the optimizer step (memory-bandwidth bound)
+
+Everything a candidate needs that does not depend on its schedule (block times per tp and
+micro-batch size, partitions, in-flight counts) is cached on the StepModel instance, so
+scoring a candidate is arithmetic plus one simulation of a short schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, choices
+from ..partition import algorithms
+from .cluster import Cluster
+from .memory import BUCKET_BYTES, OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
+from .profile import ModelProfile
+from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled
+
+RECOMPUTE = ("none", "stage-aware", "all")
+PARTITIONS = ("uniform", "parameters", "time")
+ADAM_BYTES_PER_PARAM = 28.0  # AdamW step: reads weight, grad, two moments; writes weight, two moments (fp32)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space: degrees, micro-batching, schedule, recomputation, cut."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    chunks: int = 1
+    recompute: str = "none"  # none | stage-aware (fewest blocks per stage that fit) | all (whole stage)
+    partition: str = "time"  # uniform | parameters | time; ignored when `bounds` is given
+    bounds: tuple[int, ...] | None = None  # explicit block bounds per stage (MCMC)
+    recompute_blocks: tuple[int, ...] | None = None  # explicit recomputed blocks per stage (MCMC)
+
+    def describe(self) -> str:
+        cut = "custom cut" if self.bounds else f"{self.partition} cut"
+        rc = (f"recompute {list(self.recompute_blocks)}" if self.recompute_blocks is not None
+              else f"recompute {self.recompute}")
+        sched = f"{self.schedule}" + (f" x{self.chunks} chunks" if self.chunks > 1 else "")
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
+                f"{sched} {rc} {cut}")
+
+
+@dataclass
+class Estimate:
+    """The prediction for one candidate."""
+
+    candidate: Candidate
+    step_time_s: float
+    tokens_per_s: float
+    fits: bool
+    memory_per_stage: list[StageMemory]
+    memory_per_rank: list[float]  # per pipeline rank (a rank holds `chunks` stages)
+    bubble: float
+    comm_share: float
+    bounds: tuple[int, ...]
+    recompute_blocks: tuple[int, ...]
+    parts: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp_exposed, tied, optimizer
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.memory_per_rank)
+
+
+class StepModel:
+    """Scores candidates for one model on one cluster at one global batch size."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, *, global_batch_size: int, dtype: str = "fp32",
+                 optimizer: str = "adamw"):
+        if optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ConfigError(f"optimizer must be one of {choices(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+        self.profile, self.cluster, self.global_batch_size = profile, cluster, global_batch_size
+        self.dtype, self.optimizer = dtype, optimizer
+        self.rate = cluster.rate(dtype)
+        self.act_scale = 0.5 if dtype == "bf16" else 1.0
+        self._blocks: dict = {}
+        self._bounds: dict = {}
+        self._timelines: dict = {}
+        self._schedules: dict = {}
+
+    # ------------------------------------------------------------------ per-block costs
+
+    def block_times(self, tp: int, mbs: int) -> tuple[list[float], list[float], list[float]]:
+        """Forward seconds, backward seconds and TP all-reduce seconds (one direction) per block."""
+        key = (tp, mbs)
+        if key not in self._blocks:
+            prof = self.profile.at_tp(tp)
+            comm = [count * self.cluster.all_reduce(nbytes / max(count, 1) * mbs * self.act_scale, tp) if count else 0.0
+                    for nbytes, count in zip(prof.allreduce_bytes, prof.allreduce_count)]
+            forward = [f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
+            backward = [2 * f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
+            self._blocks[key] = (forward, backward, comm)
+        return self._blocks[key]
+
+    def bounds(self, method: str, tp: int, mbs: int, stages: int) -> tuple[int, ...]:
+        key = (method, tp, mbs, stages)
+        if key not in self._bounds:
+            n = self.profile.num_blocks
+            if method == "uniform":
+                repeated = [0 < i < n - 1 for i in range(n)]
+                cut = algorithms.uniform(n, stages, weights=repeated) if sum(repeated) >= stages else \
+                    algorithms.uniform(n, stages)
+            elif method == "parameters":
+                cut = algorithms.balanced([float(p) for p in self.profile.at_tp(tp).params], stages)
+            elif method == "time":
+                forward, backward, _ = self.block_times(tp, mbs)
+                compute = [f + b for f, b in zip(forward, backward)]
+                link = self.cluster.intra_node
+                transfer = [2 * link.p2p(c * mbs * self.act_scale) for c in self.profile.boundary_bytes] + [0.0]
+                cut = algorithms.min_max_time(compute, stages, transfer=transfer)
+            else:
+                raise ConfigError(f"partition method must be one of {choices(PARTITIONS)}, got {method!r}")
+            self._bounds[key] = tuple(cut)
+        return self._bounds[key]
+
+    def timeline(self, c: Candidate, recompute: frozenset[int], costs: StageCosts) -> PipelineTimes:
+        """The simulated pipeline, shared by candidates whose normalised stage costs agree (timeline.py)."""
+        scale, shape = normalised(costs)
+        key = (c.schedule, c.pp, c.chunks, c.num_microbatches, recompute, shape)
+        times = self._timelines.get(key)
+        if times is None:
+            times = pipeline_times(c.schedule, pp=c.pp, chunks=c.chunks, num_microbatches=c.num_microbatches,
+                                   recompute=recompute, costs=shape, cache=self._schedules)
+            self._timelines[key] = times
+        return scaled(times, scale)
+
+    def stage_costs(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...]) -> StageCosts:
+        forward, backward, _ = self.block_times(c.tp, c.micro_batch_size)
+        cl, overhead = self.cluster, self.cluster.per_action_overhead_s
+        f_stage = [sum(forward[a:b]) + overhead for a, b in spans]
+        b_stage = [sum(backward[a:b]) + sum(forward[a:a + k]) + overhead for (a, b), k in zip(spans, blocks)]
+        inter = c.dp * c.tp >= cl.devices_per_node and c.pp > 1
+        send = [cl.p2p(self.profile.boundary_bytes[b - 1] * c.micro_batch_size * self.act_scale, inter_node=inter)
+                if b < self.profile.num_blocks else 0.0 for a, b in spans]
+        send_back = [0.0] + send[:-1]  # the gradient of stage s's input is as big as stage s-1's output
+        # whole-stage recomputation (R) reruns the stage's forward
+        return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back))
+
+    # ------------------------------------------------------------------ one candidate
+
+    def evaluate(self, c: Candidate) -> Estimate:
+        prof, cl = self.profile.at_tp(c.tp), self.cluster
+        stages = c.pp * c.chunks
+        bounds = c.bounds if c.bounds is not None else self.bounds(c.partition, c.tp, c.micro_batch_size, stages)
+        forward, backward, tp_comm = self.block_times(c.tp, c.micro_batch_size)
+        mbs = c.micro_batch_size
+        # inputs[i]: bytes entering block i per sequence (a cut's crossing tensors; block 0: the token ids)
+        inputs = [0.0] + list(self.profile.boundary_bytes)
+        whole = c.recompute == "all"
+        recompute = frozenset(range(stages)) if whole else frozenset()
+        structure = self.timeline(c, recompute, self.stage_costs(c, [(bounds[s], bounds[s + 1]) for s in range(stages)],
+                                                                  (0,) * stages))
+        spans = [(bounds[s], bounds[s + 1]) for s in range(stages)]
+        local_params = [sum(prof.params[a:b]) for a, b in spans]
+        shared_first, shared_last = self.profile.shared_blocks
+        owner = {s for s, (a, b) in enumerate(spans) if a <= shared_last < b}
+        tied_split = self.profile.shared_params and not any(a <= shared_first < b for s, (a, b) in enumerate(spans)
+                                                            if s in owner)
+        if tied_split:  # the stage holding the head keeps its own copy of the tied weight
+            for s in owner:
+                local_params[s] += self.profile.shared_params // c.tp
+        memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
+                           headroom=cl.memory_headroom)
+
+        def memory_of(s: int, k: int) -> StageMemory:
+            a, b = spans[s]
+            out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
+            return stage_memory(param_elements=local_params[s], saved=list(prof.saved_bytes[a:b]),
+                                inputs=inputs[a:b], output_bytes=out, in_flight=max(1, structure.in_flight[s]),
+                                stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole, **memory_args)
+
+        if c.recompute_blocks is not None:
+            blocks = tuple(min(k, b - a) for k, (a, b) in zip(c.recompute_blocks, spans))
+        elif c.recompute == "stage-aware":
+            budget = cl.memory_bytes / c.chunks
+            blocks = tuple(next((k for k in range(b - a + 1) if memory_of(s, k).total <= budget), b - a)
+                           for s, (a, b) in enumerate(spans))
+        else:
+            blocks = (0,) * stages
+        memory = [memory_of(s, k) for s, k in enumerate(blocks)]
+        rank_of = [s % c.pp for s in range(stages)]
+        per_rank = [0.0] * c.pp
+        for s, m in enumerate(memory):
+            per_rank[rank_of[s]] += m.total
+        fits = max(per_rank) <= cl.memory_bytes
+
+        costs = self.stage_costs(c, spans, blocks)
+        times = structure if not any(blocks) else self.timeline(c, recompute, costs)
+        b_stage = costs.backward
+
+        # after the pipeline drains: data-parallel all-reduce, tied-weight sum, optimizer step
+        finish_all, dp_exposed, comm, opt_time = [], [], [], []
+        span_dp = c.dp * c.tp
+        for r in range(c.pp):
+            mine = [s for s in range(stages) if rank_of[s] == r]
+            grad_bytes = sum(local_params[s] for s in mine) * 4.0
+            exposed = 0.0
+            if c.dp > 1 and grad_bytes:
+                total = cl.all_reduce(grad_bytes, c.dp, span=span_dp)
+                last = cl.all_reduce(min(BUCKET_BYTES, grad_bytes), c.dp, span=span_dp)
+                overlap = b_stage[min(mine)]  # the last backward on this rank (its first stage runs last)
+                exposed = max(last, total - overlap)
+            tied = 0.0
+            if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
+                tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)
+            optimizer = sum(local_params[s] for s in mine) * ADAM_BYTES_PER_PARAM / cl.memory_bandwidth_bytes_per_s
+            finish_all.append(times.finish[r] + exposed + tied + optimizer)
+            dp_exposed.append(exposed)
+            opt_time.append(optimizer)
+            tp_time = 2 * c.num_microbatches * sum(sum(tp_comm[a:b]) for s, (a, b) in enumerate(spans) if s in mine)
+            comm.append(tp_time + exposed + tied)
+        step = max(max(finish_all), times.makespan)
+        tokens = self.global_batch_size * self.profile.seq_len
+        return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,
+                        memory_per_stage=memory, memory_per_rank=per_rank, bubble=times.bubble,
+                        comm_share=max(comm) / step if step > 0 else 0.0, bounds=tuple(bounds),
+                        recompute_blocks=blocks,
+                        parts={"pipeline_s": times.makespan, "dp_exposed_s": max(dp_exposed),
+                               "optimizer_s": max(opt_time)})

@@ -1,0 +1,77 @@
+"""Peak memory of one pipeline stage on one rank: the pieces, each in bytes, so a plan can say why it fits.
+
+    parameters + gradients + optimizer states          (fp32 master weights, as the trainer keeps them)
+  + activations      saved bytes per micro-batch x in-flight micro-batches (from the simulator)
+  + stashed inputs   a recomputing stage keeps only its input per in-flight micro-batch
+  + transient        one block's activations rebuilt or differentiated at a time during backward
+  + buffers          point-to-point send/receive buffers and the data-parallel gradient buckets
+  x headroom         allocator slack, fragmentation (Cluster.memory_headroom, calibrate it)
+
+Stage-aware recomputation keeps, for its first k blocks, only each block's input; whole-stage
+recomputation (the schedule's R actions) keeps only the stage input and rebuilds the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adagrad": 4}
+"""Optimizer bytes per fp32 parameter: AdamW's two moments; plain SGD none; Adagrad one sum."""
+
+BUCKET_BYTES = 25 * 2**20  # data-parallel gradient bucket (the runtime's default size)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak bytes of one stage on one rank, by piece."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    stashed_inputs: float
+    transient: float
+    buffers: float
+    headroom: float  # the factor applied
+
+    @property
+    def total(self) -> float:
+        return self.headroom * (self.params + self.grads + self.optimizer + self.activations + self.stashed_inputs
+                                + self.transient + self.buffers)
+
+    def to_dict(self) -> dict:
+        return {k: round(v) for k, v in vars(self).items() if k != "headroom"} | {
+            "headroom": self.headroom, "total": round(self.total)}
+
+
+def kept_bytes(saved: list[float], inputs: list[float], recompute_blocks: int) -> float:
+    """Bytes one micro-batch keeps when the first `recompute_blocks` blocks keep only their inputs."""
+    k = recompute_blocks
+    return sum(inputs[:k]) + sum(saved[k:])
+
+
+def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float], output_bytes: float,
+                 micro_batch_size: int, in_flight: int, stashed: int, recompute_blocks: int, whole_stage: bool,
+                 activation_scale: float, optimizer: str, dp: int, headroom: float) -> StageMemory:
+    """Memory of one stage; `saved` and `inputs` are per-block bytes per sequence (fp32).
+
+    `inputs[i]` is the bytes entering block i (what a recomputed block keeps); `activation_scale`
+    is 0.5 under bf16 autocast (activations in 16 bits), 1 in fp32.
+    """
+    b = micro_batch_size * activation_scale
+    state = param_elements * 4.0
+    input_bytes = inputs[0] * b if inputs else 0.0
+    if whole_stage:
+        activations = in_flight * sum(saved) * b  # rebuilt by R, alive until the backward ends
+        stash = stashed * input_bytes
+    else:
+        activations = in_flight * kept_bytes(saved, inputs, recompute_blocks) * b
+        stash = in_flight * input_bytes  # the received input, kept for the backward
+    rebuilt = max(saved[:recompute_blocks], default=0.0) if not whole_stage else 0.0
+    transient = (max(saved, default=0.0) + rebuilt) * b  # gradients of one block + one block rebuilt
+    buffers = 2 * (input_bytes + output_bytes * b)
+    if dp > 1:
+        buffers += min(2 * BUCKET_BYTES, state)
+    return StageMemory(params=state, grads=state, optimizer=param_elements * float(OPTIMIZER_STATE_BYTES[optimizer]),
+                       activations=activations, stashed_inputs=stash, transient=transient, buffers=buffers,
+                       headroom=headroom)

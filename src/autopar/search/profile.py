@@ -1,0 +1,182 @@
+"""A model's costs per block, read once from its traced graph, so that scoring a strategy is arithmetic.
+
+The search scores thousands of strategies; tracing or planning per strategy would take
+minutes. So the model is traced ONCE (on meta, micro-batch 1) and reduced to per-block
+numbers per sequence: forward FLOPs, activation bytes, parameter elements, the bytes that
+cross each possible cut; and, per tensor-parallel degree the TP planner accepts, the FLOPs
+and parameters left on one rank and the bytes each rank all-reduces. Costs of a micro-batch
+of b sequences are b times these (true for these models: no op mixes sequences).
+
+Approximations, stated: saved activations are the sum of every op's output (an upper bound
+on what autograd keeps; calibrate `Cluster.memory_headroom` against measured peaks); under
+tensor parallelism the FLOPs of ops that read a split weight, and attention in a block that
+has split layers, are divided by tp, and a split block keeps 10 + 24/tp of its 34 activation
+units (Korthikanti et al. 2022) instead of 34; backward all-reduces as many bytes as forward.
+
+`with_layers(n)` scales a profile traced with few repeated layers to n identical layers,
+so a 20B-parameter model is profiled from a 2-layer trace in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import AutoparError
+from ..partition.plan import crossings
+from ..trace import ModelGraph, trace
+
+ATTENTION_OPS = ("scaled_dot_product_attention", "aten.bmm", "aten.matmul", "_flash_attention", "_efficient_attention")
+
+
+@dataclass(frozen=True)
+class TPProfile:
+    """Per-block costs on one rank of a tensor-parallel group of `tp` ranks (per sequence)."""
+
+    tp: int
+    flops: tuple[float, ...]  # forward FLOPs on one rank
+    params: tuple[int, ...]  # parameter elements on one rank
+    saved_bytes: tuple[float, ...]
+    allreduce_bytes: tuple[float, ...]  # forward all-reduce payload per rank (backward: the same again)
+    allreduce_count: tuple[int, ...]  # forward all-reduces per block (each pays the latency)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-block costs per sequence of `seq_len` tokens; block 0 the prelude, the last the postlude."""
+
+    name: str
+    seq_len: int
+    block_names: tuple[str, ...]
+    flops: tuple[float, ...]  # forward FLOPs per sequence (tp = 1)
+    saved_bytes: tuple[float, ...]  # fp32 activation bytes per sequence
+    params: tuple[int, ...]  # parameter elements (a weight used by several blocks counted where first used)
+    boundary_bytes: tuple[float, ...]  # [c]: bytes crossing a cut after block c, per sequence
+    shared_params: int  # elements of weights read by more than one block (tied embedding/head)
+    shared_blocks: tuple[int, int] = (0, 0)  # first and last block reading a shared weight
+    tp: dict[int, TPProfile] = field(default_factory=dict)
+    tp_refused: dict[int, str] = field(default_factory=dict)  # degree -> why the planner refused it
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.flops)
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.params)
+
+    def at_tp(self, tp: int) -> TPProfile:
+        if tp in self.tp:
+            return self.tp[tp]
+        raise AutoparError(f"tp={tp} was not profiled for {self.name}: "
+                           f"{self.tp_refused.get(tp, 'not among the degrees asked for')}")
+
+    def with_layers(self, n: int) -> ModelProfile:
+        """The same model with `n` repeated layers, each a copy of the first traced one."""
+        if self.num_blocks < 3:
+            raise AutoparError(f"{self.name} has no repeated layer to replicate")
+
+        def grow(values: tuple, keep_last: int = 1) -> tuple:
+            return tuple(values[:1]) + tuple(values[1:2]) * n + tuple(values[len(values) - keep_last:])
+
+        cuts = self.boundary_bytes  # cuts: after prelude, between layers, after the last layer
+        new_cuts = (cuts[0],) + (cuts[1],) * (n - 1) + (cuts[-1],) if n > 1 else (cuts[0], cuts[-1])
+        tps = {t: dataclasses.replace(p, flops=grow(p.flops), params=grow(p.params), saved_bytes=grow(p.saved_bytes),
+                                      allreduce_bytes=grow(p.allreduce_bytes),
+                                      allreduce_count=grow(p.allreduce_count)) for t, p in self.tp.items()}
+        names = (self.block_names[0],) + tuple(f"layer.{i}" for i in range(n)) + (self.block_names[-1],)
+        last = n + 1
+        shared = (self.shared_blocks[0], last if self.shared_blocks[1] == self.num_blocks - 1 else
+                  self.shared_blocks[1])
+        return dataclasses.replace(self, block_names=names, flops=grow(self.flops), saved_bytes=grow(self.saved_bytes),
+                                   params=grow(self.params), boundary_bytes=new_cuts, tp=tps, shared_blocks=shared)
+
+
+def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
+                  tp_degrees: tuple[int, ...] = (1,)) -> ModelProfile:
+    """Reduce a traced graph (traced at micro-batch `batch`) to per-sequence block costs."""
+    blocks = graph.blocks
+    scale = 1.0 / batch
+    flops = tuple(b.flops * scale for b in blocks)
+    saved = tuple(b.activation_bytes * scale for b in blocks)
+    owner: dict[str, list[int]] = {}
+    for i, b in enumerate(blocks):
+        for p in b.params:
+            owner.setdefault(p, []).append(i)
+    params = [0] * len(blocks)
+    for p, users in owner.items():
+        params[users[0]] += graph.param_numel[p]
+    shared = {p: users for p, users in owner.items() if len(users) > 1}
+    shared_blocks = (min(u[0] for u in shared.values()), max(u[-1] for u in shared.values())) if shared else (0, 0)
+    cut_bytes = tuple(sum(v.bytes for v in values) * scale for values in crossings(graph))
+    profile = ModelProfile(name=name, seq_len=seq_len, block_names=tuple(b.name for b in blocks), flops=flops,
+                           saved_bytes=saved, params=tuple(params), boundary_bytes=cut_bytes,
+                           shared_params=sum(graph.param_numel[p] for p in shared), shared_blocks=shared_blocks)
+    for tp in tp_degrees:
+        if tp == 1:
+            profile.tp[1] = TPProfile(1, flops, tuple(params), saved, (0.0,) * len(blocks), (0,) * len(blocks))
+            continue
+        try:
+            profile.tp[tp] = _tp_profile(graph, tp, params, scale)
+        except AutoparError as exc:
+            profile.tp_refused[tp] = str(exc)
+    return profile
+
+
+def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float) -> TPProfile:
+    from ..tensor_parallel import plan_tensor_parallel  # read-only use of the TP planner
+    plan = plan_tensor_parallel(graph, tp)
+    if not plan.params:
+        raise AutoparError(f"the tensor-parallel planner split no layer at tp={tp}")
+    split = set(plan.params)
+    n = len(graph.blocks)
+    flops, reduce, count = [0.0] * n, [0.0] * n, [0] * n
+    has_split = [False] * n
+    for cost in graph.nodes.values():
+        if any(p in split for p in cost.params):
+            has_split[cost.block] = True
+    for cost in graph.nodes.values():
+        divided = any(p in split for p in cost.params) or (
+            has_split[cost.block] and any(op in cost.target for op in ATTENTION_OPS))
+        flops[cost.block] += cost.flops * scale / (tp if divided else 1)
+        if cost.name in plan.row or cost.name in plan.embeddings:
+            reduce[cost.block] += cost.out_bytes * scale
+            count[cost.block] += 1
+    local = list(params)
+    owner_block = {}
+    for i, b in enumerate(graph.blocks):
+        for p in b.params:
+            owner_block.setdefault(p, i)
+    for fqn in split:
+        if fqn in owner_block:
+            local[owner_block[fqn]] -= graph.param_numel[fqn] - graph.param_numel[fqn] // tp
+    saved = tuple(b.activation_bytes * scale * ((10 + 24 / tp) / 34 if has_split[i] else 1.0)
+                  for i, b in enumerate(graph.blocks))
+    return TPProfile(tp, tuple(flops), tuple(local), saved, tuple(reduce), tuple(count))
+
+
+def profile_model(model_name: str, *, seq_len: int, tp_degrees: tuple[int, ...] = (1,),
+                  model_args: dict | None = None, vocab_size: int | None = None,
+                  layers: int | None = None) -> ModelProfile:
+    """Build `model_name` on meta, trace it at micro-batch 1, and profile it.
+
+    With `layers`, the model is traced with 2 repeated layers and scaled to `layers`
+    (with_layers): the trace and the TP plan then cost seconds at any depth.
+    """
+    from ..data import build_tokenizer, padded_vocab_size
+    from ..models import build_model
+    args = dict(model_args or {})
+    if layers is not None:
+        args["n_layer"] = min(2, layers)
+    if vocab_size is None:
+        vocab_size = padded_vocab_size(build_tokenizer("byte").vocab_size)
+    model, info = build_model(model_name, args, vocab_size=vocab_size, device="meta")
+    if seq_len > info.max_seq_len:
+        raise AutoparError(f"seq_len={seq_len} is longer than {info.name}'s context of {info.max_seq_len}")
+    graph = trace(model, (torch.zeros(1, seq_len, dtype=torch.long, device="meta"),))
+    profile = profile_graph(graph, name=info.name, seq_len=seq_len, tp_degrees=tp_degrees)
+    if layers is not None and layers != profile.num_blocks - 2:
+        profile = profile.with_layers(layers)
+    return profile

@@ -1,0 +1,245 @@
+"""The search: every strategy that fits, scored by the step model; and an MCMC walk over a larger space.
+
+Exhaustive space (`enumerate_candidates`): dp x tp x pp = devices, tp within a node and only
+degrees the TP planner accepted for this model; micro-batch size and count dividing the
+global batch; every schedule (interleaved with 2 or more chunks, when the stages exist);
+recomputation none / stage-aware / whole-stage; partition uniform / parameters / time.
+Candidates over the device memory are pruned; the rest are ranked by predicted step time.
+
+MCMC (`mcmc`, after FlexFlow): a Metropolis walk whose state also holds the exact cut (layers
+per stage) and the recomputed blocks per stage, spaces too large to enumerate for deep
+models. A move changes one thing; a slower state is accepted with probability
+exp(-beta * relative slowdown). On small models the exhaustive enumeration of the same space
+is its oracle (tests/test_search.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..pipeline.schedules import SCHEDULES, minimum_microbatches
+from .cost import PARTITIONS, RECOMPUTE, Candidate, Estimate, StepModel
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What may vary; defaults are the full space."""
+
+    nproc: int
+    schedules: tuple[str, ...] = tuple(s for s in SCHEDULES if s != "scp")
+    chunks: tuple[int, ...] = (1, 2)
+    recompute: tuple[str, ...] = RECOMPUTE
+    partitions: tuple[str, ...] = PARTITIONS
+    max_microbatches: int | None = None
+
+
+def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int) -> bool:
+    if pp * chunks > num_blocks:
+        return False
+    if pp == 1:
+        return schedule == "1f1b" and chunks == 1  # no pipeline: every schedule is the same loop
+    if (chunks > 1) != (schedule == "interleaved-1f1b"):
+        return False
+    if m < minimum_microbatches(schedule, pp, chunks):
+        return False
+    return not (schedule == "interleaved-1f1b" and m % pp)
+
+
+def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candidate]:
+    prof, cl, n = model.profile, model.cluster, space.nproc
+    for tp in divisors(n):
+        if tp > cl.devices_per_node or tp not in prof.tp:
+            continue
+        for pp in divisors(n // tp):
+            dp = n // (tp * pp)
+            if model.global_batch_size % dp:
+                continue
+            per_replica = model.global_batch_size // dp
+            for mbs in divisors(per_replica):
+                m = per_replica // mbs
+                if space.max_microbatches and m > space.max_microbatches:
+                    continue
+                for schedule in space.schedules:
+                    for chunks in space.chunks:
+                        if not schedule_valid(schedule, pp, chunks, m, prof.num_blocks):
+                            continue
+                        for recompute in space.recompute:
+                            for method in (space.partitions if pp > 1 else ("uniform",)):
+                                yield Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
+                                                schedule=schedule, chunks=chunks, recompute=recompute,
+                                                partition=method)
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]  # fitting candidates, fastest first
+    evaluated: int
+    pruned: int  # over the device memory
+    smallest_memory: float  # least per-device memory any candidate needs (bytes)
+
+
+def exhaustive(model: StepModel, space: SearchSpace, candidates: list[Candidate] | None = None) -> SearchResult:
+    ranked, pruned, evaluated, smallest = [], 0, 0, math.inf
+    same: set = set()  # what runs: a stage-aware choice of no blocks is `none`, two methods may cut alike
+    for c in candidates if candidates is not None else enumerate_candidates(model, space):
+        estimate = model.evaluate(c)
+        evaluated += 1
+        smallest = min(smallest, estimate.peak_memory)
+        if not estimate.fits:
+            pruned += 1
+            continue
+        key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.schedule, c.chunks,
+               c.recompute == "all", estimate.bounds, estimate.recompute_blocks)
+        if key not in same:
+            same.add(key)
+            ranked.append(estimate)
+    if not evaluated:
+        raise ConfigError(f"no strategy exists for {space.nproc} processes and global batch "
+                          f"{model.global_batch_size} of {model.profile.name}: no dp x tp x pp with dp dividing the "
+                          f"batch; use a global batch size that is a multiple of {space.nproc}")
+    ranked.sort(key=lambda e: (e.step_time_s, e.peak_memory))
+    return SearchResult(ranked=ranked, evaluated=evaluated, pruned=pruned, smallest_memory=smallest)
+
+
+def require_fit(result: SearchResult, model: StepModel) -> None:
+    """A clear error when nothing fits, naming the smallest memory per device that would."""
+    if result.ranked:
+        return
+    need = result.smallest_memory / 2**30
+    have = model.cluster.memory_per_device_gb
+    raise ConfigError(f"{model.profile.name} fits no configuration on {model.cluster.num_devices} devices of "
+                      f"{have:g} GiB ({result.evaluated} tried, all over the memory); the smallest memory per "
+                      f"device that works is {need:.3g} GiB (pass --memory-per-device-gb {math.ceil(need * 100) / 100:g} "
+                      f"or more, use more devices, or a smaller global batch)")
+
+
+# ------------------------------------------------------------------------------ MCMC
+
+
+def _random_bounds(rng: random.Random, blocks: int, stages: int) -> tuple[int, ...]:
+    cuts = sorted(rng.sample(range(1, blocks), stages - 1))
+    return tuple([0, *cuts, blocks])
+
+
+def _neighbour(c: Candidate, model: StepModel, space: SearchSpace, rng: random.Random,
+               degrees: list[tuple[int, int, int, int, int]]) -> Candidate:
+    """One random change: degrees and micro-batching, schedule, a cut, or one stage's recomputation."""
+    blocks = model.profile.num_blocks
+    move = rng.randrange(4)
+    if move == 0:  # new (dp, tp, pp, mbs, m): start from the time partition of the new stage count
+        dp, tp, pp, mbs, m = rng.choice(degrees)
+        return dataclasses.replace(c, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
+                                   chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None)
+    if move == 1:
+        schedule = rng.choice(space.schedules)
+        chunks = rng.choice(space.chunks)
+        return dataclasses.replace(c, schedule=schedule, chunks=chunks, bounds=None, recompute_blocks=None)
+    stages = c.pp * c.chunks
+    bounds = list(c.bounds or model.bounds(c.partition, c.tp, c.micro_batch_size, stages))
+    if move == 2 and stages > 1:  # move one cut by one block
+        i = rng.randrange(1, stages)
+        bounds[i] += rng.choice((-1, 1))
+        return dataclasses.replace(c, bounds=tuple(bounds))
+    rc = list(c.recompute_blocks or (0,) * stages)
+    s = rng.randrange(stages)
+    rc[s] = max(0, min(bounds[s + 1] - bounds[s], rc[s] + rng.choice((-1, 1))))
+    return dataclasses.replace(c, bounds=tuple(bounds), recompute_blocks=tuple(rc), recompute="none")
+
+
+def enumerate_mcmc_space(model: StepModel, space: SearchSpace) -> Iterator[Candidate]:
+    """Every state the MCMC walk can reach (every cut, every per-stage recompute count): the oracle on
+    models small enough to list it."""
+    import itertools
+    blocks = model.profile.num_blocks
+    base = dataclasses.replace(space, recompute=("none",), partitions=("time",))
+    for c in enumerate_candidates(model, base):
+        stages = c.pp * c.chunks
+        for cuts in itertools.combinations(range(1, blocks), stages - 1):
+            bounds = (0, *cuts, blocks)
+            sizes = [bounds[s + 1] - bounds[s] for s in range(stages)]
+            for rc in itertools.product(*(range(n + 1) for n in sizes)):
+                yield dataclasses.replace(c, bounds=bounds, recompute_blocks=tuple(rc))
+
+
+def valid(c: Candidate, model: StepModel) -> bool:
+    blocks = model.profile.num_blocks
+    if not schedule_valid(c.schedule, c.pp, c.chunks, c.num_microbatches, blocks):
+        return False
+    if c.bounds is not None:
+        b = c.bounds
+        if len(b) != c.pp * c.chunks + 1 or b[0] != 0 or b[-1] != blocks or any(x >= y for x, y in zip(b, b[1:])):
+            return False
+    return True
+
+
+def mcmc(model: StepModel, space: SearchSpace, *, steps: int = 2000, seed: int = 0, beta: float = 20.0,
+         start: Candidate | None = None) -> tuple[Estimate | None, int]:
+    """Metropolis search; returns the fastest fitting estimate seen and the number of states scored."""
+    rng = random.Random(seed)
+    degrees = sorted({(c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches)
+                      for c in enumerate_candidates(model, dataclasses.replace(space, schedules=("1f1b",),
+                                                                                chunks=(1,), recompute=("none",),
+                                                                                partitions=("time",)))})
+    if not degrees:
+        return None, 0
+    if start is None:
+        dp, tp, pp, mbs, m = rng.choice(degrees)
+        start = Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m)
+    seen: dict[Candidate, Estimate] = {}
+
+    def score(c: Candidate) -> Estimate:
+        if c not in seen:
+            seen[c] = model.evaluate(c)
+        return seen[c]
+
+    def energy(e: Estimate) -> float:
+        return e.step_time_s * (1.0 if e.fits else 10.0 * e.peak_memory / model.cluster.memory_bytes)
+
+    current = score(start)
+    best = current if current.fits else None
+    for _ in range(steps):
+        proposal = _neighbour(current.candidate, model, space, rng, degrees)
+        if not valid(proposal, model):
+            continue
+        new = score(proposal)
+        if new.fits and (best is None or new.step_time_s < best.step_time_s):
+            best = new
+        ratio = (energy(new) - energy(current)) / energy(current)
+        if ratio <= 0 or rng.random() < math.exp(-beta * ratio):
+            current = new
+    return best, len(seen)
+
+
+# ------------------------------------------------------------------------------ explanation
+
+
+def why(winner: Estimate, runner_up: Estimate | None) -> str:
+    """One sentence on why the winner beats the runner-up, from the part of the step that differs most."""
+    if runner_up is None:
+        return "it is the only configuration that fits the device memory."
+    a, b = winner, runner_up
+    gain = (b.step_time_s - a.step_time_s) / b.step_time_s * 100
+    ca, cb = a.candidate, b.candidate
+    changed = [f"{name} {getattr(ca, name)} vs {getattr(cb, name)}" for name in
+               ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "schedule", "chunks", "recompute", "partition")
+               if getattr(ca, name) != getattr(cb, name)]
+    reasons = {
+        "bubble": (b.bubble - a.bubble, f"its pipeline idles {a.bubble:.0%} of the step instead of {b.bubble:.0%}"),
+        "comm": (b.comm_share - a.comm_share,
+                 f"communication takes {a.comm_share:.0%} of its step instead of {b.comm_share:.0%}"),
+        "pipeline": ((b.parts["pipeline_s"] - a.parts["pipeline_s"]) / b.step_time_s,
+                     f"its pipeline (compute and transfers) takes {a.parts['pipeline_s'] * 1e3:.3g} ms instead of "
+                     f"{b.parts['pipeline_s'] * 1e3:.3g} ms"),
+    }
+    _, text = max(reasons.values(), key=lambda r: r[0])
+    what = "; ".join(changed) if changed else "a different cut or recomputation"
+    return f"the winner is {gain:.1f}% faster than the runner-up ({what}) because {text}."

@@ -1,0 +1,241 @@
+"""The strategy search (issue 14): cluster costs, the bubble, the memory pieces, the search against brute force,
+MCMC against exhaustive enumeration, refusals of bad cluster files and impossible memory limits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+from autopar.config import Strategy
+from autopar.errors import ConfigError
+from autopar.pipeline.schedules import build_schedule
+from autopar.search.cluster import Cluster, Link, cluster_from_dict, preset, resolve_cluster
+from autopar.search.cost import PARTITIONS, RECOMPUTE, Candidate, StepModel
+from autopar.search.memory import BUCKET_BYTES, stage_memory
+from autopar.search.profile import ModelProfile, TPProfile
+from autopar.search.search import (SearchSpace, enumerate_candidates, enumerate_mcmc_space, exhaustive, mcmc,
+                                   require_fit, why)
+from autopar.search.timeline import StageCosts, pipeline_times
+
+
+def toy_cluster(**changes) -> Cluster:
+    base = Cluster(name="toy", source="test", num_devices=4, devices_per_node=2, memory_per_device_gb=1.0,
+                   flops_per_s={"fp32": 1e9}, compute_efficiency=1.0, memory_bandwidth_bytes_per_s=1e10,
+                   intra_node=Link(1e-5, 1e9), inter_node=Link(1e-4, 1e8), per_action_overhead_s=1e-4)
+    return base.replace(**changes)
+
+
+def toy_profile(layers: int = 4) -> ModelProfile:
+    """A made-up transformer: an embedding, `layers` equal layers, a head; tp=2 halves the layers' work."""
+    n = layers + 2
+    flops = (1e5,) + (4e6,) * layers + (2e6,)
+    saved = (2e4,) + (1e5,) * layers + (5e4,)
+    params = (50_000,) + (120_000,) * layers + (1_000,)
+    tp1 = TPProfile(1, flops, params, saved, (0.0,) * n, (0,) * n)
+    tp2 = TPProfile(2, (1e5,) + (2e6,) * layers + (1e6,), (25_000,) + (60_000,) * layers + (1_000,),
+                    (2e4,) + (6e4,) * layers + (5e4,), (8e3,) + (1.6e4,) * layers + (0.0,), (1,) + (2,) * layers + (0,))
+    return ModelProfile(name="toy", seq_len=32, block_names=tuple(f"b{i}" for i in range(n)), flops=flops,
+                        saved_bytes=saved, params=params, boundary_bytes=(8e3,) * (n - 1), shared_params=0,
+                        tp={1: tp1, 2: tp2}, tp_refused={4: "made up"})
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+def test_all_reduce_cost_by_hand():
+    c = toy_cluster()
+    # ring over 2 ranks inside a node: 2 (n-1) alpha + 2 (n-1)/n S / beta
+    assert c.all_reduce(1e6, 2) == pytest.approx(2 * 1e-5 + 1.0 * 1e6 / 1e9)
+    # 4 ranks span two nodes of 2: the inter-node link
+    assert c.all_reduce(1e6, 4) == pytest.approx(6 * 1e-4 + 1.5 * 1e6 / 1e8)
+    assert c.all_gather(1e6, 4) == pytest.approx(3 * 1e-4 + 0.75 * 1e6 / 1e8)
+    assert c.p2p(1e6, inter_node=False) == pytest.approx(1e-5 + 1e-3)
+    assert c.all_reduce(1e6, 1) == 0.0
+    measured = c.replace(allreduce_table={2: Link(3e-5, 2e9)})
+    assert measured.all_reduce(1e6, 2) == pytest.approx(2 * 3e-5 + 1e6 / 2e9)
+
+
+def test_presets_say_where_their_figures_come_from():
+    for name in ("v100-16gb-nvlink", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090-24gb-pcie"):
+        c = preset(name)
+        assert "datasheet" in c.source and c.memory_per_device_gb in (16, 24, 40, 80)
+    assert "calibrate" in preset("cpu-local").source
+    assert resolve_cluster("a100-80gb", nproc=64).num_devices == 64
+    # a cluster survives its own TOML form
+    import tomllib
+    again = cluster_from_dict(tomllib.loads(preset("h100-80gb").to_toml()))
+    assert again == preset("h100-80gb")
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.pop("memory_per_device_gb"), "memory_per_device_gb"),
+    (lambda d: d["intra_node"].update(bandwidth_bytes_per_s=-1), "intra_node.bandwidth_bytes_per_s"),
+    (lambda d: d.update(devices_per_node=128), "devices_per_node"),
+    (lambda d: d.update(compute_efficiency=1.5), "compute_efficiency"),
+    (lambda d: d["flops_per_s"].update(fp32="fast"), "flops_per_s.fp32"),
+    (lambda d: d.pop("inter_node"), "inter_node"),
+    (lambda d: d.update(num_devices=3.5), "num_devices"),
+])
+def test_bad_cluster_files_are_refused_with_the_field_named(tmp_path, change, field):
+    data = json.loads(json.dumps(preset("a100-40gb").to_dict()))
+    change(data)
+    import tomli_w
+    path = tmp_path / "bad.toml"
+    path.write_text(tomli_w.dumps(data))
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        resolve_cluster(str(path))
+
+
+# ----------------------------------------------------------------------------- timeline
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bubble_matches_the_textbook_formula(schedule):
+    pp, m, f, b = 4, 8, 1.0, 2.0
+    costs = StageCosts((f,) * pp, (b,) * pp, (f,) * pp, (0.0,) * pp, (0.0,) * pp)
+    times = pipeline_times(schedule, pp=pp, chunks=1, num_microbatches=m, recompute=frozenset(), costs=costs)
+    assert times.makespan == pytest.approx((m + pp - 1) * (f + b))
+    assert times.bubble == pytest.approx((pp - 1) / (m + pp - 1))
+    expected = [m] * pp if schedule == "gpipe" else [pp - s for s in range(pp)]
+    assert list(times.in_flight) == expected
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2),
+                                              ("eager-1f1b", 1)])
+def test_extrapolated_timeline_equals_full_simulation(schedule, chunks):
+    pp = 3
+    s = pp * chunks
+    costs = StageCosts(tuple(1 + 0.2 * i for i in range(s)), tuple(2 + 0.5 * i for i in range(s)), (1.0,) * s,
+                       (0.1,) * s, (0.15,) * s)
+    full = pipeline_times(schedule, pp=pp, chunks=chunks, num_microbatches=24, recompute=frozenset(), costs=costs,
+                          limit=10**9)
+    short = pipeline_times(schedule, pp=pp, chunks=chunks, num_microbatches=24, recompute=frozenset(), costs=costs,
+                           limit=1)
+    assert short.makespan == pytest.approx(full.makespan, rel=1e-9)
+    assert short.in_flight == full.in_flight and short.busy == pytest.approx(full.busy)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_memory_pieces_by_hand():
+    saved, inputs = [100.0, 200.0, 300.0], [10.0, 20.0, 30.0]
+    m = stage_memory(param_elements=1000, saved=saved, inputs=inputs, output_bytes=40.0, micro_batch_size=2,
+                     in_flight=3, stashed=0, recompute_blocks=1, whole_stage=False, activation_scale=1.0,
+                     optimizer="adamw", dp=2, headroom=1.5)
+    assert (m.params, m.grads, m.optimizer) == (4000, 4000, 8000)
+    assert m.activations == 3 * (10 + 200 + 300) * 2  # block 0 recomputed: only its input kept
+    assert m.stashed_inputs == 3 * 10 * 2
+    assert m.transient == (300 + 100) * 2  # gradients of the largest block + the rebuilt block
+    assert m.buffers == 2 * (10 * 2 + 40 * 2) + min(2 * BUCKET_BYTES, 4000)
+    assert m.total == pytest.approx(1.5 * (4000 + 4000 + 8000 + 3060 + 60 + 800 + 4200))
+    whole = stage_memory(param_elements=0, saved=saved, inputs=inputs, output_bytes=0.0, micro_batch_size=1,
+                         in_flight=1, stashed=4, recompute_blocks=0, whole_stage=True, activation_scale=0.5,
+                         optimizer="sgd", dp=1, headroom=1.0)
+    assert whole.activations == 600 * 0.5 and whole.stashed_inputs == 4 * 10 * 0.5 and whole.optimizer == 0
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _brute_force(model: StepModel, nproc: int):
+    """Every raw combination of values, invalid ones skipped by what the runtime would refuse."""
+    best = None
+    g = model.global_batch_size
+    for dp, tp, pp, mbs, schedule, chunks, rc, method in itertools.product(
+            range(1, nproc + 1), (1, 2, 4), range(1, nproc + 1), range(1, g + 1),
+            ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "zb-h1"), (1, 2), RECOMPUTE, PARTITIONS):
+        if dp * tp * pp != nproc or g % (dp * mbs) or tp not in model.profile.tp or pp * chunks > 6:
+            continue
+        m = g // (dp * mbs)
+        if pp == 1 and (schedule, chunks) != ("1f1b", 1):
+            continue
+        try:
+            build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks)
+        except ConfigError:
+            continue
+        e = model.evaluate(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
+                                     schedule=schedule, chunks=chunks, recompute=rc, partition=method))
+        if e.fits and (best is None or e.step_time_s < best.step_time_s):
+            best = e
+    return best
+
+
+def test_search_pick_is_the_brute_force_optimum_of_its_cost_model():
+    model = StepModel(toy_profile(), toy_cluster(memory_per_device_gb=4.5e6 / 2**30), global_batch_size=8)
+    result = exhaustive(model, SearchSpace(nproc=4))
+    best = _brute_force(model, 4)
+    assert result.pruned > 0  # the memory limit bites, so pruning is exercised
+    assert result.ranked[0].step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
+    assert result.ranked[0].peak_memory <= model.cluster.memory_bytes
+    assert all(e.fits for e in result.ranked)
+    sentence = why(result.ranked[0], result.ranked[1])
+    assert "faster than the runner-up" in sentence
+
+
+def test_mcmc_reaches_the_exhaustive_optimum_of_its_space():
+    model = StepModel(toy_profile(3), toy_cluster(memory_per_device_gb=4.5e6 / 2**30), global_batch_size=4)
+    space = SearchSpace(nproc=2, schedules=("gpipe", "1f1b"), chunks=(1,))
+    oracle = exhaustive(model, space, list(enumerate_mcmc_space(model, space)))
+    assert oracle.evaluated > 100
+    found, states = mcmc(model, space, steps=3000, seed=0)
+    assert found is not None and states < oracle.evaluated * 2
+    assert found.step_time_s == pytest.approx(oracle.ranked[0].step_time_s, rel=1e-12)
+
+
+def test_impossible_memory_limit_names_the_smallest_that_works():
+    profile = toy_profile()
+    model = StepModel(profile, toy_cluster(memory_per_device_gb=0.001), global_batch_size=8)
+    result = exhaustive(model, SearchSpace(nproc=4))
+    with pytest.raises(ConfigError, match=r"smallest memory per device that works is [0-9.e-]+ GiB") as err:
+        require_fit(result, model)
+    need = float(str(err.value).split("works is ")[1].split(" GiB")[0])
+    roomy = StepModel(profile, toy_cluster(memory_per_device_gb=need * 1.001), global_batch_size=8)
+    assert exhaustive(roomy, SearchSpace(nproc=4)).ranked  # that much memory does fit
+
+
+def test_enumeration_respects_tp_within_node_and_planner_refusals():
+    model = StepModel(toy_profile(), toy_cluster(), global_batch_size=8)
+    cands = list(enumerate_candidates(model, SearchSpace(nproc=4)))
+    assert {c.tp for c in cands} == {1, 2}  # 4 is refused by the "planner", and exceeds a node of 2
+    assert all(c.dp * c.tp * c.pp == 4 and c.dp * c.micro_batch_size * c.num_microbatches == 8 for c in cands)
+
+
+# ----------------------------------------------------------------------------- real model, CLI
+
+
+def test_plan_auto_json_is_a_strategy(capsys):
+    from autopar.cli import main
+    code = main(["plan", "--auto", "--model", "gpt-tiny", "--nproc", "2", "--seq-len", "32", "--global-batch-size",
+                 "4", "--json", "--top", "2"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    strategy = Strategy(**plan["strategy"]).resolved(2)
+    assert strategy.dp * strategy.tp * strategy.pp == 2
+    train = plan["train"]
+    assert train["global_batch_size"] == strategy.dp * train["micro_batch_size"] * train["micro_batches"]
+    assert plan["prediction"]["step_time_s"] > 0 and len(plan["alternatives"]) == 1
+    assert math.isfinite(plan["prediction"]["bubble_fraction"])
+
+
+def test_profile_scaled_from_two_layers_equals_a_full_trace():
+    from autopar.search.profile import profile_model
+    full = profile_model("gpt-tiny", seq_len=32, tp_degrees=(1, 2), model_args={"n_layer": 3})
+    scaled = profile_model("gpt-tiny", seq_len=32, tp_degrees=(1, 2), layers=3)
+    for name in ("flops", "saved_bytes", "params", "boundary_bytes", "shared_params", "shared_blocks"):
+        assert getattr(scaled, name) == pytest.approx(getattr(full, name)), name
+    assert scaled.tp[2].allreduce_bytes == pytest.approx(full.tp[2].allreduce_bytes)
+    from autopar.data import build_tokenizer, padded_vocab_size
+    from autopar.models import build_model
+    _, info = build_model("gpt-tiny", {"n_layer": 3}, vocab_size=padded_vocab_size(build_tokenizer("byte").vocab_size))
+    assert full.num_params == info.num_params  # a tied weight counted once, where first used
+
+
+def test_calibrate_measures_gloo_links_on_two_ranks():
+    from autopar.search.calibrate import measure_links
+    links = measure_links(2)
+    assert links["p2p"]["bandwidth_bytes_per_s"] > 0 and links["p2p"]["latency_s"] >= 0
+    assert set(links["allreduce"]) == {"2"} and links["allreduce"]["2"]["bandwidth_bytes_per_s"] > 0
