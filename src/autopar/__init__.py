@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig  # noqa: E402
 from .errors import AutoparError  # noqa: E402
-from .train import Trainer, TrainResult  # noqa: E402
+from .trainer import Trainer, TrainResult  # noqa: E402
 
 __all__ = ["Trainer", "TrainResult", "Strategy", "TrainConfig", "JobConfig", "ModelConfig", "DataConfig",
            "LaunchConfig", "AutoparError", "__version__"]

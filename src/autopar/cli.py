@@ -92,7 +92,7 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
             accumulation = check_async_setup(strategy, job.train, job.launch.nproc)[1]
         else:
             accumulation = job.train.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp)
-        from .train.engine import check_pipeline_strategy
+        from .pipeline.engine import check_pipeline_strategy
         check_pipeline_strategy(strategy, accumulation)
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"

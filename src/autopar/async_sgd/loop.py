@@ -27,7 +27,7 @@ from ..train.optim import lr_factor
 from .runner import push_staleness
 
 if TYPE_CHECKING:
-    from ..train.trainer import Trainer, TrainResult
+    from ..trainer import Trainer, TrainResult
 
 
 def _worker_steps(trainer: Trainer, progress: Progress) -> list[dict]:
@@ -60,7 +60,7 @@ def _worker_steps(trainer: Trainer, progress: Progress) -> list[dict]:
 
 def train_async(trainer: Trainer) -> TrainResult:
     """Runs after Trainer._setup on every rank (servers and workers)."""
-    from ..train.trainer import TrainResult
+    from ..trainer import TrainResult
 
     cfg, engine = trainer.config, trainer.engine
     progress = Progress(total=cfg.steps, initial=0, enabled=trainer.is_main and cfg.progress)

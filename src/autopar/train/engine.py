@@ -1,6 +1,7 @@
-"""How one optimizer step's forward and backward run: whole model per replica, or a pipeline.
+"""How one optimizer step's forward and backward run with the whole model on every replica.
 
-Both engines expose the same few operations to the trainer:
+The engines (this one, and those of pipeline/, gossip/, async_sgd/, sparse/) expose the same few
+operations to the trainer:
 - `module`: the nn.Module whose parameters this rank trains (for the optimizer and
   checkpoints; parameter names are always the user's model's own);
 - `forward_backward(batches, scale)`: every micro-batch of this replica, gradients
@@ -10,14 +11,13 @@ Both engines expose the same few operations to the trainer:
 - `token_loss_sum(output, batch)`: the default loss (token cross-entropy sum), which under
   tensor parallelism reads logits sharded over the vocabulary.
 
-Tensor parallelism runs through the pipeline engine (a single stage when pp=1), because it
-rewrites the traced stage graphs.
+Tensor parallelism runs through the pipeline engine (pipeline/engine.py; a single stage when
+pp=1), because it rewrites the traced stage graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,13 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data.datasets import IGNORE_INDEX
 from ..data_parallel import GradientSynchronizer
-from ..distributed import backend_for, group_options
-from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
-from .loss import Batch, count_targets, main_input, token_loss_sum
+from .loss import Batch, count_targets, token_loss_sum
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # (model output, batch) -> this micro-batch's loss share
 
@@ -119,255 +116,6 @@ def broadcast_from_first_replica(module: nn.Module, mesh: ProcessMesh) -> None:
                 offset += t.numel()
 
 
-def _random_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if value.is_floating_point():
-        return torch.randn(value.shape, dtype=value.dtype, device=device)
-    return torch.zeros(value.shape, dtype=value.dtype, device=device)
-
-
 def eval_token_sums(output: Any, batch: Batch, loss_sum: Callable = token_loss_sum) -> torch.Tensor:
     return torch.stack([loss_sum(output, batch).double(),
                         torch.tensor(count_targets(batch), dtype=torch.float64, device=batch["labels"].device)])
-
-
-# ---------------------------------------------------------------------------- pipeline
-
-
-def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
-    """Pipeline choices that can be checked before any process group exists (same error on every rank)."""
-    if strategy.pp == 1 and strategy.chunks == 1:
-        return
-    from ..partition import METHODS
-    from ..pipeline.schedules import generate
-    if strategy.partition not in METHODS:
-        raise ConfigError(f"unknown partition method {strategy.partition!r}; use one of {{{', '.join(METHODS)}}}")
-    generate(strategy.schedule, pp=strategy.pp, num_microbatches=num_microbatches, chunks=strategy.chunks)
-
-
-class LocalStages(nn.Module):
-    """This rank's stage modules seen as one module under the model's own parameter names.
-
-    Stages of one rank that read the same parameter (a tied embedding on two chunks) share
-    one Parameter object, so checkpoints and the optimizer see each name once.
-    """
-
-    def __init__(self, stages: dict[int, nn.Module]):
-        super().__init__()
-        from ..partition.stages import _set_by_path
-        for stage in stages.values():
-            for name, p in stage.named_parameters():
-                try:
-                    existing = self.get_parameter(name)
-                except AttributeError:
-                    _set_by_path(self, name, p.data, buffer=False)
-                    existing = self.get_parameter(name)
-                _assign(stage, name, existing)
-            persistent = set(stage.state_dict().keys())
-            for name, b in stage.named_buffers():
-                try:
-                    self.get_buffer(name)
-                except AttributeError:
-                    _set_by_path(self, name, b, buffer=True, persistent=name in persistent)
-
-
-def _assign(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
-    owner_path, _, attr = fqn.rpartition(".")
-    owner = module.get_submodule(owner_path) if owner_path else module
-    owner._parameters[attr] = param
-
-
-class PipelineEngine:
-    """This rank's pipeline stage(s), run by a schedule; gradients synchronised over dp and tied stages."""
-
-    def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float):
-        from ..partition import partition
-        from ..pipeline.actions import Op, stage_to_rank
-        from ..pipeline.p2p import P2P
-        from ..pipeline.runtime import PipelineRuntime
-        from ..pipeline.schedules import build_schedule, recomputed_stages
-        from ..trace import trace
-
-        strategy = mesh.strategy
-        self.mesh, self.autocast = mesh, autocast
-        self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
-        self.num_stages = strategy.pp * strategy.chunks
-        example = main_input(example_batch)
-        graph = trace(model, (torch.zeros(example.shape, dtype=example.dtype, device="meta"),))
-        if self.num_stages > len(graph.blocks):
-            raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
-                              f"only {len(graph.blocks)} blocks to cut between (embedding part, "
-                              f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
-        self.partition = partition(graph, self.num_stages, method=strategy.partition)
-        placement = "loop"
-        mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
-        self.stages = {s: self.partition.materialize_stage(s, model, device, seed=seed) for s in mine}
-        self.tensor_parallel = None
-        self.tp_rank = mesh.local_rank("tp")
-        if strategy.tp > 1:
-            from ..tensor_parallel import TensorParallel, plan_tensor_parallel
-            self.tensor_parallel = TensorParallel(plan_tensor_parallel(graph, strategy.tp), mesh.group("tp"))
-            for stage in self.stages.values():
-                self.tensor_parallel.parallelize(stage)
-            if strategy.tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)
-                from ..tensor_parallel.subpipeline import sub_pipeline_stages
-                sub_pipeline_stages(self.stages, model, self.partition, example, strategy.tp_subbatches,
-                                    mesh.group("tp"), device)
-        self.module = LocalStages(self.stages)
-        recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
-                     "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]
-        self.schedule = build_schedule(strategy.schedule, pp=self.pp, num_microbatches=num_microbatches,
-                                       chunks=strategy.chunks, recompute=recompute, prefetch=True)
-        recompute = recomputed_stages(self.schedule)  # the schedule may drop some (scp: never the last)
-        self.actions = self.schedule[self.pp_rank]
-        # eval: the same order without backward work (dropping work only removes waits)
-        self.eval_actions = [a for a in self.actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
-        p2p = P2P(mesh.group("pp"), device, self.num_stages, num_microbatches)
-        self.runtime = PipelineRuntime(stages=self.stages, num_stages=self.num_stages, pp=self.pp, pp_rank=self.pp_rank,
-                                       p2p=p2p, loss_fn=lambda out, batch: self._loss_fn(out, batch),
-                                       recompute=recompute, autocast=autocast, placement=placement,
-                                       first_input=lambda b: (main_input(b),))
-        self.recompute_plan = None
-        if strategy.memory_budget_mb is not None:
-            self.recompute_plan = self._plan_recompute(strategy.memory_budget_mb * 2**20, example, num_microbatches)
-        self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
-        self._shared = self._shared_groups(device, placement, timeout_s)
-        self._loss_fn: LossFn = lambda out, batch: out
-        self.last_events: list = []
-
-    def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
-        if self.tensor_parallel is None:
-            return token_loss_sum(output, batch)
-        return self.tensor_parallel.loss_sum(output, batch, IGNORE_INDEX)
-
-    def _plan_recompute(self, budget: float, example: torch.Tensor, num_microbatches: int):
-        """Measure this rank's stages and choose their recomputed blocks; every rank agrees it fits."""
-        from ..pipeline.recompute import measure_saved_bytes, plan_recompute
-        from ..pipeline.simulate import simulate
-        timeline = simulate(self.schedule, pp=self.pp, num_stages=self.num_stages, num_microbatches=num_microbatches)
-        graph_nodes = {n.name: n for n in self.partition.graph.graph.nodes}
-        saved, state = {}, {}
-        for s, stage in self.stages.items():
-            if s == 0:
-                inputs = (torch.zeros(example.shape, dtype=example.dtype, device=example.device),)
-            else:
-                inputs = tuple(_random_like(graph_nodes[name].meta["val"], example.device) for name in stage.spec.inputs)
-            saved[s] = measure_saved_bytes(stage, inputs)
-            state[s] = 4 * sum(p.numel() * p.element_size() for p in stage.parameters())
-            if s in self.runtime.recompute:  # whole-stage R already: stashed inputs + one live micro-batch
-                stash = sum(v.numel() * v.element_size() for v in inputs) * max(1, timeline.stashed_inputs.get(s, 1))
-                saved[s] = [saved[s][0] + stash]
-        error = None
-        try:
-            in_flight = {s: 1 if s in self.runtime.recompute else max(1, timeline.peak_activations.get(s, 1))
-                         for s in saved}
-            plan = plan_recompute(saved, in_flight=in_flight,
-                                  state_bytes=state, budget=budget, last_stage=self.num_stages - 1)
-        except ConfigError as exc:
-            error, plan = exc, None
-        failed = torch.tensor(0 if error is None else 1, device=example.device)
-        dist.all_reduce(failed)
-        if error is not None:
-            raise error
-        if int(failed):
-            raise ConfigError(f"another pipeline rank cannot fit --memory-budget-mb {budget / 2**20:g}; "
-                              f"see its message")
-        for s, blocks in plan.blocks.items():
-            self.stages[s].recompute_blocks = blocks
-        return plan
-
-    def _shared_groups(self, device: torch.device, placement: str,
-                       timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
-        """One group per tied parameter whose owning stages sit on different pp ranks."""
-        from ..pipeline.actions import stage_to_rank
-        coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
-        backend = backend_for(device.type)
-        result = []
-        for fqn, owner_stages in sorted(self.partition.shared.items()):
-            pp_ranks = sorted({stage_to_rank(s, self.pp, self.num_stages, placement) for s in owner_stages})
-            if len(pp_ranks) < 2:
-                continue
-            mine = None
-            for d in range(coords.shape[1]):
-                for t in range(coords.shape[2]):
-                    ranks = [int(coords[p, d, t]) for p in pp_ranks]
-                    group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, timeout_s))
-                    if dist.get_rank() in ranks:
-                        mine = group
-            if mine is not None:
-                first_owner = stage_to_rank(min(owner_stages), self.pp, self.num_stages, placement) == self.pp_rank
-                result.append((self.module.get_parameter(fqn), mine, first_owner))
-        return result
-
-    def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
-        self._loss_fn = loss_fn
-        self.module.train()
-        sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
-        step = self.runtime.run(self.actions, batches, record=True, sync_context=sync)
-        self.last_events = step.events
-        self.sync.finish()
-        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
-            dist.all_reduce(param.grad, group=group)
-        return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
-
-    def clip_gradients(self, max_norm: float) -> float:
-        """Global norm: tied copies counted once, tensor-parallel slices summed over the tp group
-        (replicated parameters have equal gradients on every tp rank and are counted once)."""
-        shared_elsewhere = {id(p) for p, _, first in self._shared if not first}
-        sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
-                   if self.tensor_parallel is not None else set())
-        device = next(self.module.parameters()).device
-        squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
-        for p in self.sync.params:
-            if p.grad is not None and id(p) not in shared_elsewhere:
-                squares[int(id(p) in sharded)] += p.grad.double().square().sum()
-        if self.tensor_parallel is not None:
-            dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
-        squares = squares.sum()
-        dist.all_reduce(squares, group=self.mesh.group("pp"))
-        norm = math.sqrt(float(squares))
-        if norm > max_norm and math.isfinite(max_norm):
-            scale = max_norm / (norm + 1e-6)
-            for p in self.sync.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
-
-    @torch.no_grad()
-    def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
-        """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
-        self.module.eval()
-        self._loss_fn = eval_loss
-        step = self.runtime.run(self.eval_actions, batches)
-        self.module.train()
-        if self.num_stages - 1 in self.stages and self.tp_rank == 0:
-            return step.loss.double()
-        return torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
-
-    def zero_grad(self) -> None:
-        self.sync.zero_grad()
-
-    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
-        """Measured bubble fraction and peak memory of every pipeline rank (averaged / max over replicas)."""
-        busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
-        bubble = torch.zeros(self.pp, dtype=torch.float64)
-        peak = torch.zeros(self.pp, dtype=torch.float64)
-        bubble[self.pp_rank] = max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
-        peak[self.pp_rank] = peak_bytes
-        device = next(self.module.parameters()).device
-        bubble, peak = bubble.to(device), peak.to(device)
-        dist.all_reduce(bubble)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        per_rank = (bubble / (dist.get_world_size() // self.pp)).tolist()
-        return {"bubble_fraction": sum(per_rank) / self.pp, "bubble_per_stage": per_rank,
-                "peak_mem_bytes_per_stage": [int(v) for v in peak.tolist()]}
-
-    def gather_events(self) -> list | None:
-        """Every rank's measured events of the last step, on rank 0 (None elsewhere)."""
-        mine = [(dist.get_rank(), start, end, str(action)) for start, end, action in self.last_events]
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        return [e for part in gathered for e in part] if gathered is not None else None
-
-    def close(self) -> None:
-        self.sync.remove()

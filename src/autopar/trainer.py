@@ -28,17 +28,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .. import __version__
-from ..config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
-from ..data.sampler import GlobalBatchSampler
-from ..distributed import DistEnv, init_distributed
-from ..errors import ConfigError, DataError
-from ..mesh import ProcessMesh
-from . import checkpoint as ckpt
-from .engine import DataParallelEngine, PipelineEngine, check_pipeline_strategy, eval_token_sums
-from .loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, tokens_in
-from .metrics import MetricsLog, Progress, peak_memory_bytes
-from .optim import build_optimizer, build_scheduler
+from . import __version__
+from .config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
+from .data.sampler import GlobalBatchSampler
+from .distributed import DistEnv, init_distributed
+from .errors import ConfigError, DataError
+from .mesh import ProcessMesh
+from .train import checkpoint as ckpt
+from .pipeline.engine import PipelineEngine, check_pipeline_strategy
+from .train.engine import DataParallelEngine, eval_token_sums
+from .train.loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, tokens_in
+from .train.metrics import MetricsLog, Progress, peak_memory_bytes
+from .train.optim import build_optimizer, build_scheduler
 
 
 @dataclass
@@ -79,12 +80,12 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
         strategy = self.strategy.resolved(world)
         if strategy.dp_mode == "async":  # parameter server: batches split over the workers only
-            from ..async_sgd.engine import check_async_setup
+            from .async_sgd.engine import check_async_setup
             self.config, accumulation = check_async_setup(strategy, cfg, world)
             return strategy, accumulation
         self.config = cfg = cfg.with_micro_batches(strategy.dp)
         accumulation = cfg.accumulation_steps(strategy.dp)
-        from ..tensor_parallel.subpipeline import check_tp_subbatches
+        from .tensor_parallel.subpipeline import check_tp_subbatches
         check_tp_subbatches(strategy, cfg.micro_batch_size)
         check_pipeline_strategy(strategy, accumulation)
         if (strategy.pp > 1 or strategy.tp > 1) and self.forward_fn is not default_forward:
@@ -92,7 +93,7 @@ class Trainer:
                               f"is traced and its stages are called on the batch's main input ('input_ids' or "
                               f"'inputs'); drop forward_fn, or use data parallelism only")
         if strategy.dp_mode == "gossip":
-            from ..gossip import check_gossip_strategy
+            from .gossip import check_gossip_strategy
             check_gossip_strategy(strategy)
         if cfg.resume and (strategy.sparse_embeddings != "dense" or cfg.optimizer == "sparse-adam"):
             raise ConfigError(f"--resume is not supported yet with --sparse-embeddings {strategy.sparse_embeddings} / "
@@ -113,12 +114,12 @@ class Trainer:
                          else contextlib.nullcontext)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
         if self.strategy.dp_mode == "gossip":  # D-PSGD: replicas mix with neighbours (gossip/engine.py)
-            from ..gossip import GossipEngine
+            from .gossip import GossipEngine
             self.engine = GossipEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                        forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s)
             self.run_info["gossip"] = {**self.engine.topology.describe(), "order": self.engine.order}
         elif self.strategy.dp_mode == "async":  # parameter server (async_sgd/engine.py)
-            from ..async_sgd.engine import AsyncEngine
+            from .async_sgd.engine import AsyncEngine
             self.engine = AsyncEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
                                       forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s,
                                       weight_decay=cfg.weight_decay)
@@ -130,7 +131,7 @@ class Trainer:
                                          example_batch=example, num_microbatches=self.accumulation,
                                          autocast=self.autocast, timeout_s=cfg.timeout_s)
         elif self.strategy.sparse_embeddings != "dense" or cfg.optimizer == "sparse-adam":
-            from ..sparse import SparseEmbeddingEngine  # EmbRace and its baselines (sparse/engine.py)
+            from .sparse import SparseEmbeddingEngine  # EmbRace and its baselines (sparse/engine.py)
             self.engine = SparseEmbeddingEngine(
                 self.model, self.mesh, device=self.device, seed=cfg.seed, forward_fn=self.forward_fn,
                 autocast=self.autocast, config=cfg, log=lambda text: print(text, flush=True),
@@ -258,7 +259,7 @@ class Trainer:
     def train(self) -> TrainResult:
         self._setup()
         if self.strategy.dp_mode == "async":  # servers serve, workers run ahead: a loop of its own
-            from ..async_sgd.loop import train_async
+            from .async_sgd.loop import train_async
             return train_async(self)
         cfg = self.config
         start = self._resume() if cfg.resume else 0
@@ -314,8 +315,8 @@ class Trainer:
 
     def _write_trace(self) -> None:
         """The last step's measured timeline, in the simulator's Chrome trace format."""
-        from ..pipeline.actions import Action
-        from ..pipeline.simulate import timeline_from_events
+        from .pipeline.actions import Action
+        from .pipeline.simulate import timeline_from_events
         events = self.engine.gather_events()
         if events is not None:
             origin = min(start for _, start, _, _ in events)
