@@ -22,7 +22,7 @@ import traceback
 from datetime import datetime
 from typing import Any, get_type_hints
 
-from .config import SECTION_TYPES, JobConfig, coerce, load_toml, merge
+from .config import PARTITION_METHODS, SECTION_TYPES, JobConfig, coerce, load_toml, merge
 from .distributed import DistEnv
 from .errors import AutoparError, ConfigError
 
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: show which layers are split how, "
                       "and which stay replicated and why")
-    plan.add_argument("--method", default="time", choices=["uniform", "parameters", "time"],
+    plan.add_argument("--method", default="time", choices=PARTITION_METHODS,
                       help="balance equal layers, parameter counts, or forward+backward time")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     plan.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")

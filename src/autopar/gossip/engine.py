@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import GOSSIP_ORDERS as ORDERS
 from ..data_parallel.links import LinkModel, Links
 from ..errors import ConfigError, choices
 from ..mesh import ProcessMesh
@@ -46,7 +47,7 @@ from ..train.loss import Batch, token_loss_sum
 from .mixer import GossipMixer
 from .topology import BUILTIN, Topology, build_topology
 
-GOSSIP_ORDERS = ("dpsgd", "atc")
+GOSSIP_ORDERS = ORDERS  # named once, in config.py
 
 
 def check_gossip_strategy(strategy) -> Topology:
