@@ -86,14 +86,8 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     job = resolve_job(ns)
     env = DistEnv.from_environ()
     if not env.launched and job.launch.nproc > 1:
-        strategy = job.strategy.resolved(job.launch.nproc)  # fail here, before starting any process
-        if strategy.dp_mode == "async":  # the parameter server splits batches over its workers only
-            from .async_sgd.engine import check_async_setup
-            accumulation = check_async_setup(strategy, job.train, job.launch.nproc)[1]
-        else:
-            accumulation = job.train.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp)
-        from .pipeline.engine import check_pipeline_strategy
-        check_pipeline_strategy(strategy, accumulation)
+        from .strategies import resolve
+        resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         return launch([sys.executable, "-m", "autopar", *argv, "--out", out], job.launch.nproc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
+from ..train.base import EngineBase
+from .actions import Action
+from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, main_input, token_loss_sum
 
 
@@ -67,7 +71,7 @@ def _assign(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
     owner._parameters[attr] = param
 
 
-class PipelineEngine:
+class PipelineEngine(EngineBase):
     """This rank's pipeline stage(s), run by a schedule; gradients synchronised over dp and tied stages."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
@@ -259,6 +263,22 @@ class PipelineEngine:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         return [e for part in gathered for e in part] if gathered is not None else None
+
+    def finish_run(self, run_dir: Path, config, strategy) -> None:
+        """With --trace: the last step's measured timeline, in the simulator's Chrome trace format."""
+        if not config.trace:
+            return
+        events = self.gather_events()
+        if events is not None:
+            origin = min(start for _, start, _, _ in events)
+            timeline = timeline_from_events([(rank, start - origin, end - origin, Action.parse(text))
+                                             for rank, start, end, text in events])
+            timeline.to_chrome_trace(run_dir / "timeline.json")
+            try:
+                timeline.to_png(run_dir / "timeline.png", title=f"measured step {config.steps}, "
+                                f"schedule {strategy.schedule}, pp={strategy.pp}")
+            except ImportError:
+                print("timeline.png skipped: install matplotlib (pip install 'autopar[plot]')", flush=True)
 
     def close(self) -> None:
         self.sync.remove()

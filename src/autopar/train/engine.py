@@ -28,12 +28,13 @@ from torch import nn
 from ..data_parallel import GradientSynchronizer
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from .base import EngineBase
 from .loss import Batch, count_targets, token_loss_sum
 
 LossFn = Callable[[Any, Batch], torch.Tensor]  # (model output, batch) -> this micro-batch's loss share
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineBase):
     """The whole model on every rank; gradients summed over the dp group."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
@@ -42,8 +43,6 @@ class DataParallelEngine:
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         broadcast_from_first_replica(self.module, mesh)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
-        self.token_loss_sum = token_loss_sum
-        self.tensor_parallel = None
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn, self.sync.no_sync)
@@ -59,9 +58,6 @@ class DataParallelEngine:
 
     def zero_grad(self) -> None:
         self.sync.zero_grad()
-
-    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
-        return {}
 
     def close(self) -> None:
         self.sync.remove()
