@@ -5,7 +5,7 @@
                     config=autopar.TrainConfig(steps=100)).train()
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig  # noqa: E402
 from .errors import AutoparError  # noqa: E402

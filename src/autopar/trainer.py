@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from . import __version__
+from .version import __version__
 from .config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
 from .data.sampler import GlobalBatchSampler
 from .distributed import DistEnv, init_distributed

@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from .. import __version__
+from ..version import __version__
 from ..train.base import LoopServices, TrainResult
 from ..train.loss import count_targets, tokens_in
 from ..train.metrics import MetricsLog, Progress, peak_memory_bytes
