@@ -1,6 +1,6 @@
 """The data-parallel engine with sparse-embedding communication (EmbRace and its baselines).
 
-Same interface as train/engine.py's engines. At set-up it measures which embedding tables
+The Engine of train/base.py, like train/engine.py's data-parallel engine. At set-up it measures which embedding tables
 are sparse (sparse/classify.py, logged on rank 0), then per `Strategy.sparse_embeddings`:
 - `dense`: today's path (every gradient in the bucketed all-reduce); only chosen so that
   `sparse-adam` can apply SparseAdam to the sparse tables (their reduced gradient's

@@ -151,7 +151,8 @@ class LoopServices(Protocol):
 
     def loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor: ...
 
-    def evaluate(self) -> float | None: ...
+    def evaluate(self, replica: tuple[int, int] | None = None) -> float | None:
+        """(index, count) of this rank among the ranks that split the eval batches; (0, 0): only join the sum."""
 
     def save(self, step: int) -> Path: ...
 
