@@ -17,14 +17,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import PARTITION_METHODS
 from ..data.datasets import IGNORE_INDEX
 from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..train.base import EngineBase
-from .actions import Action
-from .simulate import timeline_from_events
+from ..partition.stages import _set_by_path
+from .actions import Action, stage_to_rank
+from .recompute import measure_saved_bytes, plan_recompute
+from .schedules import generate
+from .simulate import simulate, timeline_from_events
 from ..train.loss import Batch, LossFn, main_input, token_loss_sum
 
 
@@ -32,10 +36,9 @@ def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
     """Pipeline choices that can be checked before any process group exists (same error on every rank)."""
     if strategy.pp == 1 and strategy.chunks == 1:
         return
-    from ..partition import METHODS
-    from .schedules import generate
-    if strategy.partition not in METHODS:
-        raise ConfigError(f"unknown partition method {strategy.partition!r}; use one of {{{', '.join(METHODS)}}}")
+    if strategy.partition not in PARTITION_METHODS:
+        raise ConfigError(f"unknown partition method {strategy.partition!r}; "
+                          f"use one of {{{', '.join(PARTITION_METHODS)}}}")
     generate(strategy.schedule, pp=strategy.pp, num_microbatches=num_microbatches, chunks=strategy.chunks)
 
 
@@ -48,7 +51,6 @@ class LocalStages(nn.Module):
 
     def __init__(self, stages: dict[int, nn.Module]):
         super().__init__()
-        from ..partition.stages import _set_by_path
         for stage in stages.values():
             for name, p in stage.named_parameters():
                 try:
@@ -137,8 +139,6 @@ class PipelineEngine(EngineBase):
 
     def _plan_recompute(self, budget: float, example: torch.Tensor, num_microbatches: int):
         """Measure this rank's stages and choose their recomputed blocks; every rank agrees it fits."""
-        from .recompute import measure_saved_bytes, plan_recompute
-        from .simulate import simulate
         timeline = simulate(self.schedule, pp=self.pp, num_stages=self.num_stages, num_microbatches=num_microbatches)
         graph_nodes = {n.name: n for n in self.partition.graph.graph.nodes}
         saved, state = {}, {}
@@ -174,7 +174,6 @@ class PipelineEngine(EngineBase):
     def _shared_groups(self, device: torch.device, placement: str,
                        timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
         """One group per tied parameter whose owning stages sit on different pp ranks."""
-        from .actions import stage_to_rank
         coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
         backend = backend_for(device.type)
         result = []

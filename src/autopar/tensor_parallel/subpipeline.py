@@ -36,7 +36,10 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ..errors import ConfigError, ModelError
+from ..partition.stages import StageModule, StageSpec, _output_nodes, plan_stages, retarget_device
+from ..trace import trace
 from .apply import ReduceFromTP, rewrite_graph
+from .plan import plan_tensor_parallel
 
 START, WAIT = "tp_reduce_start", "tp_reduce_wait"
 
@@ -227,7 +230,6 @@ def _output_shapes(stage: nn.Module, graph, flat_outputs) -> list[tuple[int, ...
     Read from the traced graph by the names the stage sends (the last stage: the model's
     outputs), since rewritten pieces hold nodes the trace never had.
     """
-    from ..partition.stages import _output_nodes
     by_name = {n.name: n for n in graph.graph.nodes}
     names = iter([n.name for n in _output_nodes(graph.graph)] if stage.is_last else stage.spec.outputs)
     shapes = []
@@ -245,7 +247,6 @@ def sub_pipeline_stage(stage: nn.Module, sub_stage: nn.Module, sub_plan, group: 
     `stage` is the materialised, parallelised StageModule (its parameters stay where they
     are); `sub_stage` is the same stage built on meta from the sub-batch trace.
     """
-    from ..partition.stages import StageSpec, retarget_device
 
     pieces = list(sub_stage._pieces)
     for piece in pieces:
@@ -274,9 +275,6 @@ def sub_pipeline_stage(stage: nn.Module, sub_stage: nn.Module, sub_plan, group: 
 def sub_pipeline_stages(stages: dict[int, nn.Module], model: nn.Module, partition, example: torch.Tensor, k: int,
                         group: dist.ProcessGroup, device: torch.device) -> None:
     """Trace the model at B/K rows and turn each of this rank's tensor-parallel stages into K interleaved copies."""
-    from ..partition.stages import StageModule, plan_stages
-    from ..trace import trace
-    from .plan import plan_tensor_parallel
 
     if example.shape[0] % k:
         raise ConfigError(f"strategy.tp_subbatches={k} does not divide the micro-batch size {example.shape[0]}")
