@@ -5,11 +5,10 @@
                     config=autopar.TrainConfig(steps=100)).train()
 """
 
+from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig
+from .errors import AutoparError
+from .trainer import Trainer, TrainResult
 from .version import __version__
-
-from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig  # noqa: E402
-from .errors import AutoparError  # noqa: E402
-from .trainer import Trainer, TrainResult  # noqa: E402
 
 __all__ = ["Trainer", "TrainResult", "Strategy", "TrainConfig", "JobConfig", "ModelConfig", "DataConfig",
            "LaunchConfig", "AutoparError", "__version__"]

@@ -27,19 +27,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .version import __version__
 from .config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
 from .data.sampler import GlobalBatchSampler
 from .distributed import DistEnv, init_distributed
 from .errors import ConfigError, DataError
 from .mesh import ProcessMesh
-from .train import checkpoint as ckpt
 from .strategies import Resolved, resolve
+from .train import checkpoint as ckpt
 from .train.base import Engine, EngineContext, TrainResult
 from .train.engine import eval_token_sums
 from .train.loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, tokens_in
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
 from .train.optim import build_scheduler
+from .version import __version__
 
 
 class Trainer:
