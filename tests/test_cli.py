@@ -206,3 +206,25 @@ def test_pipeline_bad_input(args, message):
     done = autopar("train", *base, "--nproc", "2", "--steps", "2", *args)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc", "4", "--dp-mode", "gossip", "--pp", "2"], "--dp-mode gossip is data-parallel only"),
+    (["--nproc", "2", "--dp-mode", "gossip", "--gossip-order", "cta"], "strategy.gossip_order must be one of"),
+    (["--nproc", "2", "--tp", "2", "--tp-subbatches", "3"], "strategy.tp_subbatches=3 does not divide"),
+    (["--nproc", "2", "--dp-mode", "async", "--optimizer", "adamw"], "use --optimizer sgd"),
+    (["--nproc", "2", "--sparse-embeddings", "embrace", "--sparse-schedule", "--grad-clip", "1"],
+     "use --grad-clip 0"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "2f2b"], "unknown pipeline schedule '2f2b'"),
+])
+def test_bad_strategy_is_refused_before_any_rank_starts(tmp_path, args, message):
+    """strategies.resolve() runs in `autopar train` itself: one error line, no rank started, no run folder."""
+    run = tmp_path / "run"
+    began = time.perf_counter()
+    done = autopar("train", *SMALL, "--steps", "2", "--out", str(run), *args)
+    elapsed = time.perf_counter() - began
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "(rank " not in done.stderr, done.stderr  # a launched rank would name itself
+    assert not run.exists()
+    assert elapsed < 60, elapsed  # no process group, no model: only the command's own start-up

@@ -12,7 +12,7 @@ from autopar.errors import ConfigError, ModelError
 from autopar.models import build_model, materialize
 from autopar.partition import crossings, materialize_stage, partition
 from autopar.trace import trace
-from autopar.train.loss import logits_of
+from autopar.models.output import logits_of
 
 # three repeated layers + prelude + postlude = 5 blocks: pp in {2, 3, 4} never divides it
 MODELS = {"gpt-tiny": {"n_layer": 3}, "hf:gpt2": {"n_layer": 3}, "hf:llama": {"num_hidden_layers": 3},

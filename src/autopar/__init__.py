@@ -5,11 +5,10 @@
                     config=autopar.TrainConfig(steps=100)).train()
 """
 
-__version__ = "0.1.0"
-
-from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig  # noqa: E402
-from .errors import AutoparError  # noqa: E402
-from .train import Trainer, TrainResult  # noqa: E402
+from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig
+from .errors import AutoparError
+from .trainer import Trainer, TrainResult
+from .version import __version__
 
 __all__ = ["Trainer", "TrainResult", "Strategy", "TrainConfig", "JobConfig", "ModelConfig", "DataConfig",
            "LaunchConfig", "AutoparError", "__version__"]

@@ -22,7 +22,7 @@ import traceback
 from datetime import datetime
 from typing import Any, get_type_hints
 
-from .config import SECTION_TYPES, JobConfig, coerce, load_toml, merge
+from .config import PARTITION_METHODS, SECTION_TYPES, JobConfig, coerce, load_toml, merge
 from .distributed import DistEnv
 from .errors import AutoparError, ConfigError
 
@@ -86,14 +86,8 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     job = resolve_job(ns)
     env = DistEnv.from_environ()
     if not env.launched and job.launch.nproc > 1:
-        strategy = job.strategy.resolved(job.launch.nproc)  # fail here, before starting any process
-        if strategy.dp_mode == "async":  # the parameter server splits batches over its workers only
-            from .async_sgd.engine import check_async_setup
-            accumulation = check_async_setup(strategy, job.train, job.launch.nproc)[1]
-        else:
-            accumulation = job.train.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp)
-        from .train.engine import check_pipeline_strategy
-        check_pipeline_strategy(strategy, accumulation)
+        from .strategies import resolve
+        resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         return launch([sys.executable, "-m", "autopar", *argv, "--out", out], job.launch.nproc)
@@ -190,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: show which layers are split how, "
                       "and which stay replicated and why")
-    plan.add_argument("--method", default="time", choices=["uniform", "parameters", "time"],
+    plan.add_argument("--method", default="time", choices=PARTITION_METHODS,
                       help="balance equal layers, parameter counts, or forward+backward time")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     plan.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")

@@ -38,7 +38,13 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+# Valid choices, named once: the help texts below, the checks and the packages that implement
+# them (pipeline/schedules.py, partition/plan.py, gossip/) all read these.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1")
+PARTITION_METHODS = ("uniform", "parameters", "time")
 RECOMPUTE_MODES = ("none", "all", "all-but-last")
+GOSSIP_TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+GOSSIP_ORDERS = ("dpsgd", "atc")
 DP_MODES = ("allreduce", "gossip", "async")
 SPARSE_EMBEDDING_MODES = ("dense", "allgather", "embrace")
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam", "sparse-adam")
@@ -56,10 +62,10 @@ class Strategy:
     dp: int | None = _f(None, "data-parallel degree (replicas); default: nproc / (tp * pp)")
     tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
     pp: int = _f(1, "pipeline-parallel degree (stages)")
-    schedule: str = _f("1f1b", "pipeline schedule: gpipe|1f1b|interleaved-1f1b|eager-1f1b|scp|zb-h1")
+    schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES)}")
     chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2)")
-    partition: str = _f("time", "how to cut the model into stages: uniform|parameters|time")
-    recompute: str = _f("none", "whole-stage recomputation scheduled by the pipeline: none|all|all-but-last")
+    partition: str = _f("time", f"how to cut the model into stages: {'|'.join(PARTITION_METHODS)}")
+    recompute: str = _f("none", f"whole-stage recomputation scheduled by the pipeline: {'|'.join(RECOMPUTE_MODES)}")
     memory_budget_mb: float | None = _f(None, "per-rank memory budget (MiB): recompute the fewest blocks of each "
                                               "stage that fit it (stage-aware recomputation)")
     tp_subbatches: int = _f(1, "sub-pipelined tensor parallelism: split each micro-batch of a tensor-parallel "
@@ -68,7 +74,7 @@ class Strategy:
     # How data-parallel replicas combine their work (synchronous all-reduce by default).
     dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
                                    "average with neighbours only) | async (parameter server, bounded staleness)")
-    topology: str = _f("ring", "gossip graph: ring|torus|exponential|complete (Metropolis weights), or a text file "
+    topology: str = _f("ring", f"gossip graph: {'|'.join(GOSSIP_TOPOLOGIES)} (Metropolis weights), or a text file "
                                "holding the n x n doubly-stochastic mixing matrix, one row per line")
     gossip_order: str = _f("dpsgd", "gossip update order: dpsgd (gradient at the local model while mixing, "
                                     "Lian et al.) | atc (adapt, then combine)")
@@ -79,7 +85,7 @@ class Strategy:
                                          "all-gather) | embrace (sharded tables, AlltoAll lookups)")
     sparse_threshold: float = _f(0.1, "a table whose measured fraction of rows touched per step is below this "
                                       "is sparse")
-    sparse_sharding: str = _f("column", "how embrace shards sparse tables over replicas: column|row")
+    sparse_sharding: str = _f("column", f"how embrace shards sparse tables over replicas: {'|'.join(SPARSE_SHARDINGS)}")
     sparse_schedule: bool = _f(False, "embrace: 2D communication scheduling (rows the next step reads are exchanged "
                                       "and updated first, the rest deferred; needs grad_clip 0)")
 

@@ -11,7 +11,7 @@ from .config import JobConfig
 from .data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
 from .errors import ConfigError
 from .models import build_model
-from .train import Trainer, TrainResult
+from .trainer import Trainer, TrainResult
 
 
 def run_job(job: JobConfig) -> TrainResult:

@@ -21,7 +21,8 @@ from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from ..train.engine import accumulate_gradients, whole_model_eval_sums
-from ..train.loss import Batch, token_loss_sum
+from ..train.base import EngineBase
+from ..train.loss import Batch
 from .layout import FlatLayout
 from .roles import Roles
 from .server import ParameterServer
@@ -51,7 +52,7 @@ def check_async_setup(strategy: Strategy, config: TrainConfig, world: int) -> tu
                           f"(processes minus --servers {roles.servers}), so 'dp' below means workers: {exc}") from None
 
 
-class AsyncEngine:
+class AsyncEngine(EngineBase):
     """This rank's part of a parameter-server run (see async_sgd/__init__.py for the design).
 
     Each of the W pushes of a step is one SGD update with that worker's share of the gradient;
@@ -59,18 +60,14 @@ class AsyncEngine:
     workers decays the weights once, as a synchronous step does.
     """
 
-    tensor_parallel = None  # whole model per replica
-    token_loss_sum = staticmethod(token_loss_sum)
-
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  forward_fn: Callable, autocast: Callable, timeout_s: float, weight_decay: float,
-                 link_model: LinkModel | None = None):
-        strategy = mesh.strategy
+                 servers: int, staleness: int, link_model: LinkModel | None = None):
         self.module = materialize(model, device, seed=seed)
         self.forward_fn, self.autocast = forward_fn, autocast
         self.rank = dist.get_rank()
-        self.roles = Roles.check(dist.get_world_size(), strategy.servers, strategy.staleness)
-        self.staleness = strategy.staleness
+        self.roles = Roles.check(dist.get_world_size(), servers, staleness)
+        self.staleness = staleness
         self.layout = FlatLayout(self.module, self.roles.servers)
         initial = self.layout.gather_params()
         dist.broadcast(initial, src=0)  # every rank starts from rank 0's weights
@@ -85,7 +82,7 @@ class AsyncEngine:
         self.client: ServerClient | None = None
         if self.is_server:
             self.server = ParameterServer(self.layout, self.roles.shard_of(self.rank), workers=self.roles.worker_ranks,
-                                          staleness=strategy.staleness, links=self.links,
+                                          staleness=staleness, links=self.links,
                                           weight_decay=weight_decay / self.roles.num_workers, initial=initial)
         else:
             self.client = ServerClient(self.layout, self.roles.server_ranks, self.links, rank=self.rank)
@@ -133,9 +130,6 @@ class AsyncEngine:
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
         return whole_model_eval_sums(self.module, self.forward_fn, self.autocast, batches, eval_loss)
-
-    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
-        return {}
 
     def close(self) -> None:
         self.links.close()

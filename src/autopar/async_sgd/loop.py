@@ -15,22 +15,19 @@ import json
 import time
 import warnings
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .. import __version__
+from ..version import __version__
+from ..train.base import LoopServices, TrainResult
 from ..train.loss import count_targets, tokens_in
 from ..train.metrics import MetricsLog, Progress, peak_memory_bytes
 from ..train.optim import lr_factor
 from .runner import push_staleness
 
-if TYPE_CHECKING:
-    from ..train.trainer import Trainer, TrainResult
 
-
-def _worker_steps(trainer: Trainer, progress: Progress) -> list[dict]:
+def _worker_steps(trainer: LoopServices, progress: Progress) -> list[dict]:
     cfg, engine = trainer.config, trainer.engine
     workers = engine.num_workers
     records = []
@@ -38,13 +35,13 @@ def _worker_steps(trainer: Trainer, progress: Progress) -> list[dict]:
         began = time.perf_counter()
         micro = trainer.sampler.local_micro_batches(step, dp_rank=engine.worker_index, dp_size=workers,
                                                     micro_batch_size=cfg.micro_batch_size)
-        batches = [trainer._load(indices, trainer.train_data) for indices in micro]
+        batches = [trainer.load(indices, trainer.train_data) for indices in micro]
         # each worker normalises by its own target count times W: no collective (equal to the global
         # count whenever workers hold equally many targets, as in causal LM)
         count = None
-        if trainer.loss_fn is None:
+        if trainer.token_loss:
             count = torch.tensor(float(max(1, sum(count_targets(b) for b in batches)) * workers), device=trainer.device)
-        total = engine.forward_backward(batches, lambda out, batch: trainer._loss(out, batch, count))
+        total = engine.forward_backward(batches, lambda out, batch: trainer.loss(out, batch, count))
         grad_norm = engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         lr = cfg.lr * lr_factor(step, cfg)
         reply = engine.push_pull(step, lr, final=step == cfg.steps - 1)
@@ -58,10 +55,8 @@ def _worker_steps(trainer: Trainer, progress: Progress) -> list[dict]:
     return records
 
 
-def train_async(trainer: Trainer) -> TrainResult:
-    """Runs after Trainer._setup on every rank (servers and workers)."""
-    from ..train.trainer import TrainResult
-
+def train_async(trainer: LoopServices) -> TrainResult:
+    """The parameter-server strategy's loop, on every rank (servers and workers), after the trainer's set-up."""
     cfg, engine = trainer.config, trainer.engine
     progress = Progress(total=cfg.steps, initial=0, enabled=trainer.is_main and cfg.progress)
     roles = engine.roles
@@ -107,17 +102,10 @@ def train_async(trainer: Trainer) -> TrainResult:
     finally:
         progress.close()
         engine.close()
-    if trainer.is_main:
-        summary = {"steps": cfg.steps, "final_loss": result.losses[-1] if result.losses else None,
-                   "eval_loss": result.eval_loss, "run_dir": str(trainer.run_dir)}
-        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"done: {cfg.steps} steps, final loss {summary['final_loss']}, eval loss {result.eval_loss}; "
-              f"run folder {trainer.run_dir}", flush=True)
-    dist.barrier()
-    return result
+    return trainer.close_run(result)
 
 
-def _write_metrics(trainer: Trainer, logs: list[list[dict]], result: TrainResult, pushes: list,
+def _write_metrics(trainer: LoopServices, logs: list[list[dict]], result: TrainResult, pushes: list,
                    peak: int, trained_s: float) -> None:
     """One line per step: the global batch's loss, worker 0's timing, the step's staleness over workers;
     the last line adds the eval loss and the staleness histogram of the whole run."""

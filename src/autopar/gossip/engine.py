@@ -30,23 +30,24 @@ Data-parallel only: pipeline or tensor parallelism with gossip is rejected.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import GOSSIP_ORDERS as ORDERS
 from ..data_parallel.links import LinkModel, Links
 from ..errors import ConfigError, choices
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from ..train.engine import accumulate_gradients, broadcast_from_first_replica
-from ..train.loss import Batch, token_loss_sum
+from ..train.base import EngineBase
+from ..train.loss import Batch
 from .mixer import GossipMixer
 from .topology import BUILTIN, Topology, build_topology
 
-GOSSIP_ORDERS = ("dpsgd", "atc")
+GOSSIP_ORDERS = ORDERS  # named once, in config.py
 
 
 def check_gossip_strategy(strategy) -> Topology:
@@ -92,32 +93,19 @@ class FlatParameters:
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
-class LocalGradients:
-    """Stands where the all-reduce engine's GradientSynchronizer is: gradients stay local."""
+class GossipEngine(EngineBase):
+    """The whole model on every replica, mixed with its gossip neighbours every step (module doc).
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = [p for p in params if p.requires_grad]
-
-    def no_sync(self):
-        return contextlib.nullcontext()
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-
-class GossipEngine:
-    """The whole model on every replica, mixed with its gossip neighbours every step (module doc)."""
-
-    tensor_parallel = None  # whole model per replica
-    token_loss_sum = staticmethod(token_loss_sum)
+    `topology` and `order` are the engine's own options (strategies.py passes them); left out,
+    they are read from the mesh's strategy (for callers that build the engine by hand).
+    """
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  forward_fn: Callable, autocast: Callable, links: Links | None = None,
-                 timeout_s: float = 300.0, verbose: bool = True):
-        strategy = mesh.strategy
-        self.topology = check_gossip_strategy(strategy)
-        self.order = strategy.gossip_order
+                 timeout_s: float = 300.0, verbose: bool = True, topology: Topology | None = None,
+                 order: str | None = None):
+        self.topology = topology if topology is not None else check_gossip_strategy(mesh.strategy)
+        self.order = order if order is not None else mesh.strategy.gossip_order
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         broadcast_from_first_replica(self.module, mesh)
@@ -127,7 +115,7 @@ class GossipEngine:
         global_ranks = [dist.get_global_rank(group, i) for i in range(self.replicas)]
         self.mixer = GossipMixer(self.topology, self.links, mesh.dp_rank, global_ranks)
         self.flat = FlatParameters(self.module.parameters())
-        self.sync = LocalGradients(self.flat.params)
+        self.params = [p for p in self.flat.params if p.requires_grad]  # gradients stay local
         self.group = group
         self._combine_pending = False  # atc: the optimizer stepped, neighbours not yet combined
         self._version = 0
@@ -161,7 +149,7 @@ class GossipEngine:
     def scale_gradients(self) -> None:
         """Replica i's loss share is its batch's part of the global mean: times n, its own batch mean."""
         if self.replicas > 1:
-            for p in self.sync.params:
+            for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(self.replicas)
 
@@ -173,10 +161,14 @@ class GossipEngine:
         self._combine_pending = False
 
     def clip_gradients(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.sync.params, max_norm))
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     def zero_grad(self) -> None:
-        self.sync.zero_grad()
+        for p in self.params:
+            p.grad = None
+
+    def run_info(self) -> dict:
+        return {"gossip": {**self.topology.describe(), "order": self.order}}
 
     def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
         return {"gossip_wait_s": self._step_wait}
@@ -197,6 +189,10 @@ class GossipEngine:
         """Set every replica to the average (before a checkpoint): an exact consensus step."""
         self.flat.scatter(self._average())
         self._combine_pending = False  # combining equal models changes nothing
+
+    def before_checkpoint(self) -> None:
+        """Replicas differ: save (and continue from) their mean."""
+        self.average_models()
 
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:

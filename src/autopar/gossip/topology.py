@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
+from ..config import GOSSIP_TOPOLOGIES
 from ..errors import ConfigError
 
-BUILTIN = ("ring", "torus", "exponential", "complete")
+BUILTIN = GOSSIP_TOPOLOGIES  # named once, in config.py
 _STOCHASTIC_TOL = 1e-6
 
 

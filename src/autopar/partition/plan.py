@@ -23,13 +23,14 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
 
+from ..config import PARTITION_METHODS
 from ..errors import ConfigError, ModelError, choices
 from ..models.materialize import materialize_partial
 from ..trace import ModelGraph
 from . import algorithms
 from .stages import StageModule, StageSpec, lifted_constant_values, materialize_stage, plan_stages
 
-METHODS = ("uniform", "parameters", "time")
+METHODS = PARTITION_METHODS  # named once, in config.py
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from autopar.config import SCHEDULES as SCHEDULE_NAMES
 from autopar.errors import ConfigError, choices
 from autopar.pipeline.actions import Action, Op, Schedule, stage_to_rank
 
 F, B, I, W, R = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.RECOMPUTE
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1")
+SCHEDULES = SCHEDULE_NAMES  # named once, in config.py
 
 
 def minimum_microbatches(name: str, pp: int, chunks: int = 1) -> int:

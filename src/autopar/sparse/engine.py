@@ -1,6 +1,6 @@
 """The data-parallel engine with sparse-embedding communication (EmbRace and its baselines).
 
-Same interface as train/engine.py's engines. At set-up it measures which embedding tables
+The Engine of train/base.py, like train/engine.py's data-parallel engine. At set-up it measures which embedding tables
 are sparse (sparse/classify.py, logged on rank 0), then per `Strategy.sparse_embeddings`:
 - `dense`: today's path (every gradient in the bucketed all-reduce); only chosen so that
   `sparse-adam` can apply SparseAdam to the sparse tables (their reduced gradient's
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import Strategy, TrainConfig
 from ..data_parallel import GradientSynchronizer
 from ..distributed import group_options
 from ..errors import ConfigError
@@ -33,7 +34,8 @@ from ..train.engine import (
     broadcast_from_first_replica,
     whole_model_eval_sums,
 )
-from ..train.loss import Batch, main_input, token_loss_sum
+from ..train.base import EngineBase
+from ..train.loss import Batch, main_input
 from .classify import TableInfo, check_sparse_tables, classify_tables, describe
 from .exchange import CommLedger, all_gather_varlen
 from .optim import HybridOptimizer, dense_optimizer, table_optimizer
@@ -41,29 +43,46 @@ from .schedule import RowPriorityQueue
 from .sharded_embedding import ShardedEmbedding, TableExchange
 
 
-class SparseEmbeddingEngine:
-    """Data parallelism with embedding tables exchanged sparsely (dense | allgather | embrace; module doc)."""
+@dataclass(frozen=True)
+class SparseOptions:
+    """The engine's own options (Strategy.sparse_*)."""
 
-    tensor_parallel = None  # whole dense model per replica
-    token_loss_sum = staticmethod(token_loss_sum)
+    mode: str = "dense"  # dense | allgather | embrace
+    threshold: float = 0.1
+    sharding: str = "column"
+    schedule: bool = False
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> SparseOptions:
+        return cls(mode=strategy.sparse_embeddings, threshold=strategy.sparse_threshold,
+                   sharding=strategy.sparse_sharding, schedule=strategy.sparse_schedule)
+
+
+def check_sparse_setup(options: SparseOptions, config: TrainConfig, device_type: str) -> None:
+    """What the sparse engine refuses, checked before any process starts (same error on every rank)."""
+    if device_type != "cpu":
+        raise ConfigError(f"--sparse-embeddings / sparse-adam run on CPU (gloo) in this version; got device "
+                          f"{device_type}; use --device cpu")
+    if options.schedule and options.mode == "embrace" and config.grad_clip > 0:
+        raise ConfigError(f"--sparse-schedule defers part of the table gradient past the step, so the global "
+                          f"gradient norm is not known when clipping would need it; use --grad-clip 0 "
+                          f"(got {config.grad_clip})")
+
+
+class SparseEmbeddingEngine(EngineBase):
+    """Data parallelism with embedding tables exchanged sparsely (dense | allgather | embrace; module doc)."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int, forward_fn: Callable,
                  autocast: Callable, config: TrainConfig, batches_for_step: Callable[[int], list[Batch]],
-                 log: Callable[[str], None] | None = None):
-        strategy = mesh.strategy
-        if device.type != "cpu":
-            raise ConfigError(f"--sparse-embeddings / sparse-adam run on CPU (gloo) in this version; got device "
-                              f"{device.type}; use --device cpu")
-        self.mode, self.config = strategy.sparse_embeddings, config
+                 log: Callable[[str], None] | None = None, options: SparseOptions | None = None):
+        options = options or SparseOptions.of(mesh.strategy)
+        check_sparse_setup(options, config, device.type)
+        self.mode, self.config = options.mode, config
         self.forward_fn, self.autocast = forward_fn, autocast
         self.mesh, self.group = mesh, mesh.group("dp")
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.batches_for_step = batches_for_step
-        self.scheduled = strategy.sparse_schedule and self.mode == "embrace"
-        if self.scheduled and config.grad_clip > 0:
-            raise ConfigError(f"--sparse-schedule defers part of the table gradient past the step, so the global "
-                              f"gradient norm is not known when clipping would need it; use --grad-clip 0 "
-                              f"(got {config.grad_clip})")
+        self.scheduled = options.schedule and self.mode == "embrace"
         self.module = materialize(model, device, seed=seed)
         broadcast_from_first_replica(self.module, mesh)
         self.ledger = CommLedger()
@@ -72,16 +91,16 @@ class SparseEmbeddingEngine:
         reads: dict[str, list[torch.Tensor]] = {}
         self.tables: list[TableInfo] = classify_tables(
             self.module, lambda: [forward_fn(self.module, b) for b in first],
-            threshold=strategy.sparse_threshold, group=self.group, reads=reads)
+            threshold=options.threshold, group=self.group, reads=reads)
         # 2D scheduling needs each table's next reads; known for tables read once per micro-batch with its
         # token ids (a word table), not for e.g. a position table: those exchange unscheduled
         token_ids = [_token_ids(b) for b in first]
         keyed = {name for name, seen in reads.items()
                  if len(seen) == len(token_ids) and all(torch.equal(a, b) for a, b in zip(seen, token_ids))}
         if self.mode != "dense":
-            check_sparse_tables(self.tables, mode=self.mode, world=self.world, sharding=strategy.sparse_sharding)
+            check_sparse_tables(self.tables, mode=self.mode, world=self.world, sharding=options.sharding)
         self.description = describe(self.tables, self.mode if self.mode != "embrace"
-                                    else f"embrace, {strategy.sparse_sharding}-wise"
+                                    else f"embrace, {options.sharding}-wise"
                                          f"{', 2D scheduled' if self.scheduled else ''}")
         if any(t.sparse for t in self.tables) and config.weight_decay > 0:
             self.description += (f"\n  sparse tables get weight_decay 0 (decay moves every row every step: not "
@@ -96,7 +115,7 @@ class SparseEmbeddingEngine:
             for t in sparse:
                 parent_path, _, attr = t.module_path.rpartition(".")
                 parent = self.module.get_submodule(parent_path) if parent_path else self.module
-                table = ShardedEmbedding(getattr(parent, attr).weight, name=t.param_name, mode=strategy.sparse_sharding,
+                table = ShardedEmbedding(getattr(parent, attr).weight, name=t.param_name, mode=options.sharding,
                                          group=exchange_group, ledger=self.ledger)
                 table.exchange.scheduled = self.scheduled and t.param_name in keyed
                 if self.scheduled and not table.exchange.scheduled:
@@ -237,6 +256,9 @@ class SparseEmbeddingEngine:
         """Land every deferred row update (before evaluation, a checkpoint, or the end)."""
         for ex in self.exchanges:
             self._land_deferred(ex)
+
+    def before_checkpoint(self) -> None:
+        self.flush()  # 2D-scheduled tables: land deferred row updates first
 
     def clip_gradients(self, max_norm: float) -> float:
         if any(ex.scheduled for ex in self.exchanges):

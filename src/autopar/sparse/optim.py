@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..train.optim import build_optimizer
 
 ROW_SEPARABLE = ("sgd", "adagrad", "sparse-adam")
 
@@ -53,7 +54,6 @@ class _Params:
 
 
 def dense_optimizer(params: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer | None:
-    from ..train.optim import build_optimizer
     return build_optimizer(_Params(params), config) if params else None
 
 

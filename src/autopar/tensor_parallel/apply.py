@@ -24,7 +24,7 @@ from torch import fx, nn
 from typing import Any
 
 from ..dropout import shard_dropout
-from ..train.loss import logits_of
+from ..models.output import logits_of
 from .layers import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
 from .plan import ParamShard, TensorParallelPlan
 

@@ -37,7 +37,10 @@ from torch import fx, nn
 
 from ..dropout import GraphDropout
 from ..errors import ConfigError, ModelError
+from ..partition.stages import StageModule, StageSpec, _output_nodes, plan_stages, retarget_device
+from ..trace import trace
 from .apply import ReduceFromTP, rewrite_graph
+from .plan import plan_tensor_parallel
 
 START, WAIT = "tp_reduce_start", "tp_reduce_wait"
 
@@ -230,7 +233,6 @@ def _output_shapes(stage: nn.Module, graph, flat_outputs) -> list[tuple[int, ...
     Read from the traced graph by the names the stage sends (the last stage: the model's
     outputs), since rewritten pieces hold nodes the trace never had.
     """
-    from ..partition.stages import _output_nodes
     by_name = {n.name: n for n in graph.graph.nodes}
     names = iter([n.name for n in _output_nodes(graph.graph)] if stage.is_last else stage.spec.outputs)
     shapes = []
@@ -248,7 +250,6 @@ def sub_pipeline_stage(stage: nn.Module, sub_stage: nn.Module, sub_plan, group: 
     `stage` is the materialised, parallelised StageModule (its parameters stay where they
     are); `sub_stage` is the same stage built on meta from the sub-batch trace.
     """
-    from ..partition.stages import StageSpec, retarget_device
 
     pieces = list(sub_stage._pieces)
     for piece in pieces:
@@ -293,9 +294,6 @@ def sub_batch_inputs(args: tuple, kwargs: dict, k: int) -> tuple[tuple, dict]:
 def sub_pipeline_stages(stages: dict[int, nn.Module], model: nn.Module, partition, k: int,
                         group: dist.ProcessGroup, device: torch.device) -> None:
     """Trace the model at B/K rows and turn each of this rank's tensor-parallel stages into K interleaved copies."""
-    from ..partition.stages import StageModule, plan_stages
-    from ..trace import trace
-    from .plan import plan_tensor_parallel
 
     full = partition.graph
     args, kwargs = sub_batch_inputs(full.example_args, full.example_kwargs, k)

@@ -1,5 +1,4 @@
-"""The training loop, losses, optimizer, metrics and checkpoints."""
+"""The toolkit of one training step: losses, optimizer, metrics, checkpoints, the data-parallel engine.
 
-from .trainer import Trainer, TrainResult
-
-__all__ = ["Trainer", "TrainResult"]
+The Trainer that drives them is one level up (autopar/trainer.py).
+"""

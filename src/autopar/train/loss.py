@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.datasets import IGNORE_INDEX
+from ..models.output import logits_of
 
 Batch = dict[str, torch.Tensor]
 
@@ -56,18 +57,6 @@ def default_forward(model: torch.nn.Module, batch: Batch) -> Any:
 def tokens_in(batch: Batch) -> int:
     """Throughput unit: tokens for token batches, samples otherwise."""
     return batch["input_ids"].numel() if "input_ids" in batch else len(main_input(batch))
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """Logits from a tensor, a Hugging Face ModelOutput, or a tuple whose first item is logits."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise TypeError(f"cannot find logits in the model output of type {type(output).__name__}; "
-                    f"pass forward_fn/loss_fn to the Trainer")
 
 
 def count_targets(batch: Batch) -> int:

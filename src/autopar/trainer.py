@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -29,28 +28,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .. import __version__
-from ..config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
-from ..data.sampler import GlobalBatchSampler
-from ..distributed import DistEnv, init_distributed
-from ..dropout import dropout_step
-from ..errors import ConfigError, DataError, TrainingError
-from ..mesh import ProcessMesh
-from . import checkpoint as ckpt
-from .engine import DataParallelEngine, PipelineEngine, check_pipeline_strategy, eval_token_sums
-from .loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, tokens_in
-from .metrics import MetricsLog, Progress, peak_memory_bytes
-from .optim import build_optimizer, build_scheduler
-
-
-@dataclass
-class TrainResult:
-    """What a run produced; identical on every rank."""
-
-    run_dir: Path
-    losses: list[float] = field(default_factory=list)  # one per step trained in this call
-    first_step: int = 1  # the step number of losses[0]
-    eval_loss: float | None = None
+from .config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
+from .data.sampler import GlobalBatchSampler
+from .distributed import DistEnv, init_distributed
+from .dropout import dropout_step
+from .errors import ConfigError, DataError, TrainingError
+from .mesh import ProcessMesh
+from .strategies import Resolved, resolve
+from .train import checkpoint as ckpt
+from .train.base import Engine, EngineContext, TrainResult
+from .train.engine import eval_token_sums
+from .train.loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, tokens_in
+from .train.metrics import MetricsLog, Progress, peak_memory_bytes
+from .train.optim import build_scheduler
+from .version import __version__
 
 
 class Trainer:
@@ -74,40 +65,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
 
-    def _validate(self) -> tuple[Strategy, int]:
-        """Every check that needs no communication, so each rank fails the same way, early."""
-        cfg = self.config
-        cfg.validate()
+    def _validate(self) -> Resolved:
+        """Every check that needs no communication (strategies.resolve), so each rank fails the same way, early."""
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
-        strategy = self.strategy.resolved(world)
-        if strategy.dp_mode == "async":  # parameter server: batches split over the workers only
-            from ..async_sgd.engine import check_async_setup
-            self.config, accumulation = check_async_setup(strategy, cfg, world)
-            return strategy, accumulation
-        self.config = cfg = cfg.with_micro_batches(strategy.dp)
-        accumulation = cfg.accumulation_steps(strategy.dp)
-        from ..tensor_parallel.subpipeline import check_tp_subbatches
-        check_tp_subbatches(strategy, cfg.micro_batch_size)
-        check_pipeline_strategy(strategy, accumulation)
-        if (strategy.pp > 1 or strategy.tp > 1) and self.forward_fn is not default_forward:
-            raise ConfigError(f"a custom forward_fn cannot be used with pp={strategy.pp} tp={strategy.tp}: the model "
-                              f"is traced as the default forward calls it (main input 'input_ids' or 'inputs', "
-                              f"every other non-label field as a keyword); drop forward_fn, or use data "
-                              f"parallelism only")
-        if strategy.dp_mode == "gossip":
-            from ..gossip import check_gossip_strategy
-            check_gossip_strategy(strategy)
-        if cfg.resume and (strategy.sparse_embeddings != "dense" or cfg.optimizer == "sparse-adam"):
-            raise ConfigError(f"--resume is not supported yet with --sparse-embeddings {strategy.sparse_embeddings} / "
-                              f"--optimizer {cfg.optimizer} (checkpoints hold per-rank table shards); start a new run")
+        resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
-        return strategy, accumulation
+        return resolved
 
     def _setup(self) -> None:
-        self.strategy, self.accumulation = self._validate()
-        cfg = self.config  # as resolved by _validate (micro_batches -> micro_batch_size)
+        resolved = self._validate()
+        self.strategy, self.config, self.accumulation = resolved.strategy, resolved.config, resolved.accumulation
+        self.loop = resolved.entry.loop
+        cfg = self.config
         init_distributed(cfg.device, cfg.timeout_s)
         self.mesh = ProcessMesh.build(self.strategy, device=cfg.device, timeout_s=cfg.timeout_s)
         self.dp_group = self.mesh.group("dp")
@@ -115,38 +86,19 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16"
                          else contextlib.nullcontext)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
-        if self.strategy.dp_mode == "gossip":  # D-PSGD: replicas mix with neighbours (gossip/engine.py)
-            from ..gossip import GossipEngine
-            self.engine = GossipEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
-                                       forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s)
-            self.run_info["gossip"] = {**self.engine.topology.describe(), "order": self.engine.order}
-        elif self.strategy.dp_mode == "async":  # parameter server (async_sgd/engine.py)
-            from ..async_sgd.engine import AsyncEngine
-            self.engine = AsyncEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
-                                      forward_fn=self.forward_fn, autocast=self.autocast, timeout_s=cfg.timeout_s,
-                                      weight_decay=cfg.weight_decay)
-        elif self.strategy.pp > 1 or self.strategy.tp > 1:
-            example = self._load(self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,
-                                                                  micro_batch_size=cfg.micro_batch_size)[0],
-                                 self.train_data)
-            self.engine = PipelineEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
-                                         example_batch=example, num_microbatches=self.accumulation,
-                                         autocast=self.autocast, timeout_s=cfg.timeout_s)
-        elif self.strategy.sparse_embeddings != "dense" or cfg.optimizer == "sparse-adam":
-            from ..sparse import SparseEmbeddingEngine  # EmbRace and its baselines (sparse/engine.py)
-            self.engine = SparseEmbeddingEngine(
-                self.model, self.mesh, device=self.device, seed=cfg.seed, forward_fn=self.forward_fn,
-                autocast=self.autocast, config=cfg, log=lambda text: print(text, flush=True),
-                batches_for_step=lambda step: self._local_batches(step, self.train_data))
-        else:
-            self.engine = DataParallelEngine(self.model, self.mesh, device=self.device, seed=cfg.seed,
-                                             forward_fn=self.forward_fn, autocast=self.autocast)
+        first = lambda: self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,  # noqa: E731
+                                                         micro_batch_size=cfg.micro_batch_size)[0]
+        self.engine: Engine = resolved.entry.build(EngineContext(
+            model=self.model, mesh=self.mesh, strategy=self.strategy, config=cfg, device=self.device,
+            autocast=self.autocast, forward_fn=self.forward_fn, accumulation=self.accumulation,
+            example_batch=lambda: self.load(first(), self.train_data),
+            batches_for_step=lambda step: self._local_batches(step, self.train_data)))
+        self.run_info.update(self.engine.run_info())
         self.model = self.engine.module
         # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout
         # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
         torch.manual_seed(cfg.seed + 1 + dist.get_rank() // self.strategy.tp)
-        self.optimizer = (self.engine.build_optimizer(cfg) if hasattr(self.engine, "build_optimizer")
-                          else build_optimizer(self.model, cfg))
+        self.optimizer = self.engine.build_optimizer(cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.is_main = dist.get_rank() == 0
         self.run_dir = self._make_run_dir()
@@ -163,7 +115,7 @@ class Trainer:
                     "strategy": to_dict(self.strategy), "accumulation_steps": self.accumulation,
                     "model_class": type(self.model).__name__, **self.run_info}
             (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
-            for name, text in getattr(self.engine, "run_files", dict)().items():  # what the engine chose
+            for name, text in self.engine.run_files().items():  # what the engine chose (tp_plan.txt)
                 (run_dir / name).write_text(text)
         return run_dir
 
@@ -174,11 +126,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _load(self, indices: list[int], data: Dataset) -> Batch:
+    @property
+    def token_loss(self) -> bool:
+        """The default loss: token cross-entropy normalised by the global target count."""
+        return self.loss_fn is None
+
+    def load(self, indices: list[int], data: Dataset) -> Batch:
         batch = default_collate([as_batch(data[i]) for i in indices])
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor:
+    def loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor:
         if self.loss_fn is None:
             return self.engine.token_loss_sum(output, batch) / global_count
         if self.engine.tensor_parallel is not None:  # a custom loss sees whole logits
@@ -196,7 +153,7 @@ class Trainer:
     def _local_batches(self, step: int, data: Dataset) -> list[Batch]:
         micro = self.sampler.local_micro_batches(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
                                                  micro_batch_size=self.config.micro_batch_size)
-        return [self._load(indices, data) for indices in micro]
+        return [self.load(indices, data) for indices in micro]
 
     def train_step(self, step: int) -> tuple[float, float, int]:
         """One optimizer step (0-based `step`): returns (loss, grad_norm, tokens in the global batch)."""
@@ -206,7 +163,7 @@ class Trainer:
         samples = self.sampler.local_micro_positions(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
                                                      micro_batch_size=cfg.micro_batch_size)
         with dropout_step(cfg.seed, step, samples):  # masks as one process draws them (autopar/dropout)
-            total = self.engine.forward_backward(batches, lambda out, batch: self._loss(out, batch, global_count))
+            total = self.engine.forward_backward(batches, lambda out, batch: self.loss(out, batch, global_count))
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
@@ -242,15 +199,12 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for k in range(cfg.eval_batches if count else 0):
             micro = sampler.local_micro_batches(k, dp_rank=index, dp_size=count, micro_batch_size=cfg.micro_batch_size)
-            sums += self.engine.eval_sums([self._load(indices, self.eval_data) for indices in micro], self._eval_pair)
+            sums += self.engine.eval_sums([self.load(indices, self.eval_data) for indices in micro], self._eval_pair)
         dist.all_reduce(sums)
         return float(sums[0] / sums[1].clamp_min(1))
 
     def save(self, step: int) -> Path:
-        if hasattr(self.engine, "average_models"):  # gossip: replicas differ; save (and continue from) their mean
-            self.engine.average_models()
-        if hasattr(self.engine, "flush"):
-            self.engine.flush()  # 2D-scheduled sparse tables: land deferred row updates first
+        self.engine.before_checkpoint()  # e.g. gossip: the replicas' mean; sparse: deferred rows landed
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
                                     {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel)
 
@@ -267,9 +221,8 @@ class Trainer:
 
     def train(self) -> TrainResult:
         self._setup()
-        if self.strategy.dp_mode == "async":  # servers serve, workers run ahead: a loop of its own
-            from ..async_sgd.loop import train_async
-            return train_async(self)
+        if self.loop is not None:  # e.g. the parameter server: servers serve, workers run ahead
+            return self.loop(self)
         cfg = self.config
         start = self._resume() if cfg.resume else 0
         if start > cfg.steps:
@@ -308,46 +261,33 @@ class Trainer:
                     self.save(number)
             if cfg.steps > start:
                 self.save(cfg.steps)
-            if cfg.trace and isinstance(self.engine, PipelineEngine):
-                self._write_trace()
+            self.engine.finish_run(self.run_dir, cfg, self.strategy)  # e.g. the pipeline's --trace timeline
         finally:
             progress.close()
             metrics.close()
             self.engine.close()
+        return self.close_run(result)
+
+    def close_run(self, result: TrainResult) -> TrainResult:
+        """summary.json and the "done:" line on rank 0; returns once the run folder is complete on every rank."""
         if self.is_main:
-            summary = {"steps": cfg.steps, "final_loss": result.losses[-1] if result.losses else None,
+            summary = {"steps": self.config.steps, "final_loss": result.losses[-1] if result.losses else None,
                        "eval_loss": result.eval_loss, "run_dir": str(self.run_dir)}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            print(f"done: {cfg.steps} steps, final loss {summary['final_loss']}, eval loss "
+            print(f"done: {self.config.steps} steps, final loss {summary['final_loss']}, eval loss "
                   f"{result.eval_loss if result.eval_loss is not None else 'n/a'}; run folder {self.run_dir}",
                   flush=True)
         dist.barrier()  # when train() returns, on any rank, the run folder is complete
         return result
 
-    def _write_trace(self) -> None:
-        """The last step's measured timeline, in the simulator's Chrome trace format."""
-        from ..pipeline.actions import Action
-        from ..pipeline.simulate import timeline_from_events
-        events = self.engine.gather_events()
-        if events is not None:
-            origin = min(start for _, start, _, _ in events)
-            timeline = timeline_from_events([(rank, start - origin, end - origin, Action.parse(text))
-                                             for rank, start, end, text in events])
-            timeline.to_chrome_trace(self.run_dir / "timeline.json")
-            try:
-                timeline.to_png(self.run_dir / "timeline.png", title=f"measured step {self.config.steps}, "
-                                f"schedule {self.strategy.schedule}, pp={self.strategy.pp}")
-            except ImportError:
-                print("timeline.png skipped: install matplotlib (pip install 'autopar[plot]')", flush=True)
-
     def _banner(self, start: int) -> str:
-        params = sum(p.numel() for p in self.engine.sync.params)
+        params = self.engine.num_parameters()
         lines = [f"autopar {__version__}: {dist.get_world_size()} process(es), strategy dp={self.strategy.dp} "
                  f"tp={self.strategy.tp} pp={self.strategy.pp}, {params:,} parameters, "
                  f"{self.accumulation} micro-batch(es) of {self.config.micro_batch_size} per replica per step",
                  f"run folder: {self.run_dir}"]
         lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model")]
-        lines += getattr(self.engine, "banner_lines", list)()
+        lines += self.engine.banner_lines()
         if start:
             lines.append(f"resumed at step {start} from {self.config.resume}")
         return "\n".join(lines)

@@ -1,0 +1,351 @@
+"""The pipeline engine: this rank's stage(s) of a traced and partitioned model, run by a schedule.
+
+It exposes the same operations to the trainer as train/engine.py's DataParallelEngine.
+Tensor parallelism runs through this engine (a single stage when pp=1), because it
+rewrites the traced stage graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import PARTITION_METHODS
+from ..data.datasets import IGNORE_INDEX
+from ..data_parallel import GradientSynchronizer
+from ..distributed import backend_for, group_options
+from ..errors import ConfigError
+from ..mesh import ProcessMesh
+from ..train.base import EngineBase
+from ..partition.stages import _set_by_path
+from .actions import Action, stage_to_rank
+from .recompute import measure_saved_bytes, plan_recompute
+from .schedules import generate
+from .simulate import simulate, timeline_from_events
+from ..train.engine import broadcast_state, on_every_rank
+from ..train.fields import first_stage_inputs, traced_call
+from ..train.loss import Batch, LossFn, main_input, token_loss_sum
+
+
+def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
+    """Pipeline choices that can be checked before any process group exists (same error on every rank)."""
+    if strategy.pp == 1 and strategy.chunks == 1:
+        return
+    if strategy.partition not in PARTITION_METHODS:
+        raise ConfigError(f"unknown partition method {strategy.partition!r}; "
+                          f"use one of {{{', '.join(PARTITION_METHODS)}}}")
+    generate(strategy.schedule, pp=strategy.pp, num_microbatches=num_microbatches, chunks=strategy.chunks)
+
+
+class LocalStages(nn.Module):
+    """This rank's stage modules seen as one module under the model's own parameter names.
+
+    Stages of one rank that read the same parameter (a tied embedding on two chunks) share
+    one Parameter object, so checkpoints and the optimizer see each name once.
+    """
+
+    def __init__(self, stages: dict[int, nn.Module]):
+        super().__init__()
+        for stage in stages.values():
+            for name, p in stage.named_parameters():
+                try:
+                    existing = self.get_parameter(name)
+                except AttributeError:
+                    _set_by_path(self, name, p.data, buffer=False)
+                    existing = self.get_parameter(name)
+                _assign(stage, name, existing)
+            persistent = set(stage.state_dict().keys())
+            for name, b in stage.named_buffers():
+                try:
+                    self.get_buffer(name)
+                except AttributeError:
+                    _set_by_path(self, name, b, buffer=True, persistent=name in persistent)
+
+
+def _assign(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
+    owner_path, _, attr = fqn.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    owner._parameters[attr] = param
+
+
+class PipelineEngine(EngineBase):
+    """This rank's pipeline stage(s), run by a schedule; gradients synchronised over dp and tied stages."""
+
+    def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
+                 example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float):
+        from ..partition import partition
+        from .actions import Op, stage_to_rank
+        from .p2p import P2P
+        from .runtime import PipelineRuntime
+        from .schedules import build_schedule, recomputed_stages
+        from ..trace import trace
+
+        strategy = mesh.strategy
+        self.mesh, self.autocast = mesh, autocast
+        self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
+        self.num_stages = strategy.pp * strategy.chunks
+        example = main_input(example_batch)
+        built_for_real = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if built_for_real:  # every rank starts from rank 0's weights, as the whole-model engines do
+            broadcast_state(model, dist.group.WORLD, src=0, device=device)
+        # trace where the model lives: a real model's tensors and a meta input cannot meet in one op
+        traced_on = (next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+                     if built_for_real else torch.device("meta"))
+        model.train()  # the training graph (dropout nodes on), as whole-model engines run it
+        graph = trace(model, *self._traced_call(model, example_batch, traced_on))
+        if graph.layers_path is not None and self.num_stages > len(graph.blocks):  # no stack: partition() says so
+            raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
+                              f"only {len(graph.blocks)} blocks to cut between (embedding part, "
+                              f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
+        self.partition = partition(graph, self.num_stages, method=strategy.partition)
+        placement = "loop"
+        mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
+        self.stages = on_every_rank(lambda: {s: self.partition.materialize_stage(s, model, device, seed=seed)
+                                             for s in mine})  # an uninitialised weight is found by its stage's rank
+        self.tensor_parallel = None
+        self.tp_rank = mesh.local_rank("tp")
+        if strategy.tp > 1:
+            from ..tensor_parallel import TensorParallel, plan_tensor_parallel
+            self.tensor_parallel = TensorParallel(plan_tensor_parallel(graph, strategy.tp), mesh.group("tp"))
+            for stage in self.stages.values():
+                self.tensor_parallel.parallelize(stage)
+            if strategy.tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)
+                from ..tensor_parallel.subpipeline import sub_pipeline_stages
+                sub_pipeline_stages(self.stages, model, self.partition, strategy.tp_subbatches, mesh.group("tp"),
+                                    device)
+        self.module = LocalStages(self.stages)
+        recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
+                     "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]
+        self.schedule = build_schedule(strategy.schedule, pp=self.pp, num_microbatches=num_microbatches,
+                                       chunks=strategy.chunks, recompute=recompute, prefetch=True)
+        recompute = recomputed_stages(self.schedule)  # the schedule may drop some (scp: never the last)
+        self.actions = self.schedule[self.pp_rank]
+        # eval: the same order without backward work (dropping work only removes waits)
+        self.eval_actions = [a for a in self.actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
+        p2p = P2P(mesh.group("pp"), device, self.num_stages, num_microbatches)
+        self.runtime = PipelineRuntime(stages=self.stages, num_stages=self.num_stages, pp=self.pp, pp_rank=self.pp_rank,
+                                       p2p=p2p, loss_fn=lambda out, batch: self._loss_fn(out, batch),
+                                       recompute=recompute, autocast=autocast, placement=placement,
+                                       first_input=self._first_stage_inputs)
+        self.recompute_plan = self.recompute_report = None  # this rank's stages; every pipeline rank's
+        if strategy.memory_budget_mb is not None:
+            self.recompute_plan = self._plan_recompute(strategy.memory_budget_mb * 2**20, example, num_microbatches)
+        self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
+        self._shared = self._shared_groups(device, placement, timeout_s)
+        self._loss_fn: LossFn = lambda out, batch: out
+        self.last_events: list = []
+
+    @staticmethod
+    def _traced_call(model: nn.Module, example_batch: Batch, device: torch.device) -> tuple[tuple, dict]:
+        """Trace on every non-label batch field (train/fields.py), with a model's key/value cache off."""
+        from ..models.hf import turn_off_kv_cache
+        if turn_off_kv_cache(model) and dist.get_rank() == 0:
+            print(f"{type(model).__name__}: set config.use_cache=False for training (a key/value cache "
+                  f"cannot be traced and is not used when training)", flush=True)
+        return traced_call(example_batch, device)
+
+    def _first_stage_inputs(self, batch: Batch) -> tuple:
+        graph = self.partition.graph
+        return first_stage_inputs(batch, graph.input_keys, [tuple(v.shape) for v in graph.example_inputs])
+
+    def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        if self.tensor_parallel is None:
+            return token_loss_sum(output, batch)
+        return self.tensor_parallel.loss_sum(output, batch, IGNORE_INDEX)
+
+    def _plan_recompute(self, budget: float, example: torch.Tensor, num_microbatches: int):
+        """Measure this rank's stages and choose their recomputed blocks; every rank agrees it fits."""
+        timeline = simulate(self.schedule, pp=self.pp, num_stages=self.num_stages, num_microbatches=num_microbatches)
+        graph_nodes = {n.name: n for n in self.partition.graph.graph.nodes}
+        saved, state = {}, {}
+        for s, stage in self.stages.items():
+            if s == 0:  # the model's inputs: ids and masks as zeros, float inputs random
+                inputs = tuple(_random_like(v, example.device) for v in self.partition.graph.example_inputs)
+            else:
+                inputs = tuple(_random_like(graph_nodes[name].meta["val"], example.device) for name in stage.spec.inputs)
+            saved[s] = measure_saved_bytes(stage, inputs)
+            state[s] = 4 * sum(p.numel() * p.element_size() for p in stage.parameters())
+            if s in self.runtime.recompute:  # whole-stage R already: stashed inputs + one live micro-batch
+                stash = sum(v.numel() * v.element_size() for v in inputs) * max(1, timeline.stashed_inputs.get(s, 1))
+                saved[s] = [saved[s][0] + stash]
+        error = None
+        try:
+            in_flight = {s: 1 if s in self.runtime.recompute else max(1, timeline.peak_activations.get(s, 1))
+                         for s in saved}
+            plan = plan_recompute(saved, in_flight=in_flight,
+                                  state_bytes=state, budget=budget, last_stage=self.num_stages - 1)
+        except ConfigError as exc:
+            error, plan = exc, None
+        failed = torch.tensor(0 if error is None else 1, device=example.device)
+        dist.all_reduce(failed)
+        if error is not None:
+            raise error
+        if int(failed):
+            raise ConfigError(f"another pipeline rank cannot fit --memory-budget-mb {budget / 2**20:g}; "
+                              f"see its message")
+        for s, blocks in plan.blocks.items():
+            self.stages[s].recompute_blocks = blocks
+        self.recompute_report = self._whole_recompute_plan(plan)
+        return plan
+
+    def _whole_recompute_plan(self, plan):
+        """Every pipeline rank's choice in one plan (each rank planned only its own stages), for the report."""
+        from .recompute import RecomputePlan
+        parts = [None] * self.pp
+        dist.all_gather_object(parts, (plan.blocks, plan.memory), group=self.mesh.group("pp"))
+        blocks = {s: k for part_blocks, _ in parts for s, k in part_blocks.items()}
+        memory = {s: m for _, part_memory in parts for s, m in part_memory.items()}
+        return RecomputePlan(blocks=blocks, memory=memory, budget=plan.budget)
+
+    def banner_lines(self) -> list[str]:
+        """What this engine chose that the run should say at its start: the TP split, the recomputation."""
+        lines = []
+        if self.tensor_parallel is not None:
+            lines.append(self.tensor_parallel.plan.summary() + " (tp_plan.txt)")
+        if self.recompute_report is not None:
+            blocks = sorted(self.recompute_report.blocks.items())
+            chosen = (", ".join(f"stage {s}: {k}" for s, k in blocks) if any(k for _, k in blocks)
+                      else "none, it fits without")
+            lines.append(f"memory budget {self.recompute_report.budget / 2**20:g} MiB per rank: blocks recomputed "
+                         f"{chosen} (recompute_plan.txt)")
+        return lines
+
+    def run_files(self) -> dict[str, str]:
+        """Files for the run folder (name -> text): the TP plan table and the recomputation plan."""
+        files = {}
+        if self.tensor_parallel is not None:
+            files["tp_plan.txt"] = self.tensor_parallel.plan.table() + "\n"
+        if self.recompute_report is not None:
+            files["recompute_plan.txt"] = (self.recompute_report.describe().replace("; ", "\n  ").replace(": ", ":\n  ", 1)
+                                           + "\n(budget per pipeline rank, from --memory-budget-mb)\n")
+        return files
+
+    def _shared_groups(self, device: torch.device, placement: str,
+                       timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
+        """One group per tied parameter whose owning stages sit on different pp ranks."""
+        coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
+        backend = backend_for(device.type)
+        result = []
+        for fqn, owner_stages in sorted(self.partition.shared.items()):
+            pp_ranks = sorted({stage_to_rank(s, self.pp, self.num_stages, placement) for s in owner_stages})
+            if len(pp_ranks) < 2:
+                continue
+            mine = None
+            for d in range(coords.shape[1]):
+                for t in range(coords.shape[2]):
+                    ranks = [int(coords[p, d, t]) for p in pp_ranks]
+                    group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, timeout_s))
+                    if dist.get_rank() in ranks:
+                        mine = group
+            if mine is not None:
+                first_owner = stage_to_rank(min(owner_stages), self.pp, self.num_stages, placement) == self.pp_rank
+                result.append((self.module.get_parameter(fqn), mine, first_owner))
+        return result
+
+    def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        self._loss_fn = loss_fn
+        self.module.train()
+        for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
+            self._first_stage_inputs(batch)
+        sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
+        step = self.runtime.run(self.actions, batches, record=True, sync_context=sync)
+        self.last_events = step.events
+        self.sync.finish()
+        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
+            dist.all_reduce(param.grad, group=group)
+        return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Global norm: tied copies counted once, tensor-parallel slices summed over the tp group
+        (replicated parameters have equal gradients on every tp rank and are counted once)."""
+        shared_elsewhere = {id(p) for p, _, first in self._shared if not first}
+        sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
+                   if self.tensor_parallel is not None else set())
+        device = next(self.module.parameters()).device
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
+        for p in self.sync.params:
+            if p.grad is not None and id(p) not in shared_elsewhere:
+                squares[int(id(p) in sharded)] += p.grad.double().square().sum()
+        if self.tensor_parallel is not None:
+            dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
+        squares = squares.sum()
+        dist.all_reduce(squares, group=self.mesh.group("pp"))
+        norm = math.sqrt(float(squares))
+        if norm > max_norm and math.isfinite(max_norm):
+            scale = max_norm / (norm + 1e-6)
+            for p in self.sync.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
+        """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
+        for stage in self.stages.values():  # LocalStages holds parameters, not the stages: set their mode
+            stage.eval()  # dropout off
+        self._loss_fn = eval_loss
+        for batch in batches:
+            self._first_stage_inputs(batch)
+        step = self.runtime.run(self.eval_actions, batches)
+        for stage in self.stages.values():
+            stage.train()
+        if self.num_stages - 1 in self.stages and self.tp_rank == 0:
+            return step.loss.double()
+        return torch.zeros(2, dtype=torch.float64, device=batches[0]["labels"].device)
+
+    def zero_grad(self) -> None:
+        self.sync.zero_grad()
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        """Measured bubble fraction and peak memory of every pipeline rank (averaged / max over replicas)."""
+        busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
+        bubble = torch.zeros(self.pp, dtype=torch.float64)
+        peak = torch.zeros(self.pp, dtype=torch.float64)
+        bubble[self.pp_rank] = max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
+        peak[self.pp_rank] = peak_bytes
+        device = next(self.module.parameters()).device
+        bubble, peak = bubble.to(device), peak.to(device)
+        dist.all_reduce(bubble)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        per_rank = (bubble / (dist.get_world_size() // self.pp)).tolist()
+        return {"bubble_fraction": sum(per_rank) / self.pp, "bubble_per_stage": per_rank,
+                "peak_mem_bytes_per_stage": [int(v) for v in peak.tolist()]}
+
+    def gather_events(self) -> list | None:
+        """Every rank's measured events of the last step, on rank 0 (None elsewhere)."""
+        mine = [(dist.get_rank(), start, end, str(action)) for start, end, action in self.last_events]
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        return [e for part in gathered for e in part] if gathered is not None else None
+
+    def finish_run(self, run_dir: Path, config, strategy) -> None:
+        """With --trace: the last step's measured timeline, in the simulator's Chrome trace format."""
+        if not config.trace:
+            return
+        events = self.gather_events()
+        if events is not None:
+            origin = min(start for _, start, _, _ in events)
+            timeline = timeline_from_events([(rank, start - origin, end - origin, Action.parse(text))
+                                             for rank, start, end, text in events])
+            timeline.to_chrome_trace(run_dir / "timeline.json")
+            try:
+                timeline.to_png(run_dir / "timeline.png", title=f"measured step {config.steps}, "
+                                f"schedule {strategy.schedule}, pp={strategy.pp}")
+            except ImportError:
+                print("timeline.png skipped: install matplotlib (pip install 'autopar[plot]')", flush=True)
+
+    def close(self) -> None:
+        self.sync.remove()
+
+
+def _random_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if value.is_floating_point():
+        return torch.randn(value.shape, dtype=value.dtype, device=device)
+    return torch.zeros(value.shape, dtype=value.dtype, device=device)

@@ -1,0 +1,150 @@
+"""The strategies, named in one place: which engine a run uses, what it refuses, how it is built.
+
+`STRATEGIES` is an ordered list; the first entry whose `applies` holds is the run's strategy
+(gossip, then the parameter server, then pipeline / tensor parallelism, then sparse
+embeddings, then plain data parallelism). `resolve()` runs every check that needs no
+communication; `autopar train` calls it before starting any process and the Trainer calls it
+again on every rank, so a bad combination fails early, the same way everywhere. A new
+strategy is a new entry: its predicate, its check, its engine builder and, if the
+synchronous loop does not fit it, a loop of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .async_sgd.engine import AsyncEngine, check_async_setup
+from .async_sgd.loop import train_async
+from .config import Strategy, TrainConfig
+from .errors import ConfigError
+from .gossip import GossipEngine, check_gossip_strategy
+from .pipeline.engine import PipelineEngine, check_pipeline_strategy
+from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_setup
+from .tensor_parallel.subpipeline import check_tp_subbatches
+from .train.base import Engine, EngineContext, LoopServices, TrainResult
+from .train.engine import DataParallelEngine
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a strategy is checked against: the user's choices before any process group exists."""
+
+    strategy: Strategy  # resolved: dp filled in
+    config: TrainConfig
+    world: int
+    custom_forward: bool = False  # the Trainer got a forward_fn of its own
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    name: str
+    applies: Callable[[Strategy, TrainConfig], bool]
+    check: Callable[[Request], tuple[TrainConfig, int]]  # -> (config with micro-batches resolved, accumulation)
+    build: Callable[[EngineContext], Engine]
+    loop: Callable[[LoopServices], TrainResult] | None = None  # None: the Trainer's synchronous loop
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The outcome of resolve(): the entry that runs and the settings it runs with."""
+
+    entry: StrategyEntry
+    strategy: Strategy
+    config: TrainConfig
+    accumulation: int  # micro-batches per replica (per worker) per step
+
+
+def sparse_requested(strategy: Strategy, config: TrainConfig) -> bool:
+    return strategy.sparse_embeddings != "dense" or config.optimizer == "sparse-adam"
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _synchronous_check(request: Request) -> tuple[TrainConfig, int]:
+    """Checks every synchronous strategy shares: batch split over replicas, pipeline and tp settings."""
+    strategy = request.strategy
+    config = request.config.with_micro_batches(strategy.dp)
+    accumulation = config.accumulation_steps(strategy.dp)
+    check_tp_subbatches(strategy, config.micro_batch_size)
+    check_pipeline_strategy(strategy, accumulation)
+    if (strategy.pp > 1 or strategy.tp > 1) and request.custom_forward:
+        raise ConfigError(f"a custom forward_fn cannot be used with pp={strategy.pp} tp={strategy.tp}: the model "
+                          f"is traced as the default forward calls it (main input 'input_ids' or 'inputs', "
+                          f"every other non-label field as a keyword); drop forward_fn, or use data "
+                          f"parallelism only")
+    if config.resume and sparse_requested(strategy, config):
+        raise ConfigError(f"--resume is not supported yet with --sparse-embeddings {strategy.sparse_embeddings} / "
+                          f"--optimizer {config.optimizer} (checkpoints hold per-rank table shards); start a new run")
+    return config, accumulation
+
+
+def _check_gossip(request: Request) -> tuple[TrainConfig, int]:
+    resolved = _synchronous_check(request)
+    check_gossip_strategy(request.strategy)
+    return resolved
+
+
+def _check_async(request: Request) -> tuple[TrainConfig, int]:
+    return check_async_setup(request.strategy, request.config, request.world)
+
+
+def _check_sparse(request: Request) -> tuple[TrainConfig, int]:
+    resolved = _synchronous_check(request)
+    check_sparse_setup(SparseOptions.of(request.strategy), request.config, request.config.device)
+    return resolved
+
+
+# ---------------------------------------------------------------------------- builders
+
+
+def _build_gossip(ctx: EngineContext) -> Engine:
+    """D-PSGD: replicas mix with neighbours (gossip/engine.py)."""
+    return GossipEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
+                        autocast=ctx.autocast, timeout_s=ctx.timeout_s,
+                        topology=check_gossip_strategy(ctx.strategy), order=ctx.strategy.gossip_order)
+
+
+def _build_async(ctx: EngineContext) -> Engine:
+    """Parameter server (async_sgd/engine.py): servers serve, workers run ahead."""
+    return AsyncEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
+                       autocast=ctx.autocast, timeout_s=ctx.timeout_s, weight_decay=ctx.config.weight_decay,
+                       servers=ctx.strategy.servers, staleness=ctx.strategy.staleness)
+
+
+def _build_pipeline(ctx: EngineContext) -> Engine:
+    """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1)."""
+    return PipelineEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, example_batch=ctx.example_batch(),
+                          num_microbatches=ctx.accumulation, autocast=ctx.autocast, timeout_s=ctx.timeout_s)
+
+
+def _build_sparse(ctx: EngineContext) -> Engine:
+    """EmbRace and its baselines (sparse/engine.py)."""
+    return SparseEmbeddingEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
+                                 autocast=ctx.autocast, config=ctx.config, log=ctx.log,
+                                 batches_for_step=ctx.batches_for_step, options=SparseOptions.of(ctx.strategy))
+
+
+def _build_data_parallel(ctx: EngineContext) -> Engine:
+    return DataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
+                              autocast=ctx.autocast)
+
+
+STRATEGIES: tuple[StrategyEntry, ...] = (
+    StrategyEntry("gossip", lambda s, c: s.dp_mode == "gossip", _check_gossip, _build_gossip),
+    StrategyEntry("parameter-server", lambda s, c: s.dp_mode == "async", _check_async, _build_async,
+                  loop=train_async),
+    StrategyEntry("pipeline", lambda s, c: s.pp > 1 or s.tp > 1, _synchronous_check, _build_pipeline),
+    StrategyEntry("sparse-embeddings", sparse_requested, _check_sparse, _build_sparse),
+    StrategyEntry("data-parallel", lambda s, c: True, _synchronous_check, _build_data_parallel),
+)
+
+
+def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False) -> Resolved:
+    """Every check that needs no communication, in one place; the same error on every rank and in the CLI."""
+    config.validate()
+    strategy = strategy.resolved(world)
+    entry = next(e for e in STRATEGIES if e.applies(strategy, config))
+    config, accumulation = entry.check(Request(strategy, config, world, custom_forward))
+    return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation)

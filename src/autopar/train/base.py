@@ -1,0 +1,166 @@
+"""What the trainer asks of an engine, what an engine is built from, and what a loop of its own needs.
+
+An engine runs one replica's forward and backward and owns how gradients (or models)
+travel between ranks: the data-parallel engine (train/engine.py), the pipeline engine
+(pipeline/engine.py, which also runs tensor parallelism), gossip, the parameter server and
+sparse embeddings. The trainer drives every one of them through `Engine` only; hooks that
+only some engines need have do-nothing defaults in `EngineBase`, so the trainer never asks
+what kind of engine it holds. strategies.py picks and builds the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..config import Strategy, TrainConfig
+from ..mesh import ProcessMesh
+from .loss import Batch, LossFn, token_loss_sum
+from .optim import build_optimizer
+
+
+class Engine(Protocol):
+    """The operations the trainer calls on every engine."""
+
+    module: nn.Module  # the parameters this rank trains, under the user's model's own names
+    tensor_parallel: Any  # a TensorParallel when logits are sharded over the vocabulary, else None
+
+    def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        """Every micro-batch of this replica, gradients exchanged; this rank's share of the loss."""
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """The global gradient norm (before clipping); clips to max_norm."""
+
+    def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
+        """[loss sum, weight] this rank contributes, without gradients."""
+
+    def zero_grad(self) -> None: ...
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict: ...
+
+    def close(self) -> None: ...
+
+    def num_parameters(self) -> int: ...
+
+    def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        """The default loss: token cross-entropy summed over the micro-batch's targets."""
+
+    def build_optimizer(self, config: TrainConfig) -> torch.optim.Optimizer: ...
+
+    def before_checkpoint(self) -> None: ...
+
+    def banner_lines(self) -> list[str]: ...
+
+    def run_info(self) -> dict[str, Any]: ...
+
+    def run_files(self) -> dict[str, str]: ...
+
+    def finish_run(self, run_dir: Path, config: TrainConfig, strategy: Strategy) -> None: ...
+
+
+class EngineBase:
+    """Defaults for the optional hooks; an engine overrides what it needs."""
+
+    module: nn.Module
+    tensor_parallel = None  # whole model per replica unless the engine shards layers
+    token_loss_sum = staticmethod(token_loss_sum)
+
+    def num_parameters(self) -> int:
+        """Trainable parameters this rank holds (each shared tensor once)."""
+        unique = {id(p): p for p in self.module.parameters() if p.requires_grad}
+        return sum(p.numel() for p in unique.values())
+
+    def build_optimizer(self, config: TrainConfig) -> torch.optim.Optimizer:
+        return build_optimizer(self.module, config)
+
+    def before_checkpoint(self) -> None:
+        """Make the parameters the ones to save (gossip: the replicas' average; sparse: deferred rows landed)."""
+
+    def banner_lines(self) -> list[str]:
+        """Lines the run's start banner adds about this engine."""
+        return []
+
+    def run_info(self) -> dict[str, Any]:
+        """Entries this engine adds to the run folder's run.json."""
+        return {}
+
+    def run_files(self) -> dict[str, str]:
+        """Files (name -> text) this engine adds to the run folder: what it chose, readable (tp_plan.txt)."""
+        return {}
+
+    def finish_run(self, run_dir: Path, config: TrainConfig, strategy: Strategy) -> None:
+        """Called on every rank after the last step (a collective where the engine needs one)."""
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        return {}
+
+
+@dataclass
+class EngineContext:
+    """Everything a strategy's engine is built from; each entry of strategies.py adds its own options."""
+
+    model: nn.Module
+    mesh: ProcessMesh
+    strategy: Strategy  # resolved: dp filled in
+    config: TrainConfig  # resolved: micro-batch size known
+    device: torch.device
+    autocast: Callable
+    forward_fn: Callable[[nn.Module, Batch], Any]
+    accumulation: int  # micro-batches per replica per step
+    example_batch: Callable[[], Batch]  # the first micro-batch of replica 0, loaded on demand
+    batches_for_step: Callable[[int], list[Batch]]  # this replica's micro-batches of a step
+    log: Callable[[str], None] = field(default=lambda text: print(text, flush=True))
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def timeout_s(self) -> float:
+        return self.config.timeout_s
+
+
+@dataclass
+class TrainResult:
+    """What a run produced; identical on every rank."""
+
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)  # one per step trained in this call
+    first_step: int = 1  # the step number of losses[0]
+    eval_loss: float | None = None
+
+
+class LoopServices(Protocol):
+    """What a strategy's own training loop (e.g. the parameter server's) may use of the trainer."""
+
+    config: TrainConfig
+    engine: Engine
+    sampler: Any  # data.sampler.GlobalBatchSampler
+    train_data: Dataset
+    device: torch.device
+    is_main: bool
+    run_dir: Path
+    accumulation: int
+    scheduler: Any
+
+    @property
+    def token_loss(self) -> bool:
+        """True when the loss is the default token loss (normalised by a target count)."""
+
+    def load(self, indices: list[int], data: Dataset) -> Batch: ...
+
+    def loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor: ...
+
+    def evaluate(self, replica: tuple[int, int] | None = None) -> float | None:
+        """(index, count) of this rank among the ranks that split the eval batches; (0, 0): only join the sum."""
+
+    def save(self, step: int) -> Path: ...
+
+    def close_run(self, result: TrainResult) -> TrainResult:
+        """summary.json and the "done:" line (rank 0), then a barrier: the run folder is complete."""
