@@ -152,19 +152,40 @@ def hf_data(family: str) -> list[dict]:
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block (causal or not) with dropout after attention and MLP."""
+    """A pre-norm transformer block (causal or not) with dropout after attention and MLP.
 
-    def __init__(self, width: int = 32, heads: int = 4, causal: bool = True):
+    `qkv` is how the block gets q, k and v, in the styles people write: one fused linear
+    reshaped to (3, heads, head_dim) (timm), one fused linear cut by `split` (nanoGPT) or by
+    `chunk`, or three separate linears."""
+
+    def __init__(self, width: int = 32, heads: int = 4, causal: bool = True, qkv: str = "separate"):
         super().__init__()
-        self.heads, self.causal = heads, causal
+        self.heads, self.causal, self.style = heads, causal, qkv
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        if qkv == "separate":
+            self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+        else:
+            self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
         self.drop = nn.Dropout(DROPOUT)
 
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, c = x.shape
+        if self.style == "timm":
+            q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            return q, k, v
+        if self.style == "split":
+            q, k, v = self.qkv(x).split(c, dim=2)
+        elif self.style == "chunk":
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        return tuple(y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self._qkv(self.norm1(x))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(b, t, c)))
         return x + self.drop(self.mlp(self.norm2(x)))
@@ -177,7 +198,7 @@ class SequentialLM(nn.Module):
         super().__init__()
         self.embed, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(SEQ, width)
         self.drop = nn.Dropout(DROPOUT)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[Block(width, qkv="split") for _ in range(layers)])
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -197,7 +218,7 @@ class ViT(nn.Module):
         self.cls_token = nn.Parameter(torch.empty(1, 1, width))
         self.pos_embed = nn.Parameter(torch.empty(1, (image // patch) ** 2 + 1, width))
         self.drop = nn.Dropout(DROPOUT)
-        self.blocks = nn.ModuleList([Block(width, causal=False) for _ in range(layers)])
+        self.blocks = nn.ModuleList([Block(width, causal=False, qkv="timm") for _ in range(layers)])
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, classes)
 
     def reset_parameters(self) -> None:
@@ -276,7 +297,7 @@ class TwoInputLM(nn.Module):
     def __init__(self, layers: int = 2, width: int = 32, features: int = 8):
         super().__init__()
         self.embed, self.features = nn.Embedding(VOCAB, width), nn.Linear(features, width)
-        self.layers = nn.ModuleList([Block(width) for _ in range(layers)])
+        self.layers = nn.ModuleList([Block(width, qkv="chunk") for _ in range(layers)])
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
