@@ -98,6 +98,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         scores = scores.masked_fill(~allowed, float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    weights = torch.softmax(scores, dim=-1)
+    # a query that may attend to nothing (a left-padded row) gets zero weights, as torch's SDPA gives it,
+    # not softmax's NaN: the safe softmax is the op SDPA's own math path uses
+    weights = torch.ops.aten._safe_softmax(scores, -1)
     weights = dropout(weights, p, op, scope, shard=shard, cache=cache)
     return weights @ v

@@ -83,7 +83,7 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
             source = next(a for a in node.all_input_nodes if a.name == operand)
             if source not in copies:
                 name = _add(module, f"tp_copy_{source.name}", CopyToTP(group))
-                with graph.inserting_after(source):
+                with graph.inserting_before(node):  # (a parameter's node may sit among the placeholders)
                     copies[source] = graph.call_module(name, (source,))
             node.replace_input_with(source, copies[source])
             changed += 1

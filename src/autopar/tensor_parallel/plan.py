@@ -234,6 +234,13 @@ class _Analysis:
                 continue
             shape = shape_of(value)
             if i == 0 and s.dim == len(shape) - 1 and len(s.segments) == 1:
+                vocab = {shape_of(n.args[0])[0] for n in self.graph.graph.nodes
+                         if n.target is aten.embedding.default and isinstance(n.args[1], fx.Node)
+                         and n.args[1].name == self.main_input}
+                if vocab and s.segments[0] not in vocab:  # a classifier's head on a token model: not a vocabulary
+                    raise PlanFailure(s.origins, f"the model output has {s.segments[0]} classes, not the "
+                                                 f"{sorted(vocab)[0]}-token vocabulary its embedding splits: "
+                                                 f"a classifier head stays whole")
                 self.vocab_output, self.vocab_origins = True, s.origins
             else:
                 raise PlanFailure(s.origins, f"model output {i} ({value.name}) would leave the model sharded")

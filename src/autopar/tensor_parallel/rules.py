@@ -85,6 +85,28 @@ class RuleContext:
     copies: dict[str, list[str]] = field(default_factory=dict)  # whole operands read through copy_to_tp
     # a parameter read per feature (a norm's weight): (its node, its split dim, segments), split like the features
     param_operands: dict[str, tuple[fx.Node, int, tuple[int, ...]]] = field(default_factory=dict)
+    _carries: dict[fx.Node, bool] = field(default_factory=dict)  # carries_gradient's memo
+
+    def carries_gradient(self, node: fx.Node) -> bool:
+        """Whether a value depends on a parameter (so training gives it a gradient); memoised per node."""
+        known = self._carries
+        stack = [node]
+        while stack:
+            current = stack[-1]
+            if current in known:
+                stack.pop()
+                continue
+            if self.is_param(current):
+                known[current] = True
+                stack.pop()
+                continue
+            pending = [a for a in current.all_input_nodes if a not in known]
+            if pending:
+                stack.extend(pending)
+                continue
+            known[current] = any(known[a] for a in current.all_input_nodes)
+            stack.pop()
+        return known[node]
 
     def shard_of(self, node: Any) -> Shard | None:
         value = self.state.get(node) if isinstance(node, fx.Node) else None
@@ -139,7 +161,9 @@ def elementwise(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
                 continue
             raise ctx.fail(node, shards, f"a replicated operand ({value.name}, shape {list(shape)}) that is "
                                          f"not broadcast along the sharded dimension")
-        if ctx.state.get(value) == SUMMED:  # each rank's gradient of it is its shard's part: sum them
+        if ctx.state.get(value) == SUMMED or ctx.carries_gradient(value):
+            # a whole value broadcast against shards (a per-head norm's weight, a summed statistic): each rank's
+            # gradient of it is its shard's part, so it is read through copy_to_tp, whose backward sums them
             ctx.copies.setdefault(node.name, []).append(value.name)
     return Shard(dim, first.segments, _origins(shards))
 
@@ -169,6 +193,11 @@ def view(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
             elif out % size == 0 and inner % (out // size) == 0:
                 segments = (out,)  # merged with inner dims: the shard stays the outer factor
             elif size % out == 0:
+                if out % ctx.tp and len(out_shape) - e > 2 and len(first.segments) == 1:
+                    # (3, heads, head_dim) from one projection (timm's fused qkv): q, k and v are one segment
+                    # here, so a rank's slice would not hold whole q/k/v heads; the layers stay whole
+                    raise ctx.fail(node, [first], f"a fused projection reshaped into {list(out_shape[e:])} "
+                                                  f"(q, k, v as a leading axis of {out} rather than a split)")
                 if out % ctx.tp:  # split into (heads, head_dim): the heads are divided
                     module = ctx.module_of(node) or node.name
                     raise ConfigError(
