@@ -46,8 +46,8 @@ def report_part1(r: dict) -> str:
              "torch side: PipelineStage(submodule=stage, stage_index=rank, num_stages=2, device=cpu, group=...) + "
              "ScheduleGPipe / Schedule1F1B(n_microbatches=m, loss_fn, scale_grads=False), step(whole batch, "
              "return_outputs=False)",
-             "ours: build_schedule(name, pp=2, num_microbatches=m, prefetch=True) + P2P + PipelineRuntime "
-             "(recompute off)", ""]
+             "ours: build_local_pipeline(model, pp=2, schedule=name, num_microbatches=m), PipelineEngine's set-up "
+             "(prefetch on, recompute off), run by its PipelineRuntime", ""]
     header = (f"{'schedule':<8} | {'ours ms':>8} {'torch ms':>8} | {'IQR ours':>8} {'IQR torch':>9} | "
               f"{'ours/torch':>10} {'paired':>7}")
     lines += [header, "-" * len(header)]
