@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,11 @@ from .recompute import RecomputePlan, plan_pipeline_recompute, stage_example_inp
 from .runtime import PipelineRuntime
 from .schedules import build_schedule, recomputed_stages
 
+if TYPE_CHECKING:
+    from ..partition.plan import Partition
+    from ..tensor_parallel.apply import TensorParallel
+    from ..trace.graph import ModelGraph
+
 PLACEMENT = "loop"  # stage s on pipeline rank s mod pp (interleaved chunks loop over the ranks)
 
 
@@ -34,8 +40,8 @@ PLACEMENT = "loop"  # stage s on pipeline rank s mod pp (interleaved chunks loop
 class LocalPipeline:
     """What one pipeline rank runs: its stages of the partitioned model, its actions, the runtime."""
 
-    graph: object  # trace.TracedModel
-    partition: object  # partition.Partition
+    graph: ModelGraph  # the traced model
+    partition: Partition
     stages: dict[int, nn.Module]  # stage index -> StageModule, this rank's only
     pp: int
     pp_rank: int
@@ -46,13 +52,13 @@ class LocalPipeline:
     eval_actions: list[Action]  # the same order without backward work (dropping work only removes waits)
     runtime: PipelineRuntime
     recompute: frozenset[int]  # stages whose forward keeps only its inputs (the schedule's R)
-    tensor_parallel: object | None = None  # tensor_parallel.TensorParallel when tp > 1
+    tensor_parallel: TensorParallel | None = None  # when tp > 1
     recompute_plan: RecomputePlan | None = None  # with a memory budget: this rank's stages
     recompute_report: RecomputePlan | None = None  # ... and every pipeline rank's, for the run's report
 
     def first_stage_inputs(self, batch: Batch) -> tuple:
         """Stage 0's inputs from a micro-batch, checked against the traced shapes (an error, never a hang)."""
-        return first_stage_inputs(batch, self.graph.input_keys, [tuple(v.shape) for v in self.graph.example_inputs])
+        return _first_stage_inputs(self.graph, batch)
 
 
 def recompute_request(name: str, num_stages: int) -> frozenset[int]:
@@ -113,19 +119,23 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                            recompute=requested, prefetch=True)
     recomputed = recomputed_stages(steps)  # the schedule may drop some (scp: never the last)
     actions = steps[pp_rank]
+    first_input = lambda batch: _first_stage_inputs(graph, batch)
+    runtime = PipelineRuntime(stages=stages, num_stages=num_stages, pp=pp, pp_rank=pp_rank,
+                              p2p=p2p if p2p is not None else P2P(pp_group, device, num_stages, num_microbatches),
+                              recompute=recomputed, autocast=autocast, placement=PLACEMENT, first_input=first_input)
     pipe = LocalPipeline(
         graph=graph, partition=partition, stages=stages, pp=pp, pp_rank=pp_rank, num_stages=num_stages,
         placement=PLACEMENT, schedule=steps, actions=actions,
         eval_actions=[a for a in actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)],
-        runtime=None, recompute=recomputed, tensor_parallel=tensor_parallel)
-    pipe.runtime = PipelineRuntime(stages=stages, num_stages=num_stages, pp=pp, pp_rank=pp_rank,
-                                   p2p=p2p if p2p is not None else P2P(pp_group, device, num_stages, num_microbatches),
-                                   recompute=recomputed, autocast=autocast, placement=PLACEMENT,
-                                   first_input=pipe.first_stage_inputs)
+        runtime=runtime, recompute=recomputed, tensor_parallel=tensor_parallel)
     if memory_budget_bytes is not None:
         pipe.recompute_plan, pipe.recompute_report = _agreed_recompute_plan(
             pipe, memory_budget_bytes, num_microbatches, device, pp_group)
     return pipe
+
+
+def _first_stage_inputs(graph: ModelGraph, batch: Batch) -> tuple:
+    return first_stage_inputs(batch, graph.input_keys, [tuple(v.shape) for v in graph.example_inputs])
 
 
 def _traced_call(model: nn.Module, example_batch: Batch, device: torch.device) -> tuple[tuple, dict]:
