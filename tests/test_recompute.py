@@ -65,8 +65,8 @@ def test_planner_picks_the_fewest_blocks_and_spares_the_last_stage():
     assert sum(tight.memory.values()) <= 250
     one_less = dict(tight.blocks)
     one_less[0] -= 1  # the plan is minimal: one block fewer does not fit
-    from autopar.pipeline.recompute import _memory
-    assert sum(_memory(saved[s], one_less[s], in_flight[s], state[s]) for s in saved) > 250
+    from autopar.pipeline.recompute import stage_memory
+    assert sum(stage_memory(saved[s], one_less[s], in_flight[s], state[s]) for s in saved) > 250
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_works():

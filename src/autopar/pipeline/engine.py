@@ -26,12 +26,10 @@ from ..mesh import ProcessMesh
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
 from .actions import Action, stage_to_rank
-from .recompute import measure_saved_bytes, plan_recompute
+from .build import build_local_pipeline
 from .schedules import generate
-from .simulate import simulate, timeline_from_events
-from ..train.engine import broadcast_state, on_every_rank
-from ..train.fields import first_stage_inputs, traced_call
-from ..train.loss import Batch, LossFn, main_input, token_loss_sum
+from .simulate import timeline_from_events
+from ..train.loss import Batch, LossFn, token_loss_sum
 
 
 def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
@@ -80,129 +78,31 @@ class PipelineEngine(EngineBase):
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float):
-        from ..partition import partition
-        from .actions import Op, stage_to_rank
-        from .p2p import P2P
-        from .runtime import PipelineRuntime
-        from .schedules import build_schedule, recomputed_stages
-        from ..trace import trace
-
         strategy = mesh.strategy
         self.mesh, self.autocast = mesh, autocast
-        self.pp, self.pp_rank = strategy.pp, mesh.local_rank("pp")
-        self.num_stages = strategy.pp * strategy.chunks
-        example = main_input(example_batch)
-        built_for_real = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        if built_for_real:  # every rank starts from rank 0's weights, as the whole-model engines do
-            broadcast_state(model, dist.group.WORLD, src=0, device=device)
-        # trace where the model lives: a real model's tensors and a meta input cannot meet in one op
-        traced_on = (next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-                     if built_for_real else torch.device("meta"))
-        model.train()  # the training graph (dropout nodes on), as whole-model engines run it
-        graph = trace(model, *self._traced_call(model, example_batch, traced_on))
-        if graph.layers_path is not None and self.num_stages > len(graph.blocks):  # no stack: partition() says so
-            raise ConfigError(f"pp={self.pp} x chunks={strategy.chunks} = {self.num_stages} stages, but the model has "
-                              f"only {len(graph.blocks)} blocks to cut between (embedding part, "
-                              f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
-        self.partition = partition(graph, self.num_stages, method=strategy.partition)
-        placement = "loop"
-        mine = [s for s in range(self.num_stages) if stage_to_rank(s, self.pp, self.num_stages, placement) == self.pp_rank]
-        self.stages = on_every_rank(lambda: {s: self.partition.materialize_stage(s, model, device, seed=seed)
-                                             for s in mine})  # an uninitialised weight is found by its stage's rank
-        self.tensor_parallel = None
+        self.pipe = build_local_pipeline(
+            model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"), pp_group=mesh.group("pp"), device=device, seed=seed,
+            example_batch=example_batch, num_microbatches=num_microbatches, schedule=strategy.schedule,
+            chunks=strategy.chunks, partition_method=strategy.partition, recompute=strategy.recompute,
+            memory_budget_bytes=None if strategy.memory_budget_mb is None else strategy.memory_budget_mb * 2**20,
+            tp=strategy.tp, tp_group=mesh.group("tp") if strategy.tp > 1 else None,
+            tp_subbatches=strategy.tp_subbatches, autocast=autocast)
+        pipe = self.pipe
+        self.pp, self.pp_rank, self.num_stages = pipe.pp, pipe.pp_rank, pipe.num_stages
+        self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime
+        self.actions, self.eval_actions = pipe.actions, pipe.eval_actions
+        self.tensor_parallel = pipe.tensor_parallel
         self.tp_rank = mesh.local_rank("tp")
-        if strategy.tp > 1:
-            from ..tensor_parallel import TensorParallel, plan_tensor_parallel
-            self.tensor_parallel = TensorParallel(plan_tensor_parallel(graph, strategy.tp), mesh.group("tp"))
-            for stage in self.stages.values():
-                self.tensor_parallel.parallelize(stage)
-            if strategy.tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)
-                from ..tensor_parallel.subpipeline import sub_pipeline_stages
-                sub_pipeline_stages(self.stages, model, self.partition, strategy.tp_subbatches, mesh.group("tp"),
-                                    device)
+        self.recompute_plan, self.recompute_report = pipe.recompute_plan, pipe.recompute_report
         self.module = LocalStages(self.stages)
-        recompute = {"none": frozenset(), "all": frozenset(range(self.num_stages)),
-                     "all-but-last": frozenset(range(self.num_stages - 1))}[strategy.recompute]
-        self.schedule = build_schedule(strategy.schedule, pp=self.pp, num_microbatches=num_microbatches,
-                                       chunks=strategy.chunks, recompute=recompute, prefetch=True)
-        recompute = recomputed_stages(self.schedule)  # the schedule may drop some (scp: never the last)
-        self.actions = self.schedule[self.pp_rank]
-        # eval: the same order without backward work (dropping work only removes waits)
-        self.eval_actions = [a for a in self.actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)]
-        p2p = P2P(mesh.group("pp"), device, self.num_stages, num_microbatches)
-        self.runtime = PipelineRuntime(stages=self.stages, num_stages=self.num_stages, pp=self.pp, pp_rank=self.pp_rank,
-                                       p2p=p2p, loss_fn=lambda out, batch: self._loss_fn(out, batch),
-                                       recompute=recompute, autocast=autocast, placement=placement,
-                                       first_input=self._first_stage_inputs)
-        self.recompute_plan = self.recompute_report = None  # this rank's stages; every pipeline rank's
-        if strategy.memory_budget_mb is not None:
-            self.recompute_plan = self._plan_recompute(strategy.memory_budget_mb * 2**20, example, num_microbatches)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
-        self._shared = self._shared_groups(device, placement, timeout_s)
-        self._loss_fn: LossFn = lambda out, batch: out
+        self._shared = self._shared_groups(device, pipe.placement, timeout_s)
         self.last_events: list = []
-
-    @staticmethod
-    def _traced_call(model: nn.Module, example_batch: Batch, device: torch.device) -> tuple[tuple, dict]:
-        """Trace on every non-label batch field (train/fields.py), with a model's key/value cache off."""
-        from ..models.hf import turn_off_kv_cache
-        if turn_off_kv_cache(model) and dist.get_rank() == 0:
-            print(f"{type(model).__name__}: set config.use_cache=False for training (a key/value cache "
-                  f"cannot be traced and is not used when training)", flush=True)
-        return traced_call(example_batch, device)
-
-    def _first_stage_inputs(self, batch: Batch) -> tuple:
-        graph = self.partition.graph
-        return first_stage_inputs(batch, graph.input_keys, [tuple(v.shape) for v in graph.example_inputs])
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
         if self.tensor_parallel is None:
             return token_loss_sum(output, batch)
         return self.tensor_parallel.loss_sum(output, batch, IGNORE_INDEX)
-
-    def _plan_recompute(self, budget: float, example: torch.Tensor, num_microbatches: int):
-        """Measure this rank's stages and choose their recomputed blocks; every rank agrees it fits."""
-        timeline = simulate(self.schedule, pp=self.pp, num_stages=self.num_stages, num_microbatches=num_microbatches)
-        graph_nodes = {n.name: n for n in self.partition.graph.graph.nodes}
-        saved, state = {}, {}
-        for s, stage in self.stages.items():
-            if s == 0:  # the model's inputs: ids and masks as zeros, float inputs random
-                inputs = tuple(_random_like(v, example.device) for v in self.partition.graph.example_inputs)
-            else:
-                inputs = tuple(_random_like(graph_nodes[name].meta["val"], example.device) for name in stage.spec.inputs)
-            saved[s] = measure_saved_bytes(stage, inputs)
-            state[s] = 4 * sum(p.numel() * p.element_size() for p in stage.parameters())
-            if s in self.runtime.recompute:  # whole-stage R already: stashed inputs + one live micro-batch
-                stash = sum(v.numel() * v.element_size() for v in inputs) * max(1, timeline.stashed_inputs.get(s, 1))
-                saved[s] = [saved[s][0] + stash]
-        error = None
-        try:
-            in_flight = {s: 1 if s in self.runtime.recompute else max(1, timeline.peak_activations.get(s, 1))
-                         for s in saved}
-            plan = plan_recompute(saved, in_flight=in_flight,
-                                  state_bytes=state, budget=budget, last_stage=self.num_stages - 1)
-        except ConfigError as exc:
-            error, plan = exc, None
-        failed = torch.tensor(0 if error is None else 1, device=example.device)
-        dist.all_reduce(failed)
-        if error is not None:
-            raise error
-        if int(failed):
-            raise ConfigError(f"another pipeline rank cannot fit --memory-budget-mb {budget / 2**20:g}; "
-                              f"see its message")
-        for s, blocks in plan.blocks.items():
-            self.stages[s].recompute_blocks = blocks
-        self.recompute_report = self._whole_recompute_plan(plan)
-        return plan
-
-    def _whole_recompute_plan(self, plan):
-        """Every pipeline rank's choice in one plan (each rank planned only its own stages), for the report."""
-        from .recompute import RecomputePlan
-        parts = [None] * self.pp
-        dist.all_gather_object(parts, (plan.blocks, plan.memory), group=self.mesh.group("pp"))
-        blocks = {s: k for part_blocks, _ in parts for s, k in part_blocks.items()}
-        memory = {s: m for _, part_memory in parts for s, m in part_memory.items()}
-        return RecomputePlan(blocks=blocks, memory=memory, budget=plan.budget)
 
     def banner_lines(self) -> list[str]:
         """What this engine chose that the run should say at its start: the TP split, the recomputation."""
@@ -250,12 +150,11 @@ class PipelineEngine(EngineBase):
         return result
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
-        self._loss_fn = loss_fn
         self.module.train()
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
-            self._first_stage_inputs(batch)
+            self.pipe.first_stage_inputs(batch)
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
-        step = self.runtime.run(self.actions, batches, record=True, sync_context=sync)
+        step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
         self.last_events = step.events
         self.sync.finish()
         for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
@@ -290,10 +189,9 @@ class PipelineEngine(EngineBase):
         """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
         for stage in self.stages.values():  # LocalStages holds parameters, not the stages: set their mode
             stage.eval()  # dropout off
-        self._loss_fn = eval_loss
         for batch in batches:
-            self._first_stage_inputs(batch)
-        step = self.runtime.run(self.eval_actions, batches)
+            self.pipe.first_stage_inputs(batch)
+        step = self.runtime.run(self.eval_actions, batches, loss_fn=eval_loss)
         for stage in self.stages.values():
             stage.train()
         if self.num_stages - 1 in self.stages and self.tp_rank == 0:
@@ -344,8 +242,3 @@ class PipelineEngine(EngineBase):
     def close(self) -> None:
         self.sync.remove()
 
-
-def _random_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if value.is_floating_point():
-        return torch.randn(value.shape, dtype=value.dtype, device=device)
-    return torch.zeros(value.shape, dtype=value.dtype, device=device)

@@ -50,20 +50,24 @@ def _float_positions(values: tuple) -> list[int]:
 
 class PipelineRuntime:
     def __init__(self, *, stages: dict[int, nn.Module], num_stages: int, pp: int, pp_rank: int, p2p: P2P,
-                 loss_fn: Callable[[Any, dict], torch.Tensor], recompute: frozenset[int] = frozenset(),
+                 recompute: frozenset[int] = frozenset(),
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  placement: str = "loop", first_input: Callable[[dict], tuple] = lambda b: (b["input_ids"],)):
         self.stages, self.num_stages, self.pp, self.pp_rank = stages, num_stages, pp, pp_rank
         self.first_input = first_input
-        self.p2p, self.loss_fn, self.recompute, self.autocast = p2p, loss_fn, recompute, autocast
+        self.p2p, self.recompute, self.autocast = p2p, recompute, autocast
         self.placement = placement
 
     def _rank(self, stage: int) -> int:
         return stage_to_rank(stage, self.pp, self.num_stages, self.placement)
 
-    def run(self, actions: list[Action], batches: list[dict], *, record: bool = False,
+    def run(self, actions: list[Action], batches: list[dict], *, loss_fn: Callable[[Any, dict], torch.Tensor],
+            record: bool = False,
             sync_context: Callable[[bool], contextlib.AbstractContextManager] | None = None) -> StepRecord:
         """Execute `actions` for one step on micro-batches `batches` (every rank gets the same list).
+
+        loss_fn(output, micro-batch) turns the last stage's output into what it returns and
+        backward starts from (training's loss, or eval's [loss sum, target count]).
 
         sync_context(last) wraps each backward; `last` is True for this rank's final one, so a
         gradient synchroniser can overlap its reduction with that backward only.
@@ -111,7 +115,7 @@ class PipelineRuntime:
                 inputs[(s, mb)] = x
                 keep_graph = s not in self.recompute and torch.is_grad_enabled()
                 with torch.set_grad_enabled(keep_graph), micro_batch(mb):
-                    out = self._forward(s, x, batches[mb])
+                    out = self._forward(s, x, batches[mb], loss_fn)
                 if s == self.num_stages - 1:
                     loss = out[0].detach() if loss is None else loss + out[0].detach()
                 elif self._rank(s + 1) == self.pp_rank:
@@ -119,7 +123,7 @@ class PipelineRuntime:
                 outputs[(s, mb)] = out if keep_graph or s == self.num_stages - 1 else tuple(v.detach() for v in out)
             elif op == Op.RECOMPUTE:
                 with micro_batch(mb):  # the same masks as its forward
-                    outputs[(s, mb)] = self._forward(s, inputs[(s, mb)], batches[mb])
+                    outputs[(s, mb)] = self._forward(s, inputs[(s, mb)], batches[mb], loss_fn)
             elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                 out = outputs.pop((s, mb))
                 grads = None if s == self.num_stages - 1 else take("B", s + 1, mb)
@@ -160,11 +164,11 @@ class PipelineRuntime:
             loss = torch.zeros((), device=self.p2p.device)
         return StepRecord(loss=loss, events=events)
 
-    def _forward(self, stage: int, x: tuple, batch: dict) -> tuple:
+    def _forward(self, stage: int, x: tuple, batch: dict, loss_fn: Callable[[Any, dict], torch.Tensor]) -> tuple:
         with self.autocast():
             out = self.stages[stage](*x)
         if stage == self.num_stages - 1:
-            return (self.loss_fn(out, batch),)
+            return (loss_fn(out, batch),)
         return out
 
     @staticmethod

@@ -1,0 +1,173 @@
+"""One rank's share of a pipeline, built from an unmodified model: the set-up PipelineEngine and the
+benchmarks share.
+
+trace -> partition -> this rank's stages (materialised, tensor-parallel, sub-pipelined) ->
+schedule -> runtime -> recomputation plan. What is left to an engine is what a training run
+adds around it: gradient synchronisation over data-parallel replicas, the sums of tied
+weights across pipeline ranks, the loss of a tensor-parallel head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..train.engine import broadcast_state, on_every_rank
+from ..train.fields import first_stage_inputs, traced_call
+from ..train.loss import Batch
+from .actions import Action, Op, Schedule, stage_to_rank
+from .p2p import P2P
+from .recompute import RecomputePlan, plan_pipeline_recompute, stage_example_inputs
+from .runtime import PipelineRuntime
+from .schedules import build_schedule, recomputed_stages
+
+if TYPE_CHECKING:
+    from ..partition.plan import Partition
+    from ..tensor_parallel.apply import TensorParallel
+    from ..trace.graph import ModelGraph
+
+PLACEMENT = "loop"  # stage s on pipeline rank s mod pp (interleaved chunks loop over the ranks)
+
+
+@dataclass
+class LocalPipeline:
+    """What one pipeline rank runs: its stages of the partitioned model, its actions, the runtime."""
+
+    graph: ModelGraph  # the traced model
+    partition: Partition
+    stages: dict[int, nn.Module]  # stage index -> StageModule, this rank's only
+    pp: int
+    pp_rank: int
+    num_stages: int
+    placement: str
+    schedule: Schedule  # every rank's actions
+    actions: list[Action]  # this rank's training step
+    eval_actions: list[Action]  # the same order without backward work (dropping work only removes waits)
+    runtime: PipelineRuntime
+    recompute: frozenset[int]  # stages whose forward keeps only its inputs (the schedule's R)
+    tensor_parallel: TensorParallel | None = None  # when tp > 1
+    recompute_plan: RecomputePlan | None = None  # with a memory budget: this rank's stages
+    recompute_report: RecomputePlan | None = None  # ... and every pipeline rank's, for the run's report
+
+    def first_stage_inputs(self, batch: Batch) -> tuple:
+        """Stage 0's inputs from a micro-batch, checked against the traced shapes (an error, never a hang)."""
+        return _first_stage_inputs(self.graph, batch)
+
+
+def recompute_request(name: str, num_stages: int) -> frozenset[int]:
+    """Stages a --recompute choice asks to recompute whole (the schedule may drop some)."""
+    return {"none": frozenset(), "all": frozenset(range(num_stages)),
+            "all-but-last": frozenset(range(num_stages - 1))}[name]
+
+
+def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, device: torch.device, seed: int,
+                         example_batch: Batch, num_microbatches: int, schedule: str = "1f1b", chunks: int = 1,
+                         partition_method: str = "time", recompute: str | frozenset[int] = "none",
+                         memory_budget_bytes: float | None = None, tp: int = 1, tp_group=None, tp_subbatches: int = 1,
+                         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                         partition=None, p2p: P2P | None = None) -> LocalPipeline:
+    """This rank's pipeline of `model` (on meta, or built for real on every rank: then rank 0's weights win).
+
+    Collective over the world (errors one rank finds are raised on all) and over `pp_group`.
+    `partition`: one made earlier of this same model and stage count, reused instead of tracing
+    again (a benchmark building many pipelines). `p2p`: a transport to use instead of a fresh
+    P2P on `pp_group`. With `memory_budget_bytes`, every stage's recomputed blocks are chosen to
+    fit it (pipeline/recompute.py) and every rank agrees that they fit.
+    """
+    from ..partition import partition as make_partition
+    from ..trace import trace
+
+    num_stages = pp * chunks
+    if partition is None:
+        built_for_real = not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if built_for_real:  # every rank starts from rank 0's weights, as the whole-model engines do
+            broadcast_state(model, dist.group.WORLD, src=0, device=device)
+        # trace where the model lives: a real model's tensors and a meta input cannot meet in one op
+        traced_on = (next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+                     if built_for_real else torch.device("meta"))
+        model.train()  # the training graph (dropout nodes on), as whole-model engines run it
+        graph = trace(model, *_traced_call(model, example_batch, traced_on))
+        if graph.layers_path is not None and num_stages > len(graph.blocks):  # no stack: partition() says so
+            raise ConfigError(f"pp={pp} x chunks={chunks} = {num_stages} stages, but the model has "
+                              f"only {len(graph.blocks)} blocks to cut between (embedding part, "
+                              f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
+        partition = make_partition(graph, num_stages, method=partition_method)
+    elif partition.num_stages != num_stages:
+        raise ValueError(f"the given partition has {partition.num_stages} stages, not pp x chunks = {num_stages}")
+    graph = partition.graph
+    mine = [s for s in range(num_stages) if stage_to_rank(s, pp, num_stages, PLACEMENT) == pp_rank]
+    stages = on_every_rank(lambda: {s: partition.materialize_stage(s, model, device, seed=seed)
+                                    for s in mine})  # an uninitialised weight is found by its stage's rank
+    tensor_parallel = None
+    if tp > 1:
+        from ..tensor_parallel import TensorParallel, plan_tensor_parallel
+        tensor_parallel = TensorParallel(plan_tensor_parallel(graph, tp), tp_group)
+        for stage in stages.values():
+            tensor_parallel.parallelize(stage)
+        if tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)
+            from ..tensor_parallel.subpipeline import sub_pipeline_stages
+            sub_pipeline_stages(stages, model, partition, tp_subbatches, tp_group, device)
+    requested = recompute_request(recompute, num_stages) if isinstance(recompute, str) else frozenset(recompute)
+    steps = build_schedule(schedule, pp=pp, num_microbatches=num_microbatches, chunks=chunks,
+                           recompute=requested, prefetch=True)
+    recomputed = recomputed_stages(steps)  # the schedule may drop some (scp: never the last)
+    actions = steps[pp_rank]
+    first_input = lambda batch: _first_stage_inputs(graph, batch)
+    runtime = PipelineRuntime(stages=stages, num_stages=num_stages, pp=pp, pp_rank=pp_rank,
+                              p2p=p2p if p2p is not None else P2P(pp_group, device, num_stages, num_microbatches),
+                              recompute=recomputed, autocast=autocast, placement=PLACEMENT, first_input=first_input)
+    pipe = LocalPipeline(
+        graph=graph, partition=partition, stages=stages, pp=pp, pp_rank=pp_rank, num_stages=num_stages,
+        placement=PLACEMENT, schedule=steps, actions=actions,
+        eval_actions=[a for a in actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)],
+        runtime=runtime, recompute=recomputed, tensor_parallel=tensor_parallel)
+    if memory_budget_bytes is not None:
+        pipe.recompute_plan, pipe.recompute_report = _agreed_recompute_plan(
+            pipe, memory_budget_bytes, num_microbatches, device, pp_group)
+    return pipe
+
+
+def _first_stage_inputs(graph: ModelGraph, batch: Batch) -> tuple:
+    return first_stage_inputs(batch, graph.input_keys, [tuple(v.shape) for v in graph.example_inputs])
+
+
+def _traced_call(model: nn.Module, example_batch: Batch, device: torch.device) -> tuple[tuple, dict]:
+    """Trace on every non-label batch field (train/fields.py), with a model's key/value cache off."""
+    from ..models.hf import turn_off_kv_cache
+    if turn_off_kv_cache(model) and dist.get_rank() == 0:
+        print(f"{type(model).__name__}: set config.use_cache=False for training (a key/value cache "
+              f"cannot be traced and is not used when training)", flush=True)
+    return traced_call(example_batch, device)
+
+
+def _agreed_recompute_plan(pipe: LocalPipeline, budget: float, num_microbatches: int, device: torch.device,
+                           pp_group) -> tuple[RecomputePlan, RecomputePlan]:
+    """This rank's plan, applied to its stages, once every rank found one that fits; and every pp rank's plan."""
+    error = plan = None
+    try:
+        plan = plan_pipeline_recompute(pipe.stages, pipe.schedule, stage_example_inputs(pipe.graph, pipe.stages, device),
+                                       budget, pp=pipe.pp, num_microbatches=num_microbatches,
+                                       recomputed=pipe.recompute)
+    except ConfigError as exc:
+        error = exc
+    failed = torch.tensor(0 if error is None else 1, device=device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise ConfigError(f"another pipeline rank cannot fit --memory-budget-mb {budget / 2**20:g}; "
+                          f"see its message")
+    for s, blocks in plan.blocks.items():
+        pipe.stages[s].recompute_blocks = blocks
+    parts = [None] * pipe.pp
+    dist.all_gather_object(parts, (plan.blocks, plan.memory), group=pp_group)
+    whole = RecomputePlan(blocks={s: k for part_blocks, _ in parts for s, k in part_blocks.items()},
+                          memory={s: m for _, part_memory in parts for s, m in part_memory.items()}, budget=plan.budget)
+    return plan, whole
