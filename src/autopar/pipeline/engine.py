@@ -77,8 +77,9 @@ class PipelineEngine(EngineBase):
     """This rank's pipeline stage(s), run by a schedule; gradients synchronised over dp and tied stages."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float):
-        strategy = mesh.strategy
+                 example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float,
+                 strategy=None):
+        strategy = strategy if strategy is not None else mesh.strategy  # the strategy table passes it explicitly
         self.mesh, self.autocast = mesh, autocast
         self.pipe = build_local_pipeline(
             model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"), pp_group=mesh.group("pp"), device=device, seed=seed,

@@ -165,7 +165,7 @@ def cluster_from_dict(data: dict) -> Cluster:
                           f"'devices_per_node' ({per_node}): nodes are alike")
     rates = data.get("flops_per_s")
     if not isinstance(rates, dict) or not rates:
-        raise ConfigError(f"cluster file: missing table [flops_per_s] (peak FLOP/s per dtype, e.g. fp32 = 1.9e13)")
+        raise ConfigError("cluster file: missing table [flops_per_s] (peak FLOP/s per dtype, e.g. fp32 = 1.9e13)")
     bad = sorted(set(rates) - set(DTYPES))
     if bad:
         raise ConfigError(f"cluster file: flops_per_s has unknown dtype(s) {bad}; use {choices(DTYPES)}")

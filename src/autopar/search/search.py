@@ -133,7 +133,6 @@ def _random_bounds(rng: random.Random, blocks: int, stages: int) -> tuple[int, .
 def _neighbour(c: Candidate, model: StepModel, space: SearchSpace, rng: random.Random,
                degrees: list[tuple[int, int, int, int, int]]) -> Candidate:
     """One random change: degrees and micro-batching, schedule, a cut, or one stage's recomputation."""
-    blocks = model.profile.num_blocks
     move = rng.randrange(4)
     if move == 0:  # new (dp, tp, pp, mbs, m): start from the time partition of the new stage count
         dp, tp, pp, mbs, m = rng.choice(degrees)
