@@ -32,7 +32,7 @@ def _mask(seed=1, step=0, op=0, samples=(0, 1, 2, 3), shape=(6, 8), p=0.1, shard
 
 
 def test_same_inputs_give_the_same_mask():
-    assert torch.equal(_mask(), _mask())
+    assert torch.equal(_mask(), _mask())  # exact: a mask is integer hashing, no float arithmetic
 
 
 @pytest.mark.parametrize("change", [{"seed": 2}, {"step": 1}, {"op": 1}, {"samples": (4, 5, 6, 7)}])
@@ -46,7 +46,7 @@ def test_another_seed_step_op_or_sample_gives_another_mask(change):
 def test_a_sample_keeps_its_mask_in_any_micro_batch():
     whole = _mask(samples=(10, 11, 12, 13))
     alone = _mask(samples=(12,))
-    assert torch.equal(whole[2], alone[0])
+    assert torch.equal(whole[2], alone[0])  # exact: integer hashing of the same (sample, element)
 
 
 @pytest.mark.parametrize("dim,segments", [(1, (6,)), (2, (8,)), (2, (4, 4)), (1, (2, 4))])
@@ -62,7 +62,7 @@ def test_a_tp_shard_draws_its_slice_of_the_whole_mask(dim, segments):
             local = dropout_noise((4, *local_shape), 0.1, 0, active_scope(), dtype=torch.float32,
                                   device=torch.device("cpu"), shard=TPShard(dim, segments, rank, 2)) != 0
         index = shard_positions(full_dim, segments, rank, 2)
-        assert torch.equal(local, whole.index_select(dim, index))
+        assert torch.equal(local, whole.index_select(dim, index))  # exact: the same hashes, sliced
 
 
 def test_keep_rate_is_one_minus_p():
@@ -80,7 +80,7 @@ def test_flattened_batch_rows_are_read_as_samples():
         two = dropout_noise((2 * 3, 4), 0.5, 0, active_scope(), dtype=torch.float32, device=torch.device("cpu"))
     with dropout_step(0, 0, [[6]]), micro_batch(0):
         one = dropout_noise((3, 4), 0.5, 0, active_scope(), dtype=torch.float32, device=torch.device("cpu"))
-    assert torch.equal(two[3:], one)
+    assert torch.equal(two[3:], one)  # exact: the same hashes scaled by the same 1/(1-p)
     with dropout_step(0, 0, [[5, 6]]), micro_batch(0), pytest.raises(ModelError, match="leading dimension"):
         dropout_noise((3, 4), 0.5, 0, active_scope(), dtype=torch.float32, device=torch.device("cpu"))
 
@@ -127,7 +127,7 @@ def test_eval_mode_and_no_step_keep_torch_behaviour():
     model, ids = _gpt(), torch.randint(0, 64, (2, 8))
     model.eval()
     with dropout_step(0, 0, [[0, 1]]), eager_micro_batch(0):
-        assert torch.equal(model(ids), model(ids))
+        assert torch.equal(model(ids), model(ids))  # bitwise: the same ops on the same input, twice
 
 
 def test_alpha_dropout_is_refused():

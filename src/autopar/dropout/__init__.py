@@ -13,9 +13,9 @@ activations get the same mask on every tp rank (replicated parameters stay ident
 
 Cost, measured with benchmarks/dropout_cost.py (gpt-tiny, dropout 0.1 on embeddings,
 residual branches and attention weights; one process, one CPU thread, forward + backward +
-AdamW; median of 20 alternating steps on a shared, heavily loaded 2-core machine):
-batch 8 x 128 tokens, 1.22-1.35x torch's own dropout (eager and traced alike); 8 x 32
-tokens, 1.02-1.23x. The hash is ~10 int64 element-wise passes per dropped element
+AdamW; median of 20 alternating steps), batch 8 x 128 tokens on a quiet 2-core Xeon:
+1.23x torch's own dropout step time eager, 1.14x traced (docs/benchmarks.md; an earlier run
+on a heavily loaded machine gave 1.22-1.35x, and 1.02-1.23x at 8 x 32 tokens). The hash is ~10 int64 element-wise passes per dropped element
 (per-element halves cached per step), and attention dropout gives up the fused attention
 kernel for the written-out form, which dominates at long sequences.
 
