@@ -46,12 +46,16 @@ class Action:
     - SEND_B(stage=s): stage s sends its input gradients to stage s-1's rank;
     - RECV_B(stage=s): stage s receives its output gradients from stage s+1's rank.
     `str()` and `parse` write and read the compact form ('0F3', '1SEND_F2'), without the peer.
+    `step` (communication actions only): the communication step (comm_steps.py) the transfer
+    belongs to; a runtime posts the consecutive actions of one step as one batched group, and
+    both ends of a transfer carry the same step. None: posted on its own.
     """
 
     stage: int
     op: Op
     microbatch: int
     peer: int | None = None
+    step: int | None = None
 
     def __str__(self) -> str:
         return f"{self.stage}{self.op.value}{self.microbatch}"

@@ -116,7 +116,7 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
             sub_pipeline_stages(stages, model, partition, tp_subbatches, tp_group, device)
     requested = recompute_request(recompute, num_stages) if isinstance(recompute, str) else frozenset(recompute)
     steps = build_schedule(schedule, pp=pp, num_microbatches=num_microbatches, chunks=chunks,
-                           recompute=requested, prefetch=True)
+                           recompute=requested, batched=True)  # NCCL-safe groups (comm_steps.py)
     recomputed = recomputed_stages(steps)  # the schedule may drop some (scp: never the last)
     actions = steps[pp_rank]
     first_input = lambda batch: _first_stage_inputs(graph, batch)

@@ -7,6 +7,9 @@ bare asynchronous sends and receives of arbitrary tensor tuples.
 The first transfer on a channel (peer, direction, stage) carries a metadata message
 (count, dtypes, shapes) so the receiver can allocate buffers; later transfers reuse it.
 Every message has its own tag, so the receiver may post receives in any order and early.
+
+`exchange` posts one communication step (comm_steps.py) as one `batch_isend_irecv` group, the
+form NCCL needs; `send` / `recv` post single operations (gloo tolerates any order of them).
 """
 
 from __future__ import annotations
@@ -113,6 +116,54 @@ class P2P:
         tensors, works = self._post_data(channel, src, tags)
         return Pending(self, channel, src, None, tensors, works)
 
+    def exchange(self, sends: list[tuple[tuple[torch.Tensor, ...], int, int, int, int]],
+                 recvs: list[tuple[int, int, int, int]]) -> list[Pending]:
+        """Post one communication step as one batched group; returns the receives, in `recvs` order.
+
+        sends: (tensors, peer, kind, stage, micro-batch); recvs: (peer, kind, stage, micro-batch),
+        each in the order the step lists them (the same order at both ends of a rank pair).
+        A channel's first message needs its metadata first: both ends know it is the first
+        (they post the same messages in the same order), so both post a metadata group and
+        wait for it (once per channel, the only host wait here) before the data group.
+        """
+        meta_ops, new = [], []
+        for tensors, peer, kind, stage, _ in sends:
+            if (peer, kind, stage) not in self._sent_meta:
+                self._sent_meta.add((peer, kind, stage))
+                meta = encode_meta(tensors).to(self.device)
+                meta_ops.append(dist.P2POp(dist.isend, meta, self._global(peer), self.group, self._meta_tag(kind, stage)))
+        for peer, kind, stage, _ in recvs:
+            channel = (peer, kind, stage)
+            if channel not in self._known and channel not in (c for c, _ in new):
+                meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
+                meta_ops.append(dist.P2POp(dist.irecv, meta, self._global(peer), self.group,
+                                           self._meta_tag(kind, stage)))
+                new.append((channel, meta))
+        if meta_ops:
+            for work in dist.batch_isend_irecv(meta_ops):
+                work.wait()
+            for channel, meta in new:
+                self._known[channel] = decode_meta(meta.cpu())
+        ops, kept, buffers = [], [], []
+        for tensors, peer, kind, stage, mb in sends:
+            for i, t in enumerate(tensors):
+                t = t.detach().contiguous()
+                kept.append(t)
+                ops.append(dist.P2POp(dist.isend, t, self._global(peer), self.group, self._data_tag(kind, stage, mb, i)))
+        for peer, kind, stage, mb in recvs:
+            mine = tuple(torch.empty(shape, dtype=dtype, device=self.device)
+                         for shape, dtype in self._known[(peer, kind, stage)])
+            buffers.append(mine)
+            ops += [dist.P2POp(dist.irecv, b, self._global(peer), self.group, self._data_tag(kind, stage, mb, i))
+                    for i, b in enumerate(mine)]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if sends:
+            self._sends.append((works, kept))  # the tensors stay alive until the sends complete
+        # NCCL returns one work for the whole group, gloo one per operation: every receive waits
+        # on the group (its sends included), which on both is what completes the step
+        return [Pending(self, (peer, kind, stage), self._global(peer), None, mine, works)
+                for (peer, kind, stage, _), mine in zip(recvs, buffers)]
+
     def _post_data(self, channel: tuple, src: int, tags: list[int]) -> tuple[tuple, list]:
         if channel not in self._known:
             work, meta = self._meta_pending.pop(channel)
@@ -126,6 +177,8 @@ class P2P:
         return tuple(buffers), works
 
     def wait_sends(self) -> None:
-        for work in self._sends:
-            work.wait()
+        for entry in self._sends:
+            works = entry[0] if isinstance(entry, tuple) else [entry]
+            for work in works:
+                work.wait()
         self._sends = []

@@ -91,9 +91,32 @@ class PipelineRuntime:
                 return local.pop(key)
             return pending.pop(key).wait()
 
+        def post_step(group: list[Action]) -> None:
+            """One communication step (actions carrying the same `step`) as one batched group."""
+            sends = [(outputs[(a.stage, a.microbatch)], a.peer, FORWARD_MSG, a.stage + 1, a.microbatch)
+                     if a.op == Op.SEND_ACT else
+                     (grads_out.pop((a.stage, a.microbatch)), a.peer, GRAD_MSG, a.stage - 1, a.microbatch)
+                     for a in group if a.op in (Op.SEND_ACT, Op.SEND_GRAD)]
+            receives = [a for a in group if a.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+            got = self.p2p.exchange(sends, [(a.peer, FORWARD_MSG if a.op == Op.RECV_ACT else GRAD_MSG, a.stage,
+                                             a.microbatch) for a in receives])  # channels: the receiving stage
+            for a, received in zip(receives, got):  # gradients keyed by the sending stage, like same-rank handoffs
+                pending[("F", a.stage, a.microbatch) if a.op == Op.RECV_ACT else ("B", a.stage + 1, a.microbatch)] = \
+                    received
+
+        posted_through = -1  # index of the last action already posted with its step
         for index, action in enumerate(actions):
             s, mb, op = action.stage, action.microbatch, action.op
             began = time.perf_counter()
+            if op.is_comm and action.step is not None:
+                if index > posted_through:
+                    end = index
+                    while end + 1 < len(actions) and actions[end + 1].op.is_comm and \
+                            actions[end + 1].step == action.step:
+                        end += 1
+                    post_step(actions[index:end + 1])
+                    posted_through = end
+                continue
             if op == Op.RECV_ACT:
                 pending[("F", s, mb)] = self.p2p.recv(peer=action.peer, kind=FORWARD_MSG, stage=s, microbatch=mb)
                 continue

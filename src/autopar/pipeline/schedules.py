@@ -28,9 +28,18 @@ def minimum_microbatches(name: str, pp: int, chunks: int = 1) -> int:
 
 
 def build_schedule(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
-                   recompute: frozenset[int] | set[int] = frozenset(), prefetch: bool = False) -> Schedule:
-    """`generate` then `add_communication`: the lists a runtime executes."""
+                   recompute: frozenset[int] | set[int] = frozenset(), prefetch: bool = False,
+                   batched: bool = False) -> Schedule:
+    """`generate` then `add_communication`: the lists a runtime executes.
+
+    `batched=True` lowers into communication steps instead (comm_steps.py: every transfer in
+    one batched group at both ends, NCCL-safe); the runtime uses that; `prefetch` then has no
+    effect (receives are already posted as early as the simulated timeline allows).
+    """
     schedule = generate(name, pp=pp, num_microbatches=num_microbatches, chunks=chunks, recompute=recompute)
+    if batched:
+        from autopar.pipeline.comm_steps import batch_communication  # it simulates; simulate imports nothing here
+        return batch_communication(schedule, pp=pp, num_stages=pp * chunks, num_microbatches=num_microbatches)
     return add_communication(schedule, pp=pp, num_stages=pp * chunks, prefetch=prefetch)
 
 

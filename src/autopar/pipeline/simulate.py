@@ -199,6 +199,7 @@ def check(schedule: Schedule, *, pp: int, num_stages: int, num_microbatches: int
                     if need not in counts:
                         problems.append(f"cross-rank edge needs {_name(need)} (and its receive), which is missing")
     problems += _order_mismatches(schedule, pp)
+    problems += step_mismatches(schedule)
     if problems:
         shown = problems[:12]
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
@@ -232,6 +233,59 @@ def _order_mismatches(schedule: Schedule, pp: int) -> list[str]:
                            f"message #{first} is sent as {sends[first]} but received as {recvs[first]} "
                            "(NCCL matches by order)")
     return out
+
+
+def step_mismatches(schedule: Schedule) -> list[str]:
+    """What breaks the batched-communication contract (comm_steps.py) in lists that carry steps.
+
+    Every rank posts a step's operations as one group, so: the two ends of a transfer are in the
+    same step; on each rank a step's actions are adjacent (no compute between them) and steps
+    only increase along the list; and within a step, what one rank sends to a peer is listed in
+    the order the peer receives it. Lists without steps (posted one by one) pass.
+    """
+    comm = [(r, i, a) for r, acts in schedule.items() for i, a in enumerate(acts) if a.op.is_comm]
+    if all(a.step is None for _, _, a in comm):
+        return []
+    out = [f"{a} on rank {r} has no communication step while others have one" for r, _, a in comm if a.step is None]
+    step_of = {(a.stage, a.op, a.microbatch): a.step for _, _, a in comm}
+    for r, _, a in comm:
+        other = _matching(a)
+        if a.op in (Op.SEND_ACT, Op.SEND_GRAD) and other in step_of and step_of[other] != a.step:
+            out.append(f"{a} on rank {r} is in step {a.step} but its receive {_name(other)} on rank {a.peer} is in "
+                       f"step {step_of[other]} (both ends of a transfer must be posted in one group)")
+    for r, acts in schedule.items():
+        latest, open_step = None, None
+        for a in acts:
+            if a.op.is_compute:
+                open_step = None
+                continue
+            if a.step is None:
+                continue
+            if latest is not None and (a.step < latest or (a.step == latest and open_step != a.step)):
+                out.append(f"rank {r} posts {a} in step {a.step} after step {latest}"
+                           + (" was closed by a compute" if a.step == latest else "")
+                           + " (steps must be adjacent and increase along every rank's list)")
+            latest = open_step = a.step
+    sent: dict[tuple, list[str]] = defaultdict(list)  # (from, to, step) -> messages, in list order
+    got: dict[tuple, list[str]] = defaultdict(list)
+    for r, _, a in comm:  # `comm` is in list order per rank
+        if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+            sent[(r, a.peer, a.step)].append(_message(a))
+        else:
+            got[(a.peer, r, a.step)].append(_message(a))
+    for key, messages in sent.items():
+        if sorted(messages) == sorted(got.get(key, [])) and messages != got[key]:
+            src, dst, step = key
+            out.append(f"in step {step} rank {src} lists its sends to rank {dst} as {messages} but rank {dst} "
+                       f"lists the receives as {got[key]} (one order at both ends)")
+    return out
+
+
+def _message(action: Action) -> str:
+    """The data a comm action moves, named the same at both ends: kind, producing stage, micro-batch."""
+    producer = {Op.RECV_ACT: action.stage - 1, Op.RECV_GRAD: action.stage + 1}.get(action.op, action.stage)
+    kind = "activation" if action.op in (Op.SEND_ACT, Op.RECV_ACT) else "gradient"
+    return f"{kind} of {producer}/mb{action.microbatch}"
 
 
 def _name(key: tuple[int, Op, int]) -> str:
