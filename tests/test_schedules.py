@@ -12,7 +12,8 @@ from autopar.errors import ConfigError
 from autopar.pipeline.actions import Action, Op, stage_to_rank
 from autopar.pipeline.schedules import (SCHEDULES, add_communication, build_schedule, generate,
                                         minimum_microbatches, recomputed_stages)
-from autopar.pipeline.simulate import check, simulate
+from autopar.pipeline.comm_steps import batch_communication
+from autopar.pipeline.simulate import check, simulate, step_mismatches
 
 F, B, I, W, R = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.RECOMPUTE
 COMM = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
@@ -53,8 +54,11 @@ def test_every_schedule_is_complete_checked_and_runs(name, pp, chunks, m):
         compute_only = generate(name, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
         lowered = add_communication(compute_only, pp=pp, num_stages=num_stages)
         prefetched = add_communication(compute_only, pp=pp, num_stages=num_stages, prefetch=True)
-        for schedule in (compute_only, lowered, prefetched):
+        batched = batch_communication(compute_only, pp=pp, num_stages=num_stages, num_microbatches=m)
+        for schedule in (compute_only, lowered, prefetched, batched):
             check(schedule, pp=pp, num_stages=num_stages, num_microbatches=m)
+        assert all(a.step is not None for acts in batched.values() for a in acts if a.op.is_comm)
+        assert [[a for a in acts if a.op.is_compute] for acts in batched.values()] == list(compute_only.values())
         assert all(a.op.is_compute for acts in compute_only.values() for a in acts)
         seen = [(a.stage, a.op, a.microbatch) for acts in compute_only.values() for a in acts]
         assert len(seen) == len(set(seen))
@@ -338,3 +342,61 @@ def test_chrome_trace_and_png(tmp_path):
     png = tmp_path / "gantt.png"
     t.to_png(png, title="zb-h1 pp=4 m=6")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+# --- batched communication steps (NCCL-safe) ----------------------------------------------------
+
+def test_neighbours_post_their_exchange_as_one_step_in_one_order():
+    """1F1B, pp=2: rank 0 sends F1 and awaits B0 while rank 1 sends B0 and awaits F1. Posted one by
+    one in list order, each side's send waits behind a receive the other has not posted (NCCL
+    deadlocks); as steps, both ranks post the same steps in the same order."""
+    batched = build_schedule("1f1b", pp=2, num_microbatches=3, batched=True)
+    steps = {r: [a.step for a in acts if a.op.is_comm] for r, acts in batched.items()}
+    assert steps[0] == sorted(steps[0]) and steps[1] == sorted(steps[1])
+    ends = {(a.stage, a.op, a.microbatch): a.step for acts in batched.values() for a in acts if a.op.is_comm}
+    for (s, op, mb), step in ends.items():
+        if op in (Op.SEND_ACT, Op.SEND_GRAD):
+            assert ends[(s + 1 if op == Op.SEND_ACT else s - 1, Op.RECV_ACT if op == Op.SEND_ACT else Op.RECV_GRAD,
+                         mb)] == step
+    # the lists without steps, numbered in each rank's own posting order, disagree: the hazard
+    naive = build_schedule("1f1b", pp=2, num_microbatches=3)
+    numbered = {r: [] for r in naive}
+    for r, acts in naive.items():
+        count = 0
+        for a in acts:
+            if a.op.is_comm:
+                numbered[r].append(Action(a.stage, a.op, a.microbatch, peer=a.peer, step=count))
+                count += 1
+            else:
+                numbered[r].append(a)
+    assert any("must be posted in one group" in p for p in step_mismatches(numbered))
+
+
+def test_check_catches_mismatched_communication_steps():
+    def broken(edit):
+        schedule = build_schedule("1f1b", pp=2, num_microbatches=3, batched=True)
+        check(schedule, pp=2, num_stages=2, num_microbatches=3)
+        edit(schedule)
+        with pytest.raises(ValueError) as info:
+            check(schedule, pp=2, num_stages=2, num_microbatches=3)
+        return str(info.value)
+
+    def restep(rank, index, step):
+        def edit(s):
+            a = s[rank][index]
+            s[rank][index] = Action(a.stage, a.op, a.microbatch, peer=a.peer, step=step)
+        return edit
+
+    comm0 = [i for i, a in enumerate(build_schedule("1f1b", pp=2, num_microbatches=3, batched=True)[0]) if a.op.is_comm]
+    assert "must be posted in one group" in broken(restep(0, comm0[0], 99))
+    assert "steps must be adjacent and increase" in broken(restep(0, comm0[1], 0))
+
+    def swap_order_within_a_step(s):  # two sends to one peer in one step, listed in the other order on one side
+        for r, acts in s.items():
+            s[r] = [Action(a.stage, a.op, a.microbatch, peer=a.peer, step=0 if a.op.is_comm else None)
+                    for a in acts if a.op.is_comm] + [a for a in acts if a.op.is_compute]
+        sends = [i for i, a in enumerate(s[0]) if a.op == Op.SEND_ACT][:2]
+        s[0][sends[0]], s[0][sends[1]] = s[0][sends[1]], s[0][sends[0]]
+    assert "one order at both ends" in broken(swap_order_within_a_step)
+    with pytest.raises(ValueError, match="compute-only"):
+        batch_communication(build_schedule("1f1b", pp=2, num_microbatches=3), pp=2, num_stages=2, num_microbatches=3)

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -38,10 +37,18 @@ from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
 from .train.base import Engine, EngineContext, TrainResult
 from .train.engine import eval_token_sums
-from .train.loss import Batch, LossFn, as_batch, count_targets, default_forward, main_input, tokens_in
+from .train.loss import Batch, LossFn, as_batch, default_forward, main_input, target_count, tokens_in
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
 from .train.optim import build_scheduler
+from .timing import StepTimer
 from .version import __version__
+
+
+HOST_SYNCS_PER_STEP = ("clip_gradients", "_train_step")
+"""Where a training step makes the host wait for the device, once each: the engine's gradient
+norm (to clip and to log) and one read of the summed loss with the peak memory (to log).
+Steps that write metrics add the engine's `step_stats` (one read on a pipeline); a pipeline's
+first step reads the shapes of its transfers (p2p metadata). tests/test_host_syncs.py counts."""
 
 
 class Trainer:
@@ -146,7 +153,8 @@ class Trainer:
     def _global_target_count(self, batches: list[Batch]) -> torch.Tensor | None:
         if self.loss_fn is not None:
             return None
-        count = torch.tensor(float(sum(count_targets(b) for b in batches)), device=self.device)
+        # counted on the device: a host count would wait for the batch to land on the GPU
+        count = torch.stack([target_count(b) for b in batches]).sum().float()
         dist.all_reduce(count, group=self.dp_group)
         return count.clamp_min(1.0)
 
@@ -157,6 +165,15 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float, int]:
         """One optimizer step (0-based `step`): returns (loss, grad_norm, tokens in the global batch)."""
+        loss, grad_norm, tokens, _ = self._train_step(step)
+        return loss, grad_norm, tokens
+
+    def _train_step(self, step: int) -> tuple[float, float, int, int]:
+        """`train_step` plus the peak memory over all ranks (bytes).
+
+        Its host waits (HOST_SYNCS_PER_STEP): the engine's gradient norm, and one read of the
+        summed loss together with the peak memory.
+        """
         cfg = self.config
         batches = self._local_batches(step, self.train_data)
         global_count = self._global_target_count(batches)
@@ -168,10 +185,13 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.engine.zero_grad()
-        total = total.detach().float().reshape(())
+        total = total.detach().float().reshape(1)
         dist.all_reduce(total)  # every rank that holds a loss share (replicas; the last pipeline stage)
+        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        loss, peak_bytes = torch.cat([total.double(), peak]).tolist()  # one host read; fp32 -> fp64 is exact
         tokens = sum(tokens_in(b) for b in batches) * self.mesh.dp_size
-        return float(total), grad_norm, tokens
+        return loss, grad_norm, tokens, int(peak_bytes)
 
     def _eval_pair(self, output: Any, batch: Batch) -> torch.Tensor:
         """[loss sum, weight] of one eval micro-batch."""
@@ -233,28 +253,30 @@ class Trainer:
         progress = Progress(total=cfg.steps, initial=start, enabled=self.is_main and cfg.progress)
         progress.write(self._banner(start))
         result = TrainResult(run_dir=self.run_dir, first_step=start + 1)
-        world = dist.group.WORLD
         try:
+            timer = StepTimer(self.device)  # CUDA events on GPU: timing adds no host wait
             for step in range(start, cfg.steps):
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-                began = time.perf_counter()
-                loss, grad_norm, tokens = self.train_step(step)
+                timer.start()
+                loss, grad_norm, tokens, peak = self._train_step(step)
+                timer.stop()
                 if not math.isfinite(loss):  # the same summed loss on every rank: all stop together
                     raise TrainingError(_non_finite_message(loss, step + 1, lr, grad_norm, self.run_dir))
-                elapsed = time.perf_counter() - began
-                peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=world)
+                elapsed = timer.seconds()
                 result.losses.append(loss)
                 number = step + 1
                 record = {"step": number, "loss": loss, "lr": lr,
                           "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-                          "peak_mem_bytes": int(peak.item())}
-                record.update(self.engine.step_stats(elapsed, peak_memory_bytes(self.device)))
+                          "peak_mem_bytes": peak}
+                logged = number % cfg.log_every == 0 or number == cfg.steps or (
+                    cfg.eval_every and number % cfg.eval_every == 0)
+                if logged:  # the engine's own statistics cost a collective and a host read: only when written
+                    record.update(self.engine.step_stats(elapsed, peak_memory_bytes(self.device)))
                 if cfg.eval_every and number % cfg.eval_every == 0 and number != cfg.steps:
                     record["eval_loss"] = self.evaluate()
                 if number == cfg.steps:
                     result.eval_loss = record["eval_loss"] = self.evaluate()
-                if number % cfg.log_every == 0 or number == cfg.steps or "eval_loss" in record:
+                if logged:
                     metrics.write(record)
                 progress.update(loss=loss, tokens_per_s=record["tokens_per_s"], lr=record["lr"])
                 if cfg.checkpoint_every and number % cfg.checkpoint_every == 0 and number != cfg.steps:

@@ -98,7 +98,7 @@ class PipelineEngine(EngineBase):
         self.module = LocalStages(self.stages)
         self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
         self._shared = self._shared_groups(device, pipe.placement, timeout_s)
-        self.last_events: list = []
+        self.last_step = None  # the runtime's record of the last training step (timing read on demand)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
         if self.tensor_parallel is None:
@@ -156,7 +156,7 @@ class PipelineEngine(EngineBase):
             self.pipe.first_stage_inputs(batch)
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
         step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
-        self.last_events = step.events
+        self.last_step = step
         self.sync.finish()
         for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
             dist.all_reduce(param.grad, group=group)
@@ -202,20 +202,29 @@ class PipelineEngine(EngineBase):
     def zero_grad(self) -> None:
         self.sync.zero_grad()
 
+    @property
+    def last_events(self) -> list:
+        """(start, end, action) of the last training step, in seconds (on GPU: waits for its last event)."""
+        return self.last_step.events if self.last_step is not None else []
+
     def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
-        """Measured bubble fraction and peak memory of every pipeline rank (averaged / max over replicas)."""
+        """Measured bubble fraction and peak memory of every pipeline rank (averaged / max over replicas).
+
+        One host read for both: each replica's (bubble, peak) in its own slot of one summed tensor.
+        """
         busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
-        bubble = torch.zeros(self.pp, dtype=torch.float64)
-        peak = torch.zeros(self.pp, dtype=torch.float64)
-        bubble[self.pp_rank] = max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
-        peak[self.pp_rank] = peak_bytes
+        replicas = dist.get_world_size() // self.pp
+        slots = torch.zeros(2, self.pp, replicas, dtype=torch.float64)  # [bubble | peak] x pp rank x replica
+        replica = self.mesh.local_rank("dp") * (replicas // self.mesh.size("dp")) + self.tp_rank  # (dp, tp) slot
+        slots[0, self.pp_rank, replica] = max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
+        slots[1, self.pp_rank, replica] = peak_bytes
         device = next(self.module.parameters()).device
-        bubble, peak = bubble.to(device), peak.to(device)
-        dist.all_reduce(bubble)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        per_rank = (bubble / (dist.get_world_size() // self.pp)).tolist()
+        slots = slots.to(device)
+        dist.all_reduce(slots)
+        bubble, peak = slots.cpu().unbind(0)  # the host read (on steps that write metrics only)
+        per_rank = (bubble.sum(1) / replicas).tolist()
         return {"bubble_fraction": sum(per_rank) / self.pp, "bubble_per_stage": per_rank,
-                "peak_mem_bytes_per_stage": [int(v) for v in peak.tolist()]}
+                "peak_mem_bytes_per_stage": [int(v) for v in peak.amax(1).tolist()]}
 
     def gather_events(self) -> list | None:
         """Every rank's measured events of the last step, on rank 0 (None elsewhere)."""

@@ -21,7 +21,6 @@ backward but lets the schedule move W into bubbles.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from ..dropout import micro_batch
+from ..timing import Clock
 from .actions import Action, Op, stage_to_rank
 from .p2p import P2P, Pending
 
@@ -41,7 +41,17 @@ class StepRecord:
     """What one step did on this rank: losses of the micro-batches that ended here, and timing."""
 
     loss: torch.Tensor  # summed over the micro-batches whose last stage ran here (zeros elsewhere)
-    events: list[tuple[float, float, Action]] = field(default_factory=list)  # (start, end, action), seconds
+    marks: list[tuple[Any, Any, Action]] = field(default_factory=list)  # (start, end, action) as `clock` marks
+    clock: Clock | None = None
+
+    @property
+    def events(self) -> list[tuple[float, float, Action]]:
+        """(start, end, action) in seconds; on CUDA this waits for the step's last event, so read it
+        only where the host waits anyway (after the logged loss)."""
+        if not self.marks:
+            return []
+        times = self.clock.seconds([m for start, end, _ in self.marks for m in (start, end)])
+        return [(times[2 * i], times[2 * i + 1], action) for i, (_, _, action) in enumerate(self.marks)]
 
 
 def _float_positions(values: tuple) -> list[int]:
@@ -57,6 +67,7 @@ class PipelineRuntime:
         self.first_input = first_input
         self.p2p, self.recompute, self.autocast = p2p, recompute, autocast
         self.placement = placement
+        self.clock = Clock(p2p.device)  # CUDA events on GPU: timing without host waits
 
     def _rank(self, stage: int) -> int:
         return stage_to_rank(stage, self.pp, self.num_stages, self.placement)
@@ -84,6 +95,10 @@ class PipelineRuntime:
         last_backward = max((i for i, a in enumerate(actions) if a.op in backward_ops), default=-1)
         sync_context = sync_context or (lambda last: contextlib.nullcontext())
         training = torch.is_grad_enabled()  # False: a forward-only (eval) pass; nothing is kept
+        clock = self.clock if record else None
+        now = clock.mark if record else (lambda: None)
+        if record:
+            clock.reset()
 
         def take(kind: str, stage: int, mb: int) -> tuple:
             key = (kind, stage, mb)
@@ -107,7 +122,7 @@ class PipelineRuntime:
         posted_through = -1  # index of the last action already posted with its step
         for index, action in enumerate(actions):
             s, mb, op = action.stage, action.microbatch, action.op
-            began = time.perf_counter()
+            began = now()
             if op.is_comm and action.step is not None:
                 if index > posted_through:
                     end = index
@@ -132,7 +147,7 @@ class PipelineRuntime:
                 continue
             if op == Op.FORWARD:
                 x = self.first_input(batches[mb]) if s == 0 else take("F", s, mb)
-                began = time.perf_counter()  # waiting for the input is bubble, not compute
+                began = now()  # waiting for the input is bubble, not compute
                 if s > 0:
                     x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in x)
                 inputs[(s, mb)] = x
@@ -150,7 +165,7 @@ class PipelineRuntime:
             elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                 out = outputs.pop((s, mb))
                 grads = None if s == self.num_stages - 1 else take("B", s + 1, mb)
-                began = time.perf_counter()
+                began = now()
                 pairs = self._pairs(out, grads)
                 x = inputs[(s, mb)]
                 wanted = [v for v in x if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -178,14 +193,14 @@ class PipelineRuntime:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
                 inputs.pop((s, mb))
             if record:
-                events.append((began, time.perf_counter(), action))
+                events.append((began, now(), action))
         self.p2p.wait_sends()
         leftovers = [k for k in (*inputs, *outputs, *pending, *split)]
         if leftovers and training:
             raise RuntimeError(f"pipeline step ended with unfinished work on rank {self.pp_rank}: {leftovers[:5]}")
         if loss is None:
             loss = torch.zeros((), device=self.p2p.device)
-        return StepRecord(loss=loss, events=events)
+        return StepRecord(loss=loss, marks=events, clock=clock)
 
     def _forward(self, stage: int, x: tuple, batch: dict, loss_fn: Callable[[Any, dict], torch.Tensor]) -> tuple:
         with self.autocast():

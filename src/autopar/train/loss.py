@@ -63,6 +63,11 @@ def count_targets(batch: Batch) -> int:
     return int((batch["labels"] != IGNORE_INDEX).sum())
 
 
+def target_count(batch: Batch) -> torch.Tensor:
+    """`count_targets` as a device tensor: no host wait (the step loop's form)."""
+    return (batch["labels"] != IGNORE_INDEX).sum()
+
+
 def token_loss_sum(output: Any, batch: Batch) -> torch.Tensor:
     """Sum of cross-entropy over target tokens (labels of -100 are skipped), in fp32."""
     logits = logits_of(output)
