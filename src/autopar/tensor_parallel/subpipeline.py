@@ -23,8 +23,18 @@ How it is built (no model changes):
 
 Unlike Merak's hand-written GPT-2 blocks, every copy reads only its own sub-batch's values
 (Merak's level-2/3 functions reuse sub-batch 1's residual for sub-batch 2); the tests check
-equality with a single process. Backward runs through autograd: the reduce's gradient is
-the identity, and `copy_to_tp`'s gradient all-reduce stays synchronous.
+equality with a single process.
+
+Backward overlaps too. The reduce's gradient is the identity; `copy_to_tp`'s gradient is an
+all-reduce (f, before every column layer and the vocabulary head). Each f becomes a
+`tp_grad_start` (its backward starts the all-reduce and returns the buffer in flight) fed by
+a `tp_grad_wait` (identity forward; its backward waits for that buffer). Autograd runs ready
+nodes latest-created first, so placement decides the order: f's are also segment cuts, each
+start is emitted with copy j's part of the segment that consumes it, each wait with copy j's
+part of the segment before. Backward then runs: copy j's consumers, start j, copy j-1's
+consumers, start j-1, ..., and only then the segment before, whose first step for copy j is
+its wait: every backward all-reduce but the last copy's is in flight during another copy's
+backward compute, started in the same order on every rank (the graph fixes it).
 """
 
 from __future__ import annotations
@@ -39,10 +49,11 @@ from ..dropout import GraphDropout
 from ..errors import ConfigError, ModelError
 from ..partition.stages import StageModule, StageSpec, _output_nodes, plan_stages, retarget_device
 from ..trace import trace
-from .apply import ReduceFromTP, rewrite_graph
+from .apply import CopyToTP, ReduceFromTP, rewrite_graph
 from .plan import plan_tensor_parallel
 
 START, WAIT = "tp_reduce_start", "tp_reduce_wait"
+GRAD_START, GRAD_WAIT = "tp_grad_start", "tp_grad_wait"
 
 
 def check_tp_subbatches(strategy, micro_batch_size: int) -> None:
@@ -60,19 +71,29 @@ def check_tp_subbatches(strategy, micro_batch_size: int) -> None:
 
 
 class InflightReduces:
-    """All-reduces started but not yet waited on, by the tensor they write into."""
+    """All-reduces started but not yet waited on, by the tensor they write into.
+
+    `events`, when a list, records ("start" | "wait", tag) of the backward all-reduces (tests).
+    """
 
     def __init__(self):
-        self.handles: dict[int, dist.Work] = {}
+        self.handles: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self.events: list[tuple[str, str]] | None = None
 
-    def start(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> None:
-        self.handles[id(buffer)] = dist.all_reduce(buffer, group=group, async_op=True)
+    def start(self, buffer: torch.Tensor, group: dist.ProcessGroup, tag: str | None = None) -> None:
+        # keyed by storage address, held with the buffer: autograd may hand the buffer to the
+        # wait's backward in another Python wrapper, but the storage is the same
+        self.handles[buffer.data_ptr()] = (dist.all_reduce(buffer, group=group, async_op=True), buffer)
+        if tag is not None and self.events is not None:
+            self.events.append(("start", tag))
 
-    def wait(self, buffer: torch.Tensor) -> None:
-        handle = self.handles.pop(id(buffer), None)
+    def wait(self, buffer: torch.Tensor, tag: str | None = None) -> None:
+        handle = self.handles.pop(buffer.data_ptr(), None)
         if handle is None:
             raise RuntimeError("sub-pipelined tp: waiting on an all-reduce that was never started")
-        handle.wait()  # bounded by the tp group's timeout
+        handle[0].wait()  # bounded by the tp group's timeout
+        if tag is not None and self.events is not None:
+            self.events.append(("wait", tag))
 
 
 class _StartReduce(torch.autograd.Function):
@@ -108,6 +129,53 @@ class ReduceWait(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.inflight.wait(x)
         return x
+
+
+class _StartGradReduce(torch.autograd.Function):
+    """f's forward (the identity); its backward starts the gradient all-reduce and returns the buffer in flight."""
+
+    @staticmethod
+    def forward(ctx, x, group, inflight, tag):
+        ctx.group, ctx.inflight, ctx.tag = group, inflight, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buffer = grad.contiguous().clone()
+        ctx.inflight.start(buffer, ctx.group, ctx.tag)
+        return buffer, None, None, None
+
+
+class _WaitGradReduce(torch.autograd.Function):
+    """The identity, placed just before a `_StartGradReduce`; its backward waits for that all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, inflight, tag):
+        ctx.inflight, ctx.tag = inflight, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.inflight.wait(grad, ctx.tag)
+        return grad, None, None
+
+
+class GradReduceStart(nn.Module):
+    def __init__(self, group: dist.ProcessGroup, inflight: InflightReduces):
+        super().__init__()
+        self.group, self.inflight = group, inflight
+
+    def forward(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        return _StartGradReduce.apply(x, self.group, self.inflight, tag)
+
+
+class GradReduceWait(nn.Module):
+    def __init__(self, inflight: InflightReduces):
+        super().__init__()
+        self.inflight = inflight
+
+    def forward(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        return _WaitGradReduce.apply(x, self.inflight, tag)
 
 
 @dataclass
@@ -157,12 +225,16 @@ def interleave(inlined: _Inlined, *, k: int, input_dims: list[int | None], outpu
     root.add_module(WAIT, ReduceWait(inflight))
     nodes = list(graph.nodes)
     reduces = {n for n in nodes if n.op == "call_module" and isinstance(root.get_submodule(n.target), ReduceFromTP)}
+    copies_to_tp = {n for n in nodes if n.op == "call_module" and isinstance(root.get_submodule(n.target), CopyToTP)}
+    root.add_module(GRAD_START, GradReduceStart(group, inflight))
+    root.add_module(GRAD_WAIT, GradReduceWait(inflight))
     holders = [n for n in nodes if n.op == "placeholder"]
     compute = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
     output = next(n for n in nodes if n.op == "output")
-    segment: dict[fx.Node, int] = {}
+    segment: dict[fx.Node, int] = {}  # a value after a reduce or an f starts the next segment
     for n in compute:
-        segment[n] = max((segment.get(a, 0) + (a in reduces) for a in n.all_input_nodes), default=0)
+        segment[n] = max((segment.get(a, 0) + (a in reduces or a in copies_to_tp) for a in n.all_input_nodes),
+                         default=0)
 
     new = fx.Graph()
     shared = {h: new.placeholder(h.name) for h in holders}
@@ -188,10 +260,22 @@ def interleave(inlined: _Inlined, *, k: int, input_dims: list[int | None], outpu
             return waited[j][node]
         return copies[j][node] if node in copies[j] else shared[node]
 
+    waiting: list[dict[fx.Node, fx.Node]] = [{} for _ in range(k)]  # f -> its wait, emitted, start not yet
     for s in range(max(segment.values(), default=0) + 1):
         for j in range(k):
+            for f, wait in list(waiting[j].items()):  # f's start opens copy j's part of its consumers' segment
+                copies[j][f] = new.create_node("call_module", GRAD_START, (wait, f"{f.name}_sub{j}"),
+                                               name=f"{GRAD_START}_{f.name}_sub{j}")
+                copies[j][f].meta["subbatch"] = j
+                del waiting[j][f]
             for n in compute:
                 if segment[n] != s:
+                    continue
+                if n in copies_to_tp:  # its wait closes copy j's part of this segment
+                    made = new.create_node("call_module", GRAD_WAIT, (lookup(j, n.args[0]), f"{n.name}_sub{j}"),
+                                           name=f"{GRAD_WAIT}_{n.name}_sub{j}")
+                    made.meta["subbatch"] = j
+                    waiting[j][n] = made
                     continue
                 if n in reduces:
                     made = new.create_node("call_module", START, (lookup(j, n.args[0]),),
