@@ -112,3 +112,55 @@ def _setup_error(k: int, micro: int) -> str:
 def test_trainer_refuses_a_k_that_does_not_divide_the_micro_batch_on_every_rank(rank_pool):
     for message in rank_pool(2).run(_setup_error, 3, 4):
         assert "tp_subbatches=3 does not divide micro_batch_size=4" in message, message
+
+
+def _backward_events(model: str, k: int, micro: int) -> list[tuple[str, str]]:
+    """One training step at tp=2 with K sub-batches: ("start" | "wait", f_subj) of the backward
+    all-reduces and ("compute", op) for every matmul, in the order they ran."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.data import padded_vocab_size
+    from autopar.models import build_model
+    from autopar.tensor_parallel.subpipeline import GRAD_START
+    from helpers import small_data
+
+    net, info = build_model(model, MODELS[model], vocab_size=padded_vocab_size(258), device="meta")
+    config = autopar.TrainConfig(steps=1, global_batch_size=micro, micro_batch_size=micro, out=None, progress=False,
+                                 timeout_s=60)
+    trainer = autopar.Trainer(net, small_data(info.task, 32)[0], strategy=autopar.Strategy(tp=2, tp_subbatches=k),
+                              config=config)
+    trainer._setup()
+    (stage,) = trainer.engine.stages.values()
+    events: list = []
+    stage._pieces[0].get_submodule(GRAD_START).inflight.events = events
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class LogMatmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in matmuls:
+                events.append(("compute", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with LogMatmuls():
+        trainer.train_step(0)
+    trainer.engine.close()
+    return events
+
+
+def test_backward_all_reduces_are_in_flight_during_the_other_sub_batch_backward(rank_pool):
+    """K=2: copy 1's gradient all-reduce at each f starts, copy 0's backward matmuls of that segment
+    run, copy 0 starts its own, and only then does copy 1 wait; the same start order on both ranks."""
+    per_rank = rank_pool(2).run(_backward_events, "gpt-tiny", 2, 4)
+    starts = [[tag for kind, tag in events if kind == "start"] for events in per_rank]
+    assert starts[0] == starts[1] and starts[0]  # one collective order on every rank
+    events = per_rank[0]
+    position = {(kind, tag): i for i, (kind, tag) in enumerate(events) if kind != "compute"}
+    fs = sorted({tag.rsplit("_sub", 1)[0] for tag in starts[0]})
+    assert len(fs) == 2 * MODELS["gpt-tiny"]["n_layer"] + 1  # attention and MLP input per layer, and the head
+    for f in fs:
+        start1, start0 = position[("start", f + "_sub1")], position[("start", f + "_sub0")]
+        wait1, wait0 = position[("wait", f + "_sub1")], position[("wait", f + "_sub0")]
+        assert start1 < start0 < wait1 and start0 < wait0, (f, start1, start0, wait1, wait0)
+        overlapped = [e for e in events[start1 + 1:start0] if e[0] == "compute"]
+        assert overlapped, f  # copy 0's backward matmuls ran while copy 1's all-reduce was in flight
