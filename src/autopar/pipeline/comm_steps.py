@@ -8,12 +8,14 @@ a rank posts all its operations of a step as one `batch_isend_irecv` group, at t
 of its list for both ends of every transfer, and steps come in the same order on every rank.
 
 How the steps are chosen: the compute-only lists are played by the simulator (default costs);
-each cross-rank transfer joins the step of the instant its producer finishes (transfers made at
-the same instant share a step). Every rank posts a step after the computes it had started
-before that instant: the sender right after the producer, the receiver as early as the
-simulated timeline allows (the transfer overlaps its compute). Within a step a rank orders its
-operations by (peer, send before receive, message kind, micro-batch, stage), so a rank pair
-lists its messages in one order on both sides.
+each cross-rank transfer joins the step of the instant its producer finishes (the transfers one
+rank makes at one instant share a step; steps are ordered by instant, then rank). The sender
+posts right after the producer; the receiver at the point it had reached when the producer
+*started*, so its receive is already posted when the data is ready even if real timings
+differ from the simulated ones. A rank posts its whole step at the latest of those points, and
+never before an earlier step. Within a step a rank orders its operations by (peer, send
+before receive, message kind, micro-batch, stage), so a rank pair lists its messages in one
+order on both sides.
 
 Why this cannot deadlock (whatever the real timing): a rank's steps increase along its list and
 both ends of a transfer are in one step; a receive's step precedes its consumer and a send's
@@ -51,14 +53,11 @@ def batch_communication(schedule: Schedule, *, pp: int, num_stages: int, num_mic
         s, mb = action.stage, action.microbatch
         if action.op == F and s + 1 < num_stages and rank[s + 1] != r:
             transfers[(end, r)].append((start, Action(s, Op.SEND_ACT, mb, peer=rank[s + 1]),
-                                   Action(s + 1, Op.RECV_ACT, mb, peer=r)))
+                                        Action(s + 1, Op.RECV_ACT, mb, peer=r)))
         if action.op in (B, I) and s > 0 and rank[s - 1] != r:
             transfers[(end, r)].append((start, Action(s, Op.SEND_GRAD, mb, peer=rank[s - 1]),
-                                   Action(s - 1, Op.RECV_GRAD, mb, peer=r)))
-    # per rank: (position in its compute list, step, action). The sender posts right after the
-    # producer; the receiver at the point it had reached when the producer *started*, so the
-    # receive waits ready when real timings differ from the simulated ones; positions never go
-    # back on a rank, so its steps keep their order.
+                                        Action(s - 1, Op.RECV_GRAD, mb, peer=r)))
+    # per rank: (position in its compute list, step, action); position = computes finished by then
     posted: dict[int, list[tuple[int, int, Action]]] = defaultdict(list)
     reached: dict[int, int] = defaultdict(int)
     for step, key in enumerate(sorted(transfers)):

@@ -79,6 +79,7 @@ class P2P:
         self._sent_meta: set[tuple] = set()
         self._meta_pending: dict[tuple, tuple] = {}
         self._sends: list = []
+        self._joined = False  # whether this group has had its first, all-rank call (see exchange)
 
     def _meta_tag(self, kind: int, stage: int) -> int:
         return kind * self.num_stages + stage
@@ -126,6 +127,9 @@ class P2P:
         (they post the same messages in the same order), so both post a metadata group and
         wait for it (once per channel, the only host wait here) before the data group.
         """
+        if not self._joined:  # NCCL: a group's first call must include every rank, and a step may not
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)  # (every rank exchanges)
+            self._joined = True
         meta_ops, new = [], []
         for tensors, peer, kind, stage, _ in sends:
             if (peer, kind, stage) not in self._sent_meta:
