@@ -72,27 +72,37 @@ def flush_steps(steps: int, *, eval_every: int = 0, checkpoint_every: int = 0) -
     return frozenset(s for s in out if s >= 0)
 
 
+def rank_segment(stage: int, *, pp: int, m: int, step: int, warm: bool, drain: bool) -> list[Action]:
+    """`segment` lowered with its sends and receives, as the runtime runs it in one call.
+
+    The receive of the segment's first forward (sent by the previous stage in the previous
+    segment) is posted at the end of the previous segment instead, so both ends of every
+    transfer are posted before either rank leaves its step (the trainer's ranks meet between
+    steps, for the gradient norm and the loss); the runtime carries the posted receive over.
+    """
+    def lowered(t: int, warm: bool, drain: bool) -> list[Action]:
+        return add_communication({stage: segment(stage, pp=pp, m=m, step=t, warm=warm, drain=drain)},
+                                 pp=pp, num_stages=pp)[stage]
+
+    actions = lowered(step, warm, drain)
+    if not warm and actions and actions[0].op == Op.RECV_ACT:
+        actions = actions[1:]
+    if not drain:
+        following = lowered(step + 1, False, False)
+        if following and following[0].op == Op.RECV_ACT:
+            actions.append(following[0])
+    return actions
+
+
 def segment_lists(*, pp: int, m: int, steps: Sequence[int], flush_after: frozenset[int] | set[int],
                   warm_first: bool = True) -> dict[int, Schedule]:
-    """step -> rank -> lowered actions (sends and receives) for consecutive `steps`.
-
-    The receive of a segment's first forward (sent by the previous stage in the previous
-    segment) is moved to the end of the previous segment, so both ends of every transfer
-    are posted before either rank leaves the step (the trainer synchronises ranks between
-    steps, for the gradient norm and the loss).
-    """
+    """step -> rank -> the lowered actions `rank_segment` gives, for consecutive `steps`."""
     out: dict[int, Schedule] = {}
     warm = warm_first
     for t in steps:
         drain = t in flush_after
-        compute = {s: segment(s, pp=pp, m=m, step=t, warm=warm, drain=drain) for s in range(pp)}
-        out[t] = add_communication(compute, pp=pp, num_stages=pp)
+        out[t] = {s: rank_segment(s, pp=pp, m=m, step=t, warm=warm, drain=drain) for s in range(pp)}
         warm = drain
-    steps = list(steps)
-    for previous, t in zip(steps, steps[1:]):
-        for r, actions in out[t].items():
-            if actions and actions[0].op == Op.RECV_ACT and previous not in flush_after:
-                out[previous][r].append(actions.pop(0))
     return out
 
 
