@@ -124,3 +124,17 @@ def test_resume_continues_the_exact_trajectory(rank_pool, tmp_path):
             assert (value - a["params"][name]).abs().max() < 1e-6, name
         for name, value in b["older"].items():
             assert (value - a["older"][name]).abs().max() < 1e-6, name
+
+
+def test_look_ahead_forwards_draw_their_own_steps_dropout(rank_pool, tmp_path, tmp_path_factory):
+    """Stage 0 runs step t+1's first forward inside step t: it must draw step t+1's masks, as one process does."""
+    args = {"n_layer": 2, "dropout": 0.1}
+    expected = rank_pool(1).run(train_2bw, "gpt-tiny", str(tmp_path_factory.mktemp("oracle_dropout")),
+                                model_args=args, strategy={"schedule": "pipedream-2bw"}, micro_batch_size=8,
+                                **COMMON)[0]
+    results = rank_pool(4).run(train_2bw, "gpt-tiny", str(tmp_path), model_args=args, micro_batch_size=1,
+                               strategy={"pp": 2, "dp": 2, "schedule": "pipedream-2bw"}, **COMMON)
+    for got in results:
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (expected["losses"], got["losses"])
+        for name, value in got["params"].items():
+            assert (value - expected["params"][name]).abs().max() < 1e-5, name
