@@ -12,7 +12,8 @@ import pytest
 
 from autopar import Strategy, TrainConfig
 from autopar.errors import ConfigError
-from autopar.pipeline.async_schedules import check_versions, segment_lists, steady_state_bubble, whole_run
+from autopar.pipeline.async_schedules import (check_versions, segment_lists, steady_state_bubble,
+                                              step_time_with_meeting, whole_run)
 from autopar.pipeline.schedules import build_schedule
 from autopar.pipeline.simulate import check, simulate
 from autopar.strategies import resolve
@@ -40,6 +41,8 @@ def test_no_flush_lists_run_without_deadlock_on_two_versions_and_no_steady_bubbl
                            num_microbatches=m)
     assert min(one_f_one_b.bubble.values()) > 0.1
     assert timeline.makespan < steps * one_f_one_b.makespan
+    # with the ranks meeting between steps (as the trainer's do) one backward chain is left per step
+    assert step_time_with_meeting(pp=pp, m=m) == m * 3 + (pp - 1) * 2 < one_f_one_b.makespan
 
 
 def test_version_check_catches_a_third_version():

@@ -177,3 +177,45 @@ def steady_state_bubble(timeline, lists: dict[int, Schedule], *, skip: int = 1) 
         busy = sum(e - s for s, e in spans)
         result[r] = max(0.0, 1 - busy / window) if window > 0 else 0.0
     return result
+
+
+def step_time_with_meeting(*, pp: int, m: int, forward: float = 1.0, backward: float = 2.0) -> float:
+    """Time of one steady 2BW step when every rank waits for all others at the step's end (as the
+    trainer's ranks do: the gradient norm and the loss are global), with no transfer cost.
+
+    The look-ahead forwards of the previous step have landed, so every rank starts at once; the
+    step ends when the slowest rank ends its segment. Compare with 1F1B's step,
+    (m + pp - 1) * (forward + backward), and with the no-meeting steady state, m * (forward + backward).
+    """
+    lists = {s: segment(s, pp=pp, m=m, step=1, warm=False, drain=False) for s in range(pp)}
+    done: dict[tuple[int, Op, int], float] = {}
+    clock = dict.fromkeys(range(pp), 0.0)
+    cursor = dict.fromkeys(range(pp), 0)
+    in_segment = {(a.stage, a.op, a.microbatch) for acts in lists.values() for a in acts}
+
+    def ready(a: Action) -> float | None:
+        if a.op == F:
+            needed = (a.stage - 1, F, a.microbatch)
+        else:
+            needed = (a.stage + 1, B, a.microbatch) if a.stage < pp - 1 else (a.stage, F, a.microbatch)
+        if needed[0] < 0 or needed not in in_segment:
+            return 0.0  # stage 0's input, or produced in the previous step (already there)
+        return done.get(needed)
+
+    remaining = sum(len(acts) for acts in lists.values())
+    while remaining:
+        progressed = False
+        for s, acts in lists.items():
+            while cursor[s] < len(acts):
+                a = acts[cursor[s]]
+                t = ready(a)
+                if t is None:
+                    break
+                clock[s] = max(clock[s], t) + (forward if a.op == F else backward)
+                done[(a.stage, a.op, a.microbatch)] = clock[s]
+                cursor[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("a steady 2BW segment deadlocks")
+    return max(clock.values())
