@@ -50,7 +50,7 @@ class InFlight:
 
     inputs: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
-    pending: dict = field(default_factory=dict)  # posted receives
+    pending: dict[tuple[str, int, int], Pending] = field(default_factory=dict)  # posted receives
     local: dict = field(default_factory=dict)  # same-rank handoffs
     grads_out: dict = field(default_factory=dict)
     split: dict = field(default_factory=dict)  # after I: (outputs, grads) for W
