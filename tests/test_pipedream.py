@@ -68,6 +68,26 @@ def test_too_few_micro_batches_are_refused():
                 world=4)
 
 
+def test_resuming_a_synchronous_checkpoint_is_refused(tmp_path):
+    import json
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for name, keys in (("sync", ["w"]), ("2bw", ["w", "pipedream_2bw.step"])):
+        path = tmp_path / name
+        with warnings.catch_warnings():  # DCP warns that it saves without a process group
+            warnings.simplefilter("ignore")
+            dcp.save({"model": {k: torch.zeros(2) for k in keys}}, checkpoint_id=str(path))
+        (path / "trainer.json").write_text(json.dumps({"step": 2}))
+    config = dict(global_batch_size=8, micro_batch_size=2)
+    with pytest.raises(ConfigError, match="not written by a pipedream-2bw run"):
+        resolve(Strategy(pp=2, schedule="pipedream-2bw"), TrainConfig(**config, resume=str(tmp_path / "sync")),
+                world=2)
+    resolve(Strategy(pp=2, schedule="pipedream-2bw"), TrainConfig(**config, resume=str(tmp_path / "2bw")), world=2)
+
+
 def oracle(rank_pool, tmp_path_factory, model: str) -> dict:
     if model not in _oracles:
         _oracles[model] = rank_pool(1).run(train_2bw, model, str(tmp_path_factory.mktemp("oracle")),

@@ -19,12 +19,13 @@ from .async_sgd.loop import train_async
 from .config import ASYNC_SCHEDULES, Strategy, TrainConfig
 from .errors import ConfigError
 from .gossip import GossipEngine, check_gossip_strategy
-from .pipeline.async_engine import PipeDream2BWEngine
+from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpoint
 from .pipeline.async_schedules import check_no_flush
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
 from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_setup
 from .tensor_parallel.subpipeline import check_tp_subbatches
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
+from .train.checkpoint import find_checkpoint
 from .train.engine import DataParallelEngine
 from .train.two_bw_oracle import DelayOneDataParallelEngine
 
@@ -109,6 +110,8 @@ def _check_pipedream(request: Request) -> tuple[TrainConfig, int]:
             raise ConfigError(f"schedule {name!r} cannot be combined with {why}")
     if strategy.pp > 1:
         check_no_flush(strategy.pp, config.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp))
+        if config.resume:
+            check_two_version_checkpoint(find_checkpoint(config.resume))
     return _synchronous_check(request)
 
 

@@ -22,17 +22,30 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..dropout import active_scope, dropout_step, micro_batch
+from ..errors import ConfigError
 from .async_schedules import flush_steps, rank_segment
 from .engine import PipelineEngine
 from .runtime import InFlight
 from .weight_versions import StageSlots, TwoWeightVersions
 
 VERSIONS_MODULE = "pipedream_2bw"  # the older versions' buffers live under this name in checkpoints
+
+
+def check_two_version_checkpoint(path: Path) -> None:
+    """A 2BW run resumes only a 2BW checkpoint: it needs the older version, which others lack."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(key.startswith(f"model.{VERSIONS_MODULE}.") for key in keys):
+        raise ConfigError(f"--resume {str(path)!r}: this checkpoint was not written by a pipedream-2bw run (it "
+                          f"holds one weight version; 2BW's next step needs the one before the last update "
+                          f"too); resume it with its own schedule, or start a new 2BW run")
 
 
 class PipeDream2BWEngine(PipelineEngine):
