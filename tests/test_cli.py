@@ -216,6 +216,8 @@ def test_pipeline_bad_input(args, message):
     (["--nproc", "2", "--sparse-embeddings", "embrace", "--sparse-schedule", "--grad-clip", "1"],
      "use --grad-clip 0"),
     (["--nproc", "2", "--pp", "2", "--schedule", "2f2b"], "unknown pipeline schedule '2f2b'"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "pipedream-2bw", "--dp-mode", "async"],
+     "schedule 'pipedream-2bw' cannot be combined with --dp-mode async"),
 ])
 def test_bad_strategy_is_refused_before_any_rank_starts(tmp_path, args, message):
     """strategies.resolve() runs in `autopar train` itself: one error line, no rank started, no run folder."""

@@ -41,6 +41,9 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 # Valid choices, named once: the help texts below, the checks and the packages that implement
 # them (pipeline/schedules.py, partition/plan.py, gossip/) all read these.
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1")
+# No-flush schedules with stale weights (pipeline/async_schedules.py): not synchronous SGD, so
+# never candidates of the strategy search, which reads SCHEDULES only.
+ASYNC_SCHEDULES = ("pipedream-2bw",)
 PARTITION_METHODS = ("uniform", "parameters", "time")
 RECOMPUTE_MODES = ("none", "all", "all-but-last")
 GOSSIP_TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -62,7 +65,7 @@ class Strategy:
     dp: int | None = _f(None, "data-parallel degree (replicas); default: nproc / (tp * pp)")
     tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
     pp: int = _f(1, "pipeline-parallel degree (stages)")
-    schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES)}")
+    schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
     chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2)")
     partition: str = _f("time", f"how to cut the model into stages: {'|'.join(PARTITION_METHODS)}")
     recompute: str = _f("none", f"whole-stage recomputation scheduled by the pipeline: {'|'.join(RECOMPUTE_MODES)}")

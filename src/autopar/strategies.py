@@ -1,7 +1,7 @@
 """The strategies, named in one place: which engine a run uses, what it refuses, how it is built.
 
 `STRATEGIES` is an ordered list; the first entry whose `applies` holds is the run's strategy
-(gossip, then the parameter server, then pipeline / tensor parallelism, then sparse
+(an asynchronous pipeline schedule, PipeDream-2BW, which refuses what it cannot combine with; gossip, then the parameter server, then pipeline / tensor parallelism, then sparse
 embeddings, then plain data parallelism). `resolve()` runs every check that needs no
 communication; `autopar train` calls it before starting any process and the Trainer calls it
 again on every rank, so a bad combination fails early, the same way everywhere. A new
@@ -16,14 +16,18 @@ from dataclasses import dataclass
 
 from .async_sgd.engine import AsyncEngine, check_async_setup
 from .async_sgd.loop import train_async
-from .config import Strategy, TrainConfig
+from .config import ASYNC_SCHEDULES, Strategy, TrainConfig
 from .errors import ConfigError
 from .gossip import GossipEngine, check_gossip_strategy
+from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpoint
+from .pipeline.async_schedules import check_no_flush
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
 from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_setup
 from .tensor_parallel.subpipeline import check_tp_subbatches
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
+from .train.checkpoint import find_checkpoint
 from .train.engine import DataParallelEngine
+from .train.two_bw_oracle import DelayOneDataParallelEngine
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,37 @@ def _synchronous_check(request: Request) -> tuple[TrainConfig, int]:
     return config, accumulation
 
 
+def _check_pipedream(request: Request) -> tuple[TrainConfig, int]:
+    """PipeDream-2BW: the no-flush lists and two weight versions cover plain 1F1B stages over
+    data-parallel replicas; everything else is refused here, before any process starts."""
+    strategy, config = request.strategy, request.config
+    name = strategy.schedule
+    refusals = [
+        (strategy.dp_mode != "allreduce", f"--dp-mode {strategy.dp_mode}: the replicas of a 2BW pipeline "
+         f"sum each step's gradient synchronously (a parameter server or gossip would add a second, "
+         f"different staleness); use --dp-mode allreduce"),
+        (strategy.chunks > 1, f"--chunks {strategy.chunks} (interleaving): the no-flush lists are 1F1B with "
+         f"one stage per rank; use --chunks 1"),
+        (strategy.tp > 1, f"--tp {strategy.tp}: tensor-parallel stages with two weight versions are not "
+         f"supported yet (the older version would need saving as slices); use --tp 1"),
+        (strategy.recompute != "none" or strategy.memory_budget_mb is not None,
+         "recomputation (--recompute / --memory-budget-mb, SCP's ingredient): not supported with the no-flush "
+         "lists yet; use --recompute none"),
+        (sparse_requested(strategy, config), "sparse embeddings / sparse-adam: their deferred rows assume "
+         "synchronous steps; use dense embeddings"),
+        (strategy.pp == 1 and bool(config.resume), "--resume with pp=1: the whole-model 2BW rule keeps its "
+         "older version outside the checkpoint; resume a pipelined (pp > 1) run"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"schedule {name!r} cannot be combined with {why}")
+    if strategy.pp > 1:
+        check_no_flush(strategy.pp, config.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp))
+        if config.resume:
+            check_two_version_checkpoint(find_checkpoint(config.resume))
+    return _synchronous_check(request)
+
+
 def _check_gossip(request: Request) -> tuple[TrainConfig, int]:
     resolved = _synchronous_check(request)
     check_gossip_strategy(request.strategy)
@@ -120,6 +155,20 @@ def _build_pipeline(ctx: EngineContext) -> Engine:
                           strategy=ctx.strategy)
 
 
+def _build_pipedream(ctx: EngineContext) -> Engine:
+    """PipeDream-2BW: no-flush 1F1B on two weight versions (pipeline/async_engine.py); with pp=1, the
+    same update rule on whole models (train/two_bw_oracle.py)."""
+    if ctx.strategy.pp == 1:
+        return DelayOneDataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
+                                          forward_fn=ctx.forward_fn, autocast=ctx.autocast)
+    cfg = ctx.config
+    return PipeDream2BWEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
+                              example_batch=ctx.example_batch(), num_microbatches=ctx.accumulation,
+                              autocast=ctx.autocast, timeout_s=ctx.timeout_s, strategy=ctx.strategy,
+                              steps=cfg.steps, eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
+                              batches_for_step=ctx.batches_for_step, samples_for_step=ctx.samples_for_step)
+
+
 def _build_sparse(ctx: EngineContext) -> Engine:
     """EmbRace and its baselines (sparse/engine.py)."""
     return SparseEmbeddingEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
@@ -133,6 +182,7 @@ def _build_data_parallel(ctx: EngineContext) -> Engine:
 
 
 STRATEGIES: tuple[StrategyEntry, ...] = (
+    StrategyEntry("pipedream-2bw", lambda s, c: s.schedule in ASYNC_SCHEDULES, _check_pipedream, _build_pipedream),
     StrategyEntry("gossip", lambda s, c: s.dp_mode == "gossip", _check_gossip, _build_gossip),
     StrategyEntry("parameter-server", lambda s, c: s.dp_mode == "async", _check_async, _build_async,
                   loop=train_async),

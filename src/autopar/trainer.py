@@ -99,7 +99,9 @@ class Trainer:
             model=self.model, mesh=self.mesh, strategy=self.strategy, config=cfg, device=self.device,
             autocast=self.autocast, forward_fn=self.forward_fn, accumulation=self.accumulation,
             example_batch=lambda: self.load(first(), self.train_data),
-            batches_for_step=lambda step: self._local_batches(step, self.train_data)))
+            batches_for_step=lambda step: self._local_batches(step, self.train_data),
+            samples_for_step=lambda step: self.sampler.local_micro_positions(
+                step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, micro_batch_size=cfg.micro_batch_size)))
         self.run_info.update(self.engine.run_info())
         self.model = self.engine.module
         # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout

@@ -54,6 +54,21 @@ class StepRecord:
         return [(times[2 * i], times[2 * i + 1], action) for i, (_, _, action) in enumerate(self.marks)]
 
 
+@dataclass
+class InFlight:
+    """Per (stage, micro-batch) state a step leaves for the next when the pipeline is not drained."""
+
+    inputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    pending: dict[tuple[str, int, int], Pending] = field(default_factory=dict)  # posted receives
+    local: dict = field(default_factory=dict)  # same-rank handoffs
+    grads_out: dict = field(default_factory=dict)
+    split: dict = field(default_factory=dict)  # after I: (outputs, grads) for W
+
+    def empty(self) -> bool:
+        return not any((self.inputs, self.outputs, self.pending, self.local, self.grads_out, self.split))
+
+
 def _float_positions(values: tuple) -> list[int]:
     return [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
@@ -74,7 +89,9 @@ class PipelineRuntime:
 
     def run(self, actions: list[Action], batches: list[dict], *, loss_fn: Callable[[Any, dict], torch.Tensor],
             record: bool = False,
-            sync_context: Callable[[bool], contextlib.AbstractContextManager] | None = None) -> StepRecord:
+            sync_context: Callable[[bool], contextlib.AbstractContextManager] | None = None,
+            forward_scope: Callable[[int, int], contextlib.AbstractContextManager] | None = None,
+            carry: InFlight | None = None) -> StepRecord:
         """Execute `actions` for one step on micro-batches `batches` (every rank gets the same list).
 
         loss_fn(output, micro-batch) turns the last stage's output into what it returns and
@@ -82,13 +99,17 @@ class PipelineRuntime:
 
         sync_context(last) wraps each backward; `last` is True for this rank's final one, so a
         gradient synchroniser can overlap its reduction with that backward only.
+
+        forward_scope(stage, micro-batch) wraps each forward and recompute (default: the
+        micro-batch's dropout scope); an asynchronous schedule uses it to run the micro-batch
+        on the weight version it belongs to. `carry`: the work in flight between calls, for
+        schedules that do not drain at the end of a step (pipeline/async_schedules.py); it is
+        then updated in place and may be left non-empty.
         """
-        inputs: dict[tuple[int, int], tuple] = {}
-        outputs: dict[tuple[int, int], tuple] = {}
-        pending: dict[tuple[str, int, int], Pending] = {}
-        local: dict[tuple[str, int, int], tuple] = {}  # same-rank handoffs
-        grads_out: dict[tuple[int, int], tuple] = {}
-        split: dict[tuple[int, int], tuple] = {}  # after I: (outputs, grads) for W
+        state = carry if carry is not None else InFlight()
+        inputs, outputs, pending = state.inputs, state.outputs, state.pending
+        local, grads_out, split = state.local, state.grads_out, state.split
+        forward_scope = forward_scope or (lambda stage, mb: micro_batch(mb))
         loss: torch.Tensor | None = None  # sum of what the last stage's loss_fn returned
         events = []
         backward_ops = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
@@ -152,7 +173,7 @@ class PipelineRuntime:
                     x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in x)
                 inputs[(s, mb)] = x
                 keep_graph = s not in self.recompute and torch.is_grad_enabled()
-                with torch.set_grad_enabled(keep_graph), micro_batch(mb):
+                with torch.set_grad_enabled(keep_graph), forward_scope(s, mb):
                     out = self._forward(s, x, batches[mb], loss_fn)
                 if s == self.num_stages - 1:
                     loss = out[0].detach() if loss is None else loss + out[0].detach()
@@ -160,7 +181,7 @@ class PipelineRuntime:
                     local[("F", s + 1, mb)] = out
                 outputs[(s, mb)] = out if keep_graph or s == self.num_stages - 1 else tuple(v.detach() for v in out)
             elif op == Op.RECOMPUTE:
-                with micro_batch(mb):  # the same masks as its forward
+                with forward_scope(s, mb):  # the same masks (and weights) as its forward
                     outputs[(s, mb)] = self._forward(s, inputs[(s, mb)], batches[mb], loss_fn)
             elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                 out = outputs.pop((s, mb))
@@ -196,7 +217,7 @@ class PipelineRuntime:
                 events.append((began, now(), action))
         self.p2p.wait_sends()
         leftovers = [k for k in (*inputs, *outputs, *pending, *split)]
-        if leftovers and training:
+        if leftovers and training and carry is None:
             raise RuntimeError(f"pipeline step ended with unfinished work on rank {self.pp_rank}: {leftovers[:5]}")
         if loss is None:
             loss = torch.zeros((), device=self.p2p.device)

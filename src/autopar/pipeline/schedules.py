@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from autopar.config import ASYNC_SCHEDULES
 from autopar.config import SCHEDULES as SCHEDULE_NAMES
 from autopar.errors import ConfigError, choices
 from autopar.pipeline.actions import Action, Op, Schedule, stage_to_rank
@@ -24,7 +25,7 @@ SCHEDULES = SCHEDULE_NAMES  # named once, in config.py
 def minimum_microbatches(name: str, pp: int, chunks: int = 1) -> int:
     """Smallest number of micro-batches `name` supports (interleaving needs whole groups of pp)."""
     _check_name(name)
-    return pp if name == "interleaved-1f1b" else 1
+    return pp if name in ("interleaved-1f1b", *ASYNC_SCHEDULES) else 1
 
 
 def build_schedule(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
@@ -81,6 +82,9 @@ def generate(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
     depth = {
         "gpipe": lambda s: m,
         "1f1b": lambda s: min(m, pp - s),
+        # one step of PipeDream-2BW run alone (warm-up and drain) is 1F1B; the engine runs the
+        # no-flush lists of pipeline/async_schedules.py across steps
+        "pipedream-2bw": lambda s: min(m, pp - s),
         "eager-1f1b": lambda s: min(m, 2 * (pp - s) - 1),
         "scp": lambda s: _scp_depth(s, pp, m, recompute),
     }[name]
@@ -94,8 +98,8 @@ def recomputed_stages(schedule: Schedule) -> frozenset[int]:
 
 
 def _check_name(name: str) -> None:
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; use one of {choices(SCHEDULES)}")
+    if name not in SCHEDULES + ASYNC_SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; use one of {choices(SCHEDULES + ASYNC_SCHEDULES)}")
 
 
 def _one_forward_one_backward(stage: int, m: int, depth: int) -> list[Action]:

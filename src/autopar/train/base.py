@@ -115,6 +115,9 @@ class EngineContext:
     accumulation: int  # micro-batches per replica per step
     example_batch: Callable[[], Batch]  # the first micro-batch of replica 0, loaded on demand
     batches_for_step: Callable[[int], list[Batch]]  # this replica's micro-batches of a step
+    # their global sample indices (what dropout masks are drawn from), for an engine that runs
+    # micro-batches of a step before the trainer opens it (pipedream-2bw's look-ahead)
+    samples_for_step: Callable[[int], list[list[int]]] | None = None
     log: Callable[[str], None] = field(default=lambda text: print(text, flush=True))
 
     @property

@@ -1,0 +1,135 @@
+"""PipeDream-2BW: the pipeline engine run without a flush between steps, on two weight versions.
+
+The trainer's loop is unchanged: forward_backward(step t), clip, optimizer step. What differs
+is what a step contains on each rank (pipeline/async_schedules.py: the backwards of all of
+step t and the forwards that fill the pipe, some of them step t+1's), which weights each
+micro-batch runs on (pipeline/weight_versions.py: step t on W(t-1), the look-ahead on W(t)),
+and that the runtime's in-flight state carries from one call to the next. The pipeline
+drains (a flush) after the last step and after every step followed by an eval or a
+checkpoint, so evaluation runs on the newest weights with nothing in flight and a checkpoint
+holds exactly the two versions, the optimizer state and the step: resuming continues the
+same trajectory.
+
+Gradients: step t's gradient is complete on a rank when its segment ends; it is then summed
+over data-parallel replicas (and tied copies) in one go, not overlapped with the backward.
+The ranks still meet between steps (the gradient norm and the loss are global), so the
+measured step does not reach the simulator's zero steady-state bubble: after each meeting the
+first backward of the step must travel up the whole pipe again (about (pp-1) backwards on
+stage 0, against 1F1B's (pp-1) forwards and backwards of warm-up and drain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..dropout import active_scope, dropout_step, micro_batch
+from ..errors import ConfigError
+from .async_schedules import flush_steps, rank_segment
+from .engine import PipelineEngine
+from .runtime import InFlight
+from .weight_versions import StageSlots, TwoWeightVersions
+
+VERSIONS_MODULE = "pipedream_2bw"  # the older versions' buffers live under this name in checkpoints
+
+
+def check_two_version_checkpoint(path: Path) -> None:
+    """A 2BW run resumes only a 2BW checkpoint: it needs the older version, which others lack."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(key.startswith(f"model.{VERSIONS_MODULE}.") for key in keys):
+        raise ConfigError(f"--resume {str(path)!r}: this checkpoint was not written by a pipedream-2bw run (it "
+                          f"holds one weight version; 2BW's next step needs the one before the last update "
+                          f"too); resume it with its own schedule, or start a new 2BW run")
+
+
+class PipeDream2BWEngine(PipelineEngine):
+    """This rank's stages run by the no-flush 2BW lists; see the module docstring."""
+
+    def __init__(self, model, mesh, *, num_microbatches: int, steps: int, eval_every: int, checkpoint_every: int,
+                 batches_for_step: Callable[[int], list[dict]],
+                 samples_for_step: Callable[[int], list[list[int]]] | None = None, **kwargs):
+        super().__init__(model, mesh, num_microbatches=num_microbatches, **kwargs)
+        self.m = num_microbatches
+        self.flush_after = flush_steps(steps, eval_every=eval_every, checkpoint_every=checkpoint_every)
+        self.batches_for_step, self.samples_for_step = batches_for_step, samples_for_step
+        params = {}
+        for name, p in self.module.named_parameters():
+            params.setdefault(name, p)
+        self.versions = TwoWeightVersions(params)
+        self.module.add_module(VERSIONS_MODULE, self.versions)
+        index_of = {id(p): i for i, p in enumerate(params.values())}
+        self.slots = {s: StageSlots(stage, index_of) for s, stage in self.stages.items()}
+        self.carry = InFlight()
+        self.peak_storages = 0
+
+    def banner_lines(self) -> list[str]:
+        return super().banner_lines() + [
+            f"pipedream-2bw: no flush between steps (drains before eval, checkpoints and the end); two weight "
+            f"versions per rank, {self.versions.nbytes() / 2**20:.2f} MiB on this rank; step t computes on W(t-1)"]
+
+    def run_info(self) -> dict:
+        return {"weight_versions": 2, "weight_version_bytes_rank0": self.versions.nbytes()}
+
+    def forward_backward(self, batches: list[dict], loss_fn: Callable[[Any, dict], torch.Tensor]) -> torch.Tensor:
+        t = int(self.versions.step)
+        warm, drain = self.carry.empty(), t in self.flush_after
+        self.module.train()
+        by_id = {t * self.m + j: b for j, b in enumerate(batches)}
+        if not drain:
+            by_id.update({(t + 1) * self.m + j: b for j, b in enumerate(self.batches_for_step(t + 1))})
+        for batch in by_id.values():  # on every pp rank: an error, never a hang
+            self.pipe.first_stage_inputs(batch)
+        actions = [a for s in sorted(self.stages)
+                   for a in rank_segment(s, pp=self.pp, m=self.m, step=t, warm=warm, drain=drain)]
+        step = self.runtime.run(actions, by_id, loss_fn=loss_fn, record=True, forward_scope=self._scope(t),
+                                carry=self.carry)
+        if drain and not self.carry.empty():
+            raise RuntimeError(f"2BW: the pipeline did not drain at step {t + 1} on pipeline rank {self.pp_rank}")
+        self.last_events = step.events
+        self.peak_storages = max(self.peak_storages, len(self.versions.storages()))
+        self.versions.gradients_to_parameters()
+        self.sync.finish()  # copies into the dp buckets and sums them over replicas
+        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
+            torch.distributed.all_reduce(param.grad, group=group)
+        self.versions.advance()  # the Parameters now hold the buffer the optimizer will update
+        return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)
+
+    def _scope(self, t: int) -> Callable[[int, int], contextlib.AbstractContextManager]:
+        @contextlib.contextmanager
+        def scope(stage: int, microbatch: int) -> Iterator[None]:
+            batch_step, j = divmod(microbatch, self.m)
+            with self.slots[stage].running_on(self.versions.leaves(batch_step)), self._dropout(t, batch_step, j):
+                yield
+        return scope
+
+    def _dropout(self, t: int, batch_step: int, j: int) -> contextlib.AbstractContextManager:
+        """Micro-batch j of step `batch_step` draws the masks one process draws for it (the trainer
+        opened step t's scope; a look-ahead micro-batch gets step t+1's)."""
+        scope = active_scope()
+        if batch_step == t or scope is None:
+            return micro_batch(j)
+        if self.samples_for_step is None:
+            raise RuntimeError("2BW look-ahead forwards need the next step's sample indices (samples_for_step)")
+        stack = contextlib.ExitStack()
+        stack.enter_context(dropout_step(scope.seed, batch_step, self.samples_for_step(batch_step)))
+        stack.enter_context(micro_batch(j))
+        return stack
+
+    @torch.no_grad()
+    def eval_sums(self, batches, eval_loss):
+        if not self.carry.empty():
+            raise RuntimeError("2BW: eval with micro-batches in flight; the pipeline must drain first")
+        return super().eval_sums(batches, eval_loss)
+
+    def before_checkpoint(self) -> None:
+        if not self.carry.empty():
+            raise RuntimeError("2BW: checkpoint with micro-batches in flight; the pipeline must drain first")
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        return {**super().step_stats(elapsed, peak_bytes), "weight_storages": self.peak_storages}

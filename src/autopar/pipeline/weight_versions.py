@@ -1,0 +1,120 @@
+"""PipeDream-2BW's two weight versions of one pipeline rank's parameters.
+
+The rule (pipeline/async_schedules.py): every micro-batch of step t runs forward and
+backward on W(t-1), and the optimizer applies that gradient to the newest weights,
+W(t+1) = opt(W(t), grad f_t(W(t-1))), with W(-1) = W(0). Between steps the newest weights
+are already in use: the look-ahead forwards of step t+1 run on W(t) inside step t.
+
+Storage: two buffers per parameter, never more. The optimizer's Parameter always holds the
+newest version (so eval, checkpoints and the optimizer see ordinary parameters); the other
+buffer, `older`, holds W(t-1) and is registered as a buffer of this module, so checkpoints
+save it and resume restores it. A micro-batch never computes on the Parameter itself: it
+runs on leaf tensors that alias one of the two buffers (`leaves`), one set per step, so
+each step's gradient accumulates apart from the next step's look-ahead and the optimizer
+may update a buffer no graph still reads. At the end of step t, W(t-1)'s buffer is free
+(every micro-batch of step t is done): the newest weights are copied into it and the
+Parameter is pointed at it before the optimizer updates it in place to W(t+1); the buffer
+of W(t) becomes `older`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def buffer_name(fqn: str) -> str:
+    return "older__" + fqn.replace(".", "__")
+
+
+class TwoWeightVersions(nn.Module):
+    """The older version W(t-1) of each parameter (buffers) and the step t the rank is in."""
+
+    def __init__(self, params: dict[str, nn.Parameter]):
+        super().__init__()
+        self.names = list(params)
+        self._params = list(params.values())  # a plain list: not registered, the owner holds them
+        for name, p in params.items():
+            self.register_buffer(buffer_name(name), p.detach().clone())  # W(-1) = W(0)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))  # the next step to run
+        self._leaves: dict[int, list[nn.Parameter]] = {}  # step b -> leaves its micro-batches run on
+
+    def older(self) -> list[torch.Tensor]:
+        return [getattr(self, buffer_name(n)) for n in self.names]
+
+    def leaves(self, batch_step: int) -> list[nn.Parameter]:
+        """The tensors step `batch_step`'s micro-batches compute on: W(t-1) for the current step t,
+        W(t) (the newest) for the look-ahead of step t+1; nothing else exists."""
+        t = int(self.step)
+        if batch_step not in self._leaves:
+            if batch_step == t:
+                sources = self.older()
+            elif batch_step == t + 1:
+                sources = [p.data for p in self._params]
+            else:
+                raise RuntimeError(f"2BW: step {batch_step} asked for weights during step {t}; only steps {t} "
+                                   f"(on W({t - 1})) and {t + 1} (on W({t})) can be in flight")
+            self._leaves[batch_step] = [nn.Parameter(s, requires_grad=p.requires_grad)  # aliases, no copy
+                                        for s, p in zip(sources, self._params)]
+        return self._leaves[batch_step]
+
+    def gradients_to_parameters(self) -> None:
+        """Step t's gradient (accumulated on its leaves) becomes the Parameters' .grad."""
+        t = int(self.step)
+        leaves = self._leaves.get(t)
+        for i, p in enumerate(self._params):
+            grad = leaves[i].grad if leaves is not None else None
+            p.grad = grad if grad is not None else torch.zeros_like(p)
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """End of step t: free W(t-1)'s buffer, give it the newest weights, point the Parameters at it
+        (the optimizer then makes W(t+1) there); W(t)'s buffer becomes the older version."""
+        t = int(self.step)
+        self._leaves.pop(t, None)
+        for name, p in zip(self.names, self._params):
+            free, newest = getattr(self, buffer_name(name)), p.data
+            free.copy_(newest)
+            p.data = free
+            self._buffers[buffer_name(name)] = newest
+        self.step += 1
+
+    def in_flight(self) -> list[int]:
+        return sorted(self._leaves)
+
+    def storages(self) -> set[int]:
+        """Distinct weight storages this rank holds (the memory check: two per parameter)."""
+        held = {p.untyped_storage().data_ptr() for p in self._params}
+        held |= {b.untyped_storage().data_ptr() for b in self.older()}
+        for leaves in self._leaves.values():
+            held |= {leaf.untyped_storage().data_ptr() for leaf in leaves}
+        return held
+
+    def nbytes(self) -> int:
+        """Bytes of both versions."""
+        return 2 * sum(p.numel() * p.element_size() for p in self._params)
+
+
+class StageSlots:
+    """Where a stage module reads each parameter from, so a forward can run on another version."""
+
+    def __init__(self, stage: nn.Module, index_of: dict[int, int]):
+        self.slots = []  # (owner module, attribute, index into the version's leaves)
+        for fqn, p in stage.named_parameters(remove_duplicate=False):
+            owner_path, _, attr = fqn.rpartition(".")
+            owner = stage.get_submodule(owner_path) if owner_path else stage
+            self.slots.append((owner, attr, index_of[id(p)]))
+
+    @contextlib.contextmanager
+    def running_on(self, leaves: list[nn.Parameter]) -> Iterator[None]:
+        saved = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self.slots]
+        try:
+            for owner, attr, i in self.slots:
+                owner._parameters[attr] = leaves[i]
+            yield
+        finally:
+            for owner, attr, original in saved:
+                owner._parameters[attr] = original

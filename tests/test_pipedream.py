@@ -1,0 +1,163 @@
+"""PipeDream-2BW: the no-flush lists are sound, and the pipelined runs equal the single-process rule.
+
+The rule (pipeline/async_schedules.py, train/two_bw_oracle.py): W(t+1) = opt(W(t), grad f_t(W(t-1))).
+The oracle is a world of one running it on the whole model; the pipelined runs (pp 2 and 4, with
+dp 2) must give the same losses (1e-5 relative), gradient norms, eval loss and parameters, across
+an eval in the middle of training (a flush and a fresh warm-up).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar import Strategy, TrainConfig
+from autopar.errors import ConfigError
+from autopar.pipeline.async_schedules import (check_versions, segment_lists, steady_state_bubble,
+                                              step_time_with_meeting, whole_run)
+from autopar.pipeline.schedules import build_schedule
+from autopar.pipeline.simulate import check, simulate
+from autopar.strategies import resolve
+from helpers import max_relative_difference
+from pipedream_helpers import train_2bw
+
+STEPS = 4
+COMMON = dict(steps=STEPS, global_batch_size=8, eval_every=2)
+MODELS = {"gpt-tiny": {"n_layer": 3}, "hf:llama": {"num_hidden_layers": 3}}
+_oracles: dict = {}
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 4), (3, 5)])
+def test_no_flush_lists_run_without_deadlock_on_two_versions_and_no_steady_bubble(pp, m):
+    steps = 6
+    lists = segment_lists(pp=pp, m=m, steps=range(steps), flush_after={2, steps - 1})  # a flush mid-run
+    run = whole_run(lists)
+    check(run, pp=pp, num_stages=pp, num_microbatches=steps * m)  # complete, paired, no deadlock
+    versions = check_versions(lists, m=m)
+    assert max(versions.values()) == 2 and versions[pp - 1] == 1  # the last stage never looks ahead
+    no_flush = segment_lists(pp=pp, m=m, steps=range(steps), flush_after={steps - 1})
+    timeline = simulate(whole_run(no_flush), pp=pp, num_stages=pp, num_microbatches=steps * m)
+    assert max(steady_state_bubble(timeline, no_flush).values()) == 0.0  # unit costs: exact
+    one_f_one_b = simulate(build_schedule("1f1b", pp=pp, num_microbatches=m), pp=pp, num_stages=pp,
+                           num_microbatches=m)
+    assert min(one_f_one_b.bubble.values()) > 0.1
+    assert timeline.makespan < steps * one_f_one_b.makespan
+    # with the ranks meeting between steps (as the trainer's do) one backward chain is left per step
+    assert step_time_with_meeting(pp=pp, m=m) == m * 3 + (pp - 1) * 2 < one_f_one_b.makespan
+
+
+def test_version_check_catches_a_third_version():
+    lists = segment_lists(pp=4, m=4, steps=range(3), flush_after={2})
+    with pytest.raises(ValueError, match=r"0F4 in step 0 needs W\(1\), made only at the end of step 0"):
+        check_versions(lists, m=2)  # read as m=2, step 0 runs step 2's micro-batches: W(1) is not made yet
+
+
+@pytest.mark.parametrize("strategy,match", [
+    ({"pp": 2, "schedule": "pipedream-2bw", "chunks": 2}, "interleaving"),
+    ({"pp": 2, "schedule": "pipedream-2bw", "dp_mode": "async"}, "parameter server"),
+    ({"pp": 2, "schedule": "pipedream-2bw", "recompute": "all"}, "recomputation"),
+    ({"pp": 2, "schedule": "pipedream-2bw", "tp": 2}, "tensor-parallel"),
+])
+def test_bad_combinations_are_refused_before_ranks_start(strategy, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(Strategy(**strategy), TrainConfig(global_batch_size=8, micro_batch_size=1), world=4)
+
+
+def test_too_few_micro_batches_are_refused():
+    with pytest.raises(ConfigError, match="at least pp=4 micro-batches"):
+        resolve(Strategy(pp=4, schedule="pipedream-2bw"), TrainConfig(global_batch_size=8, micro_batch_size=4),
+                world=4)
+
+
+def test_resuming_a_synchronous_checkpoint_is_refused(tmp_path):
+    import json
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for name, keys in (("sync", ["w"]), ("2bw", ["w", "pipedream_2bw.step"])):
+        path = tmp_path / name
+        with warnings.catch_warnings():  # DCP warns that it saves without a process group
+            warnings.simplefilter("ignore")
+            dcp.save({"model": {k: torch.zeros(2) for k in keys}}, checkpoint_id=str(path))
+        (path / "trainer.json").write_text(json.dumps({"step": 2}))
+    config = dict(global_batch_size=8, micro_batch_size=2)
+    with pytest.raises(ConfigError, match="not written by a pipedream-2bw run"):
+        resolve(Strategy(pp=2, schedule="pipedream-2bw"), TrainConfig(**config, resume=str(tmp_path / "sync")),
+                world=2)
+    resolve(Strategy(pp=2, schedule="pipedream-2bw"), TrainConfig(**config, resume=str(tmp_path / "2bw")), world=2)
+
+
+def oracle(rank_pool, tmp_path_factory, model: str) -> dict:
+    if model not in _oracles:
+        _oracles[model] = rank_pool(1).run(train_2bw, model, str(tmp_path_factory.mktemp("oracle")),
+                                           model_args=MODELS[model], strategy={"schedule": "pipedream-2bw"},
+                                           micro_batch_size=8, **COMMON)[0]
+    return _oracles[model]
+
+
+# (world, strategy, micro-batch size): m = 8 / (micro * dp) micro-batches per replica
+LAYOUTS = [  # pp=2 alone is the dp=2 layout's pipeline; left out to keep the suite fast
+    (4, {"pp": 4}, 2),
+    (4, {"pp": 2, "dp": 2}, 1),
+]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
+def test_2bw_matches_its_single_process_rule(rank_pool, tmp_path, tmp_path_factory, model, world, strategy, micro):
+    expected = oracle(rank_pool, tmp_path_factory, model)
+    results = rank_pool(world).run(train_2bw, model, str(tmp_path), model_args=MODELS[model],
+                                   strategy={**strategy, "schedule": "pipedream-2bw"}, micro_batch_size=micro,
+                                   **COMMON)
+    for rank, got in enumerate(results):
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, expected, got["losses"])
+        assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4, rank
+        assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5, rank
+        for name, value in got["params"].items():
+            assert (value - expected["params"][name]).abs().max() < 1e-5, (rank, name)
+        assert got["peak_storages"] == 2 * got["num_params"]  # two weight versions, never a third
+    owned = set().union(*(r["params"] for r in results))
+    assert set(expected["params"]) - owned <= {"lm_head.weight"}
+
+
+def test_the_oracle_is_not_synchronous_sgd(rank_pool, tmp_path, tmp_path_factory):
+    """The rule differs from synchronous training from step 2 on (so the tests above can fail): step 1
+    computes on W(0) in both, step 2 on W(0) in 2BW but on W(1) synchronously."""
+    expected = oracle(rank_pool, tmp_path_factory, "gpt-tiny")
+    sync = rank_pool(1).run(train_2bw, "gpt-tiny", str(tmp_path), model_args=MODELS["gpt-tiny"],
+                            micro_batch_size=8, **COMMON)[0]
+    assert expected["losses"][0] == sync["losses"][0]  # bitwise: the same model, batch and ops on W(0)
+    assert min(abs(a - b) / a for a, b in zip(sync["losses"][1:], expected["losses"][1:])) > 1e-5
+
+
+def test_resume_continues_the_exact_trajectory(rank_pool, tmp_path):
+    """A checkpoint (a flush) holds both versions, the optimizer and the step: resuming from it retraces
+    the uninterrupted run's later steps."""
+    args = dict(model_args=MODELS["gpt-tiny"], strategy={"pp": 2, "schedule": "pipedream-2bw"}, micro_batch_size=2,
+                steps=STEPS, global_batch_size=8, checkpoint_every=2)
+    whole = rank_pool(2).run(train_2bw, "gpt-tiny", str(tmp_path / "whole"), **args)
+    resumed = rank_pool(2).run(train_2bw, "gpt-tiny", str(tmp_path / "resumed"), **args,
+                               resume=str(tmp_path / "whole" / "checkpoints" / "step_00000002"))
+    for a, b in zip(whole, resumed):
+        assert b["first_step"] == 3
+        # the same ops in the same order on the same values (the checkpoint round trip is exact): 1e-6 is slack
+        assert max_relative_difference(a["losses"][2:], b["losses"]) < 1e-6, (a["losses"], b["losses"])
+        for name, value in b["params"].items():
+            assert (value - a["params"][name]).abs().max() < 1e-6, name
+        for name, value in b["older"].items():
+            assert (value - a["older"][name]).abs().max() < 1e-6, name
+
+
+def test_look_ahead_forwards_draw_their_own_steps_dropout(rank_pool, tmp_path, tmp_path_factory):
+    """Stage 0 runs step t+1's first forward inside step t: it must draw step t+1's masks, as one process does."""
+    args = {"n_layer": 2, "dropout": 0.1}
+    expected = rank_pool(1).run(train_2bw, "gpt-tiny", str(tmp_path_factory.mktemp("oracle_dropout")),
+                                model_args=args, strategy={"schedule": "pipedream-2bw"}, micro_batch_size=8,
+                                **COMMON)[0]
+    results = rank_pool(4).run(train_2bw, "gpt-tiny", str(tmp_path), model_args=args, micro_batch_size=1,
+                               strategy={"pp": 2, "dp": 2, "schedule": "pipedream-2bw"}, **COMMON)
+    for got in results:
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (expected["losses"], got["losses"])
+        for name, value in got["params"].items():
+            assert (value - expected["params"][name]).abs().max() < 1e-5, name
