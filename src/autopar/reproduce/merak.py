@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from datetime import datetime
 from pathlib import Path
 
@@ -57,13 +60,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bf16", help="compute dtype: bf16 = 16-bit mixed precision (fp16 on V100)")
     parser.add_argument("--max-pp", type=int, default=MAX_PP, help="deepest pipeline priced (baselines and search)")
     parser.add_argument("--max-mbs", type=int, default=MAX_MBS, help="largest micro-batch priced")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--no-search", action="store_true", help="skip autopar's own search")
     parser.add_argument("--out", default=None, help="output folder (default runs/reproduce-merak-<time>)")
     args = parser.parse_args(argv)
     bad = [c for c in args.clusters if c not in CLUSTERS] + [m for m in args.models if m not in MODELS]
     if bad:
         raise ConfigError(f"unknown cluster or model {bad}; clusters: {choices(CLUSTERS)}, models: {choices(MODELS)}")
-    for name in ("nproc", "seq_len", "global_batch", "max_pp", "max_mbs"):
+    for name in ("nproc", "seq_len", "global_batch", "max_pp", "max_mbs", "jobs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -112,6 +116,11 @@ def study_one(profile: ModelProfile, cluster, args, model_name: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- output
+
+
+def _timed_study(profile: ModelProfile, cluster, args, model_name: str) -> tuple[dict, float]:
+    began = time.perf_counter()
+    return study_one(profile, cluster, args, model_name), time.perf_counter() - began
 
 
 def _speedup(e: Estimate | None, baseline: Estimate | None) -> float | None:
@@ -192,7 +201,8 @@ def assumptions(args, clusters: dict) -> str:
              "best of its own (dp, tp, pp, micro-batch size) with tp inside a node",
              "  Merak config: the baseline's degrees and micro-batching; scp schedule; stage-aware recomputation "
              "(fewest leading blocks per stage that fit) as R before the gradient wait; time-balanced cut; "
-             f"sub-pipelined TP with K=2 sub-batches, forward overlap across layers (autopar's runtime), "
+             f"sub-pipelined TP with K=2 sub-batches (only where the micro-batch splits in 2 and tp > 1), forward "
+             "overlap across layers (autopar's runtime), "
              f"{KERNEL_OVERHEAD_S * 1e6:g} us extra launch per sub-batch segment; the last ablation row also "
              "overlaps the backward as Merak's hand-written GPT-2 blocks do",
              "  autopar pick: the exhaustive search (search/search.py) over every degree, micro-batch, schedule "
@@ -210,7 +220,7 @@ def assumptions(args, clusters: dict) -> str:
                      f"{cluster.per_action_overhead_s * 1e6:g} us, memory headroom x{cluster.memory_headroom:g}")
         lines.append(f"    source: {cluster.source}")
     lines.append("calibration: datasheet presets above (no GPU run calibrated them). The step model's CPU-scale "
-                 "check is benchmarks/strategy_memory_check.py (memory) and docs/reproduce/merak.md "
+                 "check is benchmarks/strategy_memory_check.py (memory) and docs/benchmarks/merak.md "
                  "(grounding); see the docs for how far the model is from measurements.")
     return "\n".join(lines)
 
@@ -259,13 +269,22 @@ def main(argv: list[str]) -> int:
               + (f"; refused tp {sorted(profiles[m].tp_refused)}: {next(iter(profiles[m].tp_refused.values()))}"
                  if profiles[m].tp_refused else "") + f") in {time.perf_counter() - t0:.1f} s", flush=True)
     print(assumptions(args, clusters))
+    jobs = [(name, m) for name in clusters for m in args.models]
+    done = {}
+    if args.jobs > 1 and len(jobs) > 1:
+        context = multiprocessing.get_context("fork")  # the profiles are inherited, not pickled
+        with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs)), mp_context=context) as pool:
+            futures = {pool.submit(_timed_study, profiles[m], clusters[name], args, m): (name, m) for name, m in jobs}
+            for future in as_completed(futures):
+                done[futures[future]] = future.result()
+                print(f"  priced {' '.join(futures[future])} in {done[futures[future]][1]:.1f} s", flush=True)
+    else:
+        for name, m in jobs:
+            done[(name, m)] = _timed_study(profiles[m], clusters[name], args, m)
+            print(f"  priced {name} {m} in {done[(name, m)][1]:.1f} s", flush=True)
     tables, texts = {}, []
-    for name, cluster in clusters.items():
-        results = {}
-        for m in args.models:
-            t0 = time.perf_counter()
-            results[m] = study_one(profiles[m], cluster, args, m)
-            print(f"  {name} {m}: {time.perf_counter() - t0:.1f} s", flush=True)
+    for name in clusters:
+        results = {m: done[(name, m)][0] for m in args.models}
         text, records = cluster_table(name, results, profiles, args)
         print(text, flush=True)
         texts.append(text)

@@ -98,16 +98,22 @@ class MerakStepModel(StepModel):
                 out.append((compute * share, nbytes / count))
         return out[::-1] if backward else out
 
+    def subbatches(self, tp: int, mbs: int) -> int:
+        """K where sub-pipelining applies: the micro-batch splits into K whole sub-batches along the batch
+        (as Merak's and autopar's runtimes split it) and there is a TP all-reduce to hide; else 1."""
+        k = self.techniques.tp_subbatches
+        return k if tp > 1 and k > 1 and mbs % k == 0 else 1
+
     def stage_pass(self, tp: int, mbs: int, a: int, b: int, backward: bool) -> float:
         """Seconds of one forward (or backward) of blocks a..b-1 with the configured overlap."""
-        k = self.techniques.tp_subbatches
-        overlap = k > 1 and tp > 1 and (self.techniques.overlap_backward or not backward)
+        k = self.subbatches(tp, mbs)
+        overlap = k > 1 and (self.techniques.overlap_backward or not backward)
         reduce_of = (lambda nbytes: self.cluster.all_reduce(nbytes, tp)) if tp > 1 else (lambda nbytes: 0.0)
         segments = self.segments(tp, mbs, a, b, backward)
         if overlap:
             return overlap_time(segments, k, reduce_of)
         # serial: autopar's backward with K copies pays K all-reduces of 1/K the bytes each
-        copies = k if (k > 1 and tp > 1) else 1
+        copies = k
         kernels = copies * KERNEL_OVERHEAD_S * len(segments) if copies > 1 else 0.0
         return sum(c + copies * (reduce_of(n / copies) if n else 0.0) for c, n in segments) + kernels
 
@@ -136,9 +142,14 @@ class MerakStepModel(StepModel):
         if self.techniques.stage_aware_before_wait and c.schedule == "scp" and c.recompute != "all":
             stages = c.pp * c.chunks
             chosen = frozenset(s for s in range(stages) if costs.recompute[s] > 0)
-            # before the blocks are chosen (all R costs 0): the deepest scp schedule, so the memory check
-            # counts the extra micro-batch a recomputing stage holds
-            recompute = chosen or frozenset(range(stages - 1))
+            if not chosen:
+                # before the blocks are chosen (all R costs 0): the deepest scp schedule, so the memory check
+                # counts the extra micro-batch a recomputing stage holds; every micro-batch the stage holds
+                # keeps its partly recomputed activations (the simulator counts those as stashed inputs)
+                times = super().timeline(c, frozenset(range(stages - 1)), costs)
+                held = tuple(a + b for a, b in zip(times.in_flight, times.stashed))
+                return dataclasses.replace(times, in_flight=held, stashed=(0,) * len(held))
+            recompute = chosen
         return super().timeline(c, recompute, costs)
 
     def evaluate(self, c: Candidate) -> Estimate:
@@ -190,7 +201,7 @@ class Degrees:
 
 MAX_PP = 16
 """Deepest pipeline priced: deeper ones cost O(pp^2) to simulate and were never the best at 64 GPUs
-(checked with --max-pp 64 --max-mbs 64, see docs/reproduce/merak.md)."""
+(checked with --max-pp 64 --max-mbs 64, see docs/benchmarks/merak.md)."""
 MAX_MBS = 8
 """Largest micro-batch priced: the step model's compute is linear in the micro-batch, so larger ones only
 lengthen the pipeline's fill and drain; they matter only where memory forces a choice, and smaller ones fit."""
