@@ -60,6 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bf16", help="compute dtype: bf16 = 16-bit mixed precision (fp16 on V100)")
     parser.add_argument("--max-pp", type=int, default=MAX_PP, help="deepest pipeline priced (baselines and search)")
     parser.add_argument("--max-mbs", type=int, default=MAX_MBS, help="largest micro-batch priced")
+    parser.add_argument("--min-mbs", type=int, default=1,
+                        help="smallest micro-batch priced (e.g. 4: the regime where GPUs need bigger matmuls)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--no-search", action="store_true", help="skip autopar's own search")
     parser.add_argument("--out", default=None, help="output folder (default runs/reproduce-merak-<time>)")
@@ -67,9 +69,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [c for c in args.clusters if c not in CLUSTERS] + [m for m in args.models if m not in MODELS]
     if bad:
         raise ConfigError(f"unknown cluster or model {bad}; clusters: {choices(CLUSTERS)}, models: {choices(MODELS)}")
-    for name in ("nproc", "seq_len", "global_batch", "max_pp", "max_mbs", "jobs"):
+    for name in ("nproc", "seq_len", "global_batch", "max_pp", "max_mbs", "min_mbs", "jobs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.min_mbs > args.max_mbs:
+        raise ConfigError(f"--min-mbs {args.min_mbs} is larger than --max-mbs {args.max_mbs}; use min <= max")
     return args
 
 
@@ -85,7 +89,7 @@ def study_one(profile: ModelProfile, cluster, args, model_name: str) -> dict:
     """Baselines, the ablation at each baseline's degrees, and autopar's pick for one model on one cluster."""
     hidden = HIDDEN[model_name]
     base = StepModel(profile, cluster, global_batch_size=args.global_batch, dtype=args.dtype)
-    degrees = degree_choices(base, args.nproc, args.max_pp, args.max_mbs)
+    degrees = degree_choices(base, args.nproc, args.max_pp, args.max_mbs, args.min_mbs)
     if not degrees:
         raise ConfigError(f"no (dp, tp, pp) on {args.nproc} GPUs divides the global batch {args.global_batch}; use a "
                           f"multiple of {args.nproc}")
@@ -108,7 +112,7 @@ def study_one(profile: ModelProfile, cluster, args, model_name: str) -> dict:
     if not args.no_search:
         began = time.perf_counter()
         space = SearchSpace(nproc=args.nproc, partitions=("time",))
-        result = exhaustive(base, space, [c for c in enumerate_candidates(base, space) if c.pp <= args.max_pp and c.micro_batch_size <= args.max_mbs])
+        result = exhaustive(base, space, [c for c in enumerate_candidates(base, space) if c.pp <= args.max_pp and args.min_mbs <= c.micro_batch_size <= args.max_mbs])
         search_s, searched = time.perf_counter() - began, result.evaluated
         pick = result.ranked[0] if result.ranked else None
     return {"megatron": megatron, "deepspeed": deepspeed, "ablations": ablations, "pick": pick,
@@ -148,7 +152,7 @@ def describe(e: Estimate | None) -> str:
 def cluster_table(name: str, results: dict, profiles: dict, args) -> tuple[str, list[dict]]:
     """The per-cluster table and its JSON records."""
     lines = [f"== {name}: {CLUSTERS[name][1]} | {args.nproc} GPUs | global batch {args.global_batch} x "
-             f"{args.seq_len} tokens | {args.dtype}",
+             f"{args.seq_len} tokens | {args.dtype} | micro-batch {args.min_mbs}-{args.max_mbs}, pp <= {args.max_pp}",
              f"{'model':9} {'baseline':9} {'samples/s':>9} {'TFLOPS/GPU':>10} {'Merak':>7} {'autopar':>8} "
              f"{'paper':>9}  baseline configuration"]
     records = []
@@ -219,9 +223,16 @@ def assumptions(args, clusters: dict) -> str:
                      f"GB/s per GPU + {cluster.inter_node.latency_s * 1e6:g} us, per-action overhead "
                      f"{cluster.per_action_overhead_s * 1e6:g} us, memory headroom x{cluster.memory_headroom:g}")
         lines.append(f"    source: {cluster.source}")
-    lines.append("calibration: datasheet presets above (no GPU run calibrated them). The step model's CPU-scale "
-                 "check is benchmarks/strategy_memory_check.py (memory) and docs/benchmarks/merak.md "
-                 "(grounding); see the docs for how far the model is from measurements.")
+    lines += [
+        "calibration: the datasheet presets above; no GPU run calibrated them (none was available).",
+        "grounding (measured on 2 CPU cores, docs/benchmarks.md; not re-run here):",
+        "  pipeline simulator vs measured step time, six schedules, pp=2: 0.93-1.00 "
+        "(benchmarks/pipeline_schedules.py)",
+        "  memory model vs measured peak, gpt-tiny pp=2: stage 0 +73%, stage 1 -29% before the accuracy work of "
+        "issue 14 (benchmarks/strategy_memory_check.py; benchmarks/strategy_search.py validates step time and "
+        "memory across configurations)",
+        "  sub-pipelined TP: K=2 measured 1.09x slower than K=1 on CPU gloo (compute and all-reduce share the "
+        "cores), while the same overlap rule predicts 0.64-0.91x on GPUs (benchmarks/tp_subpipeline.py)"]
     return "\n".join(lines)
 
 
@@ -248,7 +259,8 @@ def chart(path: Path, tables: dict[str, list[dict]]) -> None:
         ax.set_xticks([x + 2 * width for x in range(len(models))], models)
         ax.set_ylabel("speedup over baseline (predicted)")
         ax.set_title(f"{name}: {CLUSTERS[name][0]} x 64")
-        ax.legend(fontsize=7)
+        ax.set_ylim(0, 2.1)
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

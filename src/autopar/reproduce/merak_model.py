@@ -200,16 +200,17 @@ class Degrees:
 
 
 MAX_PP = 16
-"""Deepest pipeline priced: deeper ones cost O(pp^2) to simulate and were never the best at 64 GPUs
-(checked with --max-pp 64 --max-mbs 64, see docs/benchmarks/merak.md)."""
+"""Deepest pipeline priced: deeper ones cost O(pp^2) to simulate (the study's run time bound); the
+picks often sit at this bound, see docs/benchmarks/merak.md."""
 MAX_MBS = 8
 """Largest micro-batch priced: the step model's compute is linear in the micro-batch, so larger ones only
 lengthen the pipeline's fill and drain; they matter only where memory forces a choice, and smaller ones fit."""
 
 
-def degree_choices(model: StepModel, nproc: int, max_pp: int = MAX_PP, max_mbs: int = MAX_MBS) -> list[Degrees]:
+def degree_choices(model: StepModel, nproc: int, max_pp: int = MAX_PP, max_mbs: int = MAX_MBS,
+                   min_mbs: int = 1) -> list[Degrees]:
     """Every (dp, tp, pp, mbs) with tp inside a node (a degree the TP planner accepts), dp dividing the batch,
-    pp <= max_pp, mbs <= max_mbs, and at least pp micro-batches."""
+    pp <= max_pp, min_mbs <= mbs <= max_mbs, and at least pp micro-batches."""
     out = []
     for tp in divisors(model.cluster.devices_per_node):
         if tp not in model.profile.tp or nproc % tp:
@@ -220,7 +221,7 @@ def degree_choices(model: StepModel, nproc: int, max_pp: int = MAX_PP, max_mbs: 
                 continue
             per_replica = model.global_batch_size // dp
             out += [Degrees(dp, tp, pp, mbs, per_replica // mbs) for mbs in divisors(per_replica)
-                    if per_replica // mbs >= pp and mbs <= max_mbs]  # fewer micro-batches than stages: no baseline runs that
+                    if per_replica // mbs >= pp and min_mbs <= mbs <= max_mbs]  # fewer micro-batches than stages: no baseline runs that
     return out
 
 
