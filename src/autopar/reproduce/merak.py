@@ -34,8 +34,8 @@ from ..search.cluster import resolve_cluster
 from ..search.cost import Estimate, StepModel
 from ..search.profile import ModelProfile, profile_model
 from ..search.search import SearchSpace, enumerate_candidates, exhaustive
-from .merak_model import (ABLATION, KERNEL_OVERHEAD_S, MAX_MBS, MAX_PP, MERAK_ROW, Degrees, MerakStepModel, best_of, candidate,
-                          deepspeed_candidates, degree_choices, megatron_candidates)
+from .merak_model import (ABLATION, KERNEL_OVERHEAD_S, MAX_MBS, MAX_PP, MERAK_ROW, Degrees, MerakStepModel, best_of,
+                          candidate, deepspeed_candidates, degree_choices, megatron_candidates)
 
 CLUSTERS = {
     "rtx3090": ("rtx3090-24gb-pcie", "16 nodes x 4 RTX 3090 24GB, PCIe inside a node, 100 Gb/s between nodes"),
@@ -112,7 +112,9 @@ def study_one(profile: ModelProfile, cluster, args, model_name: str) -> dict:
     if not args.no_search:
         began = time.perf_counter()
         space = SearchSpace(nproc=args.nproc, partitions=("time",))
-        result = exhaustive(base, space, [c for c in enumerate_candidates(base, space) if c.pp <= args.max_pp and args.min_mbs <= c.micro_batch_size <= args.max_mbs])
+        priced = [c for c in enumerate_candidates(base, space)
+                  if c.pp <= args.max_pp and args.min_mbs <= c.micro_batch_size <= args.max_mbs]
+        result = exhaustive(base, space, priced)
         search_s, searched = time.perf_counter() - began, result.evaluated
         pick = result.ranked[0] if result.ranked else None
     return {"megatron": megatron, "deepspeed": deepspeed, "ablations": ablations, "pick": pick,
@@ -170,7 +172,7 @@ def cluster_table(name: str, results: dict, profiles: dict, args) -> tuple[str, 
                             "tflops_per_gpu": tflops, "merak_speedup": _speedup(merak, b),
                             "autopar_speedup": _speedup(r["pick"], b), "paper_up_to": PAPER_SPEEDUP[model_name],
                             "baseline_config": describe(b), "merak_config": describe(merak)})
-    lines.append("ablation at each baseline's degrees (speedup over that baseline; step time):")
+    lines.append("ablation at each baseline's degrees (predicted speedup over that baseline; n/a: does not fit):")
     for model_name, r in results.items():
         for label, rows in r["ablations"].items():
             b = r[label]
@@ -188,7 +190,8 @@ def cluster_table(name: str, results: dict, profiles: dict, args) -> tuple[str, 
     for rec in records:
         r = results[rec["model"]]
         rec["autopar_pick"] = describe(r["pick"])
-        rec["ablation"] = {n.strip(): _speedup(e, r[rec["baseline"]]) for n, e in r["ablations"].get(rec["baseline"], [])}
+        rows = r["ablations"].get(rec["baseline"], [])
+        rec["ablation"] = {n.strip(): _speedup(e, r[rec["baseline"]]) for n, e in rows}
     return "\n".join(lines), records
 
 
@@ -215,12 +218,13 @@ def assumptions(args, clusters: dict) -> str:
              "  paper: the abstract's 'up to' figures over the better of Megatron-LM and DeepSpeed; its per-setting "
              "throughputs, configurations and clusters are not available to us"]
     for name, cluster in clusters.items():
-        lines.append(f"  cluster {name} = preset {cluster.name}: {cluster.num_devices} GPUs, {cluster.devices_per_node} "
-                     f"per node, {cluster.memory_per_device_gb:g} GiB, 16-bit peak "
-                     f"{cluster.flops_per_s.get('bf16', 0) / 1e12:g} TFLOPS x efficiency {cluster.compute_efficiency:g}, "
-                     f"intra-node {cluster.intra_node.bandwidth_bytes_per_s / 1e9:g} GB/s + "
-                     f"{cluster.intra_node.latency_s * 1e6:g} us, inter-node {cluster.inter_node.bandwidth_bytes_per_s / 1e9:.3g} "
-                     f"GB/s per GPU + {cluster.inter_node.latency_s * 1e6:g} us, per-action overhead "
+        intra, inter = cluster.intra_node, cluster.inter_node
+        lines.append(f"  cluster {name} = preset {cluster.name}: {cluster.num_devices} GPUs, "
+                     f"{cluster.devices_per_node} per node, {cluster.memory_per_device_gb:g} GiB, 16-bit peak "
+                     f"{cluster.flops_per_s.get('bf16', 0) / 1e12:g} TFLOPS x efficiency "
+                     f"{cluster.compute_efficiency:g}, intra-node {intra.bandwidth_bytes_per_s / 1e9:g} GB/s + "
+                     f"{intra.latency_s * 1e6:g} us, inter-node {inter.bandwidth_bytes_per_s / 1e9:.3g} "
+                     f"GB/s per GPU + {inter.latency_s * 1e6:g} us, per-action overhead "
                      f"{cluster.per_action_overhead_s * 1e6:g} us, memory headroom x{cluster.memory_headroom:g}")
         lines.append(f"    source: {cluster.source}")
     lines += [

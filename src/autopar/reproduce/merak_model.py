@@ -221,7 +221,7 @@ def degree_choices(model: StepModel, nproc: int, max_pp: int = MAX_PP, max_mbs: 
                 continue
             per_replica = model.global_batch_size // dp
             out += [Degrees(dp, tp, pp, mbs, per_replica // mbs) for mbs in divisors(per_replica)
-                    if per_replica // mbs >= pp and min_mbs <= mbs <= max_mbs]  # fewer micro-batches than stages: no baseline runs that
+                    if per_replica // mbs >= pp and min_mbs <= mbs <= max_mbs]  # fewer micro-batches than stages: idle
     return out
 
 
