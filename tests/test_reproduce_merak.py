@@ -102,3 +102,10 @@ def test_reduced_study_prints_tables_and_writes_the_chart(tmp_path, capsys):
     deepspeed = next(r for r in record if r["baseline"] == "deepspeed")
     assert deepspeed["ablation"]["DeepSpeed-style at these degrees"] == pytest.approx(1.0)
     assert (tmp_path / "merak.png").stat().st_size > 10_000
+
+
+def test_v100_32gb_preset_is_labelled_and_sized():
+    cluster = resolve_cluster("v100-32gb-nvlink")
+    assert (cluster.num_devices, cluster.devices_per_node, cluster.memory_per_device_gb) == (64, 8, 32)
+    assert "datasheet" in cluster.source and "100 Gb/s InfiniBand" in cluster.source
+    assert cluster.inter_node.bandwidth_bytes_per_s == pytest.approx(12.5e9 / 8)  # one 100 Gb/s port per 8 GPUs
