@@ -25,8 +25,13 @@ def logits_of(out):
 
 
 def small_args(name: str) -> dict:
-    """Keep the big GPT presets cheap to materialise (their width is unchanged)."""
-    return {"n_layer": 2} if name in ("gpt-small", "gpt-medium") else {}
+    """Keep the big GPT presets cheap to materialise (small/medium keep their width; the billion-parameter
+    presets, meant for meta-only planning, are shrunk to a toy width: their shapes are checked on meta)."""
+    if name in ("gpt-small", "gpt-medium"):
+        return {"n_layer": 2}
+    if name.startswith("gpt-") and name[-1] == "b":
+        return {"n_layer": 1, "n_head": 2, "d_model": 64}
+    return {}
 
 
 def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -28,8 +28,13 @@ GPT_SIZES: dict[str, dict[str, int]] = {
     "gpt-mini": {"n_layer": 4, "n_head": 4, "d_model": 128, "max_seq_len": 256},
     "gpt-small": {"n_layer": 12, "n_head": 12, "d_model": 768, "max_seq_len": 1024},
     "gpt-medium": {"n_layer": 24, "n_head": 16, "d_model": 1024, "max_seq_len": 1024},
+    "gpt-1.5b": {"n_layer": 48, "n_head": 25, "d_model": 1600, "max_seq_len": 2048},
+    "gpt-2.5b": {"n_layer": 54, "n_head": 20, "d_model": 1920, "max_seq_len": 2048},
+    "gpt-8.3b": {"n_layer": 72, "n_head": 32, "d_model": 3072, "max_seq_len": 2048},
+    "gpt-20b": {"n_layer": 44, "n_head": 64, "d_model": 6144, "max_seq_len": 2048},
 }
-"""Preset shapes of the reference GPT (GPT-2 small/medium shapes for the larger two)."""
+"""Preset shapes of the reference GPT: GPT-2 small/medium; GPT-2 XL (1.5b), Megatron-LM's 2.5b and 8.3b
+and a GPT-NeoX-20B-shaped 20b (the billions assume GPT-2's 50257-token vocabulary; build them on meta)."""
 
 HF_NAMES = ("hf:gpt2", "hf:llama", "hf:bert")
 

@@ -16,6 +16,8 @@ STUDIES = {
     "embrace": ("autopar.reproduce.embrace", "EmbRace: dense vs sparse all-gather vs sharded AlltoAll embeddings"),
     "dpsgd": ("autopar.reproduce.dpsgd", "D-PSGD: all-reduce vs ring gossip vs parameter server under latency"),
     "delayed-sgd": ("autopar.reproduce.delayed_sgd", "delayed SGD: generalization gap against staleness tau"),
+    "merak": ("autopar.reproduce.merak", "Merak: 64-GPU speedups of scp, stage-aware recompute, sub-pipelined TP "
+              "(simulated)"),
 }
 
 

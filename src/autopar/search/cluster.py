@@ -227,6 +227,12 @@ def _presets() -> dict[str, Cluster]:
             "nodes of 8 with 4x100 Gb/s EDR InfiniBand (6.25 GB/s per GPU)",
             memory_gb=16, fp32=15.7e12, bf16=125e12, hbm=900 * _GB, intra_bw=150 * _GB, inter_bw=6.25 * _GB,
             per_node=8, nodes=8),
+        "v100-32gb-nvlink": _gpu(
+            "v100-32gb-nvlink", "NVIDIA V100 SXM2 32GB datasheet: 15.7 TFLOPS fp32, 125 TFLOPS fp16 tensor core "
+            "(used for bf16, which V100 lacks), 900 GB/s HBM2, NVLink 300 GB/s total (150 GB/s per direction); "
+            "nodes of 8 joined by one 100 Gb/s InfiniBand port per node (12.5 GB/s per node, 1.56 GB/s per GPU)",
+            memory_gb=32, fp32=15.7e12, bf16=125e12, hbm=900 * _GB, intra_bw=150 * _GB, inter_bw=12.5 / 8 * _GB,
+            per_node=8, nodes=8),
         "a100-40gb": _gpu(
             "a100-40gb", "NVIDIA A100 SXM4 40GB datasheet: 19.5 TFLOPS fp32, 312 TFLOPS bf16 dense, 1555 GB/s "
             "HBM2, NVLink 600 GB/s total (300 GB/s per direction); DGX A100 nodes of 8 with 8x200 Gb/s HDR "
@@ -266,7 +272,7 @@ def _cpu_local() -> Cluster:
                    per_action_overhead_s=200e-6, memory_headroom=1.1)
 
 
-PRESET_NAMES = ("v100-16gb-nvlink", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090-24gb-pcie", "cpu-local")
+PRESET_NAMES = ("v100-16gb-nvlink", "v100-32gb-nvlink", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090-24gb-pcie", "cpu-local")
 
 
 def preset(name: str) -> Cluster:
