@@ -91,7 +91,7 @@ class PipeDream2BWEngine(PipelineEngine):
                                 carry=self.carry)
         if drain and not self.carry.empty():
             raise RuntimeError(f"2BW: the pipeline did not drain at step {t + 1} on pipeline rank {self.pp_rank}")
-        self.last_events = step.events
+        self.last_step = step  # timing read on demand (PipelineEngine.last_events)
         self.peak_storages = max(self.peak_storages, len(self.versions.storages()))
         self.versions.gradients_to_parameters()
         self.sync.finish()  # copies into the dp buckets and sums them over replicas
