@@ -112,9 +112,10 @@ def calibrated_cluster(path: str | None, world: int):
     return cluster
 
 
-def run_world(model_name: str, world: int, cluster, args) -> dict:
+def run_world(model_name: str, world: int, cluster, blocks, args) -> dict:
     from autopar.launch import launch
     from autopar.search.cost import StepModel
+    from autopar.search.measure_profile import with_measured_blocks
     from autopar.search.profile import profile_model
     from autopar.search.search import SearchSpace, exhaustive
 
@@ -122,6 +123,8 @@ def run_world(model_name: str, world: int, cluster, args) -> dict:
     began = time.perf_counter()
     profile = profile_model(model_name, seq_len=SEQ_LEN, tp_degrees=tuple(d for d in (1, 2, 4, 8) if world % d == 0),
                             model_args=margs)
+    if args.measure:
+        profile = with_measured_blocks(profile, blocks)
     step_model = StepModel(profile, cluster.replace(memory_headroom=1.0), global_batch_size=GLOBAL_BATCH)
     result = exhaustive(step_model, SearchSpace(nproc=world, partitions=("uniform", "parameters", "time")))
     search_s = time.perf_counter() - began
@@ -183,6 +186,8 @@ def print_block(block: dict, summary: dict) -> None:
         err = (c["predicted_s"] - c["measured_s"]) / c["measured_s"]
         print(f"{c['predicted_s'] * 1e3:12.1f} {c['measured_s'] * 1e3:11.1f} {err:+6.0%}  {pm:<22} {mm:<40} "
               f"{c['describe']}")
+    setup = [c["setup_s"] for c in block["configs"] if "setup_s" in c]
+    print(f"set-up (trace, partition, 2 steps) per configuration: median {statistics.median(setup):.1f} s")
     print(f"Spearman {summary['spearman']:.3f} (target >= 0.8); pick / measured best {summary['pick_over_best']:.3f} "
           f"(target <= 1.10); median |time error| {summary['median_time_error']:.1%} (target <= 15%); memory error "
           f"(live tensor bytes, per rank) worst {summary['max_memory_error']:+.1%}, median "
@@ -199,6 +204,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds (median kept)")
     parser.add_argument("--cluster", help="calibrated cluster TOML (default: calibrate now)")
+    parser.add_argument("--no-measure", dest="measure", action="store_false",
+                        help="score from traced FLOPs at the calibrated rate instead of measured block costs")
     parser.add_argument("--out", help="write every measurement and summary as JSON here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -211,11 +218,18 @@ def main() -> None:
               "global_batch": GLOBAL_BATCH, "repeats": args.repeats, "quick": args.quick, "blocks": []}
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores; "
           f"seq_len {SEQ_LEN}, global batch {GLOBAL_BATCH}; memory = peak live tensor bytes per rank")
+    from autopar.search.measure_profile import measure_blocks
+    measured = {}
+    for model_name in args.models.split(","):
+        if args.measure:
+            t0 = time.perf_counter()
+            measured[model_name] = measure_blocks(model_name, seq_len=SEQ_LEN, model_args=MODELS[model_name])
+            print(f"{model_name}: blocks measured in {time.perf_counter() - t0:.1f} s (one thread, micro-batch 1 and 4)")
     for world in worlds:
         cluster = calibrated_cluster(args.cluster, world)
-        print(f"cluster for {world} ranks: {cluster.source}")
+        print(f"cluster for {world} ranks: {cluster.source}; {cluster.cores_per_node or 'a core per rank'} cores")
         for model_name in args.models.split(","):
-            block = run_world(model_name, world, cluster, args)
+            block = run_world(model_name, world, cluster, measured.get(model_name), args)
             block["summary"] = summarise(block)
             if block["summary"]["n"]:
                 print_block(block, block["summary"])
@@ -259,6 +273,7 @@ def worker(spec_path: Path) -> None:
                                      out=f"{spec['runs']}/{i}", warmup_steps=1)
         trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**cfg["strategy"]), config=config)
         record: dict = {}
+        began = time.perf_counter()
         try:
             trainer._setup()
             trainer.train_step(0)  # warm-up: allocates gradient buffers and optimizer states
@@ -272,6 +287,7 @@ def worker(spec_path: Path) -> None:
             peaks = [None] * dist.get_world_size()
             dist.all_gather_object(peaks, base + counter.peak)
             record["measured_bytes_per_rank"] = peaks
+            record["setup_s"] = time.perf_counter() - began
             trainers.append((i, trainer))
         except Exception as exc:  # noqa: BLE001 - reported per configuration, the others still run
             record["error"] = f"{type(exc).__name__}: {exc}"

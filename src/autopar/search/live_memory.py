@@ -11,7 +11,8 @@ MiB the model cannot know). So the peak is counted from the tensors themselves:
 A TorchDispatchMode sees every op's outputs (autograd's backward ops and the collectives'
 buffers included); each new storage is counted once and uncounted when it is freed (a weak
 reference's finaliser). Views and in-place ops add nothing. The mode slows each op by a few
-microseconds, so it counts one separate step, never a timed one.
+microseconds, so it counts one separate step, never a timed one. Not seen: storages made before
+counting began and not named resident (the dataset, the runtime's own persistent buffers).
 """
 
 from __future__ import annotations
@@ -54,12 +55,16 @@ class LiveTensorPeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # a view (or an in-place op) returns an input's storage: nothing new, even if that storage was made
+        # before counting began and is not in `resident` (a slice of the dataset's token tensor, say)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()
-            if not key or key in self.resident or key in self._counted:
+            if not key or key in inputs or key in self.resident or key in self._counted:
                 continue
             nbytes = storage.nbytes()
             self._counted[key] = nbytes
