@@ -254,7 +254,7 @@ def worker(spec_path: Path) -> None:
     import autopar
     from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
     from autopar.models import build_model
-    from autopar.search.live_memory import LiveTensorPeak, storage_bytes
+    from autopar.search.live_memory import step_peak_bytes
 
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(1)
@@ -277,15 +277,8 @@ def worker(spec_path: Path) -> None:
         try:
             trainer._setup()
             trainer.train_step(0)  # warm-up: allocates gradient buffers and optimizer states
-            params = list(trainer.model.parameters())
-            resident = [*params, *(p.grad for p in params if p.grad is not None), *trainer.model.buffers(),
-                        *(v for state in trainer.optimizer.state.values() for v in state.values()
-                          if isinstance(v, torch.Tensor))]
-            base, keys = storage_bytes(resident)
-            with LiveTensorPeak(keys) as counter:
-                trainer.train_step(1)
             peaks = [None] * dist.get_world_size()
-            dist.all_gather_object(peaks, base + counter.peak)
+            dist.all_gather_object(peaks, step_peak_bytes(trainer, 1))
             record["measured_bytes_per_rank"] = peaks
             record["setup_s"] = time.perf_counter() - began
             trainers.append((i, trainer))

@@ -72,3 +72,16 @@ class LiveTensorPeak(TorchDispatchMode):
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._freed, key)
         return out
+
+
+def step_peak_bytes(trainer, step: int) -> int:
+    """Run one training step of a set-up Trainer (after at least one step: optimizer states exist) and
+    return this rank's peak live tensor bytes: resident parameters, gradient buffers, module buffers and
+    optimizer states, plus the most bytes the step itself had alive at once."""
+    params = list(trainer.model.parameters())
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    resident, keys = storage_bytes([*params, *(p.grad for p in params if p.grad is not None),
+                                    *trainer.model.buffers(), *state])
+    with LiveTensorPeak(keys) as counter:
+        trainer.train_step(step)
+    return resident + counter.peak
