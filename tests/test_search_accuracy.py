@@ -9,7 +9,6 @@ and stage 1 one, plus the loss's softmax. Stated error: 20% per rank (the issue'
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from autopar.search.cluster import resolve_cluster
