@@ -1,12 +1,17 @@
 """Predicted time and memory of one training step for (model profile, strategy, cluster).
 
     per block    forward  = FLOPs / rate + TP all-reduces;  backward = 2 x FLOPs / rate + TP all-reduces
+                 (or, with a measured profile (measure_profile.py), fixed + per-sequence x micro-batch
+                 seconds measured on this machine, the per-sequence part divided by tp's FLOP share)
     per stage    sums over its blocks, + the per-action overhead; stage-aware recomputation adds its
                  blocks' forward to the backward; whole-stage recomputation is the schedule's R action
     pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
                  (only what outlasts it, or the last bucket, shows), the tied-weight gradient sum
                  between first and last stage, and the optimizer step (memory-bandwidth bound)
+    time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
+                 ranks' summed work (compute, optimizer, exposed all-reduce) / cores bounds the step
+                 from below; the step is the larger of that and the timeline above
 
 Everything a candidate needs that does not depend on its schedule (block times per tp and
 micro-batch size, partitions, in-flight counts) is cached on the StepModel instance, so

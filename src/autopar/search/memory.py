@@ -4,8 +4,13 @@
   + activations      saved bytes per micro-batch x in-flight micro-batches (from the simulator)
   + stashed inputs   a recomputing stage keeps only its input per in-flight micro-batch
   + transient        one block's activations rebuilt or differentiated at a time during backward
-  + buffers          point-to-point send/receive buffers and the data-parallel gradient buckets
+                     (measured per block when the profile is measured: measure_profile.py)
+  + buffers          one outgoing activation and one incoming gradient in transit (the data-parallel
+                     buckets add nothing: gradients are views into them, grad_sync.py)
   x headroom         allocator slack, fragmentation (Cluster.memory_headroom, calibrate it)
+
+Without headroom, this is the peak of live tensor bytes, the quantity live_memory.py measures
+(benchmarks/strategy_search.py compares the two per rank).
 
 Stage-aware recomputation keeps, for its first k blocks, only each block's input; whole-stage
 recomputation (the schedule's R actions) keeps only the stage input and rebuilds the rest.

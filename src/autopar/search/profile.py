@@ -8,7 +8,8 @@ and parameters left on one rank and the bytes each rank all-reduces. Costs of a 
 of b sequences are b times these (true for these models: no op mixes sequences).
 
 Approximations, stated: saved activations are the sum of every op's output (an upper bound
-on what autograd keeps; calibrate `Cluster.memory_headroom` against measured peaks); under
+on what autograd keeps; measure_profile.py replaces them, and the FLOP-rate times, with
+measured ones on this machine); under
 tensor parallelism the FLOPs of ops that read a split weight, and attention in a block that
 has split layers, are divided by tp, and a split block keeps 10 + 24/tp of its 34 activation
 units (Korthikanti et al. 2022) instead of 34; backward all-reduces as many bytes as forward.
