@@ -9,6 +9,7 @@ and stage 1 one, plus the loss's softmax. Stated error: 20% per rank (the issue'
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autopar.search.cluster import resolve_cluster
@@ -71,3 +72,44 @@ def test_live_tensor_peak_counts_new_storages_once_and_frees_them():
     assert counter.peak == 5000
     assert counter.live == 400
     del c, e
+
+
+def _toy(measured=None):
+    from autopar.search.cluster import Cluster, Link
+    from autopar.search.profile import ModelProfile, TPProfile
+    flops, params, saved = (1e5, 4e6, 4e6, 2e6), (1000, 2000, 2000, 500), (1e4, 1e5, 1e5, 5e4)
+    tp1 = TPProfile(1, flops, params, saved, (0.0,) * 4, (0,) * 4)
+    tp2 = TPProfile(2, (1e5, 2e6, 2e6, 2e6), (1000, 1000, 1000, 500), saved, (0.0,) * 4, (0,) * 4)
+    profile = ModelProfile(name="toy", seq_len=8, block_names=("a", "b", "c", "d"), flops=flops, saved_bytes=saved,
+                           params=params, boundary_bytes=(1e3,) * 3, shared_params=0, tp={1: tp1, 2: tp2},
+                           measured=measured)
+    cluster = Cluster(name="toy", source="test", num_devices=8, devices_per_node=8, memory_per_device_gb=1.0,
+                      flops_per_s={"fp32": 1e9}, compute_efficiency=1.0, memory_bandwidth_bytes_per_s=1e10,
+                      intra_node=Link(0.0, 1e12), inter_node=Link(0.0, 1e12))
+    return profile, cluster
+
+
+def test_time_sharing_charges_summed_work_over_cores():
+    profile, cluster = _toy()
+    c = Candidate(dp=8, tp=1, pp=1, micro_batch_size=1, num_microbatches=1)
+    alone = StepModel(profile, cluster, global_batch_size=8).evaluate(c)
+    shared = StepModel(profile, cluster.replace(cores_per_node=2), global_batch_size=8).evaluate(c)
+    # 8 equal replicas on 2 cores: each core runs 4 replicas' compute and optimizer (the all-reduce is free here)
+    work = alone.parts["pipeline_s"] + alone.parts["optimizer_s"]
+    # rel 1e-3: the timeline's busy time comes from stage costs rounded to 3 digits (timeline.normalised)
+    assert shared.step_time_s == pytest.approx(8 * work / 2, rel=1e-3)
+    assert StepModel(profile, cluster.replace(cores_per_node=8), global_batch_size=8).evaluate(c).step_time_s == \
+        pytest.approx(alone.step_time_s)  # a core per rank: no sharing
+
+
+def test_measured_block_costs_replace_flops_and_scale_with_tp():
+    from autopar.search.measure_profile import BlockCosts
+    blocks = tuple(BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=2e-3, backward_fixed_s=3e-3,
+                              backward_per_seq_s=4e-3, saved_per_seq=1e4, transient_fixed=0.0,
+                              transient_per_seq=1e3) for _ in range(4))
+    profile, cluster = _toy(measured=blocks)
+    model = StepModel(profile, cluster, global_batch_size=8)
+    forward, backward, _ = model.block_times(1, 4)
+    assert forward == pytest.approx([1e-3 + 4 * 2e-3] * 4) and backward == pytest.approx([3e-3 + 4 * 4e-3] * 4)
+    forward2, _, _ = model.block_times(2, 4)  # blocks b and c hold half their FLOPs at tp=2: fixed part stays
+    assert forward2 == pytest.approx([9e-3, 1e-3 + 4e-3, 1e-3 + 4e-3, 9e-3])
