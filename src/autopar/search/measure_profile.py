@@ -19,6 +19,7 @@ saved and transient bytes by the profile's activation share; stated approximatio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -82,56 +83,64 @@ def _example(value: torch.Tensor) -> torch.Tensor:
     return torch.zeros(value.shape, dtype=value.dtype)
 
 
-def _run_chain(graph, stages, repeats: int) -> tuple[list[float], list[float], list[int], list[int]]:
-    """Median forward and backward seconds, saved bytes and transient peak bytes of every block."""
-    from ..pipeline.recompute import measure_saved_bytes
-    fwd = [[] for _ in stages]
-    bwd = [[] for _ in stages]
-    saved, transient = [0] * len(stages), [0] * len(stages)
-    # one block's inputs come from the previous block's outputs (real shapes and dtypes)
+def _block_inputs(graph, stages) -> list[tuple]:
+    """Each block's inputs: the previous block's outputs (real shapes and dtypes), the first from the graph."""
     values = tuple(_example(v) for v in graph.example_inputs)
-    block_inputs = []
+    inputs = []
     with torch.no_grad():
         for stage in stages:
-            block_inputs.append(values)
-            out = stage(*values)
-            values = tuple(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-    for i, stage in enumerate(stages):
-        weights = [*stage.parameters(), *stage.buffers()]
-        saved[i] = measure_saved_bytes(stage, block_inputs[i])[0]
-        for repeat in range(repeats + 2):  # the first run warms up, the last counts memory
-            x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in block_inputs[i])
-            counting = repeat == repeats + 1
-            resident = storage_bytes([*weights, *x, *(p.grad for p in stage.parameters() if p.grad is not None)])[1]
-            counter = LiveTensorPeak(resident)
-            with counter if counting else _nothing():
-                began = time.perf_counter()
-                out = stage(*x)
-                if stage.is_last:
-                    out = (_loss(out),)
-                forward = time.perf_counter() - began
-                pairs = [(o, torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o))
-                         for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-                began = time.perf_counter()
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                backward = time.perf_counter() - began
-                del out, pairs
-            if counting:
-                transient[i] = max(0, counter.peak - saved[i])
-            elif repeat:
-                fwd[i].append(forward)
-                bwd[i].append(backward)
-        stage.zero_grad(set_to_none=True)
-    return ([statistics.median(v) for v in fwd], [statistics.median(v) for v in bwd], saved, transient)
+            inputs.append(values)
+            values = tuple(t for t in tree_leaves(stage(*values)) if isinstance(t, torch.Tensor))
+    return inputs
 
 
-class _nothing:
-    def __enter__(self):
-        return self
+def _run_block(stage, inputs: tuple, counter: LiveTensorPeak | None = None) -> tuple[float, float]:
+    """One forward and backward of a one-block stage: their seconds (counting live bytes if asked)."""
+    x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in inputs)
+    if counter is not None:
+        counter.resident |= storage_bytes([*x, *(p.grad for p in stage.parameters() if p.grad is not None)])[1]
+    with counter if counter is not None else contextlib.nullcontext():
+        began = time.perf_counter()
+        out = stage(*x)
+        if stage.is_last:
+            out = (_loss(out),)
+        forward = time.perf_counter() - began
+        pairs = [(o, torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o))
+                 for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        began = time.perf_counter()
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        backward = time.perf_counter() - began
+        del out, pairs
+    return forward, backward
 
-    def __exit__(self, *exc):
-        return False
+
+def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int]]]:
+    """Per chain (one per micro-batch size): median forward and backward seconds, saved and transient bytes
+    of every block. The chains' blocks are timed in turn, round after round, so load drift on a shared
+    machine hits both micro-batch sizes alike (the fit of fixed and per-sequence time depends on both)."""
+    from ..pipeline.recompute import measure_saved_bytes
+    prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
+    times = [[([], []) for _ in stages] for stages, _ in prepared]
+    for repeat in range(repeats + 1):  # round 0 warms up
+        for c, (stages, inputs) in enumerate(prepared):
+            for i, stage in enumerate(stages):
+                forward, backward = _run_block(stage, inputs[i])
+                if repeat:
+                    times[c][i][0].append(forward)
+                    times[c][i][1].append(backward)
+    results = []
+    for c, (stages, inputs) in enumerate(prepared):
+        saved, transient = [], []
+        for i, stage in enumerate(stages):
+            saved.append(measure_saved_bytes(stage, inputs[i])[0])
+            counter = LiveTensorPeak(storage_bytes([*stage.parameters(), *stage.buffers()])[1])
+            _run_block(stage, inputs[i], counter)
+            transient.append(max(0, counter.peak - saved[i]))
+            stage.zero_grad(set_to_none=True)
+        results.append(([statistics.median(f) for f, _ in times[c]], [statistics.median(b) for _, b in times[c]],
+                        saved, transient))
+    return results
 
 
 def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = None, vocab_size: int | None = None,
@@ -145,10 +154,11 @@ def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = N
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (launch.py)
     try:
-        runs = []
+        chains = []
         for b in micro_batches:
             model, _ = build_model(model_name, dict(model_args or {}), vocab_size=vocab_size, device="meta")
-            runs.append(_run_chain(*_one_block_stages(model, b, seq_len, seed), repeats=repeats))
+            chains.append(_one_block_stages(model, b, seq_len, seed))
+        runs = _measure_chains(chains, repeats)
     finally:
         torch.set_num_threads(threads)
     (f1, b1, s1, t1), (f2, b2, s2, t2) = runs
