@@ -139,7 +139,7 @@ def run_world(model_name: str, world: int, cluster, blocks, args) -> dict:
     # follow the noise of that measurement rather than the model's (uniform and parameters cut identically)
     result = exhaustive(step_model, SearchSpace(nproc=world, partitions=("uniform", "parameters")))
     search_s = time.perf_counter() - began
-    chosen = pick_configs(result.ranked, QUICK_CONFIGS if args.quick else MAX_CONFIGS)
+    chosen = pick_configs(result.ranked, args.configs or (QUICK_CONFIGS if args.quick else MAX_CONFIGS))
     pick = result.ranked[0]
     configs = [{"strategy": strategy_of(e.candidate), "micro_batch_size": e.candidate.micro_batch_size,
                 "describe": e.candidate.describe(), "predicted_s": e.step_time_s,
@@ -219,6 +219,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_CONFIGS} configurations per world size")
     parser.add_argument("--world", default="4,8", help="comma-separated world sizes")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
+    parser.add_argument("--configs", type=int, default=0,
+                        help=f"configurations per model and world size (default {MAX_CONFIGS}, {QUICK_CONFIGS} quick)")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds (median kept)")
     parser.add_argument("--cluster", help="calibrated cluster TOML (default: calibrate now)")
     parser.add_argument("--no-measure", dest="measure", action="store_false",
