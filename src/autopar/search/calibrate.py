@@ -94,7 +94,8 @@ def calibrate(nproc: int) -> Cluster:
                    f"with {nproc} gloo ranks of one thread", num_devices=nproc, devices_per_node=nproc,
                    memory_per_device_gb=round(ram / nproc / 2**30, 2), flops_per_s={"fp32": fp32, "bf16": bf16},
                    compute_efficiency=1.0, memory_bandwidth_bytes_per_s=bandwidth, intra_node=p2p,
-                   inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1)
+                   inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1,
+                   cores_per_node=os.cpu_count() or 1)
 
 
 def cmd_calibrate(ns) -> int:

@@ -65,6 +65,9 @@ class Cluster:
     allreduce_table: dict[int, Link] = field(default_factory=dict)
     """Measured all-reduce per group size (latency per step, bus bandwidth), overriding the ring model."""
     memory_headroom: float = 1.1  # predicted peak is multiplied by this (allocator slack, fragmentation)
+    cores_per_node: int = 0
+    """CPU only: cores the ranks of one node share (0: every device computes on its own). When a node runs
+    more ranks than cores they time-share, and the step cost model charges their summed work / cores."""
 
     # ---------------------------------------------------------------- geometry
 
@@ -187,7 +190,8 @@ def cluster_from_dict(data: dict) -> Cluster:
         "per_action_overhead_s" in data else 0.0,
         allreduce_table=table,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
-        "memory_headroom" in data else 1.1)
+        "memory_headroom" in data else 1.1,
+        cores_per_node=int(_number(data, "cores_per_node", "", strict=False, integer=True)) if "cores_per_node" in data else 0)
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -1,12 +1,17 @@
 """Predicted time and memory of one training step for (model profile, strategy, cluster).
 
     per block    forward  = FLOPs / rate + TP all-reduces;  backward = 2 x FLOPs / rate + TP all-reduces
+                 (or, with a measured profile (measure_profile.py), fixed + per-sequence x micro-batch
+                 seconds measured on this machine, the per-sequence part divided by tp's FLOP share)
     per stage    sums over its blocks, + the per-action overhead; stage-aware recomputation adds its
                  blocks' forward to the backward; whole-stage recomputation is the schedule's R action
     pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
                  (only what outlasts it, or the last bucket, shows), the tied-weight gradient sum
                  between first and last stage, and the optimizer step (memory-bandwidth bound)
+    time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
+                 ranks' summed work (compute, optimizer, exposed all-reduce) / cores bounds the step
+                 from below; the step is the larger of that and the timeline above
 
 Everything a candidate needs that does not depend on its schedule (block times per tp and
 micro-batch size, partitions, in-flight counts) is cached on the StepModel instance, so
@@ -100,8 +105,16 @@ class StepModel:
             prof = self.profile.at_tp(tp)
             comm = [count * self.cluster.all_reduce(nbytes / max(count, 1) * mbs * self.act_scale, tp) if count else 0.0
                     for nbytes, count in zip(prof.allreduce_bytes, prof.allreduce_count)]
-            forward = [f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
-            backward = [2 * f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
+            measured = self.profile.measured
+            if measured is None:
+                forward = [f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
+                backward = [2 * f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
+            else:  # measured fixed + per-sequence seconds; tp keeps the fixed part, divides the rest by FLOPs
+                share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.flops, self.profile.flops)]
+                forward = [m.forward_fixed_s + m.forward_per_seq_s * mbs * r + c
+                           for m, r, c in zip(measured, share, comm)]
+                backward = [m.backward_fixed_s + m.backward_per_seq_s * mbs * r + c
+                            for m, r, c in zip(measured, share, comm)]
             self._blocks[key] = (forward, backward, comm)
         return self._blocks[key]
 
@@ -172,6 +185,11 @@ class StepModel:
         if tied_split:  # the stage holding the head keeps its own copy of the tied weight
             for s in owner:
                 local_params[s] += self.profile.shared_params // c.tp
+        transient = [None] * stages
+        if self.profile.measured is not None:  # measured per block, scaled like the saved bytes under tp
+            share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
+            transient = [max((m.transient_fixed + m.transient_per_seq * mbs * self.act_scale) * share[i]
+                             for i, m in enumerate(self.profile.measured[a:b], start=a)) for a, b in spans]
         memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
                            headroom=cl.memory_headroom)
 
@@ -180,7 +198,8 @@ class StepModel:
             out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
             return stage_memory(param_elements=local_params[s], saved=list(prof.saved_bytes[a:b]),
                                 inputs=inputs[a:b], output_bytes=out, in_flight=max(1, structure.in_flight[s]),
-                                stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole, **memory_args)
+                                stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole,
+                                transient_bytes=transient[s], **memory_args)
 
         if c.recompute_blocks is not None:
             blocks = tuple(min(k, b - a) for k, (a, b) in zip(c.recompute_blocks, spans))
@@ -223,6 +242,10 @@ class StepModel:
             tp_time = 2 * c.num_microbatches * sum(sum(tp_comm[a:b]) for s, (a, b) in enumerate(spans) if s in mine)
             comm.append(tp_time + exposed + tied)
         step = max(max(finish_all), times.makespan)
+        cores, per_node = cl.cores_per_node, min(cl.devices_per_node, c.dp * c.tp * c.pp)
+        if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their work / cores
+            work = sum(times.busy[r] + opt_time[r] + dp_exposed[r] for r in range(c.pp)) * c.dp * c.tp
+            step = max(step, work / (cores * (c.dp * c.tp * c.pp) // per_node))
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,
                         memory_per_stage=memory, memory_per_rank=per_rank, bubble=times.bubble,

@@ -4,8 +4,13 @@
   + activations      saved bytes per micro-batch x in-flight micro-batches (from the simulator)
   + stashed inputs   a recomputing stage keeps only its input per in-flight micro-batch
   + transient        one block's activations rebuilt or differentiated at a time during backward
-  + buffers          point-to-point send/receive buffers and the data-parallel gradient buckets
+                     (measured per block when the profile is measured: measure_profile.py)
+  + buffers          one outgoing activation and one incoming gradient in transit (the data-parallel
+                     buckets add nothing: gradients are views into them, grad_sync.py)
   x headroom         allocator slack, fragmentation (Cluster.memory_headroom, calibrate it)
+
+Without headroom, this is the peak of live tensor bytes, the quantity live_memory.py measures
+(benchmarks/strategy_search.py compares the two per rank).
 
 Stage-aware recomputation keeps, for its first k blocks, only each block's input; whole-stage
 recomputation (the schedule's R actions) keeps only the stage input and rebuilds the rest.
@@ -52,11 +57,14 @@ def kept_bytes(saved: list[float], inputs: list[float], recompute_blocks: int) -
 
 def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float], output_bytes: float,
                  micro_batch_size: int, in_flight: int, stashed: int, recompute_blocks: int, whole_stage: bool,
-                 activation_scale: float, optimizer: str, dp: int, headroom: float) -> StageMemory:
+                 activation_scale: float, optimizer: str, dp: int, headroom: float,
+                 transient_bytes: float | None = None) -> StageMemory:
     """Memory of one stage; `saved` and `inputs` are per-block bytes per sequence (fp32).
 
     `inputs[i]` is the bytes entering block i (what a recomputed block keeps); `activation_scale`
-    is 0.5 under bf16 autocast (activations in 16 bits), 1 in fp32.
+    is 0.5 under bf16 autocast (activations in 16 bits), 1 in fp32. `transient_bytes`, when measured
+    (measure_profile.py), is the most bytes one block's forward+backward holds beyond its saved tensors
+    for this micro-batch, replacing the estimate of one block's activations twice over.
     """
     b = micro_batch_size * activation_scale
     state = param_elements * 4.0
@@ -68,10 +76,13 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
         activations = in_flight * kept_bytes(saved, inputs, recompute_blocks) * b
         stash = in_flight * input_bytes  # the received input, kept for the backward
     rebuilt = max(saved[:recompute_blocks], default=0.0) if not whole_stage else 0.0
-    transient = (max(saved, default=0.0) + rebuilt) * b  # gradients of one block + one block rebuilt
-    buffers = 2 * (input_bytes + output_bytes * b)
-    if dp > 1:
-        buffers += min(2 * BUCKET_BYTES, state)
+    if transient_bytes is None:
+        transient = (max(saved, default=0.0) + rebuilt) * b  # gradients of one block + one block rebuilt
+    else:
+        transient = transient_bytes + rebuilt * b
+    # the received input is the stash above; one outgoing activation and one incoming gradient in transit.
+    # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
+    buffers = input_bytes + output_bytes * b
     return StageMemory(params=state, grads=state, optimizer=param_elements * float(OPTIMIZER_STATE_BYTES[optimizer]),
                        activations=activations, stashed_inputs=stash, transient=transient, buffers=buffers,
                        headroom=headroom)

@@ -8,7 +8,8 @@ and parameters left on one rank and the bytes each rank all-reduces. Costs of a 
 of b sequences are b times these (true for these models: no op mixes sequences).
 
 Approximations, stated: saved activations are the sum of every op's output (an upper bound
-on what autograd keeps; calibrate `Cluster.memory_headroom` against measured peaks); under
+on what autograd keeps; measure_profile.py replaces them, and the FLOP-rate times, with
+measured ones on this machine); under
 tensor parallelism the FLOPs of ops that read a split weight, and attention in a block that
 has split layers, are divided by tp, and a split block keeps 10 + 24/tp of its 34 activation
 units (Korthikanti et al. 2022) instead of 34; backward all-reduces as many bytes as forward.
@@ -58,6 +59,9 @@ class ModelProfile:
     shared_blocks: tuple[int, int] = (0, 0)  # first and last block reading a shared weight
     tp: dict[int, TPProfile] = field(default_factory=dict)
     tp_refused: dict[int, str] = field(default_factory=dict)  # degree -> why the planner refused it
+    measured: tuple | None = None
+    """Per block, measured on this machine (measure_profile.BlockCosts): times and bytes that replace the
+    FLOP-rate estimate and the traced activation bytes. None: estimate from FLOPs."""
 
     @property
     def num_blocks(self) -> int:
@@ -90,8 +94,10 @@ class ModelProfile:
         last = n + 1
         shared = (self.shared_blocks[0], last if self.shared_blocks[1] == self.num_blocks - 1 else
                   self.shared_blocks[1])
+        measured = grow(self.measured) if self.measured is not None else None
         return dataclasses.replace(self, block_names=names, flops=grow(self.flops), saved_bytes=grow(self.saved_bytes),
-                                   params=grow(self.params), boundary_bytes=new_cuts, tp=tps, shared_blocks=shared)
+                                   params=grow(self.params), boundary_bytes=new_cuts, tp=tps, shared_blocks=shared,
+                                   measured=measured)
 
 
 def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,

@@ -1,0 +1,328 @@
+"""Validation of the strategy search (issue 14, item 6): predicted vs measured step time and memory.
+
+For each model and world size: profile the model, run the search (timed), take the configurations
+that fit (distinct after deduplication; see CONFIGS below for which), then run every one of them
+with the real runtime and compare.
+
+How it measures (one launch per model and world size, by the project's launcher):
+- every rank builds the model and data once, then one Trainer per configuration (its own process
+  groups), each warmed up by one step;
+- memory: one more step per configuration counted by search/live_memory.py: peak bytes of live
+  tensors = resident storages (parameters, gradient buffers, optimizer states, module buffers)
+  + the most bytes of tensors created during the step alive at once (activations, gradients of
+  activations, communication buffers, temporaries). NOT the resident set size: that holds the
+  Python/torch/gloo runtime too. The memory model is compared with headroom 1 (the same quantity);
+- time: REPEATS rounds, each timing one step of every configuration in turn (interleaved, so load
+  drift hits all alike); a step's time is the slowest rank's (barrier before); the median is kept.
+
+Printed per world size: a table (config, predicted ms, measured ms, predicted and measured MiB per
+rank) and the Spearman rank correlation of predicted vs measured step time, the measured time of
+the search's pick over the measured best, the median relative time error, the largest per-rank
+memory error, and the search's own run time.
+
+    PYTHONPATH=src python benchmarks/strategy_search.py [--quick] [--world 4,8] [--out results.json]
+        [--cluster FILE.toml]   (default: `autopar calibrate` is run first, ~15 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {  # name -> model arguments (small enough that 8 ranks on 2 cores take well under a second per step)
+    "gpt-mini": {},
+    "hf:llama": {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 352, "num_attention_heads": 4,
+                 "num_key_value_heads": 2},
+}
+SEQ_LEN = 128
+GLOBAL_BATCH = 16
+REPEATS = 3
+QUICK_CONFIGS = 6
+MAX_CONFIGS = 22  # per model and world size, to keep the full run near 12 minutes (see pick_configs)
+
+
+# ------------------------------------------------------------------------------ driver (no ranks)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
+
+
+def runnable(e) -> bool:
+    """What the runtime can run exactly as the model scored it.
+
+    Whole-stage recompute needs a pipeline. Stage-aware recomputation that recomputes nothing is `none` (deduplicated).
+    """
+    c = e.candidate
+    if c.recompute == "all" and c.pp == 1:
+        return False
+    return not (c.recompute == "stage-aware" and any(e.recompute_blocks))
+
+
+def pick_configs(ranked: list, limit: int) -> list:
+    """All runnable fitting configurations if they are few. Else the search's pick, then the best-predicted
+    configuration of every other layout (dp, tp, pp, micro-batch size, recompute: schedules barely differ at
+    one micro-batch), then an even spread over the rest of the ranking; reported in predicted order."""
+    runs = [e for e in ranked if runnable(e)]
+    if len(runs) <= limit:
+        return runs
+    chosen, layouts = [runs[0]], set()
+    for e in runs:
+        c = e.candidate
+        layout = (c.dp, c.tp, c.pp, c.micro_batch_size, c.recompute)
+        if layout not in layouts:
+            layouts.add(layout)
+            if e is not runs[0]:
+                chosen.append(e)
+    if len(chosen) >= limit:  # more layouts than room: an even spread of them, the pick first
+        step = (len(chosen) - 1) / (limit - 1)
+        chosen = [chosen[0]] + [chosen[1 + int(i * step)] for i in range(limit - 1)]
+    else:
+        rest = [e for e in runs if not any(e is x for x in chosen)]
+        step = len(rest) / (limit - len(chosen))
+        chosen += [rest[int(i * step)] for i in range(limit - len(chosen))]
+    return sorted(chosen, key=lambda e: e.step_time_s)
+
+
+def strategy_of(c) -> dict:
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "schedule": c.schedule, "chunks": c.chunks,
+            "partition": c.partition if c.pp > 1 else "uniform", "recompute": "all" if c.recompute == "all" else "none"}
+
+
+def calibrated_cluster(path: str | None, world: int):
+    from autopar.search.calibrate import calibrate
+    from autopar.search.cluster import resolve_cluster
+    if path:
+        return resolve_cluster(path, nproc=world)
+    return calibrate(world)
+
+
+def run_world(model_name: str, world: int, cluster, blocks, args) -> dict:
+    from autopar.launch import launch
+    from autopar.search.cost import StepModel
+    from autopar.search.measure_profile import with_measured_blocks
+    from autopar.search.profile import profile_model
+    from autopar.search.search import SearchSpace, exhaustive
+
+    margs = MODELS[model_name]
+    began = time.perf_counter()
+    profile = profile_model(model_name, seq_len=SEQ_LEN, tp_degrees=tuple(d for d in (1, 2, 4, 8) if world % d == 0),
+                            model_args=margs)
+    if args.measure:
+        profile = with_measured_blocks(profile, blocks)
+    step_model = StepModel(profile, cluster.replace(memory_headroom=1.0), global_batch_size=GLOBAL_BATCH)
+    # the `time` cut is left out of the space here: the runtime measures block times for it, so its cut would
+    # follow the noise of that measurement rather than the model's (uniform and parameters cut identically)
+    result = exhaustive(step_model, SearchSpace(nproc=world, partitions=("uniform", "parameters")))
+    search_s = time.perf_counter() - began
+    chosen = pick_configs(result.ranked, args.configs or (QUICK_CONFIGS if args.quick else MAX_CONFIGS))
+    pick = result.ranked[0]
+    configs = [{"strategy": strategy_of(e.candidate), "micro_batch_size": e.candidate.micro_batch_size,
+                "describe": e.candidate.describe(), "predicted_s": e.step_time_s,
+                "predicted_bytes_per_pp_rank": e.memory_per_rank, "bounds": list(e.bounds)} for e in chosen]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "spec.json"
+        out = Path(tmp) / "measured.json"
+        spec.write_text(json.dumps({"model": model_name, "model_args": margs, "configs": configs,
+                                    "repeats": args.repeats, "runs": str(Path(tmp) / "runs"), "out": str(out)}))
+        launched, load = time.perf_counter(), os.getloadavg()[0]
+        code = launch([sys.executable, __file__, "--worker", str(spec)], world)
+        if code != 0 or not out.exists():
+            raise SystemExit(f"{model_name} at {world} ranks: the measuring ranks failed (exit code {code})")
+        measured = json.loads(out.read_text())
+        run_s = time.perf_counter() - launched
+    for c, m in zip(configs, measured):
+        c.update(m)
+    return {"model": model_name, "world": world, "search_s": search_s, "evaluated": result.evaluated,
+            "fitting": len(result.ranked), "pick": pick.candidate.describe(), "pick_runnable": runnable(pick),
+            "measure_s": run_s, "load_average": [load, os.getloadavg()[0]], "configs": configs}
+
+
+def summarise(block: dict) -> dict:
+    rows = [c for c in block["configs"] if c.get("measured_s")]
+    if not rows:
+        return {"n": 0}
+    pred = [c["predicted_s"] for c in rows]
+    meas = [c["measured_s"] for c in rows]
+    best = min(meas)
+    pick = min(rows, key=lambda c: c["predicted_s"])
+    time_err = [abs(p - m) / m for p, m in zip(pred, meas)]
+    mem_err = []
+    for c in rows:
+        pp = c["strategy"]["pp"]
+        world = len(c["measured_bytes_per_rank"])
+        for rank, got in enumerate(c["measured_bytes_per_rank"]):
+            want = c["predicted_bytes_per_pp_rank"][rank // (world // pp)]  # ranks are (pp, dp, tp), tp innermost
+            mem_err.append((want - got) / got)
+    # one factor fitted over all rows (geometric mean of measured / predicted): what is left is the error of
+    # the model's shape, separate from its absolute calibration (which a loaded machine skews)
+    scale = statistics.geometric_mean([m / p for p, m in zip(pred, meas)])
+    return {"n": len(rows), "spearman": spearman(pred, meas), "pick_over_best": pick["measured_s"] / best,
+            "median_time_error": statistics.median(time_err), "fitted_scale": scale,
+            "median_time_error_after_scale": statistics.median(abs(p * scale - m) / m for p, m in zip(pred, meas)), "max_memory_error": max(mem_err, key=abs),
+            "median_memory_error": statistics.median(abs(e) for e in mem_err)}
+
+
+def print_block(block: dict, summary: dict) -> None:
+    print(f"\n== {block['model']} at {block['world']} ranks: search scored {block['evaluated']} configurations "
+          f"({block['fitting']} distinct fitting) in {block['search_s']:.2f} s; measured {summary['n']} in "
+          f"{block['measure_s']:.0f} s (load average {block['load_average'][0]:.1f} -> {block['load_average'][1]:.1f})")
+    print(f"{'predicted ms':>12} {'measured ms':>11} {'err':>6}  {'pred MiB/pp rank':<22} {'measured MiB/rank':<40} config")
+    for c in sorted(block["configs"], key=lambda c: c["predicted_s"]):
+        if not c.get("measured_s"):
+            print(f"{c['predicted_s'] * 1e3:12.1f} {'failed':>11}  {c.get('error', '')[:80]}  {c['describe']}")
+            continue
+        pm = ",".join(f"{v / 2**20:.1f}" for v in c["predicted_bytes_per_pp_rank"])
+        mm = ",".join(f"{v / 2**20:.1f}" for v in c["measured_bytes_per_rank"])
+        err = (c["predicted_s"] - c["measured_s"]) / c["measured_s"]
+        print(f"{c['predicted_s'] * 1e3:12.1f} {c['measured_s'] * 1e3:11.1f} {err:+6.0%}  {pm:<22} {mm:<40} "
+              f"{c['describe']}")
+    setup = [c["setup_s"] for c in block["configs"] if "setup_s" in c]
+    print(f"set-up (trace, partition, 2 steps) per configuration: median {statistics.median(setup):.1f} s")
+    print(f"Spearman {summary['spearman']:.3f} (target >= 0.8); pick / measured best {summary['pick_over_best']:.3f} "
+          f"(target <= 1.10); median |time error| {summary['median_time_error']:.1%} (target <= 15%; "
+          f"{summary['median_time_error_after_scale']:.1%} after one fitted factor x{summary['fitted_scale']:.2f}, "
+          f"shown only to separate shape from calibration); memory error "
+          f"(live tensor bytes, per rank) worst {summary['max_memory_error']:+.1%}, median "
+          f"{summary['median_memory_error']:.1%} (target <= 20%)")
+    if not block["pick_runnable"]:
+        print(f"note: the search's own pick ({block['pick']}) uses a cut this benchmark does not run; "
+              f"the pick above is the best predicted among those measured")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_CONFIGS} configurations per world size")
+    parser.add_argument("--world", default="4,8", help="comma-separated world sizes")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
+    parser.add_argument("--configs", type=int, default=0,
+                        help=f"configurations per model and world size (default {MAX_CONFIGS}, {QUICK_CONFIGS} quick)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds (median kept)")
+    parser.add_argument("--cluster", help="calibrated cluster TOML (default: calibrate now)")
+    parser.add_argument("--no-measure", dest="measure", action="store_false",
+                        help="score from traced FLOPs at the calibrated rate instead of measured block costs")
+    parser.add_argument("--out", help="write every measurement and summary as JSON here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(Path(args.worker))
+    began = time.perf_counter()
+    load = os.getloadavg()
+    worlds = [int(w) for w in args.world.split(",")]
+    report = {"load_average_at_start": load, "cores": os.cpu_count(), "seq_len": SEQ_LEN,
+              "global_batch": GLOBAL_BATCH, "repeats": args.repeats, "quick": args.quick, "blocks": []}
+    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores; "
+          f"seq_len {SEQ_LEN}, global batch {GLOBAL_BATCH}; memory = peak live tensor bytes per rank")
+    from autopar.search.measure_profile import measure_blocks
+    measured = {}
+    for model_name in args.models.split(","):
+        if args.measure:
+            t0 = time.perf_counter()
+            measured[model_name] = measure_blocks(model_name, seq_len=SEQ_LEN, model_args=MODELS[model_name])
+            print(f"{model_name}: blocks measured in {time.perf_counter() - t0:.1f} s (one thread, micro-batch 1 and 4)")
+    for world in worlds:
+        cluster = calibrated_cluster(args.cluster, world)
+        print(f"cluster for {world} ranks: {cluster.source}; {cluster.cores_per_node or 'a core per rank'} cores")
+        for model_name in args.models.split(","):
+            block = run_world(model_name, world, cluster, measured.get(model_name), args)
+            block["summary"] = summarise(block)
+            if block["summary"]["n"]:
+                print_block(block, block["summary"])
+            else:
+                print(f"{model_name} at {world} ranks: every configuration failed: "
+                      + "; ".join(sorted({c.get('error', '?') for c in block['configs']})))
+            report["blocks"].append(block)
+    report["load_average_at_end"] = os.getloadavg()
+    report["total_s"] = time.perf_counter() - began
+    print(f"\ntotal {report['total_s']:.0f} s; load average at end {report['load_average_at_end'][0]:.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+# ------------------------------------------------------------------------------ the ranks
+
+
+def worker(spec_path: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
+    from autopar.models import build_model
+    from autopar.search.live_memory import step_peak_bytes
+
+    spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    corpus = load_corpus("stdlib")
+    tokenizer = build_tokenizer("byte")
+    vocab = padded_vocab_size(tokenizer.vocab_size)
+    trainers, results = [], []
+    for i, cfg in enumerate(spec["configs"]):
+        model, info = build_model(spec["model"], spec["model_args"], vocab_size=vocab, device="meta")
+        if i == 0:
+            train_data, _ = build_datasets(corpus, tokenizer, seq_len=SEQ_LEN, task=info.task, seed=0)
+        config = autopar.TrainConfig(steps=10_000, global_batch_size=GLOBAL_BATCH,
+                                     micro_batch_size=cfg["micro_batch_size"], progress=False,
+                                     out=f"{spec['runs']}/{i}", warmup_steps=1)
+        trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**cfg["strategy"]), config=config)
+        record: dict = {}
+        began = time.perf_counter()
+        try:
+            trainer._setup()
+            trainer.train_step(0)  # warm-up: allocates gradient buffers and optimizer states
+            peaks = [None] * dist.get_world_size()
+            dist.all_gather_object(peaks, step_peak_bytes(trainer, 1))
+            record["measured_bytes_per_rank"] = peaks
+            record["setup_s"] = time.perf_counter() - began
+            trainers.append((i, trainer))
+        except Exception as exc:  # noqa: BLE001 - reported per configuration, the others still run
+            record["error"] = f"{type(exc).__name__}: {exc}"
+        results.append(record)
+    samples: dict[int, list[float]] = {i: [] for i, _ in trainers}
+    for r in range(spec["repeats"]):
+        for i, trainer in trainers:
+            dist.barrier()
+            began = time.perf_counter()
+            trainer.train_step(2 + r)
+            elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            samples[i].append(float(elapsed))
+    for i, times in samples.items():
+        results[i]["measured_s"] = statistics.median(times)
+        results[i]["samples_s"] = times
+    for _, trainer in trainers:
+        trainer.engine.close()
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

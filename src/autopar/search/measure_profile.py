@@ -1,0 +1,203 @@
+"""Measured per-block costs on this machine, for a profile whose FLOP estimate is too coarse (CPU, small models).
+
+On a CPU with small layers the step is not FLOPs / matmul rate: every op pays a fixed
+dispatch cost, elementwise ops are memory-bound, and autograd keeps far fewer bytes than the
+sum of every op's output. So each block is built as a one-block stage (as the `time`
+partition does, partition/measure.py) and run for real, at two micro-batch sizes, one thread:
+
+    forward, backward time  fitted as  fixed + per_sequence x micro-batch  (per block)
+    saved bytes             what autograd keeps for the backward (saved-tensor hooks, as the
+                            runtime's stage-aware recomputation measures it), per sequence
+    transient bytes         the most bytes alive at once during the block's forward+backward
+                            beyond its inputs and saved tensors (output gradients, temporaries;
+                            the loss and its softmax for the last block), per sequence
+
+Measured at tp = 1. A tensor-parallel degree scales the per-sequence time of a block by its
+share of FLOPs left on one rank (the fixed part stays: a split layer runs as many ops), and its
+saved and transient bytes by the profile's activation share; stated approximations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from ..errors import AutoparError
+from .live_memory import LiveTensorPeak, storage_bytes
+from .profile import ModelProfile
+
+MICRO_BATCHES = (1, 4)  # the two sizes the linear fit goes through
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Measured costs of one block: seconds = fixed + per_sequence x micro-batch; bytes per sequence."""
+
+    forward_fixed_s: float
+    forward_per_seq_s: float
+    backward_fixed_s: float
+    backward_per_seq_s: float
+    saved_per_seq: float
+    transient_fixed: float
+    transient_per_seq: float
+
+
+def _loss(out) -> torch.Tensor:
+    """The last block's loss as training computes it: cross-entropy over the logits (softmax kept)."""
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    logits = next((t for t in leaves if t.dim() == 3), None)
+    if logits is None:
+        return sum(t.float().square().mean() for t in leaves)
+    target = torch.zeros(logits.shape[:2], dtype=torch.long)
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _one_block_stages(model: nn.Module, batch: int, seq_len: int, seed: int):
+    """Every block of `model` as a materialised one-block stage, traced at micro-batch `batch`."""
+    import copy
+
+    from ..models.materialize import materialize
+    from ..partition.stages import StageModule, lifted_constant_values, materialize_stage, plan_stages
+    from ..trace import trace
+    graph = trace(model, (torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),))
+    specs = plan_stages(graph, list(range(len(graph.blocks) + 1)))
+    full = materialize(copy.deepcopy(model), "cpu", seed=seed)
+    stages = [StageModule(graph, spec, len(specs)) for spec in specs]
+    if any(v is None for stage in stages for v in stage.constants.values()):
+        constants = lifted_constant_values(model, graph, torch.device("cpu"))
+        for stage in stages:
+            stage.constants.update({k: constants[k] for k in stage.constants if k in constants})
+    return graph, [materialize_stage(stage, full) for stage in stages]
+
+
+def _example(value: torch.Tensor) -> torch.Tensor:
+    if value.is_floating_point():
+        return torch.randn(value.shape, dtype=value.dtype)
+    return torch.zeros(value.shape, dtype=value.dtype)
+
+
+def _block_inputs(graph, stages) -> list[tuple]:
+    """Each block's inputs: the previous block's outputs (real shapes and dtypes), the first from the graph."""
+    values = tuple(_example(v) for v in graph.example_inputs)
+    inputs = []
+    with torch.no_grad():
+        for stage in stages:
+            inputs.append(values)
+            values = tuple(t for t in tree_leaves(stage(*values)) if isinstance(t, torch.Tensor))
+    return inputs
+
+
+def _run_block(stage, inputs: tuple, counter: LiveTensorPeak | None = None) -> tuple[float, float]:
+    """One forward and backward of a one-block stage: their seconds (counting live bytes if asked)."""
+    x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in inputs)
+    if counter is not None:
+        counter.resident |= storage_bytes([*x, *(p.grad for p in stage.parameters() if p.grad is not None)])[1]
+    with counter if counter is not None else contextlib.nullcontext():
+        began = time.perf_counter()
+        out = stage(*x)
+        if stage.is_last:
+            out = (_loss(out),)
+        forward = time.perf_counter() - began
+        pairs = [(o, torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o))
+                 for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        began = time.perf_counter()
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        backward = time.perf_counter() - began
+        del out, pairs
+    return forward, backward
+
+
+def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int]]]:
+    """Per chain (one per micro-batch size): median forward and backward seconds, saved and transient bytes
+    of every block. The chains' blocks are timed in turn, round after round, so load drift on a shared
+    machine hits both micro-batch sizes alike (the fit of fixed and per-sequence time depends on both)."""
+    from ..pipeline.recompute import measure_saved_bytes
+    prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
+    times = [[([], []) for _ in stages] for stages, _ in prepared]
+    for repeat in range(repeats + 1):  # round 0 warms up
+        for c, (stages, inputs) in enumerate(prepared):
+            for i, stage in enumerate(stages):
+                forward, backward = _run_block(stage, inputs[i])
+                if repeat:
+                    times[c][i][0].append(forward)
+                    times[c][i][1].append(backward)
+    results = []
+    for c, (stages, inputs) in enumerate(prepared):
+        saved, transient = [], []
+        for i, stage in enumerate(stages):
+            saved.append(measure_saved_bytes(stage, inputs[i])[0])
+            counter = LiveTensorPeak(storage_bytes([*stage.parameters(), *stage.buffers()])[1])
+            _run_block(stage, inputs[i], counter)
+            transient.append(max(0, counter.peak - saved[i]))
+            stage.zero_grad(set_to_none=True)
+        results.append(([statistics.median(f) for f, _ in times[c]], [statistics.median(b) for _, b in times[c]],
+                        saved, transient))
+    return results
+
+
+def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = None, vocab_size: int | None = None,
+                   micro_batches: tuple[int, int] = MICRO_BATCHES, repeats: int = 5, seed: int = 0
+                   ) -> list[BlockCosts]:
+    """Measure every block of `model_name` at two micro-batch sizes (one thread) and fit the costs."""
+    from ..data import build_tokenizer, padded_vocab_size
+    from ..models import build_model
+    if vocab_size is None:
+        vocab_size = padded_vocab_size(build_tokenizer("byte").vocab_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank runs (launch.py)
+    try:
+        chains = []
+        for b in micro_batches:
+            model, _ = build_model(model_name, dict(model_args or {}), vocab_size=vocab_size, device="meta")
+            chains.append(_one_block_stages(model, b, seq_len, seed))
+        runs = _measure_chains(chains, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    (f1, b1, s1, t1), (f2, b2, s2, t2) = runs
+    lo, hi = micro_batches
+
+    def fit(small: float, large: float) -> tuple[float, float]:
+        per = max(0.0, (large - small) / (hi - lo))
+        return max(0.0, small - per * lo), per
+
+    out = []
+    for i in range(len(f1)):
+        (ff, fs), (bf, bs), (tf, ts) = fit(f1[i], f2[i]), fit(b1[i], b2[i]), fit(t1[i], t2[i])
+        out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
+                              saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts))
+    return out
+
+
+def _same_layers_alike(profile: ModelProfile, blocks: list[BlockCosts]) -> list[BlockCosts]:
+    """Where the layers (every block but the first and last) are the same computation (equal traced FLOPs
+    and parameters), give each the median of their measurements, so that one noisy timing on a shared
+    machine does not skew a cut."""
+    layers = blocks[1:-1]
+    middle = list(zip(profile.flops[1:-1], profile.params[1:-1]))
+    if len(layers) < 2 or any(m != middle[0] for m in middle):
+        return blocks
+    typical = BlockCosts(**{f.name: statistics.median(getattr(b, f.name) for b in layers)
+                            for f in dataclasses.fields(BlockCosts)})
+    return [blocks[0], *([typical] * len(layers)), blocks[-1]]
+
+
+def with_measured_blocks(profile: ModelProfile, blocks: list[BlockCosts]) -> ModelProfile:
+    """`profile` whose block times and activation bytes are the measured ones (tensor-parallel ones scaled)."""
+    if len(blocks) != profile.num_blocks:
+        raise AutoparError(f"measured {len(blocks)} blocks of {profile.name}, but its profile has "
+                           f"{profile.num_blocks}; measure the same model arguments")
+    blocks = _same_layers_alike(profile, blocks)
+    saved = tuple(b.saved_per_seq for b in blocks)
+    tps = {}
+    for t, p in profile.tp.items():
+        share = [mine / whole if whole else 1.0 for mine, whole in zip(p.saved_bytes, profile.saved_bytes)]
+        tps[t] = dataclasses.replace(p, saved_bytes=tuple(s * r for s, r in zip(saved, share)))
+    return dataclasses.replace(profile, saved_bytes=saved, tp=tps, measured=tuple(blocks))

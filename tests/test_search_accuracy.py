@@ -1,0 +1,115 @@
+"""The strategy search's memory model against a measured peak (issue 14, item 7), and its measuring tools.
+
+The measured quantity is the one the model predicts: peak bytes of live tensors per rank
+(search/live_memory.py), not the resident set (which holds the Python/torch/gloo runtime).
+The case is the one the FLOP-based model got worst (stage 0 +73%, stage 1 -29%): a 2-stage
+1F1B pipeline of gpt-tiny with 4 micro-batches, where stage 0 holds 2 micro-batches' activations
+and stage 1 one, plus the loss's softmax. Stated error: 20% per rank (the issue's target).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.search.cluster import resolve_cluster
+from autopar.search.cost import Candidate, StepModel
+from autopar.search.live_memory import LiveTensorPeak
+from autopar.search.measure_profile import measure_blocks, with_measured_blocks
+from autopar.search.profile import profile_model
+
+SEQ_LEN = 64
+GLOBAL_BATCH, MICRO_BATCH = 16, 4
+MEMORY_TOLERANCE = 0.20
+
+
+def _pipeline_peak(out: str) -> int:
+    """On each of 2 ranks: gpt-tiny, pp=2 1F1B, 4 micro-batches; this rank's peak live tensor bytes of step 2."""
+    import autopar
+    from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
+    from autopar.models import build_model
+    from autopar.search.live_memory import step_peak_bytes
+    tokenizer = build_tokenizer("byte")
+    model, info = build_model("gpt-tiny", {}, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
+    train, _ = build_datasets(load_corpus("stdlib"), tokenizer, seq_len=SEQ_LEN, task=info.task, seed=0)
+    trainer = autopar.Trainer(model, train, strategy=autopar.Strategy(pp=2, schedule="1f1b", partition="uniform"),
+                              config=autopar.TrainConfig(steps=10, global_batch_size=GLOBAL_BATCH,
+                                                         micro_batch_size=MICRO_BATCH, progress=False, out=out))
+    trainer._setup()
+    trainer.train_step(0)  # gradient buffers and optimizer states exist from here on
+    try:
+        return step_peak_bytes(trainer, 1)
+    finally:
+        trainer.engine.close()
+
+
+def test_memory_model_matches_measured_pipeline_peak(rank_pool, tmp_path):
+    measured = rank_pool(2).run(_pipeline_peak, str(tmp_path))
+    profile = with_measured_blocks(profile_model("gpt-tiny", seq_len=SEQ_LEN),
+                                   measure_blocks("gpt-tiny", seq_len=SEQ_LEN, repeats=1))
+    cluster = resolve_cluster("cpu-local", nproc=2).replace(memory_headroom=1.0)  # the live bytes themselves
+    estimate = StepModel(profile, cluster, global_batch_size=GLOBAL_BATCH).evaluate(
+        Candidate(dp=1, tp=1, pp=2, micro_batch_size=MICRO_BATCH, num_microbatches=GLOBAL_BATCH // MICRO_BATCH,
+                  schedule="1f1b", partition="uniform"))
+    errors = [(want - got) / got for want, got in zip(estimate.memory_per_rank, measured)]
+    assert all(abs(e) <= MEMORY_TOLERANCE for e in errors), (
+        f"predicted {[round(v / 2**20, 2) for v in estimate.memory_per_rank]} MiB per rank, measured "
+        f"{[round(v / 2**20, 2) for v in measured]} MiB: errors {[f'{e:+.0%}' for e in errors]}")
+    assert measured[0] > measured[1]  # stage 0 holds more micro-batches in flight, as the model says
+
+
+def test_live_tensor_peak_counts_new_storages_once_and_frees_them():
+    weight = torch.zeros(1000)  # resident: never counted
+    outside = torch.zeros(500)  # made before counting: its views are not new memory either
+    with LiveTensorPeak({weight.untyped_storage().data_ptr()}) as counter:
+        a = weight + 1  # 4000 bytes
+        b = a.view(10, 100)  # a view: no new storage
+        a.mul_(2)  # in place: nothing new
+        c = outside[:100]  # a view of an older storage
+        d = torch.ones(250)  # 1000 bytes; live 5000
+        del a, b, d  # 0 live
+        e = torch.ones(100)  # 400 bytes
+    assert counter.peak == 5000
+    assert counter.live == 400
+    del c, e
+
+
+def _toy(measured=None):
+    from autopar.search.cluster import Cluster, Link
+    from autopar.search.profile import ModelProfile, TPProfile
+    flops, params, saved = (1e5, 4e6, 4e6, 2e6), (1000, 2000, 2000, 500), (1e4, 1e5, 1e5, 5e4)
+    tp1 = TPProfile(1, flops, params, saved, (0.0,) * 4, (0,) * 4)
+    tp2 = TPProfile(2, (1e5, 2e6, 2e6, 2e6), (1000, 1000, 1000, 500), saved, (0.0,) * 4, (0,) * 4)
+    profile = ModelProfile(name="toy", seq_len=8, block_names=("a", "b", "c", "d"), flops=flops, saved_bytes=saved,
+                           params=params, boundary_bytes=(1e3,) * 3, shared_params=0, tp={1: tp1, 2: tp2},
+                           measured=measured)
+    cluster = Cluster(name="toy", source="test", num_devices=8, devices_per_node=8, memory_per_device_gb=1.0,
+                      flops_per_s={"fp32": 1e9}, compute_efficiency=1.0, memory_bandwidth_bytes_per_s=1e10,
+                      intra_node=Link(0.0, 1e12), inter_node=Link(0.0, 1e12))
+    return profile, cluster
+
+
+def test_time_sharing_charges_summed_work_over_cores():
+    profile, cluster = _toy()
+    c = Candidate(dp=8, tp=1, pp=1, micro_batch_size=1, num_microbatches=1)
+    alone = StepModel(profile, cluster, global_batch_size=8).evaluate(c)
+    shared = StepModel(profile, cluster.replace(cores_per_node=2), global_batch_size=8).evaluate(c)
+    # 8 equal replicas on 2 cores: each core runs 4 replicas' compute and optimizer (the all-reduce is free here)
+    work = alone.parts["pipeline_s"] + alone.parts["optimizer_s"]
+    # rel 1e-3: the timeline's busy time comes from stage costs rounded to 3 digits (timeline.normalised)
+    assert shared.step_time_s == pytest.approx(8 * work / 2, rel=1e-3)
+    assert StepModel(profile, cluster.replace(cores_per_node=8), global_batch_size=8).evaluate(c).step_time_s == \
+        pytest.approx(alone.step_time_s)  # a core per rank: no sharing
+
+
+def test_measured_block_costs_replace_flops_and_scale_with_tp():
+    from autopar.search.measure_profile import BlockCosts
+    blocks = tuple(BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=2e-3, backward_fixed_s=3e-3,
+                              backward_per_seq_s=4e-3, saved_per_seq=1e4, transient_fixed=0.0,
+                              transient_per_seq=1e3) for _ in range(4))
+    profile, cluster = _toy(measured=blocks)
+    model = StepModel(profile, cluster, global_batch_size=8)
+    forward, backward, _ = model.block_times(1, 4)
+    assert forward == pytest.approx([1e-3 + 4 * 2e-3] * 4) and backward == pytest.approx([3e-3 + 4 * 4e-3] * 4)
+    forward2, _, _ = model.block_times(2, 4)  # blocks b and c hold half their FLOPs at tp=2: fixed part stays
+    assert forward2 == pytest.approx([9e-3, 1e-3 + 4e-3, 1e-3 + 4e-3, 9e-3])
