@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,55 @@ def test_fault_specs_parse_or_say_what_would_work():
                        ("kill:rank=x:step=1", "'rank=x' is not rank=N")):
         with pytest.raises(ConfigError, match=words):
             Fault.parse(bad)
+
+
+# ---------------------------------------------------------------------------- two torchrun "nodes" on loopback
+
+
+def _agent(port: int, run: Path, *args: str, nnodes: str = "2", max_restarts: int = 0) -> subprocess.Popen:
+    """One torchrun agent (a "node") with 2 worker processes, in a session of its own (killed as one)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loopback",
+               "--rdzv-conf", "last_call_timeout=2", "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
+               "-m", "autopar", "train", *SMALL, "--pp", "2", "--out", str(run), *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("AUTOPAR_FAULT", "RANK", "WORLD_SIZE")}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_train_dp_x_pp_as_one_process(rank_pool, tmp_path):
+    from autopar.launch import free_port
+    reference = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path / "one"), **{**REFERENCE, "steps": 4})[0]
+    run, port = tmp_path / "run", free_port()
+    agents = [_agent(port, run, "--steps", "4") for _ in range(2)]
+    outputs = [a.communicate(timeout=400)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    assert json.loads((run / "run.json").read_text())["world_size"] == 4
+    assert max_relative_difference(reference["losses"], losses(run)) < 1e-5  # dp=2 x pp=2 over two "nodes"
+
+
+@pytest.mark.slow
+def test_a_killed_torchrun_agent_restarts_elastically_and_resumes(rank_pool, tmp_path):
+    """Agent 2 (half the job) dies after the step-2 checkpoint; agent 1 restarts its workers (torchrun
+    --max-restarts), which meet again as a world of 2 (dp re-derived: 1), resume from the newest
+    checkpoint (resharded) and finish with the uninterrupted run's losses."""
+    import signal
+    from autopar.launch import free_port
+    reference = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path / "one"), **{**REFERENCE, "steps": 6})[0]
+    run, port = tmp_path / "run", free_port()
+    agents = [_agent(port, run, "--steps", "6", "--checkpoint-every", "2", nnodes="1:2", max_restarts=1)
+              for _ in range(2)]
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step_00000002").is_dir():
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "no checkpoint of step 2"
+        time.sleep(0.2)
+    os.killpg(agents[1].pid, signal.SIGKILL)  # the "node" goes away, workers and all
+    output = agents[0].communicate(timeout=400)[0]
+    agents[1].wait()
+    assert agents[0].returncode == 0, output
+    restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["restart"], r["by"], r["world_size"]) for r in restarts] == [(1, "torchrun", 2)], restarts
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    assert max_relative_difference(reference["losses"], losses(run)) < 1e-5
