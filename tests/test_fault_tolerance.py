@@ -194,7 +194,8 @@ def test_resume_and_config_read_a_run_folder_as_users_mean_it(tmp_path):
     assert from_checkpoint.model.name == "gpt-tiny" and from_checkpoint.train.out == str(run)
     fresh = _parse("--config", str(run / "config.toml"))
     assert fresh.model.name == "gpt-tiny" and fresh.train.out is None and fresh.train.resume is None
-    assert _parse().train.checkpoint_interval == 100 and _parse("--checkpoint-every", "0").train.checkpoint_interval == 0
+    assert _parse().train.checkpoint_interval == 100  # checkpoints by default
+    assert _parse("--checkpoint-every", "0").train.checkpoint_interval == 0
 
 
 def test_fault_specs_parse_or_say_what_would_work():

@@ -37,7 +37,7 @@ from .data.sampler import GlobalBatchSampler
 from .distributed import DistEnv, init_distributed
 from .dropout import dropout_step
 from .errors import CheckpointError, ConfigError, DataError, Preempted, TrainingError
-from .launch import ATTEMPT_ENV, RESTARTS_LOG, TORCHRUN_ATTEMPT_ENV, restart_attempt
+from .launch import ATTEMPT_ENV, RESTARTS_LOG, restart_attempt
 from .mesh import ProcessMesh
 from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
@@ -232,7 +232,8 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         self.engine.before_checkpoint()  # e.g. gossip: the replicas' mean; sparse: deferred rows landed
-        info = {"layout": to_dict(self.strategy), "config_sha256": hashlib.sha256(self._config_toml().encode()).hexdigest()}
+        info = {"layout": to_dict(self.strategy),
+                "config_sha256": hashlib.sha256(self._config_toml().encode()).hexdigest()}
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
                                     {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel,
                                     manifest_info=info, keep=self.config.keep_checkpoints)
@@ -411,8 +412,8 @@ def _non_finite_message(loss: float, step: int, lr: float, grad_norm: float, run
               if allowed else "")
     return (f"{what} at step {step} (lr {lr:g}, loss {loss:g}, gradient norm {grad_norm:g}){streak}; training "
             f"stopped rather than go on with non-finite weights (no checkpoint holds them). Lower the learning rate "
-            f"(--lr) or clip gradients (--grad-clip), or look in the model and loss for a log, division or square root of a value that can reach zero "
-            f"or below; {run_dir}/metrics.jsonl has the steps before")
+            f"(--lr) or clip gradients (--grad-clip), or look in the model and loss for a log, division or square "
+            f"root of a value that can reach zero or below; {run_dir}/metrics.jsonl has the steps before")
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
