@@ -216,14 +216,27 @@ def _agent(port: int, run: Path, *args: str, nnodes: str = "2", max_restarts: in
     """One torchrun agent (a "node") with 2 worker processes, in a session of its own (killed as one)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loopback",
-               "--rdzv-conf", "last_call_timeout=2", "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
+               "--rdzv-conf", "last_call_timeout=20,join_timeout=300", "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
                "-m", "autopar", "train", *SMALL, "--pp", "2", "--out", str(run), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("AUTOPAR_FAULT", "RANK", "WORLD_SIZE")}
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
+def _wait_for_store(port: int, timeout: float = 120) -> None:
+    import socket
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"no rendezvous store on port {port} after {timeout} s"
+            time.sleep(0.2)
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_two_torchrun_agents_train_dp_x_pp_as_one_process(rank_pool, tmp_path):
     from autopar.launch import free_port
     reference = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path / "one"), **{**REFERENCE, "steps": 4})[0]
@@ -236,17 +249,21 @@ def test_two_torchrun_agents_train_dp_x_pp_as_one_process(rank_pool, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_killed_torchrun_agent_restarts_elastically_and_resumes(rank_pool, tmp_path):
     """Agent 2 (half the job) dies after the step-2 checkpoint; agent 1 restarts its workers (torchrun
-    --max-restarts), which meet again as a world of 2 (dp re-derived: 1), resume from the newest
-    checkpoint (resharded) and finish with the uninterrupted run's losses."""
+    --max-restarts), which meet again as a world of 2 (dp re-derived: 1) once the rendezvous's last call
+    (20 s) has passed, resume from the newest checkpoint (resharded) and finish with the uninterrupted
+    run's losses."""
     import signal
     from autopar.launch import free_port
     reference = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path / "one"), **{**REFERENCE, "steps": 6})[0]
     run, port = tmp_path / "run", free_port()
-    agents = [_agent(port, run, "--steps", "6", "--checkpoint-every", "2", nnodes="1:2", max_restarts=1)
-              for _ in range(2)]
-    deadline = time.monotonic() + 300
+    args = ("--steps", "6", "--checkpoint-every", "2")
+    agents = [_agent(port, run, *args, nnodes="1:2", max_restarts=1)]
+    _wait_for_store(port)  # agent 1 hosts the rendezvous store; agent 2, killed below, only joins it
+    agents.append(_agent(port, run, *args, nnodes="1:2", max_restarts=1))
+    deadline = time.monotonic() + 400
     while not (run / "checkpoints" / "step_00000002").is_dir():
         assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "no checkpoint of step 2"
         time.sleep(0.2)
