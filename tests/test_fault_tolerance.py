@@ -223,6 +223,25 @@ def _agent(port: int, run: Path, *args: str, nnodes: str = "2", max_restarts: in
                             start_new_session=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _wait_for_store(port: int, timeout: float = 120) -> None:
     import socket
     deadline = time.monotonic() + timeout
@@ -267,7 +286,8 @@ def test_a_killed_torchrun_agent_restarts_elastically_and_resumes(rank_pool, tmp
     while not (run / "checkpoints" / "step_00000002").is_dir():
         assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "no checkpoint of step 2"
         time.sleep(0.2)
-    os.killpg(agents[1].pid, signal.SIGKILL)  # the "node" goes away, workers and all
+    for pid in [agents[1].pid, *_descendants(agents[1].pid)]:  # the "node" goes away, workers and all
+        os.kill(pid, signal.SIGKILL)  # (torchrun starts its workers in sessions of their own)
     output = agents[0].communicate(timeout=400)[0]
     agents[1].wait()
     assert agents[0].returncode == 0, output
