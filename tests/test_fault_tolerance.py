@@ -39,6 +39,7 @@ def losses(run: Path) -> list[float]:
 # ---------------------------------------------------------------------------- restart and preemption
 
 
+@pytest.mark.timeout(600)  # four job starts: 3 min measured at load average 30 on 2 cores
 def test_sigterm_then_a_killed_rank_finish_with_the_uninterrupted_losses(rank_pool, tmp_path):
     """SIGTERM at step 3 saves step 3 and exits 75; `--resume RUN_DIR` (nothing else) continues with the run's
     own config; rank 1 killed at step 6 under --max-restarts 1 restarts from step 4's checkpoint; the
