@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         for k in order:
             dist.barrier()
             began = time.perf_counter()
-            loss, _, _ = trainers[k].train_step(step)
+            loss = trainers[k].train_step(step).loss
             elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             losses[k].append(loss)

@@ -72,9 +72,9 @@ def count_host_syncs(out: str, strategies: list[dict], steps: int = 3) -> list[d
         counter = HostSyncCounter()
         inner = Trainer._train_step
 
-        def counted(self, step, inner=inner, counter=counter):
+        def counted(self, step, *args, inner=inner, counter=counter, **kwargs):
             counter.step = step
-            return inner(self, step)
+            return inner(self, step, *args, **kwargs)
 
         Trainer._train_step = counted
         try:

@@ -3,13 +3,16 @@
     autopar train [--config FILE.toml] [--model gpt-mini] [--dp 4] [--steps 200] ...
     autopar launch --nproc 4 my_script.py [script args]
     autopar models
+    autopar checkpoints RUN_DIR
     autopar plan --model gpt-mini --pp 4
     autopar reproduce embrace|dpsgd|delayed-sgd [study options]
 
 `train` flags are generated from the config dataclasses (config.py), one per field, with
 the field's own help text. Under torchrun (RANK/WORLD_SIZE set) `train` runs as one rank
 of the job; otherwise it starts `--nproc` local ranks of itself through the launcher.
-Errors caused by input print one line, `autopar: error: ...`, and exit with status 2.
+Errors caused by input print one line, `autopar: error: ...`, and exit with status 2; a run
+stopped by SIGTERM/SIGINT after saving a checkpoint exits with 75 (errors.PREEMPTED_EXIT), one
+stopped by the hang watchdog with 124 (errors.HANG_EXIT).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import os
 import sys
 import traceback
 from datetime import datetime
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from .config import PARTITION_METHODS, SECTION_TYPES, JobConfig, coerce, load_toml, merge
 from .distributed import DistEnv
-from .errors import AutoparError, ConfigError
+from .errors import AutoparError, ConfigError, Preempted
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -76,21 +80,46 @@ def _field(section: str, key: str) -> dataclasses.Field:
 
 
 def resolve_job(ns: argparse.Namespace) -> JobConfig:
-    job = load_toml(ns.config) if ns.config else JobConfig()
-    job = merge(job, _overrides(ns))
+    """defaults < --config FILE (or, with --resume RUN_DIR alone, the run's own config.toml) < flags."""
+    overrides = _overrides(ns)
+    if ns.config:
+        job = load_toml(ns.config)
+        if _run_folder_of(Path(ns.config).parent) is not None:  # a run's config.toml: a new run, not that one
+            job = merge(job, {"train": {"out": None, "resume": None}})
+    else:
+        job = JobConfig()
+        resume = overrides.get("train", {}).get("resume")
+        run = _run_folder_of(Path(resume)) if resume else None
+        if run is not None and (run / "config.toml").is_file():
+            job = load_toml(run / "config.toml")
+            # continue in the run's own folder; dp is re-derived, so a different --nproc reshards
+            job = merge(job, {"train": {"out": str(run), "resume": None}, "strategy": {"dp": None}})
+    job = merge(job, overrides)
     job.validate()
     return job
+
+
+def _run_folder_of(path: Path) -> Path | None:
+    """The run folder `path` is, or whose checkpoint it is; None when it is neither."""
+    from .train.manifest import step_of
+    if step_of(path) is not None and path.parent.name == "checkpoints":
+        return path.parent.parent
+    return path if (path / "run.json").is_file() or (path / "checkpoints").is_dir() else None
 
 
 def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     job = resolve_job(ns)
     env = DistEnv.from_environ()
-    if not env.launched and job.launch.nproc > 1:
+    if env.launched and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and not job.train.out:
+        raise ConfigError("under torchrun --max-restarts, pass --out RUN_DIR: a restarted job resumes from the "
+                          "checkpoints in that folder, and without it each start would pick a new one")
+    if not env.launched and (job.launch.nproc > 1 or job.launch.max_restarts > 0):
         from .strategies import resolve
         resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
-        return launch([sys.executable, "-m", "autopar", *argv, "--out", out], job.launch.nproc)
+        command = [sys.executable, "-m", "autopar", *argv, "--out", out]
+        return launch(command, job.launch.nproc, max_restarts=job.launch.max_restarts, run_dir=out)
     from .job import run_job
     run_job(job)
     return 0
@@ -101,6 +130,12 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     if not os.path.exists(ns.script):
         raise ConfigError(f"script {ns.script!r} does not exist")
     return launch([sys.executable, ns.script, *ns.args], ns.nproc)
+
+
+def cmd_checkpoints(ns: argparse.Namespace) -> int:
+    from .train.manifest import describe
+    print(describe(Path(ns.run_dir)))
+    return 0
 
 
 def cmd_models(ns: argparse.Namespace) -> int:
@@ -176,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the Python script to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("models", help="list the built-in models")
+    checkpoints = sub.add_parser("checkpoints", help="list a run folder's checkpoints, each verified against its "
+                                 "manifest (complete, damaged, interrupted), and which one --resume would use")
+    checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
     plan = sub.add_parser("plan", help="show how a model would be cut into pipeline stages and split over "
                           "tensor-parallel ranks (no training)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -231,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             code = cmd_calibrate(ns)
         elif ns.command == "reproduce":
             code = cmd_reproduce(ns)
+        elif ns.command == "checkpoints":
+            code = cmd_checkpoints(ns)
         else:
             code = cmd_models(ns)
+    except Preempted as exc:  # a checkpoint was saved: resumable
+        if rank.rank == 0:
+            print(f"autopar: {exc}", file=sys.stderr, flush=True)
+        _exit(exc.exit_code)
     except AutoparError as exc:
         print(f"autopar: error{where}: {exc}", file=sys.stderr, flush=True)
         _exit(2)

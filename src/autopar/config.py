@@ -52,6 +52,7 @@ DP_MODES = ("allreduce", "gossip", "async")
 SPARSE_EMBEDDING_MODES = ("dense", "allgather", "embrace")
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam", "sparse-adam")
 SPARSE_SHARDINGS = ("column", "row")
+DEFAULT_CHECKPOINT_EVERY = 100  # steps; a restart or a preemption loses at most this much work
 
 
 @dataclass(kw_only=True)
@@ -174,7 +175,13 @@ class TrainConfig:
     seed: int = _f(0, "seed for initialisation and data order")
     eval_every: int = _f(0, "evaluate every N steps (0: only at the end)")
     eval_batches: int = _f(4, "global batches of held-out data per evaluation")
-    checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
+    checkpoint_every: int | None = _f(None, f"save a checkpoint every N steps (default: every "
+                                            f"{DEFAULT_CHECKPOINT_EVERY}; 0: only at the end and when interrupted)")
+    keep_checkpoints: int = _f(0, "keep only the newest K complete checkpoints, deleting older ones (0: keep all)")
+    max_bad_steps: int = _f(0, "skip a step whose loss or gradient norm is not finite (no update on any rank) and "
+                               "stop after K such steps in a row; 0: stop at the first one")
+    hang_timeout_s: float = _f(0.0, "if no step finishes for this many seconds, report which operation each rank "
+                                    "is in, dump every thread's stack into the run folder and stop (0: off)")
     log_every: int = _f(1, "write metrics every N steps")
     out: str | None = _f(None, "run folder (default runs/<timestamp>/)")
     resume: str | None = _f(None, "resume from a run folder or a checkpoint folder")
@@ -187,8 +194,16 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
             _check_positive_int(f"train.{name}", getattr(self, name))
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "seed", "keep_checkpoints", "max_bad_steps"):
             _check_nonnegative_int(f"train.{name}", getattr(self, name))
+        if self.checkpoint_every is not None:
+            _check_nonnegative_int("train.checkpoint_every", self.checkpoint_every)
+        if not self.hang_timeout_s >= 0:
+            raise ConfigError(f"train.hang_timeout_s must be >= 0 (0: no watchdog), got {self.hang_timeout_s}")
+        if self.hang_timeout_s and self.hang_timeout_s >= self.timeout_s:
+            raise ConfigError(f"train.hang_timeout_s={self.hang_timeout_s} must be below timeout_s={self.timeout_s} "
+                              f"(a collective fails on its own after timeout_s); lower --hang-timeout-s or raise "
+                              f"--timeout-s")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -206,6 +221,11 @@ class TrainConfig:
             raise ConfigError(f"train.dtype must be one of {{fp32, bf16}}, got {self.dtype!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"train.timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints (0: only at the end and when interrupted)."""
+        return DEFAULT_CHECKPOINT_EVERY if self.checkpoint_every is None else self.checkpoint_every
 
     def with_micro_batches(self, dp: int) -> TrainConfig:
         """Resolve `micro_batches` into a micro-batch size (an error if it does not divide)."""
@@ -238,6 +258,8 @@ class LaunchConfig:
     """How processes are started when autopar launches them itself (ignored under torchrun)."""
 
     nproc: int = _f(4, "local processes to start (one CPU thread each); ignored under torchrun")
+    max_restarts: int = _f(0, "when a rank dies, stop every rank and restart the job from its latest complete "
+                              "checkpoint, at most N times (under torchrun, use torchrun's --max-restarts)")
 
 
 @dataclass(kw_only=True)
@@ -252,6 +274,7 @@ class JobConfig:
 
     def validate(self) -> None:
         _check_positive_int("launch.nproc", self.launch.nproc)
+        _check_nonnegative_int("launch.max_restarts", self.launch.max_restarts)
         _check_positive_int("data.seq_len", self.data.seq_len)
         self.train.validate()
 

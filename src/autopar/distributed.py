@@ -68,7 +68,10 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
     backend = backend_for(device)
     timeout = timedelta(seconds=timeout_s)
     try:
-        if env.launched:
+        if env.launched and _restarted_by_torchrun():
+            dist.init_process_group(backend, store=_fresh_store(env, timeout), rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        elif env.launched:
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -77,6 +80,23 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
                                f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
                                f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}") from None
     return env
+
+
+def _restarted_by_torchrun() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+
+
+def _fresh_store(env: DistEnv, timeout: timedelta):
+    """The job's store under a prefix of its own for this restart.
+
+    Measured with torch 2.13: after torchrun restarts its workers (--max-restarts), the new world can read
+    the addresses the previous workers left in the store (same keys), and a rank then connects to a dead
+    peer ("Connection refused"); a prefix per restart keeps each attempt's keys apart.
+    """
+    from torch.distributed.rendezvous import _create_c10d_store
+    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.rank,
+                               env.world_size, timeout)
+    return dist.PrefixStore(f"autopar/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def shutdown() -> None:

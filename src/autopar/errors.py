@@ -42,3 +42,14 @@ class DistributedError(AutoparError):
 def choices(values: Iterable[object]) -> str:
     """Format a set of valid values for an error message: `{a, b, c}`."""
     return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+# Exit statuses the CLI and the launcher use besides 0 (done), 1 (a bug or a failed rank) and 2 (bad input).
+PREEMPTED_EXIT = 75  # stopped by SIGTERM/SIGINT after saving a checkpoint: resumable (EX_TEMPFAIL, "try again")
+HANG_EXIT = 124  # the hang watchdog stopped the run (no step finished within --hang-timeout-s), as timeout(1)
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving a checkpoint; `autopar train --resume RUN_DIR` continues it."""
+
+    exit_code = PREEMPTED_EXIT

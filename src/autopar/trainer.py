@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
+import os
+import shutil
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -31,15 +35,20 @@ from .config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
 from .data.sampler import GlobalBatchSampler
 from .distributed import DistEnv, init_distributed
 from .dropout import dropout_step
-from .errors import ConfigError, DataError, TrainingError
+from .errors import CheckpointError, ConfigError, DataError, Preempted, TrainingError
+from .launch import ATTEMPT_ENV, RESTARTS_LOG, restart_attempt
 from .mesh import ProcessMesh
 from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
+from .train import manifest
 from .train.base import Engine, EngineContext, TrainResult
 from .train.engine import eval_token_sums
+from .train.faults import Fault
+from .train.interrupt import StopRequest
 from .train.loss import Batch, LossFn, as_batch, default_forward, main_input, target_count, tokens_in
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
 from .train.optim import build_scheduler
+from .train.watchdog import Watchdog
 from .timing import StepTimer
 from .version import __version__
 
@@ -82,6 +91,8 @@ class Trainer:
         return resolved
 
     def _setup(self) -> None:
+        self.fault = Fault.from_environ()  # test hook (train/faults.py); a malformed value fails every rank here
+        self.attempt = restart_attempt()
         resolved = self._validate()
         self.strategy, self.config, self.accumulation = resolved.strategy, resolved.config, resolved.accumulation
         self.loop = resolved.entry.loop
@@ -117,6 +128,7 @@ class Trainer:
         shared = [out]
         dist.broadcast_object_list(shared, src=0)  # every rank uses rank 0's folder (its clock)
         run_dir = Path(shared[0])
+        self._fresh_run_dir = self.is_main and not run_dir.exists()  # removed again if we fail before step 1
         if self.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(self._config_toml())
@@ -129,9 +141,13 @@ class Trainer:
         return run_dir
 
     def _config_toml(self) -> str:
+        """The run's configuration, without where it was written or resumed from: rerunning the file starts a
+        new run folder, and `--resume RUN_DIR` reads it back."""
         if self.job_config is not None:
-            return to_toml(dataclasses.replace(self.job_config, strategy=self.strategy))
-        return tomli_w.dumps({"strategy": to_dict(self.strategy), "train": to_dict(self.config)})
+            train = dataclasses.replace(self.job_config.train, out=None, resume=None)
+            return to_toml(dataclasses.replace(self.job_config, strategy=self.strategy, train=train))
+        train = to_dict(dataclasses.replace(self.config, out=None, resume=None))
+        return tomli_w.dumps({"strategy": to_dict(self.strategy), "train": train})
 
     # ------------------------------------------------------------------ steps
 
@@ -165,35 +181,44 @@ class Trainer:
                                                  micro_batch_size=self.config.micro_batch_size)
         return [self.load(indices, data) for indices in micro]
 
-    def train_step(self, step: int) -> tuple[float, float, int]:
-        """One optimizer step (0-based `step`): returns (loss, grad_norm, tokens in the global batch)."""
-        loss, grad_norm, tokens, _ = self._train_step(step)
-        return loss, grad_norm, tokens
+    def train_step(self, step: int, *, stop_requested: bool = False, poison_loss: bool = False) -> StepResult:
+        """One optimizer step (0-based `step`). A step whose loss or gradient norm is not finite on any rank
+        is skipped on every rank (no update). `stop_requested` (this rank got SIGTERM/SIGINT) travels in the
+        same all-reduce as the loss, so every rank learns whether any rank asked to stop."""
+        return self._train_step(step, stop_requested=stop_requested, poison_loss=poison_loss)
 
-    def _train_step(self, step: int) -> tuple[float, float, int, int]:
-        """`train_step` plus the peak memory over all ranks (bytes).
+    def _train_step(self, step: int, *, stop_requested: bool = False, poison_loss: bool = False) -> StepResult:
+        """`train_step`, with the peak memory over all ranks (bytes).
 
         Its host waits (HOST_SYNCS_PER_STEP): the engine's gradient norm, and one read of the
-        summed loss together with the peak memory.
+        summed loss, the skip and stop flags and the peak memory, before the update they decide.
         """
         cfg = self.config
         batches = self._local_batches(step, self.train_data)
         global_count = self._global_target_count(batches)
         samples = self.sampler.local_micro_positions(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
                                                      micro_batch_size=cfg.micro_batch_size)
+        loss_fn = lambda out, batch: self.loss(out, batch, global_count)  # noqa: E731
+        if poison_loss:  # fault injection (train/faults.py)
+            loss_fn = lambda out, batch: self.loss(out, batch, global_count) * float("nan")  # noqa: E731
         with dropout_step(cfg.seed, step, samples):  # masks as one process draws them (autopar/dropout)
-            total = self.engine.forward_backward(batches, lambda out, batch: self.loss(out, batch, global_count))
+            total = self.engine.forward_backward(batches, loss_fn)
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.engine.zero_grad()
-        total = total.detach().float().reshape(1)
-        dist.all_reduce(total)  # every rank that holds a loss share (replicas; the last pipeline stage)
+        # [loss share, bad gradient norm, stop requested], summed over every rank that holds a loss share
+        # (replicas; the last pipeline stage), and the peak memory: read once, before the update they decide
+        flags = torch.tensor([0.0, float(not math.isfinite(grad_norm)), float(stop_requested)], device=self.device)
+        flags[0] = total.detach().float().reshape(())
+        dist.all_reduce(flags)
         peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        loss, peak_bytes = torch.cat([total.double(), peak]).tolist()  # one host read; fp32 -> fp64 is exact
+        loss, bad_norm, stop, peak_bytes = torch.cat([flags.double(), peak]).tolist()  # one host read; exact
+        skipped = not math.isfinite(loss) or bad_norm > 0
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()  # the schedule follows the step number, skipped steps included
+        self.engine.zero_grad()
         tokens = sum(tokens_in(b) for b in batches) * self.mesh.dp_size
-        return loss, grad_norm, tokens, int(peak_bytes)
+        return StepResult(loss, grad_norm, tokens, skipped=skipped, stop=stop > 0, peak_bytes=int(peak_bytes))
 
     def _eval_pair(self, output: Any, batch: Batch) -> torch.Tensor:
         """[loss sum, weight] of one eval micro-batch."""
@@ -227,11 +252,37 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         self.engine.before_checkpoint()  # e.g. gossip: the replicas' mean; sparse: deferred rows landed
+        info = {"layout": to_dict(self.strategy),
+                "config_sha256": hashlib.sha256(self._config_toml().encode()).hexdigest()}
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
-                                    {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel)
+                                    {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel,
+                                    manifest_info=info, keep=self.config.keep_checkpoints)
 
-    def _resume(self) -> int:
-        path = ckpt.find_checkpoint(self.config.resume)
+    def _resume_source(self) -> Path | None:
+        """The checkpoint to start from, chosen by rank 0 (checksums read once) and told to every rank: on a
+        restart the run folder's newest one that verifies, else --resume (a run folder falls back past
+        damaged checkpoints, with a warning), else none."""
+        chosen: list = [None, [], None]
+        if self.is_main:
+            try:
+                if self.attempt > 0 and any(e.problem is None for e in manifest.list_checkpoints(self.run_dir)):
+                    path, warnings = manifest.choose_checkpoint(self.run_dir)
+                elif self.config.resume:
+                    path, warnings = manifest.choose_checkpoint(self.config.resume)
+                else:
+                    path, warnings = None, []
+                chosen = [None if path is None else str(path), warnings, None]
+            except CheckpointError as exc:
+                chosen = [None, [], str(exc)]
+        dist.broadcast_object_list(chosen, src=0)
+        path, warnings, error = chosen
+        if error is not None:
+            raise CheckpointError(error)
+        for warning in warnings if self.is_main else []:
+            print(f"autopar: warning: {warning}", file=sys.stderr, flush=True)
+        return None if path is None else Path(path)
+
+    def _resume(self, path: Path) -> int:
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.engine.tensor_parallel)
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
@@ -246,51 +297,91 @@ class Trainer:
         if self.loop is not None:  # e.g. the parameter server: servers serve, workers run ahead
             return self.loop(self)
         cfg = self.config
-        start = self._resume() if cfg.resume else 0
-        if start > cfg.steps:
-            raise ConfigError(f"the checkpoint is at step {start}, beyond --steps {cfg.steps}; raise --steps")
-        if self.is_main and start:
+        try:
+            self.resumed_from = self._resume_source()
+            start = self._resume(self.resumed_from) if self.resumed_from is not None else 0
+            if start > cfg.steps:
+                raise ConfigError(f"the checkpoint is at step {start}, beyond --steps {cfg.steps}; raise --steps")
+        except BaseException:
+            self._discard_fresh_run_dir()
+            raise
+        if self.is_main and (start or self.attempt):
             _truncate_metrics(self.run_dir / "metrics.jsonl", start)
+        if self.is_main and self.attempt and ATTEMPT_ENV not in os.environ:  # torchrun restarted us
+            _log_restart(self.run_dir, {"restart": self.attempt, "by": "torchrun", "world_size": dist.get_world_size(),
+                                        "cause": "torchrun restarted the workers (see its log)",
+                                        "resumes_from": self.resumed_from and self.resumed_from.name})
         metrics = MetricsLog(self.run_dir / "metrics.jsonl" if self.is_main else None)
         progress = Progress(total=cfg.steps, initial=start, enabled=self.is_main and cfg.progress)
         progress.write(self._banner(start))
         result = TrainResult(run_dir=self.run_dir, first_step=start + 1)
+        rank, every = dist.get_rank(), cfg.checkpoint_interval
+        bad_in_a_row = bad_total = 0
+        stop_request = StopRequest(rank)
+        watchdog = Watchdog(cfg.hang_timeout_s, rank=rank, run_dir=self.run_dir)
+        timer = StepTimer(self.device)  # CUDA events on GPU: timing adds no host wait
         try:
-            timer = StepTimer(self.device)  # CUDA events on GPU: timing adds no host wait
-            for step in range(start, cfg.steps):
-                lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-                timer.start()
-                loss, grad_norm, tokens, peak = self._train_step(step)
-                timer.stop()
-                if not math.isfinite(loss):  # the same summed loss on every rank: all stop together
-                    raise TrainingError(_non_finite_message(loss, step + 1, lr, grad_norm, self.run_dir))
-                elapsed = timer.seconds()
-                result.losses.append(loss)
-                number = step + 1
-                record = {"step": number, "loss": loss, "lr": lr,
-                          "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-                          "peak_mem_bytes": peak}
-                logged = number % cfg.log_every == 0 or number == cfg.steps or (
-                    cfg.eval_every and number % cfg.eval_every == 0)
-                if logged:  # the engine's own statistics cost a collective and a host read: only when written
-                    record.update(self.engine.step_stats(elapsed, peak_memory_bytes(self.device)))
-                if cfg.eval_every and number % cfg.eval_every == 0 and number != cfg.steps:
-                    record["eval_loss"] = self.evaluate()
-                if number == cfg.steps:
-                    result.eval_loss = record["eval_loss"] = self.evaluate()
-                if logged:
-                    metrics.write(record)
-                progress.update(loss=loss, tokens_per_s=record["tokens_per_s"], lr=record["lr"])
-                if cfg.checkpoint_every and number % cfg.checkpoint_every == 0 and number != cfg.steps:
-                    self.save(number)
-            if cfg.steps > start:
-                self.save(cfg.steps)
-            self.engine.finish_run(self.run_dir, cfg, self.strategy)  # e.g. the pipeline's --trace timeline
+            with stop_request, watchdog:
+                for step in range(start, cfg.steps):
+                    number = step + 1
+                    watchdog.progress(f"step {number}")
+                    if self.fault is not None:
+                        self.fault.strike(rank, number, self.attempt)
+                    lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+                    timer.start()
+                    out = self._train_step(step, stop_requested=stop_request.requested, poison_loss=self.fault
+                                          is not None and self.fault.poisons_loss(rank, number, self.attempt))
+                    timer.stop()
+                    loss, grad_norm, tokens = out.loss, out.grad_norm, out.tokens
+                    bad_in_a_row = bad_in_a_row + 1 if out.skipped else 0
+                    bad_total += out.skipped
+                    if bad_in_a_row > cfg.max_bad_steps:  # the same sums on every rank: all stop together
+                        raise TrainingError(_non_finite_message(loss, number, lr, grad_norm, self.run_dir,
+                                                                bad_in_a_row, cfg.max_bad_steps))
+                    elapsed = timer.seconds()
+                    result.losses.append(loss)
+                    record = {"step": number, "loss": loss if math.isfinite(loss) else None, "lr": lr,
+                              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                              "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+                              "peak_mem_bytes": out.peak_bytes}
+                    if bad_total:
+                        record.update(skipped=out.skipped, bad_steps=bad_total)
+                    logged = number % cfg.log_every == 0 or number == cfg.steps or (
+                        cfg.eval_every and number % cfg.eval_every == 0)
+                    if logged:  # the engine's own statistics cost a collective and a host read: only when written
+                        record.update(self.engine.step_stats(elapsed, peak_memory_bytes(self.device)))
+                    if cfg.eval_every and number % cfg.eval_every == 0 and number != cfg.steps:
+                        watchdog.progress(f"evaluation after step {number}")
+                        record["eval_loss"] = self.evaluate()
+                    if number == cfg.steps:
+                        watchdog.progress(f"evaluation after step {number}")
+                        result.eval_loss = record["eval_loss"] = self.evaluate()
+                    if number % cfg.log_every == 0 or number == cfg.steps or "eval_loss" in record:
+                        metrics.write(record)
+                    progress.update(loss=loss, tokens_per_s=record["tokens_per_s"], lr=record["lr"])
+                    if out.stop and number != cfg.steps:  # a signal on some rank: save, then leave together
+                        watchdog.progress(f"checkpoint of step {number} (stopping on a signal)")
+                        saved = self.save(number)
+                        raise Preempted(f"stopped on a signal after step {number} of {cfg.steps}; checkpoint "
+                                        f"{saved}; continue with: autopar train --resume {self.run_dir}")
+                    if every and number % every == 0 and number != cfg.steps:
+                        watchdog.progress(f"checkpoint of step {number}")
+                        self.save(number)
+                if cfg.steps > start:
+                    watchdog.progress(f"checkpoint of step {cfg.steps}")
+                    self.save(cfg.steps)
+                watchdog.progress("finishing the run")
+                self.engine.finish_run(self.run_dir, cfg, self.strategy)  # e.g. the pipeline's --trace timeline
         finally:
             progress.close()
             metrics.close()
             self.engine.close()
         return self.close_run(result)
+
+    def _discard_fresh_run_dir(self) -> None:
+        """A run that fails before its first step leaves no run folder behind (unless it existed before)."""
+        if getattr(self, "_fresh_run_dir", False):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def close_run(self, result: TrainResult) -> TrainResult:
         """summary.json and the "done:" line on rank 0; returns once the run folder is complete on every rank."""
@@ -313,15 +404,39 @@ class Trainer:
         lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model")]
         lines += self.engine.banner_lines()
         if start:
-            lines.append(f"resumed at step {start} from {self.config.resume}")
+            lines.append(f"resumed at step {start} from {self.resumed_from}")
+        if self.attempt:
+            lines.append(f"restart {self.attempt} of this job")
         return "\n".join(lines)
 
 
-def _non_finite_message(loss: float, step: int, lr: float, grad_norm: float, run_dir: Path) -> str:
-    return (f"the loss is {loss} at step {step} (lr {lr:g}, gradient norm {grad_norm:g}); training stopped rather "
-            f"than go on with non-finite weights. Lower the learning rate (--lr) or clip gradients (--grad-clip), "
-            f"or look in the model and loss for a log, division or square root of a value that can reach zero "
-            f"or below; {run_dir}/metrics.jsonl has the steps before")
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step gives, the same on every rank."""
+
+    loss: float
+    grad_norm: float
+    tokens: int  # in the global batch
+    skipped: bool = False  # loss or gradient norm not finite: no update anywhere
+    stop: bool = False  # some rank was asked to stop (SIGTERM/SIGINT)
+    peak_bytes: int = 0  # the largest peak memory of any rank, after this step's backward
+
+
+def _log_restart(run_dir: Path, record: dict[str, Any]) -> None:
+    record = {**record, "time": datetime.now().isoformat(timespec="seconds")}
+    with open(run_dir / RESTARTS_LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _non_finite_message(loss: float, step: int, lr: float, grad_norm: float, run_dir: Path, in_a_row: int = 1,
+                        allowed: int = 0) -> str:
+    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
+    streak = (f" ({in_a_row} non-finite steps in a row, more than --max-bad-steps {allowed}; each was skipped)"
+              if allowed else "")
+    return (f"{what} at step {step} (lr {lr:g}, loss {loss:g}, gradient norm {grad_norm:g}){streak}; training "
+            f"stopped rather than go on with non-finite weights (no checkpoint holds them). Lower the learning rate "
+            f"(--lr) or clip gradients (--grad-clip), or look in the model and loss for a log, division or square "
+            f"root of a value that can reach zero or below; {run_dir}/metrics.jsonl has the steps before")
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

@@ -2,12 +2,13 @@
 
 Layout inside a run folder:
 
-    checkpoints/step_00000100/     .metadata, __*_*.distcp (DCP), trainer.json, rng_rank*.pt
+    checkpoints/step_00000100/     .metadata, __*_*.distcp (DCP), trainer.json, rng_rank*.pt, manifest.json
     checkpoints/latest             the name of the newest complete checkpoint
 
-A save writes into `step_N.partial/`; only when every rank has finished does rank 0 rename
-it to `step_N/` and then replace `latest` (write-to-temp + os.replace, both atomic on
-POSIX). A crash at any point leaves the previous checkpoint and `latest` untouched.
+A save writes into `step_N.partial/`; only when every rank has finished does rank 0 write
+the manifest (checksums of every file, train/manifest.py), rename the folder to `step_N/`
+and then replace `latest` (write-to-temp + os.replace, both atomic on POSIX). A crash at
+any point leaves the previous checkpoint and `latest` untouched.
 DCP stores parameters by name and reshards on load, so a checkpoint is not tied to the
 number of processes that wrote it. Tensor-parallel slices are gathered into whole tensors
 before saving and sliced again after loading (`tensor_parallel`), so checkpoints always
@@ -31,9 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..errors import CheckpointError
-
-LATEST = "latest"
-TRAINER_STATE = "trainer.json"
+from . import manifest
+from .manifest import LATEST, TRAINER_STATE
 
 
 def _primary_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -56,15 +56,6 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _whole_state(model_sd: dict, optim_sd: dict, tensor_parallel: Any) -> tuple[dict, dict]:
     """Gather tensor-parallel slices (parameters and their optimizer state) into whole tensors."""
     if tensor_parallel is None:
@@ -84,8 +75,13 @@ def _is_slice_state(value: Any, param_shape: tuple | None) -> bool:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], tensor_parallel: Any = None) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+                    trainer_state: dict[str, Any], tensor_parallel: Any = None, *,
+                    manifest_info: dict[str, Any] | None = None, keep: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint folder.
+
+    manifest_info: what the manifest records besides step and checksums (layout, config fingerprint).
+    keep > 0: then delete all but the newest `keep` complete checkpoints.
+    """
     root = Path(run_dir) / "checkpoints"
     final = root / checkpoint_name(step)
     partial = root / (final.name + ".partial")
@@ -99,38 +95,23 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     dcp.save({"model": _primary_names(model_sd)[0], "optim": optim_sd}, checkpoint_id=partial)
     torch.save(torch.get_rng_state(), partial / f"rng_rank{rank}.pt")
     if rank == 0:
-        _write_atomic(partial / TRAINER_STATE, json.dumps({**trainer_state, "step": step,
+        manifest.write_atomic(partial / TRAINER_STATE, json.dumps({**trainer_state, "step": step,
                                                           "world_size": dist.get_world_size()}))
     dist.barrier()
     if rank == 0:
+        manifest.write_manifest(partial, step, {"world_size": dist.get_world_size(), **(manifest_info or {})})
         if final.exists():  # re-saving the same step: keep the old one until the new one is complete
             shutil.rmtree(final)
         os.replace(partial, final)
-        _write_atomic(root / LATEST, final.name)
+        manifest.write_atomic(root / LATEST, final.name)
+        manifest.prune(Path(run_dir), keep)
     dist.barrier()
     return final
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """Resolve --resume: a run folder (its latest checkpoint) or a checkpoint folder; checked on every rank."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"--resume {str(path)!r}: no such folder; pass a run folder or one of its "
-                              f"checkpoints/step_* folders")
-    if (path / "checkpoints").is_dir():
-        latest = path / "checkpoints" / LATEST
-        if not latest.is_file():
-            raise CheckpointError(f"--resume {str(path)!r}: the run folder has no complete checkpoint "
-                                  f"(no checkpoints/{LATEST}); train with checkpoint_every > 0 or to the end")
-        path = path / "checkpoints" / latest.read_text().strip()
-    if path.name.endswith(".partial"):
-        raise CheckpointError(f"--resume {str(path)!r}: this checkpoint was never completed (a save was "
-                              f"interrupted); resume from the run folder to use the latest complete one")
-    missing = [name for name in (".metadata", TRAINER_STATE) if not (path / name).is_file()]
-    if missing:
-        raise CheckpointError(f"--resume {str(path)!r}: not a complete autopar checkpoint (missing "
-                              f"{', '.join(missing)}); pass a run folder or a checkpoints/step_* folder")
-    return path
+    """Resolve --resume: a run folder (its newest checkpoint that verifies) or a checkpoint folder."""
+    return manifest.choose_checkpoint(path)[0]
 
 
 def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
