@@ -180,6 +180,8 @@ class TrainConfig:
     timeout_s: float = _f(300.0, "seconds any collective may wait before the run fails (no hangs)")
     progress: bool = _f(True, "show a progress bar on rank 0")
     trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
+    export_hf: str | None = _f(None, "after training, write the final model to this folder in the Hugging Face "
+                                     "format (config.json + safetensors; hf: models only)")
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):

@@ -32,6 +32,9 @@ def run_job(job: JobConfig) -> TrainResult:
         pretrained = PretrainedWeights(job.model.name[3:], model)  # headers only: every rank checks, before spawning
     run_files = {}
     config_json = hf_config_json(model)
+    if job.train.export_hf and config_json is None:
+        raise ConfigError(f"--export-hf writes the Hugging Face format, but {info.name} is not a Hugging Face model; "
+                          f"use --model hf:<model_type> or hf:PATH")
     if config_json is not None:
         run_files["hf/config.json"] = config_json  # `autopar export` rebuilds the model from it
     train_data, eval_data = build_datasets(corpus, tokenizer, seq_len=job.data.seq_len, task=info.task,

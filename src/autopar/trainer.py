@@ -290,12 +290,24 @@ class Trainer:
                     self.save(number)
             if cfg.steps > start:
                 self.save(cfg.steps)
+            if cfg.export_hf:
+                self.export_hf(cfg.export_hf)
             self.engine.finish_run(self.run_dir, cfg, self.strategy)  # e.g. the pipeline's --trace timeline
         finally:
             progress.close()
             metrics.close()
             self.engine.close()
         return self.close_run(result)
+
+    def export_hf(self, out: str) -> Path:
+        """The latest checkpoint as a Hugging Face folder; every rank writes some of its shards (collective)."""
+        from .train.hf_export import export_hf
+        dist.barrier()
+        path = export_hf(self.run_dir, out, rank=dist.get_rank(), world=dist.get_world_size())
+        dist.barrier()
+        if self.is_main:
+            print(f"exported to {path} (Hugging Face format)", flush=True)
+        return path
 
     def close_run(self, result: TrainResult) -> TrainResult:
         """summary.json and the "done:" line on rank 0; returns once the run folder is complete on every rank."""
