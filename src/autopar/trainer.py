@@ -327,7 +327,7 @@ class Trainer:
                  f"tp={self.strategy.tp} pp={self.strategy.pp}, {params:,} parameters, "
                  f"{self.accumulation} micro-batch(es) of {self.config.micro_batch_size} per replica per step",
                  f"run folder: {self.run_dir}"]
-        lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model")]
+        lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model", "data", "tokenizer", "pretrained")]
         lines += self.engine.banner_lines()
         if start:
             lines.append(f"resumed at step {start} from {self.config.resume}")
