@@ -50,6 +50,11 @@ def build_job_tokenizer(job: JobConfig, corpus, files: DataFiles | None):
 
 
 def run_job(job: JobConfig) -> TrainResult:
+    return make_trainer(job).train()
+
+
+def make_trainer(job: JobConfig) -> Trainer:
+    """The Trainer `autopar train` runs for `job` (tokenizer, model, data, pretrained weights), not yet started."""
     files = data_files(job)
     corpus = load_corpus(job.data.corpus) if files is None or job.data.tokenizer == "word" else None
     tokenizer = build_job_tokenizer(job, corpus, files)
@@ -87,6 +92,5 @@ def run_job(job: JobConfig) -> TrainResult:
                     "corpus": corpus.describe(), "corpus_fingerprint": corpus.fingerprint,
                     "train_samples": len(train_data), "eval_samples": len(eval_data)}
     resolved = dataclasses.replace(job, model=dataclasses.replace(job.model, args=info.args))
-    trainer = Trainer(model, train_data, strategy=job.strategy, config=job.train, eval_data=eval_data,
-                      job_config=resolved, run_info=run_info, pretrained=pretrained, run_files=run_files)
-    return trainer.train()
+    return Trainer(model, train_data, strategy=job.strategy, config=job.train, eval_data=eval_data,
+                   job_config=resolved, run_info=run_info, pretrained=pretrained, run_files=run_files)

@@ -128,8 +128,11 @@ class Trainer:
 
         began = time.perf_counter()
         self.pretrained_bytes_read = self.pretrained.load_into(self.model, slices)
-        self.run_info["pretrained"] = str(self.pretrained.folder)
         self.pretrained_load_s = time.perf_counter() - began
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, self.pretrained_bytes_read)
+        self.run_info["pretrained"] = f"{self.pretrained.folder} (bytes read per rank: {per_rank})"
+        self.run_info["pretrained_bytes_read"] = per_rank
 
     def _make_run_dir(self) -> Path:
         out = self.config.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
