@@ -34,7 +34,7 @@ def make_inputs(workdir: Path) -> tuple[Path, Path, Path]:
         return folder, tokenizer_file, pairs
     workdir.mkdir(parents=True, exist_ok=True)
     lines = [line.strip() for line in load_corpus("stdlib").train[:400_000].decode("utf-8", "replace").splitlines()
-             if len(line.strip()) > 20][:96]
+             if 16 <= len(line.strip()) <= 40][:96]  # short: a prompt and its response fit --seq-len 32
     text = "\n".join(lines)
     tokenizer = HFTokenizer.train_bpe(text, 320)
     tokenizer_file.write_text(tokenizer.to_json())
@@ -44,7 +44,7 @@ def make_inputs(workdir: Path) -> tuple[Path, Path, Path]:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tmp = pairs.with_name(f"pairs.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps({"prompt": f"Continue: {a}\n", "response": b}) + "\n"
+    tmp.write_text("".join(json.dumps({"prompt": f"{a}\n", "response": b}) + "\n"
                            for a, b in zip(lines[0::2], lines[1::2])))
     os.replace(tmp, pairs)
     return folder, tokenizer_file, pairs

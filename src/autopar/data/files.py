@@ -50,8 +50,8 @@ def _datasets():
     return datasets
 
 
-def read_records(path: str | Path):
-    """A `datasets.Dataset` of the file or folder at `path`."""
+def read_records(path: str | Path, cache_dir: str | None = None):
+    """A `datasets.Dataset` of the file or folder at `path` (datasets' own arrow cache under `cache_dir`)."""
     datasets = _datasets()
     path = Path(path)
     if not path.exists():
@@ -74,7 +74,7 @@ def read_records(path: str | Path):
                         f"{', '.join(sorted(SUFFIX_BUILDERS))} or a save_to_disk folder")
     extra = {"sample_by": "document"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train", **extra)
+        return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **extra)
     except Exception as exc:  # datasets wraps parse errors in many types
         raise DataError(f"--data {str(path)!r} cannot be read as {builder}: {' '.join(str(exc).split())[:300]}") \
             from None
@@ -144,12 +144,15 @@ def instruction_tensors(prompts: list[list[int]], responses: list[list[int]], *,
     return inputs, labels
 
 
-def _cache_path(files: DataFiles, path: str, tokenizer, seq_len: int, kind: str) -> Path:
+def _cache_root(files: DataFiles) -> Path:
+    return Path(files.cache_dir) if files.cache_dir else Path.home() / ".cache" / "autopar" / "data"
+
+
+def _cache_path(files: DataFiles, path: str, tokenizer, seq_len: int) -> Path:
+    """Where the tokens of `path` are kept: named by its contents, the tokenizer and every setting that matters."""
     key = json.dumps({"v": CACHE_VERSION, "content": _content_hash(Path(path)), "tokenizer": _tokenizer_key(tokenizer),
-                      "kind": kind, "fields": [files.text_field, files.prompt_field, files.response_field],
-                      "seq_len": seq_len if kind == "instruction" else None})
-    root = Path(files.cache_dir) if files.cache_dir else Path.home() / ".cache" / "autopar" / "data"
-    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+                      "fields": [files.text_field, files.prompt_field, files.response_field], "seq_len": seq_len})
+    return _cache_root(files) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
 
 
 def _tokenizer_key(tokenizer) -> str:
@@ -178,16 +181,22 @@ def _tokenize(records, files: DataFiles, kind: str, tokenizer, seq_len: int) -> 
 
 
 def tokenized(path: str, files: DataFiles, tokenizer, seq_len: int) -> tuple[str, dict[str, torch.Tensor], bool]:
-    """(kind, tensors, read from cache) of one file, tokenized once and cached by fingerprint."""
-    records = read_records(path)
+    """(kind, tensors, read from cache) of one file, tokenized once and cached by fingerprint (a cached file is
+    not parsed again)."""
+    if Path(path).exists():
+        cache = _cache_path(files, path, tokenizer, seq_len)
+        if cache.is_file():
+            saved = torch.load(cache, weights_only=True)
+            return saved["kind"], saved["tensors"], True
+    records = read_records(path, str(_cache_root(files) / "datasets"))
     kind = _kind(records, files, path)
-    cache = _cache_path(files, path, tokenizer, seq_len, kind)
-    if cache.is_file():
-        return kind, torch.load(cache, weights_only=True), True
     tensors = _tokenize(records, files, kind, tokenizer, seq_len)
+    if kind == "instruction" and not bool((tensors["labels"] != IGNORE_INDEX).any()):
+        raise DataError(f"--data {path!r}: no record has a response token within --seq-len {seq_len} (every prompt "
+                        f"fills it); use a longer --seq-len or shorter prompts")
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
-    torch.save(tensors, tmp)
+    torch.save({"kind": kind, "tensors": tensors}, tmp)
     os.replace(tmp, cache)  # atomic: ranks tokenizing at once write the same bytes
     return kind, tensors, False
 
