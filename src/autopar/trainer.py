@@ -130,9 +130,11 @@ class Trainer:
         self.pretrained_bytes_read = self.pretrained.load_into(self.model, slices)
         self.pretrained_load_s = time.perf_counter() - began
         per_rank: list = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, self.pretrained_bytes_read)
-        self.run_info["pretrained"] = f"{self.pretrained.folder} (bytes read per rank: {per_rank})"
-        self.run_info["pretrained_bytes_read"] = per_rank
+        dist.all_gather_object(per_rank, (self.pretrained_bytes_read, self.pretrained_load_s))
+        self.run_info["pretrained"] = (f"{self.pretrained.folder} (MB read per rank: "
+                                       f"{[round(b / 1e6, 2) for b, _ in per_rank]})")
+        self.run_info["pretrained_bytes_read"] = [b for b, _ in per_rank]
+        self.run_info["pretrained_load_s"] = [round(s, 3) for _, s in per_rank]
 
     def _make_run_dir(self) -> Path:
         out = self.config.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
