@@ -325,6 +325,12 @@ def build_hf_folder(name: str, model_args: dict[str, Any], device: torch.device)
 
 
 def hf_config_json(model: nn.Module) -> str | None:
-    """The model's Hugging Face config.json text (written into the run folder, used by export), if it has one."""
+    """The model's Hugging Face config.json text (written into the run folder, used by export), if it has one;
+    `architectures` names the model's class, as save_pretrained writes it (export rebuilds that class)."""
+    import copy
     config = getattr(model, "config", None)
-    return config.to_json_string() if hasattr(config, "to_json_string") else None
+    if not hasattr(config, "to_json_string"):
+        return None
+    config = copy.deepcopy(config)
+    config.architectures = [type(model).__name__]
+    return config.to_json_string()

@@ -1,4 +1,4 @@
-"""Export a run's checkpoint as a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads.
+"""Export a run's checkpoint as a Hugging Face folder that `AutoModelFor*.from_pretrained` loads.
 
 Checkpoints hold whole tensors under the model's own names (tensor-parallel slices were gathered
 when they were saved, train/checkpoint.py), which are the names Hugging Face stores. The export
@@ -39,8 +39,10 @@ def _model_names(config_dir: Path) -> tuple[list[str], dict[str, list[str]], set
     transformers = import_transformers("export")
     with quiet_transformers(transformers):
         config = transformers.AutoConfig.from_pretrained(str(config_dir))
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        named = (config.architectures or [None])[0]
+        model_cls = getattr(transformers, named, None) if named else None
+        with torch.device("meta"):  # the class that was trained (architectures), else the causal LM of the type
+            model = model_cls(config) if model_cls is not None else transformers.AutoModelForCausalLM.from_config(config)
     aliases = {name: [name] for name in model.state_dict()}
     for group in tied_groups(model)[0] + tied_groups(model)[1]:
         for name in group[1:]:
