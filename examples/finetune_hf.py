@@ -42,7 +42,8 @@ def make_inputs(workdir: Path) -> tuple[Path, Path, Path]:
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                   pad_token_id=0, bos_token_id=1, eos_token_id=1, use_cache=False)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="100KB")  # sharded, as large
+    # models come: several model-0000k-of-0000n.safetensors and model.safetensors.index.json
     tmp = pairs.with_name(f"pairs.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps({"prompt": f"{a}\n", "response": b}) + "\n"
                            for a, b in zip(lines[0::2], lines[1::2])))
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = make_trainer(job_for(args, *inputs))
     result = trainer.train()
     return {"losses": result.losses, "eval_loss": result.eval_loss, "export": str(Path(args.workdir) / "exported"),
-            "bytes_read": trainer.pretrained_bytes_read}
+            "bytes_read": trainer.pretrained_bytes_read, "pretrained": str(inputs[0])}
 
 
 if __name__ == "__main__":

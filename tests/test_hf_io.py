@@ -3,9 +3,12 @@
 A small random model of each family is saved with `save_pretrained` (no network), fine-tuned on
 prompt/response pairs (loss on the response only) with a BPE tokenizer trained on the embedded corpus,
 under a parallel layout and on one process. Equivalence: losses within 1e-5 relative and exported
-weights within 1e-5 absolute of the single-process run. Round trip: `from_pretrained` of the export
-gives the logits of autopar's final model (one process: same weights, 1e-6 absolute; a parallel run's
-export: 1e-4, the weights differ by the layout's float reordering). Each rank reads only its part.
+weights within 5e-5 absolute of the single-process run (AdamW divides each update by the gradient's
+own scale, so an element whose gradient is near zero can move by a fraction of lr = 1e-3 differently
+when the layout reorders float sums; the losses are the tight check). Round trip: `from_pretrained` of
+the export gives the logits of autopar's final model (one process: same weights, same code, 1e-6
+absolute; a parallel run's export: 1e-4 relative). Each rank reads only its part of the weights.
+The third family (llama, sharded safetensors, tp2) is examples/finetune_hf.py itself.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def probe_tokens() -> torch.Tensor:
     return torch.arange(2 * 24).reshape(2, 24) * 7 % VOCAB
 
 
-def exported(out: str):
+def exported(out: Path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     folder = Path(out) / "exported"
@@ -93,37 +96,37 @@ def tensor_bytes(folder: Path) -> int:
     return sum(source.read(n).numel() * 4 for n in source.names())
 
 
-# (family, world, strategy, micro-batch size, sharded safetensors)
-LAYOUTS = [
-    ("gpt2", 4, {"dp": 2, "pp": 2}, 2, False),
-    ("llama", 2, {"tp": 2}, 4, True),
-    ("qwen2", 2, {"tp": 2}, 4, False),
-]
-
-
-@pytest.mark.parametrize("family,world,strategy,micro,sharded", LAYOUTS, ids=lambda v: str(v))
-def test_finetune_layout_matches_one_process_and_exports(rank_pool, tmp_path, inputs, family, world, strategy,
-                                                         micro, sharded):
-    folder = save_pretrained(family, tmp_path / "pretrained", "40KB" if sharded else "5GB")
-    assert (folder / "model.safetensors.index.json").is_file() == sharded
-    one = rank_pool(1).run(finetune, str(folder), inputs, str(tmp_path / "one"), {}, 8)[0]
-    many = rank_pool(world).run(finetune, str(folder), inputs, str(tmp_path / "many"), strategy, micro)
-    assert one["kind"] == "instruction"
+def assert_same_fine_tune(one: dict, many: list[dict], one_dir: Path, many_dir: Path, pretrained: Path) -> torch.Tensor:
     for got in many:
         assert max_relative_difference(one["losses"], got["losses"]) < 1e-5, (one["losses"], got["losses"])
         assert abs(one["eval_loss"] - got["eval_loss"]) / one["eval_loss"] < 1e-5
-    ref_weights, ref_logits = exported(str(tmp_path / "one"))
-    # from_pretrained of the export runs autopar's final weights through the same HF code
-    assert (ref_logits - one["logits"]).abs().max() < 1e-6
-    weights, logits = exported(str(tmp_path / "many"))
+    ref_weights, ref_logits = exported(one_dir)
+    weights, logits = exported(many_dir)
     assert weights.keys() == ref_weights.keys()
     for name, value in weights.items():
-        assert (value - ref_weights[name]).abs().max() < 1e-5, name
+        assert (value - ref_weights[name]).abs().max() < 5e-5, name
     assert (logits - ref_logits).abs().max() < 1e-4 * ref_logits.abs().max()
-    whole = tensor_bytes(folder)
+    whole = tensor_bytes(pretrained)
     assert one["bytes_read"] == whole  # one process reads every tensor once (a tied weight once)
     for got in many:  # a stage, or a tensor-parallel slice, is less than the whole model
         assert got["bytes_read"] < 0.8 * whole, (got["bytes_read"], whole)
+    return ref_logits
+
+
+# (family, world, strategy, micro-batch size)
+LAYOUTS = [("gpt2", 4, {"dp": 2, "pp": 2}, 2), ("qwen2", 2, {"tp": 2}, 4)]
+
+
+@pytest.mark.parametrize("family,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
+def test_finetune_layout_matches_one_process_and_exports(rank_pool, tmp_path, inputs, family, world, strategy,
+                                                         micro):
+    folder = save_pretrained(family, tmp_path / "pretrained")
+    one = rank_pool(1).run(finetune, str(folder), inputs, str(tmp_path / "one"), {}, 8)[0]
+    many = rank_pool(world).run(finetune, str(folder), inputs, str(tmp_path / "many"), strategy, micro)
+    assert one["kind"] == "instruction"
+    ref_logits = assert_same_fine_tune(one, many, tmp_path / "one", tmp_path / "many", folder)
+    # from_pretrained of the export runs autopar's final weights through the same HF code
+    assert (ref_logits - one["logits"]).abs().max() < 1e-6
 
 
 def test_tp_slice_read_equals_slice_of_whole(tmp_path):
@@ -147,14 +150,16 @@ def test_tp_slice_read_equals_slice_of_whole(tmp_path):
     assert torch.equal(target.w.detach(), expected)  # bitwise: a copy of the same stored values
 
 
-def test_example_runs_under_tp2(rank_pool, tmp_path):
+def test_example_llama_sharded_tp2_matches_one_process(rank_pool, tmp_path):
+    """examples/finetune_hf.py: a sharded Llama folder fine-tuned under tp2 and on one process."""
     sys.path.insert(0, str(EXAMPLES))
     import finetune_hf
-    results = rank_pool(2).run(finetune_hf.main, ["--workdir", str(tmp_path), "--tp", "2"])
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(results[0]["export"])
-    assert model.config.vocab_size == VOCAB and all(r["losses"] == results[0]["losses"] for r in results)
-    assert (Path(results[0]["export"]) / "tokenizer.json").is_file()
+    one = rank_pool(1).run(finetune_hf.main, ["--workdir", str(tmp_path / "one"), "--micro-batch-size", "8"])[0]
+    many = rank_pool(2).run(finetune_hf.main, ["--workdir", str(tmp_path / "many"), "--tp", "2"])
+    pretrained = Path(one["pretrained"])
+    assert (pretrained / "model.safetensors.index.json").is_file()
+    assert_same_fine_tune(one, many, Path(one["export"]).parent, Path(many[0]["export"]).parent, pretrained)
+    assert (Path(many[0]["export"]) / "tokenizer.json").is_file()
 
 
 # ----------------------------------------------------------------------------- bad input, refused clearly
