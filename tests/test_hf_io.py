@@ -215,3 +215,37 @@ def test_any_causal_lm_type_builds_small_by_name():
     model, info = build_model("hf:mistral", {"num_hidden_layers": 1}, vocab_size=VOCAB)
     assert type(model).__name__ == "MistralForCausalLM" and info.vocab_size == VOCAB
     assert model.config.num_hidden_layers == 1 and model.config.hidden_size == 64
+
+
+def test_data_files_every_format_gives_the_same_tokens_once(tmp_path):
+    """jsonl, parquet, csv and a save_to_disk folder of the same documents pack into the same windows; a second
+    read comes from the fingerprint cache; an eval file is used as given; a .txt file is one document."""
+    import datasets
+
+    from autopar.data.files import DataFiles, build_file_datasets
+    from autopar.data.hf_tokenizer import HFTokenizer
+    docs = [f"document {k}: " + " ".join(f"w{(k * 7 + j) % 13}" for j in range(30)) for k in range(12)]
+    tokenizer = HFTokenizer.train_bpe("\n".join(docs), 300)
+    table = datasets.Dataset.from_dict({"text": docs})
+    table.to_json(str(tmp_path / "d.jsonl"))
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.to_csv(str(tmp_path / "d.csv"), index=False)
+    table.save_to_disk(str(tmp_path / "disk"))
+    windows = {}
+    for name in ("d.jsonl", "d.parquet", "d.csv", "disk"):
+        files = DataFiles(path=str(tmp_path / name), cache_dir=str(tmp_path / "cache"), eval_fraction=0.25)
+        train, held_out, facts = build_file_datasets(files, tokenizer, seq_len=16)
+        again = build_file_datasets(files, tokenizer, seq_len=16)[2]
+        assert facts["data_kind"] == "text" and not facts["data_cached"] and again["data_cached"]
+        windows[name] = torch.stack([train[i]["input_ids"] for i in range(len(train))])
+        assert len(held_out) >= 1
+    for name, value in windows.items():
+        assert torch.equal(value, windows["d.jsonl"]), name  # the same token ids, integers
+    (tmp_path / "d.txt").write_text("\n".join(docs))
+    files = DataFiles(path=str(tmp_path / "d.txt"), eval_path=str(tmp_path / "d.parquet"),
+                      cache_dir=str(tmp_path / "cache"))
+    train, held_out, facts = build_file_datasets(files, tokenizer, seq_len=16)
+    every_doc = sum(len(ids) + 1 for ids in tokenizer.encode_many(docs))  # each document and its end token
+    assert len(held_out) == (every_doc - 1) // 16  # the whole eval file, nothing held out of the .txt
+    one_doc = len(tokenizer.encode_many(["\n".join(docs)])[0]) + 1
+    assert len(train) == (one_doc - 1) // 16
