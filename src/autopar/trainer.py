@@ -106,7 +106,7 @@ class Trainer:
             batches_for_step=lambda step: self._local_batches(step, self.train_data)))
         self.run_info.update(self.engine.run_info())
         self.model = self.engine.module
-        if self.pretrained is not None:
+        if self.pretrained is not None and not cfg.resume:  # a resumed run takes every weight from its checkpoint
             self._load_pretrained()
         # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout
         # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
