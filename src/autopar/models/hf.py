@@ -222,9 +222,8 @@ through its attribute_map, e.g. GPT-2's n_embd); dropout probabilities are set t
 
 def causal_lm_types() -> list[str]:
     """Every model type transformers builds as a causal LM (what `hf:<model_type>` accepts)."""
-    transformers = import_transformers("hf:<model_type>")
+    import_transformers("hf:<model_type>")  # a clear error when it is not installed
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    del transformers
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
