@@ -2,8 +2,9 @@
 
     autopar train [--config FILE.toml] [--model gpt-mini] [--dp 4] [--steps 200] ...
     autopar launch --nproc 4 my_script.py [script args]
-    autopar models
+    autopar models [--hf]
     autopar checkpoints RUN_DIR
+    autopar export RUN_DIR --to hf OUT
     autopar plan --model gpt-mini --pp 4
     autopar reproduce embrace|dpsgd|delayed-sgd [study options]
 
@@ -138,8 +139,27 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    from .train.hf_export import export_hf
+    if ns.to != "hf":
+        raise ConfigError(f"export --to {ns.to!r}: the only format is hf")
+    if ns.max_shard_mb <= 0:
+        raise ConfigError(f"--max-shard-mb must be > 0, got {ns.max_shard_mb}")
+    out = export_hf(ns.run_dir, ns.out, max_shard_bytes=int(ns.max_shard_mb * 2**20))
+    print(f"exported {ns.run_dir} to {out} (Hugging Face format: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
 def cmd_models(ns: argparse.Namespace) -> int:
     from .models import available_models, build_model
+    if getattr(ns, "hf", False):
+        from .models.hf import causal_lm_types
+        types = causal_lm_types()
+        print(f"{len(types)} Hugging Face causal-LM model types, each usable as --model hf:<type> "
+              f"(small defaults; size them with --model-arg), or --model hf:PATH for a pretrained folder:")
+        for model_type in types:
+            print(f"  hf:{model_type}")
+        return 0
     for name in available_models():
         try:
             _, info = build_model(name, device="meta")
@@ -210,7 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--nproc", type=int, default=2, help="number of processes")
     launch.add_argument("script", help="the Python script to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    sub.add_parser("models", help="list the built-in models")
+    models = sub.add_parser("models", help="list the built-in models")
+    models.add_argument("--hf", action="store_true", help="list every Hugging Face model type --model hf:<type> "
+                        "accepts")
+    export = sub.add_parser("export", help="write a run's final checkpoint in another format (--to hf: a folder "
+                            "AutoModelForCausalLM.from_pretrained loads)")
+    export.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoints/step_* folder")
+    export.add_argument("--to", default="hf", help="format: hf")
+    export.add_argument("out", help="output folder")
+    export.add_argument("--max-shard-mb", type=float, default=2048, help="largest safetensors file (MiB); a larger "
+                        "model is written as several files and an index")
     checkpoints = sub.add_parser("checkpoints", help="list a run folder's checkpoints, each verified against its "
                                  "manifest (complete, damaged, interrupted), and which one --resume would use")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="the run folder")
@@ -271,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             code = cmd_reproduce(ns)
         elif ns.command == "checkpoints":
             code = cmd_checkpoints(ns)
+        elif ns.command == "export":
+            code = cmd_export(ns)
         else:
             code = cmd_models(ns)
     except Preempted as exc:  # a checkpoint was saved: resumable

@@ -148,10 +148,22 @@ class DataConfig:
     """The built-in data: an embedded corpus cut into fixed-length token windows."""
 
     corpus: str = _f("stdlib", "embedded text corpus (stdlib: the Python standard library's source)")
-    tokenizer: str = _f("byte", "tokenizer: byte (UTF-8 bytes plus special tokens) | word (words of the training text, vocab_size of them)")
-    vocab_size: int = _f(32768, "word-level tokenizers: vocabulary size (the most frequent words of the training "
-                                "text; the rest become <unk>)")
+    tokenizer: str = _f("byte", "tokenizer: byte (UTF-8 bytes plus special tokens) | word (words of the training text, "
+                                "vocab_size of them) | bpe (byte-level BPE of vocab_size tokens learned from the "
+                                "training text) | hf:PATH (a tokenizer.json, or a folder holding one)")
+    vocab_size: int = _f(32768, "trained tokenizers (word, bpe): vocabulary size (word: the most frequent words of the "
+                                "training text; the rest become <unk>)")
     seq_len: int = _f(128, "tokens per training sequence")
+    data: str | None = _f(None, "train on a local file instead of the corpus: .txt, .jsonl/.json, .parquet, .csv, or "
+                                "a datasets.save_to_disk folder; records with prompt/response fields are instruction "
+                                "data (loss on the response only)")
+    text_field: str = _f("text", "--data: the field holding each document's text")
+    prompt_field: str = _f("prompt", "--data: instruction records' prompt field")
+    response_field: str = _f("response", "--data: instruction records' response field")
+    eval_data: str | None = _f(None, "--data: held-out file (default: the last --eval-fraction of --data)")
+    eval_fraction: float = _f(0.1, "--data: fraction of the tokens (or records) held out for evaluation")
+    data_cache: str | None = _f(None, "--data: folder of tokenized files, keyed by content and tokenizer "
+                                      "(default ~/.cache/autopar/data)")
 
 
 @dataclass(kw_only=True)
@@ -190,6 +202,8 @@ class TrainConfig:
     timeout_s: float = _f(300.0, "seconds any collective may wait before the run fails (no hangs)")
     progress: bool = _f(True, "show a progress bar on rank 0")
     trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
+    export_hf: str | None = _f(None, "after training, write the final model to this folder in the Hugging Face "
+                                     "format (config.json + safetensors; hf: models only)")
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):

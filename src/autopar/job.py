@@ -1,4 +1,4 @@
-"""The built-in job: a named model on the embedded corpus, trained with the Trainer API.
+"""The built-in job: a named model on the embedded corpus or local data files, trained with the Trainer API.
 
 `autopar train` is this plus flag parsing; it uses nothing the Python API does not offer.
 """
@@ -6,31 +6,91 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from .config import JobConfig
 from .data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
+from .data.files import DataFiles, build_file_datasets, training_text
 from .errors import ConfigError
 from .models import build_model
+from .models.hf import hf_config_json, is_folder_name
+from .models.pretrained import PretrainedWeights
 from .trainer import Trainer, TrainResult
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def data_files(job: JobConfig) -> DataFiles | None:
+    d = job.data
+    if d.data is None:
+        return None
+    return DataFiles(path=d.data, text_field=d.text_field, prompt_field=d.prompt_field,
+                     response_field=d.response_field, eval_path=d.eval_data, eval_fraction=d.eval_fraction,
+                     cache_dir=d.data_cache)
+
+
+def _saved_tokenizer(resume: str | None) -> Path | None:
+    """The tokenizer.json of the run being resumed (a run folder or one of its checkpoints), if it has one."""
+    if not resume:
+        return None
+    for folder in (Path(resume), Path(resume).parent.parent):
+        if (folder / TOKENIZER_FILE).is_file():
+            return folder / TOKENIZER_FILE
+    return None
+
+
+def build_job_tokenizer(job: JobConfig, corpus, files: DataFiles | None):
+    """The run's tokenizer: a trained one is reused from the run being resumed, else learned from the training text."""
+    name = job.data.tokenizer
+    saved = _saved_tokenizer(job.train.resume) if name == "bpe" else None
+    if saved is not None:
+        return build_tokenizer(f"hf:{saved}")
+    text = training_text(files) if files is not None and name == "bpe" else None
+    return build_tokenizer(name, corpus=corpus, vocab_size=job.data.vocab_size, text=text)
 
 
 def run_job(job: JobConfig) -> TrainResult:
-    corpus = load_corpus(job.data.corpus)
-    tokenizer = build_tokenizer(job.data.tokenizer, corpus=corpus, vocab_size=job.data.vocab_size)
+    return make_trainer(job).train()
+
+
+def make_trainer(job: JobConfig) -> Trainer:
+    """The Trainer `autopar train` runs for `job` (tokenizer, model, data, pretrained weights), not yet started."""
+    files = data_files(job)
+    corpus = load_corpus(job.data.corpus) if files is None or job.data.tokenizer == "word" else None
+    tokenizer = build_job_tokenizer(job, corpus, files)
     model, info = build_model(job.model.name, job.model.args, vocab_size=padded_vocab_size(tokenizer.vocab_size),
                               device="meta")
     if info.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model vocab_size={info.vocab_size} is smaller than the {tokenizer.name} tokenizer's "
-                          f"{tokenizer.vocab_size} tokens; use vocab_size >= {tokenizer.vocab_size}")
+        raise ConfigError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} tokens but the model "
+                          f"{info.name} only {info.vocab_size} (vocab_size); use a tokenizer of at most "
+                          f"{info.vocab_size} tokens, or a model with vocab_size >= {tokenizer.vocab_size}")
     if job.data.seq_len > info.max_seq_len:
         raise ConfigError(f"seq_len={job.data.seq_len} is longer than {info.name}'s context of {info.max_seq_len} "
                           f"positions; use --seq-len <= {info.max_seq_len} or a larger max_seq_len model argument")
-    train_data, eval_data = build_datasets(corpus, tokenizer, seq_len=job.data.seq_len, task=info.task,
-                                           seed=job.train.seed)
+    pretrained = None
+    if job.model.name.startswith("hf:") and is_folder_name(job.model.name):
+        pretrained = PretrainedWeights(job.model.name[3:], model)  # headers only: every rank checks, before spawning
+    run_files = {}
+    config_json = hf_config_json(model)
+    if job.train.export_hf and config_json is None:
+        raise ConfigError(f"--export-hf writes the Hugging Face format, but {info.name} is not a Hugging Face model; "
+                          f"use --model hf:<model_type> or hf:PATH")
+    if config_json is not None:
+        run_files["hf/config.json"] = config_json  # `autopar export` rebuilds the model from it
+    if hasattr(tokenizer, "to_json"):
+        run_files[TOKENIZER_FILE] = tokenizer.to_json()  # resume and export reuse it
+    if files is not None:
+        if info.task != "causal-lm":
+            raise ConfigError(f"--data trains causal language models; {info.name} is a {info.task} model")
+        train_data, eval_data, facts = build_file_datasets(files, tokenizer, seq_len=job.data.seq_len)
+        run_info = {"model": f"{info.name} ({info.task}, {info.num_params:,} parameters)",
+                    "tokenizer": f"{tokenizer.name} ({tokenizer.vocab_size} tokens)", **facts}
+    else:
+        train_data, eval_data = build_datasets(corpus, tokenizer, seq_len=job.data.seq_len, task=info.task,
+                                               seed=job.train.seed)
+        run_info = {"model": f"{info.name} ({info.task}, {info.num_params:,} parameters)",
+                    "corpus": corpus.describe(), "corpus_fingerprint": corpus.fingerprint,
+                    "train_samples": len(train_data), "eval_samples": len(eval_data)}
     resolved = dataclasses.replace(job, model=dataclasses.replace(job.model, args=info.args))
-    run_info = {"model": f"{info.name} ({info.task}, {info.num_params:,} parameters)",
-                "corpus": corpus.describe(), "corpus_fingerprint": corpus.fingerprint,
-                "train_samples": len(train_data), "eval_samples": len(eval_data)}
-    trainer = Trainer(model, train_data, strategy=job.strategy, config=job.train, eval_data=eval_data,
-                      job_config=resolved, run_info=run_info)
-    return trainer.train()
+    return Trainer(model, train_data, strategy=job.strategy, config=job.train, eval_data=eval_data,
+                   job_config=resolved, run_info=run_info, pretrained=pretrained, run_files=run_files)

@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -64,12 +65,16 @@ class Trainer:
     def __init__(self, model: nn.Module, train_data: Dataset, *, strategy: Strategy | None = None,
                  config: TrainConfig | None = None, eval_data: Dataset | None = None,
                  loss_fn: LossFn | None = None, forward_fn: Callable[[nn.Module, Batch], Any] | None = None,
-                 job_config: JobConfig | None = None, run_info: dict[str, Any] | None = None):
+                 job_config: JobConfig | None = None, run_info: dict[str, Any] | None = None,
+                 pretrained: Any = None, run_files: dict[str, str] | None = None):
         """
         loss_fn(output, batch) -> scalar: a mean over the micro-batch's samples. Default: token
             cross-entropy against batch["labels"] (-100 ignored), averaged over the global batch.
         forward_fn(model, batch) -> output. Default: model(batch["input_ids"] or batch["inputs"], **other fields).
         job_config / run_info: written to the run folder (the CLI passes its full config).
+        pretrained: a models.pretrained.PretrainedWeights checked against `model` (on meta): each rank reads
+            the values of just the tensors (and tensor-parallel slices) it holds, instead of the seeded init.
+        run_files: extra {file name: text} written into the run folder (a Hugging Face config, a tokenizer).
         """
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Trainer needs an nn.Module as the model, got {type(model).__name__}")
@@ -78,6 +83,8 @@ class Trainer:
         self.config = config or TrainConfig()
         self.loss_fn, self.forward_fn = loss_fn, forward_fn or default_forward
         self.job_config, self.run_info = job_config, dict(run_info or {})
+        self.pretrained, self.extra_run_files = pretrained, dict(run_files or {})
+        self.pretrained_bytes_read = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -88,6 +95,11 @@ class Trainer:
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
+        strategy = resolved.strategy
+        if self.pretrained is not None and (strategy.dp_mode != "allreduce" or strategy.sparse_embeddings != "dense"):
+            raise ConfigError(f"pretrained weights load under synchronous layouts (dp, tp, pp and their products), "
+                              f"got dp_mode={strategy.dp_mode!r} sparse_embeddings={strategy.sparse_embeddings!r}; "
+                              f"use --dp-mode allreduce --sparse-embeddings dense")
         return resolved
 
     def _setup(self) -> None:
@@ -115,6 +127,8 @@ class Trainer:
                 step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, micro_batch_size=cfg.micro_batch_size)))
         self.run_info.update(self.engine.run_info())
         self.model = self.engine.module
+        if self.pretrained is not None and not cfg.resume:  # a resumed run takes every weight from its checkpoint
+            self._load_pretrained()
         # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout
         # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
         torch.manual_seed(cfg.seed + 1 + dist.get_rank() // self.strategy.tp)
@@ -122,6 +136,26 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.is_main = dist.get_rank() == 0
         self.run_dir = self._make_run_dir()
+
+    def _load_pretrained(self) -> None:
+        """This rank's tensors (its stage, its tensor-parallel slices) read from the pretrained files."""
+        tp = self.engine.tensor_parallel
+
+        def slices(fqn: str):
+            if tp is None or not tp.is_sharded(fqn):
+                return None
+            shard = tp.plan.params[fqn]
+            return shard.dim, list(shard.local_slices(tp.rank, tp.size))
+
+        began = time.perf_counter()
+        self.pretrained_bytes_read = self.pretrained.load_into(self.model, slices)
+        self.pretrained_load_s = time.perf_counter() - began
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (self.pretrained_bytes_read, self.pretrained_load_s))
+        self.run_info["pretrained"] = (f"{self.pretrained.folder} (MB read per rank: "
+                                       f"{[round(b / 1e6, 2) for b, _ in per_rank]})")
+        self.run_info["pretrained_bytes_read"] = [b for b, _ in per_rank]
+        self.run_info["pretrained_load_s"] = [round(s, 3) for _, s in per_rank]
 
     def _make_run_dir(self) -> Path:
         out = self.config.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
@@ -136,7 +170,8 @@ class Trainer:
                     "strategy": to_dict(self.strategy), "accumulation_steps": self.accumulation,
                     "model_class": type(self.model).__name__, **self.run_info}
             (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
-            for name, text in self.engine.run_files().items():  # what the engine chose (tp_plan.txt)
+            for name, text in {**self.engine.run_files(), **self.extra_run_files}.items():  # tp_plan.txt, hf/...
+                (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
                 (run_dir / name).write_text(text)
         return run_dir
 
@@ -370,6 +405,9 @@ class Trainer:
                 if cfg.steps > start:
                     watchdog.progress(f"checkpoint of step {cfg.steps}")
                     self.save(cfg.steps)
+                if cfg.export_hf:
+                    watchdog.progress(f"export to {cfg.export_hf}")
+                    self.export_hf(cfg.export_hf)
                 watchdog.progress("finishing the run")
                 self.engine.finish_run(self.run_dir, cfg, self.strategy)  # e.g. the pipeline's --trace timeline
         finally:
@@ -382,6 +420,16 @@ class Trainer:
         """A run that fails before its first step leaves no run folder behind (unless it existed before)."""
         if getattr(self, "_fresh_run_dir", False):
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def export_hf(self, out: str) -> Path:
+        """The latest checkpoint as a Hugging Face folder; every rank writes some of its shards (collective)."""
+        from .train.hf_export import export_hf
+        dist.barrier()
+        path = export_hf(self.run_dir, out, rank=dist.get_rank(), world=dist.get_world_size())
+        dist.barrier()
+        if self.is_main:
+            print(f"exported to {path} (Hugging Face format)", flush=True)
+        return path
 
     def close_run(self, result: TrainResult) -> TrainResult:
         """summary.json and the "done:" line on rank 0; returns once the run folder is complete on every rank."""
@@ -401,7 +449,7 @@ class Trainer:
                  f"tp={self.strategy.tp} pp={self.strategy.pp}, {params:,} parameters, "
                  f"{self.accumulation} micro-batch(es) of {self.config.micro_batch_size} per replica per step",
                  f"run folder: {self.run_dir}"]
-        lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model")]
+        lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model", "data", "tokenizer", "pretrained")]
         lines += self.engine.banner_lines()
         if start:
             lines.append(f"resumed at step {start} from {self.resumed_from}")

@@ -44,13 +44,23 @@ class ByteTokenizer:
         return bytes(v for v in values if 0 <= v < 256).decode("utf-8", errors="replace")
 
 
-TOKENIZERS = ("byte", "word")
+TOKENIZERS = ("byte", "word", "bpe", "hf:PATH")
 
 
-def build_tokenizer(name: str, *, corpus=None, vocab_size: int = 32768) -> Tokenizer:
-    """A tokenizer by name; trained ones (`word`) need the corpus whose training split they learn."""
+def build_tokenizer(name: str, *, corpus=None, vocab_size: int = 32768, text: str | None = None) -> Tokenizer:
+    """A tokenizer by name; trained ones (`word`, `bpe`) learn the training text (`text`, else the corpus's
+    training split); `hf:PATH` reads a tokenizer.json (data/hf_tokenizer.py)."""
     if name == "byte":
         return ByteTokenizer()
+    if isinstance(name, str) and name.startswith("hf:") and len(name) > 3:
+        from .hf_tokenizer import HFTokenizer
+        return HFTokenizer.from_path(name[3:])
+    if name == "bpe":
+        if text is None and corpus is None:
+            raise DataError("the bpe tokenizer is trained on text; pass text= or corpus= (the training split)")
+        from .hf_tokenizer import HFTokenizer
+        train = text if text is not None else corpus.train.decode("utf-8", errors="replace")
+        return HFTokenizer.train_bpe(train, vocab_size)
     if name == "word":
         if corpus is None:
             raise DataError("the word tokenizer is trained on a corpus; pass corpus= (the training split is used)")

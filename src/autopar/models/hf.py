@@ -200,3 +200,136 @@ def turn_off_kv_cache(model: nn.Module) -> bool:
             config.use_cache = False
             changed = True
     return changed
+
+
+# ----------------------------------------------------------------------------- any architecture, any folder
+
+GENERIC_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": False,
+}
+"""Small sizes for `hf:<model_type>`, applied where the model type's config has the attribute (directly or
+through its attribute_map, e.g. GPT-2's n_embd); dropout probabilities are set to 0 as for the named models."""
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type transformers builds as a causal LM (what `hf:<model_type>` accepts)."""
+    import_transformers("hf:<model_type>")  # a clear error when it is not installed
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def is_folder_name(name: str) -> bool:
+    """`hf:PATH` names a local folder (anything with a path separator, or an existing directory)."""
+    from pathlib import Path
+    rest = name[3:]
+    return "/" in rest or rest.startswith(".") or Path(rest).is_dir()
+
+
+def _info(name: str, config: Any, model: nn.Module, args: dict[str, Any]) -> ModelInfo:
+    positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "max_seq_len")
+                      if isinstance(getattr(config, k, None), int)), 2048)
+    return ModelInfo(name=name, task="causal-lm", vocab_size=config.vocab_size, max_seq_len=positions,
+                     num_params=count_params(model), args={k: v for k, v in args.items() if v is not None})
+
+
+def _build_causal_lm(name: str, config: Any, device: torch.device) -> nn.Module:
+    transformers = import_transformers(name)
+    try:
+        with device:
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError as exc:
+        if "sdpa" not in str(exc).lower():
+            raise
+    with device:  # an architecture without SDPA attention: its own written-out attention
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def _apply_args(name: str, config: Any, model_args: dict[str, Any]) -> dict[str, Any]:
+    """Set model_args on a config (coerced to the attribute's type); unknown names are refused."""
+    aliases = getattr(type(config), "attribute_map", {}) or {}
+    applied = {}
+    for key, value in model_args.items():
+        canon = aliases.get(key, key)
+        if canon.startswith("_") or not hasattr(config, canon) or callable(getattr(config, canon)):
+            raise ModelError(f"unknown model argument '{key}' for {name}: {type(config).__name__} has no such "
+                             f"attribute")
+        applied[canon] = coerce_value(name, key, value, getattr(config, canon))
+        setattr(config, canon, applied[canon])
+    return applied
+
+
+def build_hf_model_type(name: str, model_args: dict[str, Any], vocab_size: int | None,
+                        device: torch.device) -> tuple[nn.Module, ModelInfo]:
+    """`hf:<model_type>`: any causal-LM architecture transformers knows, small, built from its config class."""
+    transformers = import_transformers(name)
+    model_type = name[3:]
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    causal = causal_lm_types()
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = [t for t in causal if model_type.lower()[:3] in t][:8]
+        raise ModelError(f"unknown model {name!r}: transformers {transformers.__version__} has no model type "
+                         f"{model_type!r}; `autopar models --hf` lists the {len(causal)} causal-LM types"
+                         + (f" (similar: {', '.join(close)})" if close else "")
+                         + "; a local folder is named hf:./PATH")
+    if model_type not in causal:
+        raise ModelError(f"{name}: {model_type!r} is not a causal language model in transformers (no "
+                         f"AutoModelForCausalLM class); `autopar models --hf` lists the {len(causal)} that are")
+    with quiet_transformers(transformers):
+        reference = transformers.AutoConfig.for_model(model_type)
+        aliases = getattr(type(reference), "attribute_map", {}) or {}
+        defaults = {k: v for k, v in GENERIC_DEFAULTS.items() if hasattr(reference, aliases.get(k, k))}
+        defaults.update({k: 0.0 for k, v in reference.to_dict().items()
+                         if isinstance(v, float) and ("dropout" in k or "pdrop" in k)})
+        defaults["vocab_size"] = vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **defaults)
+            applied = _apply_args(name, config, model_args)
+            model = _build_causal_lm(name, config, device)
+        except (ValueError, TypeError, AssertionError, AttributeError, _strict_error()) as exc:
+            reason = " ".join(str(exc).split())
+            raise ModelError(f"cannot build {name} with model arguments {model_args}: {reason}") from exc
+    return model, _info(name, config, model, {**defaults, **applied})
+
+
+def build_hf_folder(name: str, model_args: dict[str, Any], device: torch.device) -> tuple[nn.Module, ModelInfo]:
+    """`hf:PATH`: the architecture of a local pretrained folder (its config.json), on `device` (meta: no memory).
+
+    The weights are not read here: `PretrainedWeights` checks them against this model and each rank reads its
+    part later. model_args may change settings such as dropout; a changed shape is caught by that check.
+    """
+    from pathlib import Path
+    transformers = import_transformers(name)
+    folder = Path(name[3:])
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{name}: {str(folder)!r} is not a pretrained model folder (no config.json); save one with "
+                         f"model.save_pretrained(PATH), or name an architecture as hf:<model_type>")
+    with quiet_transformers(transformers):
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"{name}: config.json cannot be read: {' '.join(str(exc).split())}") from None
+        config.use_cache = False
+        applied = _apply_args(name, config, model_args)
+        model = _build_causal_lm(name, config, device)
+    return model, _info(name, config, model, applied)
+
+
+def hf_config_json(model: nn.Module) -> str | None:
+    """The model's Hugging Face config.json text (written into the run folder, used by export), if it has one;
+    `architectures` names the model's class, as save_pretrained writes it (export rebuilds that class)."""
+    import copy
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string"):
+        return None
+    config = copy.deepcopy(config)
+    config.architectures = [type(model).__name__]
+    return config.to_json_string()

@@ -261,6 +261,16 @@ def _build_hf(
     return build_hf(name, model_args, vocab_size, device)
 
 
+def _build_hf_any(
+    name: str, model_args: dict[str, Any], vocab_size: int | None, device: torch.device
+) -> tuple[nn.Module, ModelInfo]:
+    from .hf import build_hf_folder, build_hf_model_type, is_folder_name
+
+    if is_folder_name(name):
+        return build_hf_folder(name, model_args, device)
+    return build_hf_model_type(name, model_args, vocab_size, device)
+
+
 BUILDERS: dict[str, Callable[..., tuple[nn.Module, ModelInfo]]] = {
     **{name: build_gpt for name in GPT_SIZES},
     **{name: build_word_lm for name in WORD_SIZES},
@@ -280,6 +290,8 @@ def build_model(
     `vocab_size` (the tokenizer's, padded) is used unless model_args sets vocab_size.
     """
     builder = BUILDERS.get(name) if isinstance(name, str) else None
+    if builder is None and isinstance(name, str) and name.startswith("hf:") and len(name) > 3:
+        builder = _build_hf_any  # hf:PATH (a pretrained folder) or hf:<model_type> (any causal-LM architecture)
     if builder is None:
         raise ModelError(f"unknown model {name!r}; available: {choices(available_models())}")
     args = check_model_args(model_args)

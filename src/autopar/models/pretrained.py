@@ -1,0 +1,179 @@
+"""Pretrained weights read straight from a folder's safetensors files, slice by slice.
+
+A Hugging Face folder (`save_pretrained`) holds `model.safetensors`, or several
+`model-0000k-of-0000n.safetensors` named by `model.safetensors.index.json`. Each rank builds the
+model on meta, keeps only its stage (and its tensor-parallel slices), and then reads exactly
+those bytes with `safe_open(...).get_slice(...)`: no rank ever loads the whole model. The bytes
+each rank read are counted (`bytes_read`), so a test and the benchmark can show it.
+
+Names are the model's own parameter names; a tied weight (GPT-2's embedding and head) is stored
+once under any of its names, as `save_pretrained` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ModelError
+from .materialize import tied_groups
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+SliceFn = Callable[[str], "tuple[int, list[tuple[int, int]]] | None"]
+"""fqn -> (dim, [(start, length), ...]) of this rank's tensor-parallel slices, or None for the whole tensor."""
+
+
+def _safetensors():
+    try:
+        import safetensors
+    except ImportError as exc:
+        raise ModelError("loading pretrained weights needs the safetensors package: pip install safetensors") from exc
+    return safetensors
+
+
+class SafetensorsFolder:
+    """Where each tensor of a folder lives, its stored shape, and reads of whole tensors or slices."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise ModelError(f"pretrained model folder {str(self.folder)!r} does not exist")
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise ModelError(f"{index}: not a safetensors index (no weight_map): {exc}") from None
+            self.files = {name: self.folder / file for name, file in weight_map.items()}
+            missing = sorted({str(f.name) for f in self.files.values() if not f.is_file()})
+            if missing:
+                raise ModelError(f"{index} names weight files that are not in the folder: {', '.join(missing)}")
+        elif (self.folder / SINGLE_FILE).is_file():
+            self.files = {}
+            with self._open(self.folder / SINGLE_FILE) as f:
+                self.files = {name: self.folder / SINGLE_FILE for name in f.keys()}
+        else:
+            found = sorted(p.name for p in self.folder.iterdir())
+            raise ModelError(f"pretrained model folder {str(self.folder)!r} has no weights: expected {SINGLE_FILE} "
+                             f"or {INDEX_FILE} with its shards (as save_pretrained writes them; .bin files are not "
+                             f"read), found {found[:10]}")
+        self.bytes_read = 0
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._handles: dict[Path, object] = {}
+
+    def _open(self, path: Path):
+        return _safetensors().safe_open(str(path), framework="pt", device="cpu")
+
+    def _handle(self, name: str):
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = self._open(path).__enter__()
+        return self._handles[path]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shapes:
+            self._shapes[name] = tuple(self._handle(name).get_slice(name).get_shape())
+        return self._shapes[name]
+
+    def read(self, name: str, dim: int = 0, slices: Iterable[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The tensor `name`, or the concatenation along `dim` of the given (start, length) slices of it."""
+        view = self._handle(name).get_slice(name)
+        if slices is None:
+            pieces = [view[:]]
+        else:
+            pieces = []
+            for start, length in slices:
+                index = tuple([slice(None)] * dim + [slice(start, start + length)])
+                pieces.append(view[index])
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+
+def _alias_map(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter/buffer: name -> all names sharing its tensor (itself first)."""
+    names = {name: [name] for name in model.state_dict(keep_vars=True)}
+    for group in (*tied_groups(model)[0], *tied_groups(model)[1]):
+        for name in group:
+            names[name] = [name, *[g for g in group if g != name]]
+    return names
+
+
+class PretrainedWeights:
+    """A pretrained folder checked against a (meta) model: every tensor present, every shape right.
+
+    `check` reads only the file headers, so every rank can run it before any process group exists
+    and fail the same way. `load_into` then fills a rank's module (whole model, a pipeline stage, or
+    tensor-parallel slices of one) with just the bytes it needs.
+    """
+
+    def __init__(self, folder: str | Path, model: nn.Module):
+        self.folder = Path(folder)
+        self.source = SafetensorsFolder(folder)
+        self.aliases = _alias_map(model)
+        self.shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+        self.stored: dict[str, str] = {}  # model name -> the name it is stored under
+        self._check(model)
+
+    def _check(self, model: nn.Module) -> None:
+        on_file = self.source.names()
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        missing, wrong = [], []
+        for name, shape in self.shapes.items():
+            stored = next((a for a in self.aliases[name] if a in on_file), None)
+            if stored is None:
+                if name in params:
+                    missing.append(name)
+                continue  # a buffer the file does not hold: the model's own init sets it
+            self.stored[name] = stored
+            found = self.source.shape(stored)
+            if found != shape:
+                wrong.append(f"{stored}: the file holds {list(found)}, the model expects {list(shape)}")
+        if wrong:
+            raise ModelError(f"the weights in {str(self.folder)!r} do not match the model's config: "
+                             f"{'; '.join(wrong[:5])}{f' and {len(wrong) - 5} more' if len(wrong) > 5 else ''}")
+        if missing:
+            raise ModelError(f"the weights in {str(self.folder)!r} lack {len(missing)} parameter(s) of the model: "
+                             f"{', '.join(missing[:5])}; is config.json the one these weights were saved with?")
+        known = {a for names in self.aliases.values() for a in names}
+        unexpected = sorted(on_file - known)
+        if unexpected:
+            raise ModelError(f"the weights in {str(self.folder)!r} hold {len(unexpected)} tensor(s) the model does not "
+                             f"have: {', '.join(unexpected[:5])}; is config.json the one these weights were saved with?")
+
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read
+
+    @torch.no_grad()
+    def load_into(self, module: nn.Module, slices: SliceFn | None = None) -> int:
+        """Copy the stored values into every parameter/buffer of `module` (named as in the model); returns
+        the bytes read. `slices` gives the tensor-parallel slices of a sharded parameter."""
+        before, done = self.source.bytes_read, set()
+        for name, target in module.state_dict(keep_vars=True).items():
+            stored = self.stored.get(name)
+            if stored is None or id(target) in done:  # a tied weight is read once
+                continue
+            done.add(id(target))
+            part = slices(name) if slices is not None else None
+            value = self.source.read(stored) if part is None else self.source.read(stored, part[0], part[1])
+            if tuple(value.shape) != tuple(target.shape):
+                raise ModelError(f"{name}: read {list(value.shape)} from {str(self.folder)!r} for a local tensor of "
+                                 f"{list(target.shape)}")
+            target.copy_(value)
+        self.source.close()
+        return self.source.bytes_read - before

@@ -1,0 +1,251 @@
+"""Pretrained Hugging Face folders in, fine-tuned under parallel layouts, exported back (issue 19).
+
+A small random model of each family is saved with `save_pretrained` (no network), fine-tuned on
+prompt/response pairs (loss on the response only) with a BPE tokenizer trained on the embedded corpus,
+under a parallel layout and on one process. Equivalence: losses within 1e-5 relative and exported
+weights within 5e-5 absolute of the single-process run (AdamW divides each update by the gradient's
+own scale, so an element whose gradient is near zero can move by a fraction of lr = 1e-3 differently
+when the layout reorders float sums; the losses are the tight check). Round trip: `from_pretrained` of
+the export gives the logits of autopar's final model (one process: same weights, same code, 1e-6
+absolute; a parallel run's export: 1e-4 relative). Each rank reads only its part of the weights.
+The third family (llama, sharded safetensors, tp2) is examples/finetune_hf.py itself.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import max_relative_difference
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+VOCAB = 320
+FAMILIES = {
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128),
+    "qwen2": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128),
+}
+
+
+def save_pretrained(family: str, folder: Path, max_shard_size: str = "5GB") -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(family, vocab_size=VOCAB, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=1, **FAMILIES[family])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The example's inputs (a BPE tokenizer of 320 tokens, prompt/response pairs from the corpus)."""
+    sys.path.insert(0, str(EXAMPLES))
+    import finetune_hf
+    workdir = tmp_path_factory.mktemp("inputs")
+    _, tokenizer, pairs = finetune_hf.make_inputs(workdir)
+    return {"tokenizer": str(tokenizer), "pairs": str(pairs), "cache": str(workdir / "cache")}
+
+
+def finetune(folder: str, inputs: dict, out: str, strategy: dict, micro_batch_size: int) -> dict:
+    """Runs on every rank of a pool: fine-tune 2 steps, export; rank results for the test."""
+    from autopar.config import DataConfig, JobConfig, ModelConfig, Strategy, TrainConfig
+    from autopar.job import make_trainer
+    job = JobConfig(model=ModelConfig(name=f"hf:{folder}"),
+                    data=DataConfig(tokenizer=f"hf:{inputs['tokenizer']}", data=inputs["pairs"], seq_len=32,
+                                    data_cache=inputs["cache"]),
+                    strategy=Strategy(**strategy),
+                    train=TrainConfig(steps=2, global_batch_size=8, micro_batch_size=micro_batch_size, lr=1e-3,
+                                      warmup_steps=1, eval_batches=1, out=out, progress=False, timeout_s=60,
+                                      export_hf=f"{out}/exported"))
+    trainer = make_trainer(job)
+    result = trainer.train()
+    logits = None
+    if torch.distributed.get_world_size() == 1:  # autopar's final model, whole: its logits on fixed tokens
+        with torch.no_grad():
+            trainer.model.eval()
+            logits = trainer.model(probe_tokens()).logits
+    return {"losses": result.losses, "eval_loss": result.eval_loss, "bytes_read": trainer.pretrained_bytes_read,
+            "logits": logits, "kind": trainer.run_info["data_kind"]}
+
+
+def probe_tokens() -> torch.Tensor:
+    return torch.arange(2 * 24).reshape(2, 24) * 7 % VOCAB
+
+
+def exported(out: Path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    folder = Path(out) / "exported"
+    weights = {}
+    for file in folder.glob("*.safetensors"):
+        weights.update(load_file(str(file)))
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        return weights, model(probe_tokens()).logits
+
+
+def tensor_bytes(folder: Path) -> int:
+    from autopar.models.pretrained import SafetensorsFolder
+    source = SafetensorsFolder(folder)
+    return sum(source.read(n).numel() * 4 for n in source.names())
+
+
+def assert_same_fine_tune(one: dict, many: list[dict], one_dir: Path, many_dir: Path, pretrained: Path) -> torch.Tensor:
+    for got in many:
+        assert max_relative_difference(one["losses"], got["losses"]) < 1e-5, (one["losses"], got["losses"])
+        assert abs(one["eval_loss"] - got["eval_loss"]) / one["eval_loss"] < 1e-5
+    ref_weights, ref_logits = exported(one_dir)
+    weights, logits = exported(many_dir)
+    assert weights.keys() == ref_weights.keys()
+    for name, value in weights.items():
+        assert (value - ref_weights[name]).abs().max() < 5e-5, name
+    assert (logits - ref_logits).abs().max() < 1e-4 * ref_logits.abs().max()
+    whole = tensor_bytes(pretrained)
+    assert one["bytes_read"] == whole  # one process reads every tensor once (a tied weight once)
+    for got in many:  # a stage, or a tensor-parallel slice, is less than the whole model
+        assert got["bytes_read"] < 0.8 * whole, (got["bytes_read"], whole)
+    return ref_logits
+
+
+# (family, world, strategy, micro-batch size)
+LAYOUTS = [("gpt2", 4, {"dp": 2, "pp": 2}, 2), ("qwen2", 2, {"tp": 2}, 4)]
+
+
+@pytest.mark.parametrize("family,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
+def test_finetune_layout_matches_one_process_and_exports(rank_pool, tmp_path, inputs, family, world, strategy,
+                                                         micro):
+    folder = save_pretrained(family, tmp_path / "pretrained")
+    one = rank_pool(1).run(finetune, str(folder), inputs, str(tmp_path / "one"), {}, 8)[0]
+    many = rank_pool(world).run(finetune, str(folder), inputs, str(tmp_path / "many"), strategy, micro)
+    assert one["kind"] == "instruction"
+    ref_logits = assert_same_fine_tune(one, many, tmp_path / "one", tmp_path / "many", folder)
+    # from_pretrained of the export runs autopar's final weights through the same HF code
+    assert (ref_logits - one["logits"]).abs().max() < 1e-6
+
+
+def test_tp_slice_read_equals_slice_of_whole(tmp_path):
+    """The loader reads a fused projection's per-segment slices straight from the file."""
+    from transformers import AutoModelForCausalLM
+
+    from autopar.models import build_model
+    from autopar.models.pretrained import PretrainedWeights
+    folder = save_pretrained("gpt2", tmp_path / "gpt2")
+    model, _ = build_model(f"hf:{folder}", device="meta")
+    weights = PretrainedWeights(folder, model)
+    whole = AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
+    target = torch.nn.Module()
+    fused = "transformer.h.0.attn.c_attn.weight"  # Conv1D [64, 192]: q, k, v along dim 1
+    target.register_parameter("w", torch.nn.Parameter(torch.empty(64, 96)))
+    slices = [(64 * k + 32, 32) for k in range(3)]  # rank 1 of 2 in each of q, k, v
+    weights.stored = {"w": fused}
+    read = weights.load_into(target, lambda name: (1, slices))
+    assert read == 64 * 96 * 4
+    expected = torch.cat([whole[fused][:, s:s + n] for s, n in slices], dim=1)
+    assert torch.equal(target.w.detach(), expected)  # bitwise: a copy of the same stored values
+
+
+def test_example_llama_sharded_tp2_matches_one_process(rank_pool, tmp_path):
+    """examples/finetune_hf.py: a sharded Llama folder fine-tuned under tp2 and on one process."""
+    sys.path.insert(0, str(EXAMPLES))
+    import finetune_hf
+    one = rank_pool(1).run(finetune_hf.main, ["--workdir", str(tmp_path / "one"), "--micro-batch-size", "8"])[0]
+    many = rank_pool(2).run(finetune_hf.main, ["--workdir", str(tmp_path / "many"), "--tp", "2"])
+    pretrained = Path(one["pretrained"])
+    assert (pretrained / "model.safetensors.index.json").is_file()
+    assert_same_fine_tune(one, many, Path(one["export"]).parent, Path(many[0]["export"]).parent, pretrained)
+    assert (Path(many[0]["export"]) / "tokenizer.json").is_file()
+
+
+# ----------------------------------------------------------------------------- bad input, refused clearly
+
+
+def _job(tmp_path, **data):
+    from autopar.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+    model = data.pop("model", f"hf:{tmp_path / 'gpt2'}")
+    return JobConfig(model=ModelConfig(name=model), data=DataConfig(seq_len=32, data_cache=str(tmp_path / "c"), **data),
+                     train=TrainConfig(out=str(tmp_path / "run")))
+
+
+def test_bad_inputs_are_refused_with_what_and_why(tmp_path):
+    from autopar.errors import AutoparError
+    from autopar.job import make_trainer
+    from autopar.models import build_model
+    from autopar.models.pretrained import PretrainedWeights
+    folder = save_pretrained("gpt2", tmp_path / "gpt2")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((folder / "config.json").read_text())
+    model, _ = build_model(f"hf:{bare}", device="meta")
+    with pytest.raises(AutoparError, match="has no weights: expected model.safetensors"):
+        PretrainedWeights(bare, model)
+    config = json.loads((folder / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "n_positions": 64}))
+    (bare / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    model, _ = build_model(f"hf:{bare}", device="meta")
+    with pytest.raises(AutoparError, match=r"transformer.wpe.weight: the file holds \[128, 64\], the model expects "
+                                           r"\[64, 64\]"):
+        PretrainedWeights(bare, model)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"body": "some words " * 20}) + "\n" for _ in range(8)))
+    with pytest.raises(AutoparError, match=r"no field 'text'.*its fields are \['body'\]"):
+        make_trainer(_job(tmp_path, data=str(docs)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(AutoparError, match="is empty"):
+        make_trainer(_job(tmp_path, data=str(empty)))
+    import tokenizers
+    big = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0"))
+    big.save(str(tmp_path / "big.json"))
+    with pytest.raises(AutoparError, match=f"tokenizer has 400 tokens but the model .* only {VOCAB}"):
+        make_trainer(_job(tmp_path, data=str(docs), text_field="body", tokenizer=f"hf:{tmp_path / 'big.json'}"))
+    with pytest.raises(AutoparError, match="'t5' is not a causal language model"):
+        build_model("hf:t5")
+    with pytest.raises(AutoparError, match="has no model type 'nosuch'"):
+        build_model("hf:nosuch")
+
+
+def test_any_causal_lm_type_builds_small_by_name():
+    from autopar.models import build_model
+    model, info = build_model("hf:mistral", {"num_hidden_layers": 1}, vocab_size=VOCAB)
+    assert type(model).__name__ == "MistralForCausalLM" and info.vocab_size == VOCAB
+    assert model.config.num_hidden_layers == 1 and model.config.hidden_size == 64
+
+
+def test_data_files_every_format_gives_the_same_tokens_once(tmp_path):
+    """jsonl, parquet, csv and a save_to_disk folder of the same documents pack into the same windows; a second
+    read comes from the fingerprint cache; an eval file is used as given; a .txt file is one document."""
+    import datasets
+
+    from autopar.data.files import DataFiles, build_file_datasets
+    from autopar.data.hf_tokenizer import HFTokenizer
+    docs = [f"document {k}: " + " ".join(f"w{(k * 7 + j) % 13}" for j in range(30)) for k in range(12)]
+    tokenizer = HFTokenizer.train_bpe("\n".join(docs), 300)
+    table = datasets.Dataset.from_dict({"text": docs})
+    table.to_json(str(tmp_path / "d.jsonl"))
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.to_csv(str(tmp_path / "d.csv"), index=False)
+    table.save_to_disk(str(tmp_path / "disk"))
+    windows = {}
+    for name in ("d.jsonl", "d.parquet", "d.csv", "disk"):
+        files = DataFiles(path=str(tmp_path / name), cache_dir=str(tmp_path / "cache"), eval_fraction=0.25)
+        train, held_out, facts = build_file_datasets(files, tokenizer, seq_len=16)
+        again = build_file_datasets(files, tokenizer, seq_len=16)[2]
+        assert facts["data_kind"] == "text" and not facts["data_cached"] and again["data_cached"]
+        windows[name] = torch.stack([train[i]["input_ids"] for i in range(len(train))])
+        assert len(held_out) >= 1
+    for name, value in windows.items():
+        assert torch.equal(value, windows["d.jsonl"]), name  # the same token ids, integers
+    (tmp_path / "d.txt").write_text("\n".join(docs))
+    files = DataFiles(path=str(tmp_path / "d.txt"), eval_path=str(tmp_path / "d.parquet"),
+                      cache_dir=str(tmp_path / "cache"))
+    train, held_out, facts = build_file_datasets(files, tokenizer, seq_len=16)
+    every_doc = sum(len(ids) + 1 for ids in tokenizer.encode_many(docs))  # each document and its end token
+    assert len(held_out) == (every_doc - 1) // 16  # the whole eval file, nothing held out of the .txt
+    one_doc = len(tokenizer.encode_many(["\n".join(docs)])[0]) + 1
+    assert len(train) == (one_doc - 1) // 16
