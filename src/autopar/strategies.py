@@ -14,12 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import nn
+
 from .async_sgd.engine import AsyncEngine, check_async_setup
 from .async_sgd.loop import train_async
 from .config import Strategy, TrainConfig
 from .errors import ConfigError
 from .gossip import GossipEngine, check_gossip_strategy
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
+from .search.auto import Example, Plan, resolve_choice
 from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_setup
 from .tensor_parallel.subpipeline import check_tp_subbatches
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
@@ -53,6 +56,7 @@ class Resolved:
     strategy: Strategy
     config: TrainConfig
     accumulation: int  # micro-batches per replica (per worker) per step
+    plan: Plan | None = None  # the plan that chose the strategy (--strategy auto, --plan), written to plan.json
 
 
 def sparse_requested(strategy: Strategy, config: TrainConfig) -> bool:
@@ -142,10 +146,29 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
 )
 
 
-def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False) -> Resolved:
-    """Every check that needs no communication, in one place; the same error on every rank and in the CLI."""
+def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False,
+            model: nn.Module | None = None, example: Example | None = None, plan: Plan | None = None,
+            model_name: str | None = None) -> Resolved:
+    """Every check that needs no communication, in one place; the same error on every rank and in the CLI.
+
+    `--strategy auto` and `--plan` become a concrete strategy here first (search/auto.py): the
+    search needs `model` and `example` (the traced call of one sample); a plan is checked against them.
+    """
     config.validate()
+    strategy.resolved(world)  # field errors first, as for any strategy
+
+    def accept(candidate: Strategy, candidate_config: TrainConfig) -> None:
+        _entry_and_check(candidate.resolved(world), candidate_config, world, custom_forward)
+
+    strategy, config, plan = resolve_choice(strategy, config, world, model=model, example=example, plan=plan,
+                                            model_name=model_name, accept=accept)
     strategy = strategy.resolved(world)
+    entry, config, accumulation = _entry_and_check(strategy, config, world, custom_forward)
+    return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation, plan=plan)
+
+
+def _entry_and_check(strategy: Strategy, config: TrainConfig, world: int,
+                     custom_forward: bool) -> tuple[StrategyEntry, TrainConfig, int]:
     entry = next(e for e in STRATEGIES if e.applies(strategy, config))
     config, accumulation = entry.check(Request(strategy, config, world, custom_forward))
-    return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation)
+    return entry, config, accumulation
