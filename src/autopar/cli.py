@@ -85,6 +85,9 @@ def resolve_job(ns: argparse.Namespace) -> JobConfig:
 def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     job = resolve_job(ns)
     env = DistEnv.from_environ()
+    if not env.launched and (job.strategy.search == "auto" or job.strategy.plan):
+        from .autoplan import choose_before_launch  # search (or read the plan) once, here; ranks get plan.json
+        job, argv = choose_before_launch(job, argv)
     if not env.launched and job.launch.nproc > 1:
         from .strategies import resolve
         resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process

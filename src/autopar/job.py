@@ -6,6 +6,10 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+
+from torch import nn
+from torch.utils.data import Dataset
 
 from .config import JobConfig
 from .data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
@@ -14,7 +18,19 @@ from .models import build_model
 from .trainer import Trainer, TrainResult
 
 
-def run_job(job: JobConfig) -> TrainResult:
+@dataclass
+class JobParts:
+    """What a job trains: the model (on meta), its data, and what the run folder records about them."""
+
+    job: JobConfig  # with the model's resolved arguments
+    model: nn.Module
+    name: str
+    train_data: Dataset
+    eval_data: Dataset
+    run_info: dict
+
+
+def build_job(job: JobConfig) -> JobParts:
     corpus = load_corpus(job.data.corpus)
     tokenizer = build_tokenizer(job.data.tokenizer, corpus=corpus, vocab_size=job.data.vocab_size)
     model, info = build_model(job.model.name, job.model.args, vocab_size=padded_vocab_size(tokenizer.vocab_size),
@@ -31,6 +47,12 @@ def run_job(job: JobConfig) -> TrainResult:
     run_info = {"model": f"{info.name} ({info.task}, {info.num_params:,} parameters)",
                 "corpus": corpus.describe(), "corpus_fingerprint": corpus.fingerprint,
                 "train_samples": len(train_data), "eval_samples": len(eval_data)}
-    trainer = Trainer(model, train_data, strategy=job.strategy, config=job.train, eval_data=eval_data,
-                      job_config=resolved, run_info=run_info)
+    return JobParts(job=resolved, model=model, name=info.name, train_data=train_data, eval_data=eval_data,
+                    run_info=run_info)
+
+
+def run_job(job: JobConfig) -> TrainResult:
+    parts = build_job(job)
+    trainer = Trainer(parts.model, parts.train_data, strategy=job.strategy, config=job.train,
+                      eval_data=parts.eval_data, job_config=parts.job, run_info=parts.run_info)
     return trainer.train()
