@@ -125,3 +125,24 @@ def test_cli_refuses_impossible_memory_before_any_rank_starts(tmp_path):
     assert "smallest memory per device that works is" in done.stderr
     assert "rank" not in done.stderr.split("autopar: error")[1].split(":")[0]  # the launcher's process, not a rank
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("eager-1f1b", 1),
+                                             ("zb-h1", 1)])
+def test_compiled_schedule_equals_the_simulator(schedule, chunks):
+    """The search's compiled sweep (timeline.CompiledSchedule) against simulate() on random stage costs and links."""
+    import random
+
+    from autopar.search.timeline import StageCosts, _simulate, simulated
+    rng = random.Random(7)
+    for pp, m, recompute in ((2, 4, False), (3, 6, True), (4, 8, False), (4, 12, True)):
+        stages = pp * chunks
+        draw = lambda: tuple(rng.uniform(0.1, 3.0) for _ in range(stages))  # noqa: E731
+        link = lambda: tuple(rng.choice((0.0, rng.uniform(0.0, 1.0))) for _ in range(stages))  # noqa: E731
+        costs = StageCosts(draw(), draw(), draw(), link(), link())
+        rc = frozenset(range(stages)) if recompute else frozenset()
+        want, got = simulated(schedule, pp, chunks, m, rc, costs), _simulate(schedule, pp, chunks, m, rc, costs, {})
+        # the same maxima of the same sums, taken in another order: equal up to float rounding
+        assert got.makespan == pytest.approx(want.makespan, rel=1e-12)
+        assert got.finish == pytest.approx(want.finish, rel=1e-12) and got.busy == pytest.approx(want.busy, rel=1e-12)
+        assert got.in_flight == want.in_flight and got.stashed == want.stashed
