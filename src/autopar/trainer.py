@@ -73,6 +73,9 @@ class Trainer:
     def _validate(self) -> Resolved:
         """Every check that needs no communication (strategies.resolve), so each rank fails the same way, early."""
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
+        if self.strategy.confirm and self.plan is None and not self.strategy.plan:
+            raise ConfigError(f"--confirm {self.strategy.confirm} runs the top plans as separate short jobs, which "
+                              f"only `autopar train` can start; in Python, measure plans yourself or use confirm=0")
         resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward,
                            model=self.model, example=lambda: example_call(self.model, self.train_data), plan=self.plan)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
