@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from .config import JobConfig, Strategy, TrainConfig
 from .errors import ConfigError
-from .search.auto import Plan
+from .search.auto import Plan, milliseconds
 from .strategies import resolve
 from .train.fields import example_call
 
@@ -78,7 +78,9 @@ def confirm(plan: Plan, k: int, argv: list[str], nproc: int) -> Plan:
         try:
             candidate = Plan({**shared, **{key: record[key] for key in ("strategy", "train", "prediction")}})
             candidate.save(folder / "plan.json")
-            print(f"confirm {i + 1}/{len(records)}: {candidate.describe()}", flush=True)
+            predicted = milliseconds(record["prediction"]["step_time_s"])
+            print(f"confirm {i + 1}/{len(records)}: {candidate.configuration()}, predicted {predicted} ms/step; "
+                  f"running {CONFIRM_STEPS} steps", flush=True)
             command = [sys.executable, "-m", "autopar", *argv, "--plan", str(folder / "plan.json"),
                        "--out", str(folder / "run"), "--steps", str(CONFIRM_STEPS), "--log-every", "1",
                        "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress",

@@ -65,6 +65,10 @@ class Plan:
     def __str__(self) -> str:
         return self.describe()
 
+    def configuration(self) -> str:
+        """The chosen strategy in one phrase: degrees, schedule, micro-batches, recomputation, cut."""
+        return _configuration(self.record)
+
     def describe(self) -> str:
         """The one-line banner: what was picked, what it should cost, and the runner-up."""
         text = f"auto: picked {_configuration(self.record)}"
@@ -78,7 +82,8 @@ class Plan:
             text += f"; runner-up {_configuration(other)}, {_costs(other['prediction'])} ({slower:+.1%})"
         confirmed = self.record.get("confirm")
         if confirmed:
-            text += f"; kept the fastest of {len(confirmed)} measured ({_ms(min(c['measured_step_time_s'] for c in confirmed))} ms/step)"
+            fastest = min(c["measured_step_time_s"] for c in confirmed if "measured_step_time_s" in c)
+            text += f"; kept the fastest of {len(confirmed)} measured ({milliseconds(fastest)} ms/step)"
         return text
 
     # ------------------------------------------------------------------ files
@@ -164,7 +169,7 @@ def _refuse_conflicts(source: str, table: str, given: Any, planned: dict) -> Non
                               f"to run the plan, or drop the plan to choose yourself")
 
 
-def _ms(seconds: float) -> str:
+def milliseconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}"
 
 
@@ -186,7 +191,7 @@ def _configuration(record: dict) -> str:
 
 def _costs(prediction: dict) -> str:
     per_rank = prediction.get("peak_memory_bytes_per_rank") or [0]
-    return f"{_ms(prediction['step_time_s'])} ms/step, {max(per_rank) / 2**20:.1f} MiB/rank"
+    return f"{milliseconds(prediction['step_time_s'])} ms/step, {max(per_rank) / 2**20:.1f} MiB/rank"
 
 
 # ---------------------------------------------------------------------- the search, constrained

@@ -78,7 +78,8 @@ class CompiledSchedule:
         transfer = (costs.send_activation, costs.send_gradient)
         end = [0.0] * len(self.kind)
         finish, busy = [0.0] * self.pp, [0.0] * self.pp
-        for i, (kind, stage, rank, prev, deps) in enumerate(zip(self.kind, self.stage, self.rank, self.prev, self.deps)):
+        rows = zip(self.kind, self.stage, self.rank, self.prev, self.deps)
+        for i, (kind, stage, rank, prev, deps) in enumerate(rows):
             t = end[prev] if prev >= 0 else 0.0
             for producer, send_post, recv_post, link, link_stage in deps:
                 ready = end[producer]
@@ -119,12 +120,12 @@ def compile_schedule(lists, *, pp: int, chunks: int, m: int) -> CompiledSchedule
     split = {(a.stage, a.microbatch) for a in order if a.op == Op.BACKWARD_INPUT}
     recomputed = {(a.stage, a.microbatch) for a in order if a.op == Op.RECOMPUTE}
 
-    def dep(producer: tuple, send_op: Op, consumer_stage: int, recv_op: Op, link: int) -> tuple[int, int, int, int, int]:
+    def dep(producer: tuple, send_op: Op, consumer_stage: int, recv_op: Op, link: int) -> tuple:
         if rank_of[producer[0]] == rank_of[consumer_stage]:
             return (index[producer], -1, -1, -1, 0)
         mb = producer[2]
-        return (index[producer], posted.get((producer[0], send_op, mb), -1), posted.get((consumer_stage, recv_op, mb), -1),
-                link, producer[0])
+        send, recv = posted.get((producer[0], send_op, mb), -1), posted.get((consumer_stage, recv_op, mb), -1)
+        return (index[producer], send, recv, link, producer[0])
 
     kinds = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.RECOMPUTE: 2, Op.BACKWARD_INPUT: 3, Op.BACKWARD_WEIGHT: 3}
     deps = []
@@ -162,7 +163,8 @@ def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
     return compiled.times(costs)
 
 
-def simulated(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int], costs: StageCosts) -> PipelineTimes:
+def simulated(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
+              costs: StageCosts) -> PipelineTimes:
     """The simulator itself on these costs (what CompiledSchedule must reproduce; tests compare the two)."""
     lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
 
