@@ -71,7 +71,8 @@ class Plan:
 
     def describe(self) -> str:
         """The one-line banner: what was picked, what it should cost, and the runner-up."""
-        text = f"auto: picked {_configuration(self.record)}"
+        searched = self.source in ("the search", "the confirmed search")
+        text = f"{'auto: picked' if searched else f'plan {self.source}: runs'} {_configuration(self.record)}"
         prediction = self.record.get("prediction")
         if prediction:
             text += f"; predicted {_costs(prediction)}"
