@@ -128,6 +128,7 @@ class Trainer:
             for name, text in self.engine.run_files().items():  # what the engine chose (tp_plan.txt)
                 (run_dir / name).write_text(text)
             if self.plan is not None:  # --strategy auto / --plan: what was chosen and predicted
+                self.plan.record.pop("measured", None)  # a rerun plan's old measurements belong to its old run
                 self.plan.save(run_dir / "plan.json")
         return run_dir
 
