@@ -100,7 +100,7 @@ def test_auto_refuses_what_it_cannot_search_and_bad_clusters(tmp_path):
     bad.write_text('name = "half"\n')
     with pytest.raises(ConfigError, match=r"cluster file: missing field"):
         resolve(Strategy.auto(cluster=str(bad)), TrainConfig(global_batch_size=8), 4, model=model, example=example)
-    with pytest.raises(ConfigError, match=r"dp\*tp\*pp = \?\*1\*3 does not equal the number of processes \(4\)"):
+    with pytest.raises(ConfigError, match=r"degrees fixed multiply to 3, which does not divide the 4 processes"):
         resolve(Strategy.auto(pp=3), TrainConfig(global_batch_size=8), 4, model=model, example=example)
     with pytest.raises(ConfigError, match=r"needs the model"):
         resolve(Strategy.auto(), TrainConfig(), 4)
@@ -145,3 +145,10 @@ def test_compiled_schedule_equals_the_simulator(schedule, chunks):
         assert got.makespan == pytest.approx(want.makespan, rel=1e-12)
         assert got.finish == pytest.approx(want.finish, rel=1e-12) and got.busy == pytest.approx(want.busy, rel=1e-12)
         assert got.in_flight == want.in_flight and got.stashed == want.stashed
+
+
+def test_auto_with_fixed_dp_searches_the_rest():
+    model, example = tiny_model()
+    resolved = resolve(Strategy.auto(dp=2), TrainConfig(global_batch_size=8), 4, model=model, example=example)
+    assert resolved.strategy.dp == 2 and resolved.strategy.tp * resolved.strategy.pp == 2
+    assert resolved.plan.record["search"]["fixed"] == {"dp": 2}

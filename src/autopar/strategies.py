@@ -11,6 +11,7 @@ synchronous loop does not fit it, a loop of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,7 +156,9 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
     search needs `model` and `example` (the traced call of one sample); a plan is checked against them.
     """
     config.validate()
-    strategy.resolved(world)  # field errors first, as for any strategy
+    searched = strategy.search == "auto" and not strategy.plan
+    # field errors first, as for any strategy (the search picks the degrees left open, so not their product)
+    (dataclasses.replace(strategy, dp=None, tp=1, pp=1) if searched else strategy).resolved(world)
 
     def accept(candidate: Strategy, candidate_config: TrainConfig) -> None:
         _entry_and_check(candidate.resolved(world), candidate_config, world, custom_forward)

@@ -320,6 +320,11 @@ def resolve_choice(strategy: Strategy, config: TrainConfig, world: int, *, model
     if strategy.search != "auto":
         return strategy, config, None
     _check_searchable(strategy, config)
+    fixed_product = (strategy.dp or 1) * strategy.tp * strategy.pp
+    if world % fixed_product:  # (a product that divides but leaves no valid rest: plan_auto names it)
+        raise ConfigError(f"--strategy auto with dp={strategy.dp or '?'} tp={strategy.tp} pp={strategy.pp}: the "
+                          f"degrees fixed multiply to {fixed_product}, which does not divide the {world} processes; "
+                          f"fix degrees whose product divides {world}, or fix fewer")
     if model is None or example is None:
         raise ConfigError("--strategy auto needs the model to search for; pass it to the Trainer (or run autopar "
                           "train), or give a saved plan with --plan")
