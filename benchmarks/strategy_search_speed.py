@@ -12,6 +12,7 @@ search time, and the top plans.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from autopar.search.cluster import resolve_cluster
@@ -50,7 +51,8 @@ def main() -> None:
     print(f"search: {result.evaluated} configurations scored ({result.pruned} over memory, "
           f"{len(result.ranked)} distinct fitting) in {searched:.1f} s wall, {cpu:.1f} s CPU "
           f"({cpu / max(result.evaluated, 1) * 1e3:.2f} ms CPU each); schedules {args.schedules}; "
-          f"partitions {args.partitions}")
+          f"partitions {args.partitions}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+          f"(wall exceeds CPU when others share them)")
     require_fit(result, model)
     for e in result.ranked[:5]:
         print(f"  {e.step_time_s:8.3f} s  {e.tokens_per_s:10.0f} tok/s  bubble {e.bubble:5.1%}  comm {e.comm_share:5.1%}"

@@ -5,10 +5,12 @@
                     config=autopar.TrainConfig(steps=100)).train()
 """
 
+from .autoplan import plan_auto
 from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig
 from .errors import AutoparError
+from .search.auto import Plan
 from .trainer import Trainer, TrainResult
 from .version import __version__
 
 __all__ = ["Trainer", "TrainResult", "Strategy", "TrainConfig", "JobConfig", "ModelConfig", "DataConfig",
-           "LaunchConfig", "AutoparError", "__version__"]
+           "LaunchConfig", "AutoparError", "__version__", "plan_auto", "Plan"]

@@ -114,6 +114,9 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     if env.launched and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and not job.train.out:
         raise ConfigError("under torchrun --max-restarts, pass --out RUN_DIR: a restarted job resumes from the "
                           "checkpoints in that folder, and without it each start would pick a new one")
+    if not env.launched and (job.strategy.search == "auto" or job.strategy.plan):
+        from .autoplan import choose_before_launch  # search (or read the plan) once, here; ranks get plan.json
+        job, argv = choose_before_launch(job, argv)
     if not env.launched and (job.launch.nproc > 1 or job.launch.max_restarts > 0):
         from .strategies import resolve
         resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process

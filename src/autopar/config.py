@@ -53,6 +53,7 @@ SPARSE_EMBEDDING_MODES = ("dense", "allgather", "embrace")
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam", "sparse-adam")
 SPARSE_SHARDINGS = ("column", "row")
 DEFAULT_CHECKPOINT_EVERY = 100  # steps; a restart or a preemption loses at most this much work
+SEARCH_MODES = ("manual", "auto")
 
 
 @dataclass(kw_only=True)
@@ -92,6 +93,23 @@ class Strategy:
     sparse_sharding: str = _f("column", f"how embrace shards sparse tables over replicas: {'|'.join(SPARSE_SHARDINGS)}")
     sparse_schedule: bool = _f(False, "embrace: 2D communication scheduling (rows the next step reads are exchanged "
                                       "and updated first, the rest deferred; needs grad_clip 0)")
+    # Letting autopar choose (search/auto.py): the fields above that are left at their defaults are searched.
+    search: str = _f("manual", f"{'|'.join(SEARCH_MODES)}: auto searches dp, tp, pp, micro-batching, schedule, chunks, "
+                               "recomputation and cut for this model and nproc before any process starts (degrees "
+                               "and a schedule given beside it stay fixed) and writes plan.json into the run folder",
+                     flag="--strategy")
+    plan: str | None = _f(None, "a saved plan (plan.json of a run folder, or `autopar plan --auto --json` output) to "
+                                "run as it is; flags that contradict it are refused")
+    cluster: str | None = _f(None, "--strategy auto: cluster TOML (autopar calibrate) or preset name; default cpu-local")
+    memory_per_device_gb: float | None = _f(None, "--strategy auto: memory per device to plan for (GiB); default: "
+                                                  "the cluster's")
+    confirm: int = _f(0, "--strategy auto: run the top K plans for a few steps each and keep the fastest measured")
+
+    @classmethod
+    def auto(cls, *, cluster: str | None = None, memory_per_device_gb: float | None = None, **fixed: Any) -> Strategy:
+        """A strategy the search picks when training starts (search/auto.py); `fixed` fields (e.g. pp=2) stay as
+        given and the rest are searched: `Trainer(model, data, strategy=Strategy.auto(pp=2))`."""
+        return cls(search="auto", cluster=cluster, memory_per_device_gb=memory_per_device_gb, **fixed)
 
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
@@ -105,6 +123,9 @@ class Strategy:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.dp_mode not in DP_MODES:
             raise ConfigError(f"strategy.dp_mode must be one of {choices(DP_MODES)}, got {self.dp_mode!r}")
+        if self.search not in SEARCH_MODES:
+            raise ConfigError(f"strategy.search (--strategy) must be one of {choices(SEARCH_MODES)}, got {self.search!r}")
+        _check_nonnegative_int("strategy.confirm", self.confirm)
         _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
         _check_positive_int("strategy.servers", self.servers)
         if self.sparse_embeddings not in SPARSE_EMBEDDING_MODES:

@@ -6,7 +6,11 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
+
+from torch import nn
+from torch.utils.data import Dataset
 
 from .config import JobConfig
 from .data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
@@ -49,12 +53,33 @@ def build_job_tokenizer(job: JobConfig, corpus, files: DataFiles | None):
     return build_tokenizer(name, corpus=corpus, vocab_size=job.data.vocab_size, text=text)
 
 
+@dataclass
+class JobParts:
+    """What a job trains: the model (on meta), its data, and what the run folder records about them."""
+
+    job: JobConfig  # with the model's resolved arguments
+    model: nn.Module
+    name: str
+    train_data: Dataset
+    eval_data: Dataset
+    run_info: dict
+    pretrained: PretrainedWeights | None = None  # hf:PATH: weights each rank reads its share of
+    run_files: dict | None = None  # files the run folder keeps (tokenizer.json, hf/config.json)
+
+
 def run_job(job: JobConfig) -> TrainResult:
     return make_trainer(job).train()
 
 
 def make_trainer(job: JobConfig) -> Trainer:
     """The Trainer `autopar train` runs for `job` (tokenizer, model, data, pretrained weights), not yet started."""
+    parts = build_job(job)
+    return Trainer(parts.model, parts.train_data, strategy=job.strategy, config=job.train, eval_data=parts.eval_data,
+                   job_config=parts.job, run_info=parts.run_info, pretrained=parts.pretrained,
+                   run_files=parts.run_files)
+
+
+def build_job(job: JobConfig) -> JobParts:
     files = data_files(job)
     corpus = load_corpus(job.data.corpus) if files is None or job.data.tokenizer == "word" else None
     tokenizer = build_job_tokenizer(job, corpus, files)
@@ -92,5 +117,5 @@ def make_trainer(job: JobConfig) -> Trainer:
                     "corpus": corpus.describe(), "corpus_fingerprint": corpus.fingerprint,
                     "train_samples": len(train_data), "eval_samples": len(eval_data)}
     resolved = dataclasses.replace(job, model=dataclasses.replace(job.model, args=info.args))
-    return Trainer(model, train_data, strategy=job.strategy, config=job.train, eval_data=eval_data,
-                   job_config=resolved, run_info=run_info, pretrained=pretrained, run_files=run_files)
+    return JobParts(job=resolved, model=model, name=info.name, train_data=train_data, eval_data=eval_data,
+                    run_info=run_info, pretrained=pretrained, run_files=run_files)

@@ -11,8 +11,11 @@ synchronous loop does not fit it, a loop of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from torch import nn
 
 from .async_sgd.engine import AsyncEngine, check_async_setup
 from .async_sgd.loop import train_async
@@ -22,6 +25,7 @@ from .gossip import GossipEngine, check_gossip_strategy
 from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpoint
 from .pipeline.async_schedules import check_no_flush
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
+from .search.auto import Example, Plan, resolve_choice
 from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_setup
 from .tensor_parallel.subpipeline import check_tp_subbatches
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
@@ -57,6 +61,7 @@ class Resolved:
     strategy: Strategy
     config: TrainConfig
     accumulation: int  # micro-batches per replica (per worker) per step
+    plan: Plan | None = None  # the plan that chose the strategy (--strategy auto, --plan), written to plan.json
 
 
 def sparse_requested(strategy: Strategy, config: TrainConfig) -> bool:
@@ -192,10 +197,31 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
 )
 
 
-def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False) -> Resolved:
-    """Every check that needs no communication, in one place; the same error on every rank and in the CLI."""
+def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False,
+            model: nn.Module | None = None, example: Example | None = None, plan: Plan | None = None,
+            model_name: str | None = None) -> Resolved:
+    """Every check that needs no communication, in one place; the same error on every rank and in the CLI.
+
+    `--strategy auto` and `--plan` become a concrete strategy here first (search/auto.py): the
+    search needs `model` and `example` (the traced call of one sample); a plan is checked against them.
+    """
     config.validate()
+    searched = strategy.search == "auto" and not strategy.plan
+    # field errors first, as for any strategy (the search picks the degrees left open, so not their product)
+    (dataclasses.replace(strategy, dp=None, tp=1, pp=1) if searched else strategy).resolved(world)
+
+    def accept(candidate: Strategy, candidate_config: TrainConfig) -> None:
+        _entry_and_check(candidate.resolved(world), candidate_config, world, custom_forward)
+
+    strategy, config, plan = resolve_choice(strategy, config, world, model=model, example=example, plan=plan,
+                                            model_name=model_name, accept=accept)
     strategy = strategy.resolved(world)
+    entry, config, accumulation = _entry_and_check(strategy, config, world, custom_forward)
+    return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation, plan=plan)
+
+
+def _entry_and_check(strategy: Strategy, config: TrainConfig, world: int,
+                     custom_forward: bool) -> tuple[StrategyEntry, TrainConfig, int]:
     entry = next(e for e in STRATEGIES if e.applies(strategy, config))
     config, accumulation = entry.check(Request(strategy, config, world, custom_forward))
-    return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation)
+    return entry, config, accumulation

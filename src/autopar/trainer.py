@@ -39,12 +39,14 @@ from .dropout import dropout_step
 from .errors import CheckpointError, ConfigError, DataError, Preempted, TrainingError
 from .launch import ATTEMPT_ENV, RESTARTS_LOG, restart_attempt
 from .mesh import ProcessMesh
+from .search.auto import Measured, Plan
 from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
 from .train import manifest
 from .train.base import Engine, EngineContext, TrainResult
 from .train.engine import eval_token_sums
 from .train.faults import Fault
+from .train.fields import example_call
 from .train.interrupt import StopRequest
 from .train.loss import Batch, LossFn, as_batch, default_forward, main_input, target_count, tokens_in
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
@@ -62,7 +64,7 @@ first step reads the shapes of its transfers (p2p metadata). tests/test_host_syn
 
 
 class Trainer:
-    def __init__(self, model: nn.Module, train_data: Dataset, *, strategy: Strategy | None = None,
+    def __init__(self, model: nn.Module, train_data: Dataset, *, strategy: Strategy | Plan | None = None,
                  config: TrainConfig | None = None, eval_data: Dataset | None = None,
                  loss_fn: LossFn | None = None, forward_fn: Callable[[nn.Module, Batch], Any] | None = None,
                  job_config: JobConfig | None = None, run_info: dict[str, Any] | None = None,
@@ -72,6 +74,7 @@ class Trainer:
             cross-entropy against batch["labels"] (-100 ignored), averaged over the global batch.
         forward_fn(model, batch) -> output. Default: model(batch["input_ids"] or batch["inputs"], **other fields).
         job_config / run_info: written to the run folder (the CLI passes its full config).
+        strategy: a Strategy, `Strategy.auto(...)` (searched when training starts), or a Plan (`plan_auto`).
         pretrained: a models.pretrained.PretrainedWeights checked against `model` (on meta): each rank reads
             the values of just the tensors (and tensor-parallel slices) it holds, instead of the seeded init.
         run_files: extra {file name: text} written into the run folder (a Hugging Face config, a tokenizer).
@@ -79,19 +82,25 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Trainer needs an nn.Module as the model, got {type(model).__name__}")
         self.model, self.train_data, self.eval_data = model, train_data, eval_data
-        self.strategy = strategy or Strategy()
+        self.plan = strategy if isinstance(strategy, Plan) else None
+        self.strategy = Strategy() if self.plan is not None or strategy is None else strategy
         self.config = config or TrainConfig()
         self.loss_fn, self.forward_fn = loss_fn, forward_fn or default_forward
         self.job_config, self.run_info = job_config, dict(run_info or {})
         self.pretrained, self.extra_run_files = pretrained, dict(run_files or {})
         self.pretrained_bytes_read = 0
+        self.step_times_s: list[float] = []
 
     # ------------------------------------------------------------------ set-up
 
     def _validate(self) -> Resolved:
         """Every check that needs no communication (strategies.resolve), so each rank fails the same way, early."""
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
-        resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward)
+        if self.strategy.confirm and self.plan is None and not self.strategy.plan:
+            raise ConfigError(f"--confirm {self.strategy.confirm} runs the top plans as separate short jobs, which "
+                              f"only `autopar train` can start; in Python, measure plans yourself or use confirm=0")
+        resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward,
+                           model=self.model, example=lambda: example_call(self.model, self.train_data), plan=self.plan)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
@@ -108,6 +117,7 @@ class Trainer:
         resolved = self._validate()
         self.strategy, self.config, self.accumulation = resolved.strategy, resolved.config, resolved.accumulation
         self.loop = resolved.entry.loop
+        self.plan = resolved.plan
         cfg = self.config
         init_distributed(cfg.device, cfg.timeout_s)
         self.mesh = ProcessMesh.build(self.strategy, device=cfg.device, timeout_s=cfg.timeout_s)
@@ -173,13 +183,17 @@ class Trainer:
             for name, text in {**self.engine.run_files(), **self.extra_run_files}.items():  # tp_plan.txt, hf/...
                 (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
                 (run_dir / name).write_text(text)
+            if self.plan is not None:  # --strategy auto / --plan: what was chosen and predicted
+                self.plan.record.pop("measured", None)  # a rerun plan's old measurements belong to its old run
+                self.plan.save(run_dir / "plan.json")
         return run_dir
 
     def _config_toml(self) -> str:
         """The run's configuration, without where it was written or resumed from: rerunning the file starts a
-        new run folder, and `--resume RUN_DIR` reads it back."""
+        new run folder, and `--resume RUN_DIR` reads it back. A plan also chose the micro-batches: write what runs."""
         if self.job_config is not None:
-            train = dataclasses.replace(self.job_config.train, out=None, resume=None)
+            train = self.config if self.plan is not None else self.job_config.train
+            train = dataclasses.replace(train, out=None, resume=None)
             return to_toml(dataclasses.replace(self.job_config, strategy=self.strategy, train=train))
         train = to_dict(dataclasses.replace(self.config, out=None, resume=None))
         return tomli_w.dumps({"strategy": to_dict(self.strategy), "train": train})
@@ -375,6 +389,7 @@ class Trainer:
                                                                 bad_in_a_row, cfg.max_bad_steps))
                     elapsed = timer.seconds()
                     result.losses.append(loss)
+                    self.step_times_s.append(elapsed)  # this rank's clock (plan.json's measured step time)
                     record = {"step": number, "loss": loss if math.isfinite(loss) else None, "lr": lr,
                               "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
                               "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
@@ -433,6 +448,8 @@ class Trainer:
 
     def close_run(self, result: TrainResult) -> TrainResult:
         """summary.json and the "done:" line on rank 0; returns once the run folder is complete on every rank."""
+        if self.plan is not None and self.step_times_s:
+            self._record_measured()
         if self.is_main:
             summary = {"steps": self.config.steps, "final_loss": result.losses[-1] if result.losses else None,
                        "eval_loss": result.eval_loss, "run_dir": str(self.run_dir)}
@@ -443,6 +460,21 @@ class Trainer:
         dist.barrier()  # when train() returns, on any rank, the run folder is complete
         return result
 
+    def _record_measured(self) -> None:
+        """plan.json gets the measured step time and every rank's peak memory beside the prediction."""
+        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
+        peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+        dist.all_gather(peaks, peak)
+        if not self.is_main:
+            return
+        source = ("torch.cuda.max_memory_allocated (tensors only)" if self.device.type == "cuda" else
+                  "resource.getrusage ru_maxrss (the whole process: Python, torch, data and tensors)")
+        measured = Measured(step_times_s=self.step_times_s, peak_memory_bytes_per_rank=[int(p.item()) for p in peaks],
+                            peak_memory_source=source, pp=self.strategy.pp,
+                            ranks_per_stage=self.strategy.dp * self.strategy.tp)
+        self.plan.record["measured"] = measured.to_dict()
+        self.plan.save(self.run_dir / "plan.json")
+
     def _banner(self, start: int) -> str:
         params = self.engine.num_parameters()
         lines = [f"autopar {__version__}: {dist.get_world_size()} process(es), strategy dp={self.strategy.dp} "
@@ -451,6 +483,8 @@ class Trainer:
                  f"run folder: {self.run_dir}"]
         lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model", "data", "tokenizer", "pretrained")]
         lines += self.engine.banner_lines()
+        if self.plan is not None:
+            lines.append(self.plan.describe())
         if start:
             lines.append(f"resumed at step {start} from {self.resumed_from}")
         if self.attempt:

@@ -33,7 +33,8 @@ def plan_dict(e: Estimate, model: StepModel) -> dict:
             "comm_share": e.comm_share, "peak_memory_bytes_per_rank": [round(m) for m in e.memory_per_rank],
             "memory_per_stage": [m.to_dict() for m in e.memory_per_stage], "stage_bounds": list(e.bounds),
             "recompute_blocks_per_stage": list(e.recompute_blocks), "parts_s": e.parts},
-        "model": model.profile.name, "seq_len": model.profile.seq_len, "cluster": model.cluster.name,
+        "model": model.profile.name, "num_params": model.profile.num_params, "seq_len": model.profile.seq_len,
+        "cluster": model.cluster.name, "nproc": c.dp * c.tp * c.pp,
     }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..pipeline.actions import Action, Op
+from ..pipeline.actions import Action, Op, stage_to_rank
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
 
@@ -50,17 +50,123 @@ class PipelineTimes:
         return sum(1 - b / self.makespan for b in self.busy) / len(self.busy)
 
 
+@dataclass(frozen=True)
+class CompiledSchedule:
+    """One schedule's timing as a longest-path sweep, built once and evaluated for any stage costs.
+
+    The simulator runs each rank's list in order: a compute action starts when the rank's
+    previous one ends and its inputs are there; a transfer leaves at the latest of its producer's
+    end and the times its send and receive were posted (the end of the compute before each in
+    its rank's list). With the order fixed, those are the same max-plus equations for every cost
+    vector, so they are recorded once (from one simulation, whose start times give a valid
+    evaluation order) and swept per candidate: plain float arithmetic instead of the simulator's
+    event loop. The live-activation counts depend only on the order (costs are positive), so they
+    are kept from that run. tests/test_search.py checks the sweep against simulate() itself.
+    """
+
+    pp: int
+    kind: tuple[int, ...]  # per action, in evaluation order: 0 forward, 1 backward, 2 recompute, 3 half backward
+    stage: tuple[int, ...]
+    rank: tuple[int, ...]
+    prev: tuple[int, ...]  # the previous compute action on the same rank (-1: none)
+    deps: tuple[tuple[tuple[int, int, int, int, int], ...], ...]  # (producer, send post, recv post, transfer, stage)
+    in_flight: tuple[int, ...]
+    stashed: tuple[int, ...]
+
+    def times(self, costs: StageCosts) -> PipelineTimes:
+        per_kind = (costs.forward, costs.backward, costs.recompute, tuple(b / 2 for b in costs.backward))
+        transfer = (costs.send_activation, costs.send_gradient)
+        end = [0.0] * len(self.kind)
+        finish, busy = [0.0] * self.pp, [0.0] * self.pp
+        rows = zip(self.kind, self.stage, self.rank, self.prev, self.deps)
+        for i, (kind, stage, rank, prev, deps) in enumerate(rows):
+            t = end[prev] if prev >= 0 else 0.0
+            for producer, send_post, recv_post, link, link_stage in deps:
+                ready = end[producer]
+                if link >= 0:
+                    if send_post >= 0 and end[send_post] > ready:
+                        ready = end[send_post]
+                    if recv_post >= 0 and end[recv_post] > ready:
+                        ready = end[recv_post]
+                    ready += transfer[link][link_stage]
+                if ready > t:
+                    t = ready
+            c = per_kind[kind][stage]
+            end[i] = t + c
+            busy[rank] += c
+            if end[i] > finish[rank]:
+                finish[rank] = end[i]
+        return PipelineTimes(makespan=max(end, default=0.0), finish=tuple(finish), busy=tuple(busy),
+                             in_flight=self.in_flight, stashed=self.stashed)
+
+
+def compile_schedule(lists, *, pp: int, chunks: int, m: int) -> CompiledSchedule:
+    """Record the dependency equations of `lists` (one simulation with unit costs fixes the evaluation order)."""
+    stages = pp * chunks
+    timeline = simulate(lists, pp=pp, num_stages=stages, num_microbatches=m)
+    order = [action for _, _, _, action in timeline.compute_events()]  # by start time: producers first
+    index = {(a.stage, a.op, a.microbatch): i for i, a in enumerate(order)}
+    rank_of = {s: stage_to_rank(s, pp, stages, "loop") for s in range(stages)}  # as simulate() places stages
+    prev, posted = [-1] * len(order), {}
+    for r, acts in lists.items():
+        last = -1
+        for a in acts:
+            key = (a.stage, a.op, a.microbatch)
+            if a.op.is_comm:
+                posted[key] = last
+            else:
+                prev[index[key]] = last
+                last = index[key]
+    split = {(a.stage, a.microbatch) for a in order if a.op == Op.BACKWARD_INPUT}
+    recomputed = {(a.stage, a.microbatch) for a in order if a.op == Op.RECOMPUTE}
+
+    def dep(producer: tuple, send_op: Op, consumer_stage: int, recv_op: Op, link: int) -> tuple:
+        if rank_of[producer[0]] == rank_of[consumer_stage]:
+            return (index[producer], -1, -1, -1, 0)
+        mb = producer[2]
+        send, recv = posted.get((producer[0], send_op, mb), -1), posted.get((consumer_stage, recv_op, mb), -1)
+        return (index[producer], send, recv, link, producer[0])
+
+    kinds = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.RECOMPUTE: 2, Op.BACKWARD_INPUT: 3, Op.BACKWARD_WEIGHT: 3}
+    deps = []
+    for a in order:
+        s, op, mb = a.stage, a.op, a.microbatch
+        mine = []
+        if op == Op.FORWARD and s > 0:
+            mine.append(dep((s - 1, Op.FORWARD, mb), Op.SEND_ACT, s, Op.RECV_ACT, 0))
+        if op in (Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT):
+            mine.append((index[(s, Op.FORWARD, mb)], -1, -1, -1, 0))
+        if op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            if (s, mb) in recomputed:
+                mine.append((index[(s, Op.RECOMPUTE, mb)], -1, -1, -1, 0))
+            if s < stages - 1:
+                grad = Op.BACKWARD_INPUT if (s + 1, mb) in split else Op.BACKWARD
+                mine.append(dep((s + 1, grad, mb), Op.SEND_GRAD, s, Op.RECV_GRAD, 1))
+        if op == Op.BACKWARD_WEIGHT:
+            mine.append((index[(s, Op.BACKWARD_INPUT, mb)], -1, -1, -1, 0))
+        deps.append(tuple(mine))
+    return CompiledSchedule(pp=pp, kind=tuple(kinds[a.op] for a in order), stage=tuple(a.stage for a in order),
+                            rank=tuple(rank_of[a.stage] for a in order), prev=tuple(prev), deps=tuple(deps),
+                            in_flight=tuple(timeline.peak_activations.get(s, 0) for s in range(stages)),
+                            stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(stages)))
+
+
 def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
               costs: StageCosts, cache: dict | None = None) -> PipelineTimes:
-    stages = pp * chunks
-    key = (schedule, pp, chunks, m, recompute)
-    if cache is not None and (key, costs) in cache:
-        return cache[(key, costs)]
-    lists = cache.get(key) if cache is not None else None
-    if lists is None:
+    key = ("compiled", schedule, pp, chunks, m, recompute)
+    compiled = cache.get(key) if cache is not None else None
+    if compiled is None:
         lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
+        compiled = compile_schedule(lists, pp=pp, chunks=chunks, m=m)
         if cache is not None:
-            cache[key] = lists
+            cache[key] = compiled
+    return compiled.times(costs)
+
+
+def simulated(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
+              costs: StageCosts) -> PipelineTimes:
+    """The simulator itself on these costs (what CompiledSchedule must reproduce; tests compare the two)."""
+    lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
 
     def cost(action: Action) -> float:
         s, op = action.stage, action.op
@@ -75,17 +181,14 @@ def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
     def comm(action: Action) -> float:
         return costs.send_activation[action.stage] if action.op == Op.SEND_ACT else costs.send_gradient[action.stage]
 
-    timeline = simulate(lists, pp=pp, num_stages=stages, num_microbatches=m, cost=cost, comm_cost=comm)
+    timeline = simulate(lists, pp=pp, num_stages=pp * chunks, num_microbatches=m, cost=cost, comm_cost=comm)
     finish, busy = [0.0] * pp, [0.0] * pp
-    for rank, start, end, action in timeline.compute_events():
+    for rank, start, end, _ in timeline.compute_events():
         finish[rank] = max(finish[rank], end)
         busy[rank] += end - start
-    result = PipelineTimes(makespan=timeline.makespan, finish=tuple(finish), busy=tuple(busy),
-                           in_flight=tuple(timeline.peak_activations.get(s, 0) for s in range(stages)),
-                           stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(stages)))
-    if cache is not None:
-        cache[(key, costs)] = result  # the two steady-state runs serve every longer schedule
-    return result
+    return PipelineTimes(makespan=timeline.makespan, finish=tuple(finish), busy=tuple(busy),
+                         in_flight=tuple(timeline.peak_activations.get(s, 0) for s in range(pp * chunks)),
+                         stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(pp * chunks)))
 
 
 def pipeline_times(schedule: str, *, pp: int, chunks: int, num_microbatches: int, recompute: frozenset[int],

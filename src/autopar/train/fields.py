@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .loss import Batch, forward_inputs
+from .loss import Batch, as_batch, forward_inputs
 
 
 def traced_call(batch: Batch, device: torch.device | str = "meta") -> tuple[tuple, dict]:
@@ -56,3 +56,14 @@ def first_stage_inputs(batch: Batch, input_keys: list[int | str], shapes: list[t
                               f"one the model was traced on; with pp>1 or tp>1 shapes are static: pad every "
                               f"sample to one length (or use pp=1 tp=1)")
     return values
+
+
+def example_call(model: torch.nn.Module, data) -> tuple[tuple, dict]:
+    """(args, kwargs) of one sample, on the device the model lives on (meta or real): what the strategy
+    search traces the model on (search/auto.py), as a traced engine would call it."""
+    from torch.utils.data import default_collate
+
+    from ..models.hf import turn_off_kv_cache
+    turn_off_kv_cache(model)
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    return traced_call(default_collate([as_batch(data[0])]), device)

@@ -1,0 +1,115 @@
+"""Choosing the strategy before training: `autopar train --strategy auto | --plan FILE [--confirm K]`, `plan_auto`.
+
+The CLI resolves the choice in its own process, before any rank starts (strategies.resolve
+runs the search, or reads and checks the plan), prints the banner line, writes plan.json into
+the run folder and starts the ranks on that plan, so they do not search again. `--confirm K`
+first runs each of the top K plans for a few steps (the launcher, one after the other, each
+in a temporary folder) and keeps the fastest measured; every measurement goes into plan.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from .config import JobConfig, Strategy, TrainConfig
+from .errors import ConfigError
+from .search.auto import Plan, milliseconds
+from .strategies import resolve
+from .train.fields import example_call
+
+CONFIRM_STEPS = 4  # steps each confirmed plan runs; the median of all but the first is its time
+
+
+def plan_auto(model: nn.Module, train_data: Dataset, nproc: int, *, strategy: Strategy | None = None,
+              config: TrainConfig | None = None) -> Plan:
+    """The search's Plan for training `model` on `train_data` with `nproc` processes (no process starts).
+
+    `strategy` (default `Strategy.auto()`) carries the cluster, the memory and any fixed degrees;
+    `config` the global batch size and dtype. Pass the Plan to the Trainer as its strategy.
+    """
+    strategy = strategy or Strategy.auto()
+    if strategy.search != "auto" and not strategy.plan:
+        strategy = dataclasses.replace(strategy, search="auto")
+    resolved = resolve(strategy, config or TrainConfig(), nproc, model=model,
+                       example=lambda: example_call(model, train_data))
+    return resolved.plan
+
+
+def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, list[str]]:
+    """Resolve --strategy auto / --plan here; returns the job and the ranks' argv, both naming the run's plan.json."""
+    from .job import build_job
+    out = Path(job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}")
+    parts = build_job(job)
+    nproc = job.launch.nproc
+    resolved = resolve(job.strategy, job.train, nproc, model=parts.model, model_name=parts.name,
+                       example=lambda: example_call(parts.model, parts.train_data))
+    plan = resolved.plan
+    print(plan.describe(), flush=True)
+    if job.strategy.confirm and not job.strategy.plan:
+        plan = confirm(plan, job.strategy.confirm, argv, nproc)
+        print(plan.describe(), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "plan.json"
+    plan.save(path)
+    job = dataclasses.replace(job, strategy=dataclasses.replace(job.strategy, plan=str(path)),
+                              train=dataclasses.replace(job.train, out=str(out)))
+    return job, [*argv, "--plan", str(path), "--out", str(out)]
+
+
+def confirm(plan: Plan, k: int, argv: list[str], nproc: int) -> Plan:
+    """Run the top `k` plans for CONFIRM_STEPS steps each and return the fastest measured, all K recorded."""
+    from .launch import launch
+    records = [plan.record, *plan.record.get("alternatives", [])][:k]
+    shared = {key: plan.record[key] for key in ("nproc", "num_params", "model", "seq_len", "cluster")
+              if key in plan.record}
+    results = []
+    for i, record in enumerate(records):
+        folder = Path(tempfile.mkdtemp(prefix=f"autopar-confirm-{i}-"))
+        try:
+            candidate = Plan({**shared, **{key: record[key] for key in ("strategy", "train", "prediction")}})
+            candidate.save(folder / "plan.json")
+            predicted = milliseconds(record["prediction"]["step_time_s"])
+            print(f"confirm {i + 1}/{len(records)}: {candidate.configuration()}, predicted {predicted} ms/step; "
+                  f"running {CONFIRM_STEPS} steps", flush=True)
+            command = [sys.executable, "-m", "autopar", *argv, "--plan", str(folder / "plan.json"),
+                       "--out", str(folder / "run"), "--steps", str(CONFIRM_STEPS), "--log-every", "1",
+                       "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress",
+                       "--confirm", "0"]
+            code = launch(command, nproc)
+            entry = {"predicted_rank": i + 1, "strategy": record["strategy"], "train": record["train"],
+                     "predicted_step_time_s": record["prediction"]["step_time_s"], "exit_code": code}
+            if code == 0:
+                times = [json.loads(line)["step_time_s"] for line in
+                         (folder / "run" / "metrics.jsonl").read_text().splitlines() if line]
+                entry.update(measured_step_time_s=statistics.median(times[1:] or times), step_times_s=times,
+                             peak_mem_bytes=_last_peak(folder / "run" / "metrics.jsonl"))
+            results.append(entry)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    ran = [r for r in results if "measured_step_time_s" in r]
+    if not ran:
+        raise ConfigError(f"--confirm {k}: none of the top {len(records)} plans ran (exit codes "
+                          f"{[r['exit_code'] for r in results]}); run the plan alone to see why, or drop --confirm")
+    best = min(ran, key=lambda r: r["measured_step_time_s"])
+    winner = records[best["predicted_rank"] - 1]
+    chosen = {**plan.record, **{key: winner[key] for key in ("strategy", "train", "prediction")},
+              "alternatives": [r for r in [plan.record, *plan.record.get("alternatives", [])] if r is not winner],
+              "confirm": results}
+    chosen["alternatives"] = [{key: r[key] for key in ("strategy", "train", "prediction") if key in r}
+                              for r in chosen["alternatives"]]
+    return Plan(chosen, source="the confirmed search")
+
+
+def _last_peak(path: Path) -> int | None:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return records[-1].get("peak_mem_bytes") if records else None

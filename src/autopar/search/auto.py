@@ -1,0 +1,363 @@
+"""`--strategy auto` and `--plan`: the search's winner as a concrete Strategy, saved as a plan and read back.
+
+`plan_auto` profiles the model (one trace at micro-batch 1), scores every configuration the
+search space allows on the cluster model (search.py), keeps the ones the runtime accepts, and
+returns a `Plan`: the winning Strategy fields, the micro-batch settings, the prediction and the
+runners-up. `resolve_choice` is the one place where a Strategy that says `search = "auto"` or
+names a `plan` becomes a concrete one; strategies.resolve() calls it, in the CLI before any
+process starts and in the Trainer on every rank, so a bad plan fails the same way everywhere.
+
+A plan is plain JSON (the `autopar plan --auto --json` output is one), so it can be read,
+edited, kept and rerun; after a run the Trainer adds what it measured beside the prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..config import Strategy, TrainConfig
+from ..errors import ConfigError
+from .cluster import resolve_cluster
+from .command import plan_dict
+from .cost import Candidate, StepModel
+from .profile import profile_graph
+from .search import SearchSpace, divisors, enumerate_candidates, exhaustive, require_fit, why
+
+TOP_K = 5  # plans kept in plan.json (the winner and its runners-up)
+Example = Callable[[], tuple[tuple, dict]]  # (args, kwargs) of one sample, as the model is traced
+
+
+@dataclass
+class Plan:
+    """A chosen strategy and why: `.strategy`, `.train` (TrainConfig updates), the prediction, the runners-up.
+
+    `record` is the JSON form, kept whole so a saved plan round-trips exactly.
+    """
+
+    record: dict
+    source: str = "plan"  # where it was read from, for error messages
+
+    @property
+    def strategy(self) -> Strategy:
+        return Strategy(**self.record["strategy"])
+
+    @property
+    def train(self) -> dict[str, Any]:
+        return dict(self.record["train"])
+
+    @property
+    def nproc(self) -> int:
+        s = self.record["strategy"]
+        return int(self.record.get("nproc") or s["dp"] * s.get("tp", 1) * s.get("pp", 1))
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.record.get("prediction", {}).get("step_time_s")
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def configuration(self) -> str:
+        """The chosen strategy in one phrase: degrees, schedule, micro-batches, recomputation, cut."""
+        return _configuration(self.record)
+
+    def describe(self) -> str:
+        """The one-line banner: what was picked, what it should cost, and the runner-up."""
+        searched = self.source in ("the search", "the confirmed search")
+        text = f"{'auto: picked' if searched else f'plan {self.source}: runs'} {_configuration(self.record)}"
+        prediction = self.record.get("prediction")
+        if prediction:
+            text += f"; predicted {_costs(prediction)}"
+        alternatives = self.record.get("alternatives") or []
+        if alternatives and prediction:
+            other = alternatives[0]
+            slower = other["prediction"]["step_time_s"] / prediction["step_time_s"] - 1
+            text += f"; runner-up {_configuration(other)}, {_costs(other['prediction'])} ({slower:+.1%})"
+        confirmed = self.record.get("confirm")
+        if confirmed:
+            fastest = min(c["measured_step_time_s"] for c in confirmed if "measured_step_time_s" in c)
+            text += f"; kept the fastest of {len(confirmed)} measured ({milliseconds(fastest)} ms/step)"
+        return text
+
+    # ------------------------------------------------------------------ files
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.record, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--plan {str(path)!r} does not exist; give a run folder's plan.json or the output of "
+                              f"`autopar plan --auto --json`") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--plan {str(path)!r} is not a readable JSON plan: {exc}") from None
+        return cls.from_record(record, source=str(path))
+
+    @classmethod
+    def from_record(cls, record: Any, *, source: str = "plan") -> Plan:
+        """Check the fields a run needs, naming the first that is missing or wrong."""
+        if not isinstance(record, dict):
+            raise ConfigError(f"{source}: a plan is a JSON object, got {type(record).__name__}")
+        for table, required in (("strategy", ("dp", "tp", "pp")), ("train", ("global_batch_size", "micro_batch_size"))):
+            values = record.get(table)
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: missing table {table!r} (a plan holds 'strategy' and 'train')")
+            for key in required:
+                if not isinstance(values.get(key), int) or values[key] < 1:
+                    raise ConfigError(f"{source}: field {table}.{key} must be a positive integer, got "
+                                      f"{values.get(key)!r}")
+        strategy_keys = {f.name for f in dataclasses.fields(Strategy)}
+        train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+        for table, known in (("strategy", strategy_keys), ("train", train_keys)):
+            unknown = sorted(set(record[table]) - known)
+            if unknown:
+                raise ConfigError(f"{source}: unknown field {table}.{unknown[0]}; a plan's {table} table holds "
+                                  f"{table.capitalize() if table == 'strategy' else 'TrainConfig'} fields")
+        plan = cls(record=record, source=source)
+        if plan.strategy.search != "manual" or plan.strategy.plan:
+            raise ConfigError(f"{source}: field strategy.search / strategy.plan: a plan holds a concrete strategy, "
+                              f"not another search or plan")
+        return plan
+
+    # ------------------------------------------------------------------ applying
+
+    def check_for(self, world: int, num_params: int | None = None, model_name: str | None = None) -> None:
+        """Refuse a plan made for another process count or another model, naming both."""
+        if self.nproc != world:
+            raise ConfigError(f"{self.source} was made for {self.nproc} processes, this run has {world}; rerun "
+                              f"`--strategy auto` (or `autopar plan --auto --nproc {world}`) for {world}")
+        planned = self.record.get("num_params")
+        if num_params is not None and planned is not None and planned != num_params:
+            raise ConfigError(f"{self.source} was made for {self.record.get('model', 'another model')} "
+                              f"({planned:,} parameters), this run trains {model_name or 'a model'} with "
+                              f"{num_params:,} parameters; plan this model with --strategy auto")
+
+    def apply(self, strategy: Strategy, config: TrainConfig) -> tuple[Strategy, TrainConfig]:
+        """The plan's fields over `strategy` and `config`; a value the user set that contradicts it is refused.
+
+        'Set' means different from the field's default (a flag or a config value), so `--steps`,
+        `--lr` or `--out` combine with any plan, and `--pp 2` with a plan for pp=2.
+        """
+        chosen = dict(self.record["strategy"])
+        train = self.train
+        _refuse_conflicts(self.source, "strategy", strategy, chosen)
+        _refuse_conflicts(self.source, "train", config, train)
+        strategy = dataclasses.replace(strategy, **chosen, search="manual", plan=None, confirm=0)
+        return strategy, dataclasses.replace(config, **train)
+
+    def to_json(self) -> str:
+        return json.dumps(self.record, indent=2)
+
+
+def _refuse_conflicts(source: str, table: str, given: Any, planned: dict) -> None:
+    defaults = type(given)()
+    for key, value in planned.items():
+        mine = getattr(given, key)
+        if mine != getattr(defaults, key) and mine != value:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} {mine} contradicts {source}, which has {table}.{key} = {value}; drop {flag} "
+                              f"to run the plan, or drop the plan to choose yourself")
+
+
+def milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def _configuration(record: dict) -> str:
+    s, t = record["strategy"], record["train"]
+    parts = [f"dp={s['dp']} tp={s.get('tp', 1)} pp={s.get('pp', 1)}"]
+    if s.get("pp", 1) > 1:
+        parts.append(s.get("schedule", "1f1b") + (f" x{s['chunks']} chunks" if s.get("chunks", 1) > 1 else ""))
+    micro = t.get("micro_batches") or t["global_batch_size"] // (s["dp"] * t["micro_batch_size"])
+    parts.append(f"m={micro} of {t['micro_batch_size']}")
+    if s.get("recompute", "none") != "none":
+        parts.append(f"recompute {s['recompute']}")
+    if s.get("memory_budget_mb"):
+        parts.append(f"recompute to fit {s['memory_budget_mb']:g} MiB")
+    if s.get("pp", 1) > 1:
+        parts.append(f"{s.get('partition', 'time')} cut")
+    return " ".join(parts)
+
+
+def _costs(prediction: dict) -> str:
+    per_rank = prediction.get("peak_memory_bytes_per_rank") or [0]
+    return f"{milliseconds(prediction['step_time_s'])} ms/step, {max(per_rank) / 2**20:.1f} MiB/rank"
+
+
+# ---------------------------------------------------------------------- the search, constrained
+
+
+def fixed_fields(strategy: Strategy, config: TrainConfig) -> dict[str, Any]:
+    """What the user fixed beside `--strategy auto`: every searched field set away from its default."""
+    defaults, train_defaults = Strategy(), TrainConfig()
+    fixed = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "schedule", "chunks", "partition", "recompute")
+             if getattr(strategy, k) != getattr(defaults, k)}
+    for k in ("micro_batch_size", "micro_batches"):
+        if getattr(config, k) != getattr(train_defaults, k):
+            fixed[k] = getattr(config, k)
+    return fixed
+
+
+def _check_searchable(strategy: Strategy, config: TrainConfig) -> None:
+    """The search covers synchronous dp x tp x pp; other strategies are refused beside auto, by name."""
+    refused = [(name, getattr(strategy, name), want) for name, want in
+               (("dp_mode", "allreduce"), ("sparse_embeddings", "dense"), ("tp_subbatches", 1))
+               if getattr(strategy, name) != want]
+    if strategy.recompute == "all-but-last":
+        refused.append(("recompute", "all-but-last", "none or all"))
+    if strategy.memory_budget_mb is not None:
+        refused.append(("memory_budget_mb", strategy.memory_budget_mb, "unset (use --memory-per-device-gb)"))
+    if config.optimizer == "sparse-adam":
+        refused.append(("optimizer", "sparse-adam", "adamw"))
+    if refused:
+        name, value, want = refused[0]
+        raise ConfigError(f"--strategy auto searches synchronous data, tensor and pipeline parallelism; "
+                          f"--{name.replace('_', '-')} {value} is outside it (use {want}, or choose the strategy "
+                          f"yourself without --strategy auto)")
+
+
+def _matches(c: Candidate, fixed: dict[str, Any]) -> bool:
+    for key, value in fixed.items():
+        if key == "micro_batches":
+            ok = c.num_microbatches == value
+        elif key == "recompute":
+            ok = c.recompute == value
+        elif key == "micro_batch_size":
+            ok = c.micro_batch_size == value
+        else:
+            ok = getattr(c, key) == value
+        if not ok:
+            return False
+    return True
+
+
+def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_size: int, name: str | None = None,
+              cluster: str | None = None, memory_per_device_gb: float | None = None, dtype: str = "fp32",
+              fixed: dict[str, Any] | None = None, accept: Callable[[Strategy, TrainConfig], None] | None = None,
+              config: TrainConfig | None = None, top: int = TOP_K) -> Plan:
+    """Search the strategies for `model` on `nproc` devices and return the best as a Plan.
+
+    `example()` gives the traced call of one sample; `fixed` holds fields the user chose (they
+    stay); `accept(strategy, config)` raises for a configuration the runtime refuses (the
+    strategy table's checks), so only runnable plans are returned.
+    """
+    from ..trace import trace
+    fixed = dict(fixed or {})
+    cl = resolve_cluster(cluster, nproc=nproc, memory_per_device_gb=memory_per_device_gb)
+    args, kwargs = example()
+    seq_len = int(args[0].shape[-1]) if args[0].dim() >= 2 else 1
+    name = name or type(model).__name__
+    tps = tuple(d for d in divisors(nproc) if d <= cl.devices_per_node)
+    if "tp" in fixed:
+        tps = tuple(sorted({1, fixed["tp"]}))
+    profile = profile_graph(trace(model, args, kwargs), name=name, seq_len=seq_len, tp_degrees=tps)
+    if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
+        raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
+    step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype)
+    space = SearchSpace(nproc=nproc)
+    if "schedule" in fixed:
+        space = dataclasses.replace(space, schedules=(fixed["schedule"],))
+    if "chunks" in fixed:
+        space = dataclasses.replace(space, chunks=(fixed["chunks"],))
+    candidates = [c for c in enumerate_candidates(step, space) if _matches(c, fixed)]
+    if not candidates:
+        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items())
+        raise ConfigError(f"--strategy auto found no configuration of {name} on {nproc} processes with global batch "
+                          f"{global_batch_size}" + (f" and {given}" if given else "")
+                          + "; fix fewer fields, or use a global batch size divisible by more degrees")
+    result = exhaustive(step, space, candidates)
+    require_fit(result, step)
+    chosen, refusals = [], []
+    for estimate in result.ranked:  # fastest first; keep those the runtime accepts
+        c = estimate.candidate
+        if c.pp == 1 and c.tp == 1 and c.recompute != "none":
+            continue  # plain data parallelism runs the model whole and recomputes nothing: not what was scored
+        record = plan_dict(estimate, step)
+        if accept is not None:
+            try:
+                accept(Plan(record).strategy, dataclasses.replace(config or TrainConfig(), **record["train"]))
+            except ConfigError as exc:
+                refusals.append(str(exc))
+                continue
+        chosen.append((estimate, record))
+        if len(chosen) == top:
+            break
+    if not chosen:
+        raise ConfigError(f"--strategy auto: every configuration that fits was refused by the runtime, e.g. "
+                          f"{refusals[0]}")
+    best, record = chosen[0]
+    record.update(nproc=nproc, num_params=profile.num_params, why=why(best, chosen[1][0] if len(chosen) > 1 else None),
+                  alternatives=[r for _, r in chosen[1:]],
+                  search={"evaluated": result.evaluated, "pruned_memory": result.pruned,
+                          "refused_by_runtime": len(refusals), "fixed": fixed, "cluster_source": cl.source,
+                          "memory_per_device_gb": cl.memory_per_device_gb})
+    return Plan(record, source="the search")
+
+
+def resolve_choice(strategy: Strategy, config: TrainConfig, world: int, *, model: nn.Module | None = None,
+                   example: Example | None = None, plan: Plan | None = None, model_name: str | None = None,
+                   accept: Callable[[Strategy, TrainConfig], None] | None = None,
+                   ) -> tuple[Strategy, TrainConfig, Plan | None]:
+    """A concrete (strategy, config) from a plan, a search, or as given; with the plan that chose it."""
+    if plan is None and strategy.plan:
+        plan = Plan.load(strategy.plan)
+    if plan is not None:
+        num_params = _count_parameters(model) if model is not None else None
+        plan.check_for(world, num_params, model_name)
+        strategy, config = plan.apply(strategy, config)
+        return strategy, config, plan
+    if strategy.search != "auto":
+        return strategy, config, None
+    _check_searchable(strategy, config)
+    fixed_product = (strategy.dp or 1) * strategy.tp * strategy.pp
+    if world % fixed_product:  # (a product that divides but leaves no valid rest: plan_auto names it)
+        raise ConfigError(f"--strategy auto with dp={strategy.dp or '?'} tp={strategy.tp} pp={strategy.pp}: the "
+                          f"degrees fixed multiply to {fixed_product}, which does not divide the {world} processes; "
+                          f"fix degrees whose product divides {world}, or fix fewer")
+    if model is None or example is None:
+        raise ConfigError("--strategy auto needs the model to search for; pass it to the Trainer (or run autopar "
+                          "train), or give a saved plan with --plan")
+    config.validate()
+    fixed = fixed_fields(strategy, config)
+    found = plan_auto(model, world, example=example, global_batch_size=config.global_batch_size, name=model_name,
+                      cluster=strategy.cluster, memory_per_device_gb=strategy.memory_per_device_gb, dtype=config.dtype,
+                      fixed=fixed, accept=accept, config=config)
+    strategy, config = found.apply(strategy, config)  # the fixed fields agree with the plan by construction
+    return strategy, config, found
+
+
+def _count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+@dataclass
+class Measured:
+    """What a run measured, to set beside the prediction in plan.json."""
+
+    step_times_s: list[float]
+    peak_memory_bytes_per_rank: list[int]
+    peak_memory_source: str
+    pp: int
+    ranks_per_stage: int  # dp x tp ranks share a pipeline rank (pp is the outermost mesh dimension)
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        times = self.step_times_s[1:] or self.step_times_s  # the first step warms caches and allocators
+        per_pp = [max(self.peak_memory_bytes_per_rank[r * self.ranks_per_stage:(r + 1) * self.ranks_per_stage])
+                  for r in range(self.pp)]
+        return {"median_step_time_s": statistics.median(times), "step_times_s": self.step_times_s,
+                "median_over": "steps after the first" if len(self.step_times_s) > 1 else "the only step",
+                "peak_memory_bytes_per_rank": self.peak_memory_bytes_per_rank,
+                "peak_memory_bytes_per_pipeline_rank": per_pp, "peak_memory_source": self.peak_memory_source,
+                **self.extra}
