@@ -129,7 +129,7 @@ def _build_sparse(ctx: EngineContext) -> Engine:
 
 def _build_data_parallel(ctx: EngineContext) -> Engine:
     return DataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                              autocast=ctx.autocast)
+                              autocast=ctx.autocast, zero=ctx.strategy.zero, param_dtype=ctx.param_dtype)
 
 
 STRATEGIES: tuple[StrategyEntry, ...] = (
