@@ -117,7 +117,7 @@ def _build_pipeline(ctx: EngineContext) -> Engine:
     """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1)."""
     return PipelineEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, example_batch=ctx.example_batch(),
                           num_microbatches=ctx.accumulation, autocast=ctx.autocast, timeout_s=ctx.timeout_s,
-                          strategy=ctx.strategy)
+                          strategy=ctx.strategy, param_dtype=ctx.param_dtype)
 
 
 def _build_sparse(ctx: EngineContext) -> Engine:

@@ -102,9 +102,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ bytes (tests, benchmarks)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (master weights excluded)."""
+        """Bytes of element-wise optimizer state this rank holds (master weights and step counts excluded)."""
         return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor))
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
 
     def master_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self._masters)

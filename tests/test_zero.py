@@ -1,0 +1,84 @@
+"""ZeRO-1/2 (zero/) and bf16 master weights train like one process, holding only their shard.
+
+Reference: a world of one on the whole global batch (as test_equivalence.py). ZeRO changes
+the order of the gradient sums (reduce-scatter per bucket; level 2 sums micro-batches after
+the replicas), so results match within the other equivalence tests' tolerances, not bitwise:
+losses 1e-5 relative, gradient norms 1e-4, parameters 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import max_relative_difference, train_builtin
+
+STEPS = 3
+MODEL_ARGS = {"n_layer": 2}
+_reference: dict = {}
+
+
+def train_zero(out: str, **kwargs) -> dict:
+    """train_builtin, plus the bytes of optimizer state and gradients this rank holds after training."""
+    import autopar.trainer as trainer_module
+
+    captured = {}
+    original = trainer_module.Trainer.close_run
+
+    def close_run(self, result):  # read the engine's state before the run folder closes
+        optimizer = self.optimizer
+        captured["state_bytes"] = (optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else
+                                   sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                                       for v in s.values() if hasattr(v, "numel") and v.dim() > 0))
+        captured["full_grad_bytes"] = sum(p.grad.numel() * p.grad.element_size()
+                                          for p in self.model.parameters() if p.grad is not None)
+        return original(self, result)
+
+    trainer_module.Trainer.close_run = close_run
+    try:
+        result = train_builtin("gpt-tiny", out, model_args=MODEL_ARGS, **kwargs)
+    finally:
+        trainer_module.Trainer.close_run = original
+    return {**result, **captured}
+
+
+def reference(rank_pool, tmp_path_factory) -> dict:
+    if "fp32" not in _reference:
+        out = str(tmp_path_factory.mktemp("reference"))
+        _reference["fp32"] = rank_pool(1).run(train_zero, out, steps=STEPS, micro_batch_size=8)[0]
+    return _reference["fp32"]
+
+
+def assert_matches(expected: dict, results: list[dict]) -> None:
+    for rank, got in enumerate(results):
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, expected["losses"], got["losses"])
+        assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4, rank
+        assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5, rank
+        for name, value in got["params"].items():
+            assert value.shape == expected["params"][name].shape, (rank, name)
+            assert (value - expected["params"][name]).abs().max() < 1e-5, (rank, name)
+    assert expected["losses"][-1] < expected["losses"][0]
+
+
+# (world, strategy, micro-batch size): micro 2 accumulates 2 micro-batches per replica at dp 2
+LAYOUTS = [
+    (2, {"zero": 1}, 2),
+    (2, {"zero": 2}, 2),
+    (4, {"zero": 1}, 2),
+    (4, {"zero": 2}, 1),
+    (4, {"dp": 2, "pp": 2, "zero": 1}, 2),
+    (4, {"dp": 2, "tp": 2, "zero": 2}, 2),
+    (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2),
+]
+
+
+@pytest.mark.parametrize("world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
+def test_zero_matches_single_process(rank_pool, tmp_path, tmp_path_factory, world, strategy, micro):
+    expected = reference(rank_pool, tmp_path_factory)
+    results = rank_pool(world).run(train_zero, str(tmp_path), steps=STEPS, strategy=strategy, micro_batch_size=micro)
+    assert_matches(expected, results)
+    dp = strategy.get("dp", world)
+    assert expected["state_bytes"] == 8 * expected["local_numel"]  # AdamW: 2 fp32 tensors per parameter
+    for got in results:  # each rank holds only its shard of its stage's / tp slice's optimizer state
+        assert got["state_bytes"] <= 8 * got["local_numel"] / dp + 64, (got["state_bytes"], got["local_numel"], dp)
+        if strategy["zero"] >= 2:  # and no full gradient between steps
+            assert got["full_grad_bytes"] == 0, got["full_grad_bytes"]
