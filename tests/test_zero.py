@@ -8,6 +8,8 @@ losses 1e-5 relative, gradient norms 1e-4, parameters 1e-5 absolute.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import max_relative_difference, train_builtin
@@ -82,3 +84,26 @@ def test_zero_matches_single_process(rank_pool, tmp_path, tmp_path_factory, worl
         assert got["state_bytes"] <= 8 * got["local_numel"] / dp + 64, (got["state_bytes"], got["local_numel"], dp)
         if strategy["zero"] >= 2:  # and no full gradient between steps
             assert got["full_grad_bytes"] == 0, got["full_grad_bytes"]
+
+
+BAD_INPUT = [
+    ({"zero": 1}, {}, 1, "dp=1"),
+    ({"zero": 2, "dp_mode": "gossip"}, {}, 2, "--dp-mode gossip"),
+    ({"zero": 1, "dp_mode": "async"}, {}, 3, "parameter server"),
+    ({"zero": 1, "sparse_embeddings": "allgather"}, {}, 2, "--sparse-embeddings allgather"),
+    ({"zero": 1}, {"optimizer": "sgd"}, 2, "plain SGD without momentum"),
+    ({"zero": 3, "pp": 2}, {}, 4, "data parallelism only"),
+    ({"zero": 4}, {}, 2, "strategy.zero must be one of {0, 1, 2, 3}"),
+    ({"dp_mode": "gossip"}, {"dtype": "bf16"}, 2, "use --dtype bf16-autocast"),
+]
+
+
+@pytest.mark.parametrize("strategy,config,world,message", BAD_INPUT, ids=lambda v: str(v))
+def test_zero_bad_input_is_refused_before_ranks_start(strategy, config, world, message):
+    import autopar
+    from autopar.errors import ConfigError
+    from autopar.strategies import resolve
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(autopar.Strategy(**strategy), autopar.TrainConfig(global_batch_size=8, micro_batch_size=2, **config),
+                world)

@@ -142,10 +142,41 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
 )
 
 
+ZERO_OPTIMIZERS = ("adamw", "adam", "adagrad")  # element-wise per-parameter state: worth sharding
+
+
+def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
+    """--zero and --dtype bf16 (master weights) work with synchronous all-reduce data parallelism only."""
+    zero = strategy.zero
+    other_mode = ("--dp-mode gossip" if strategy.dp_mode == "gossip" else "--dp-mode async (the parameter server)"
+                  if strategy.dp_mode == "async" else f"--sparse-embeddings {strategy.sparse_embeddings} / "
+                  f"--optimizer {config.optimizer}" if sparse_requested(strategy, config) else None)
+    if config.dtype == "bf16" and other_mode is not None:
+        raise ConfigError(f"--dtype bf16 (bf16 parameters, fp32 master weights) is not supported with {other_mode}; "
+                          f"use --dtype bf16-autocast there, or the default all-reduce data parallelism")
+    if zero == 0:
+        return
+    if other_mode is not None:
+        raise ConfigError(f"--zero {zero} shards optimizer state over synchronous all-reduce replicas; it does not "
+                          f"combine with {other_mode}; use --zero 0, or drop that mode")
+    if strategy.dp == 1:
+        raise ConfigError(f"--zero {zero} shards over data-parallel replicas, but dp=1 (tp={strategy.tp} "
+                          f"pp={strategy.pp}): there is nothing to shard over; use --zero 0, or more processes for dp")
+    if config.optimizer not in ZERO_OPTIMIZERS:
+        raise ConfigError(f"--zero {zero} shards per-parameter optimizer state, and --optimizer {config.optimizer} "
+                          f"has none (plain SGD without momentum): sharding saves nothing; use --zero 0, or an "
+                          f"optimizer with state: {', '.join(ZERO_OPTIMIZERS)}")
+    if zero == 3 and (strategy.pp > 1 or strategy.tp > 1):
+        raise ConfigError(f"--zero 3 (parameters sharded, FSDP2) works with data parallelism only, got "
+                          f"pp={strategy.pp} tp={strategy.tp}; use --zero 2 with pipeline / tensor parallelism "
+                          f"(optimizer state and gradients sharded), or pp=1 tp=1")
+
+
 def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False) -> Resolved:
     """Every check that needs no communication, in one place; the same error on every rank and in the CLI."""
     config.validate()
     strategy = strategy.resolved(world)
+    check_memory_options(strategy, config)
     entry = next(e for e in STRATEGIES if e.applies(strategy, config))
     config, accumulation = entry.check(Request(strategy, config, world, custom_forward))
     return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation)
