@@ -28,11 +28,13 @@ def train_zero(out: str, **kwargs) -> dict:
 
     def close_run(self, result):  # read the engine's state before the run folder closes
         optimizer = self.optimizer
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 (ZeRO-3: DTensor shards)
         captured["state_bytes"] = (optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else
-                                   sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                                   sum(local(v).numel() * local(v).element_size() for s in optimizer.state.values()
                                        for v in s.values() if hasattr(v, "numel") and v.dim() > 0))
         captured["full_grad_bytes"] = sum(p.grad.numel() * p.grad.element_size()
                                           for p in self.model.parameters() if p.grad is not None)
+        captured["param_bytes"] = sum(local(p).numel() * local(p).element_size() for p in self.model.parameters())
         return original(self, result)
 
     trainer_module.Trainer.close_run = close_run
@@ -40,6 +42,8 @@ def train_zero(out: str, **kwargs) -> dict:
         result = train_builtin("gpt-tiny", out, model_args=MODEL_ARGS, **kwargs)
     finally:
         trainer_module.Trainer.close_run = original
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 (collective, same order)
+    result["params"] = {k: full(v) for k, v in result["params"].items()}
     return {**result, **captured}
 
 
@@ -67,6 +71,8 @@ LAYOUTS = [
     (2, {"zero": 2}, 2),
     (4, {"zero": 1}, 2),
     (4, {"zero": 2}, 1),
+    (2, {"zero": 3}, 2),
+    (4, {"zero": 3}, 2),
     (4, {"dp": 2, "pp": 2, "zero": 1}, 2),
     (4, {"dp": 2, "tp": 2, "zero": 2}, 2),
     (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2),
@@ -82,8 +88,10 @@ def test_zero_matches_single_process(rank_pool, tmp_path, tmp_path_factory, worl
     assert expected["state_bytes"] == 8 * expected["local_numel"]  # AdamW: 2 fp32 tensors per parameter
     for got in results:  # each rank holds only its shard of its stage's / tp slice's optimizer state
         assert got["state_bytes"] <= 8 * got["local_numel"] / dp + 64, (got["state_bytes"], got["local_numel"], dp)
-        if strategy["zero"] >= 2:  # and no full gradient between steps
+        if strategy["zero"] == 2:  # and no full gradient between steps
             assert got["full_grad_bytes"] == 0, got["full_grad_bytes"]
+        if strategy["zero"] == 3:  # and only its shard of the parameters (FSDP2 pads each to a multiple of dp)
+            assert got["param_bytes"] <= 1.02 * expected["param_bytes"] / dp, (got["param_bytes"], dp)
 
 
 BAD_INPUT = [

@@ -24,6 +24,7 @@ from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_se
 from .tensor_parallel.subpipeline import check_tp_subbatches
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.engine import DataParallelEngine
+from .train.fsdp_engine import FullyShardedEngine
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,12 @@ def _build_sparse(ctx: EngineContext) -> Engine:
                                  batches_for_step=ctx.batches_for_step, options=SparseOptions.of(ctx.strategy))
 
 
+def _build_fully_sharded(ctx: EngineContext) -> Engine:
+    """ZeRO-3: parameters sharded too, gathered per block by FSDP2 (train/fsdp_engine.py)."""
+    return FullyShardedEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
+                              autocast=ctx.autocast, param_dtype=ctx.param_dtype)
+
+
 def _build_data_parallel(ctx: EngineContext) -> Engine:
     return DataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
                               autocast=ctx.autocast, zero=ctx.strategy.zero, param_dtype=ctx.param_dtype)
@@ -138,6 +145,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   loop=train_async),
     StrategyEntry("pipeline", lambda s, c: s.pp > 1 or s.tp > 1, _synchronous_check, _build_pipeline),
     StrategyEntry("sparse-embeddings", sparse_requested, _check_sparse, _build_sparse),
+    StrategyEntry("zero-3", lambda s, c: s.zero == 3, _synchronous_check, _build_fully_sharded),
     StrategyEntry("data-parallel", lambda s, c: True, _synchronous_check, _build_data_parallel),
 )
 
