@@ -157,3 +157,30 @@ def test_bf16_dp2_zero1_matches_single_process_bf16(rank_pool, tmp_path):
         assert max_relative_difference(one["losses"], got["losses"]) < 1e-4, (one["losses"], got["losses"])
         for name, master in got["masters"].items():
             assert (master - one["masters"][name]).abs().max() <= STEPS * 1e-3 + 1e-6, name
+
+
+def _step2(run: str) -> str:
+    return str(__import__("pathlib").Path(run) / "checkpoints" / "step_00000002")
+
+
+def test_zero_checkpoint_resumes_under_tensor_parallelism_without_zero(rank_pool, tmp_path):
+    """Checkpoints hold whole tensors: a dp 4 ZeRO-1 run's shards, gathered at save, resume at dp 2 x tp 2."""
+    kwargs = dict(steps=4, checkpoint_every=2, micro_batch_size=2, model_args=MODEL_ARGS)
+    full = rank_pool(4).run(train_builtin, "gpt-tiny", str(tmp_path / "zero"), strategy={"zero": 1}, **kwargs)[0]
+    resumed = rank_pool(4).run(train_builtin, "gpt-tiny", str(tmp_path / "tp"), strategy={"dp": 2, "tp": 2},
+                               resume=_step2(tmp_path / "zero"), **kwargs)
+    for got in resumed:
+        assert got["first_step"] == 3
+        assert max_relative_difference(full["losses"][2:], got["losses"]) < 1e-5
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_plain_checkpoint_resumes_under_zero(rank_pool, tmp_path, zero):
+    """A replicated dp 2 run's checkpoint resumes under ZeRO-2 (this rank's part kept) and ZeRO-3 (DCP reshards)."""
+    kwargs = dict(steps=4, checkpoint_every=2, micro_batch_size=2, model_args=MODEL_ARGS)
+    full = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "plain"), **kwargs)[0]
+    resumed = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "zero"), strategy={"zero": zero},
+                               resume=_step2(tmp_path / "plain"), **kwargs)
+    for got in resumed:
+        assert got["first_step"] == 3
+        assert max_relative_difference(full["losses"][2:], got["losses"]) < 1e-5

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 
@@ -41,8 +42,9 @@ def _primary_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
     same keys: a pipeline stage holds one name for a tied weight, the whole model lists both."""
     kept, aliases, first = {}, {}, {}
     for key, value in state.items():
-        same = ((value.data_ptr(), tuple(value.shape), value.dtype)
-                if isinstance(value, torch.Tensor) and value.numel() else None)
+        local = value.to_local() if isinstance(value, DTensor) else value  # a DTensor's own data_ptr is not its shard's
+        same = ((local.data_ptr(), tuple(value.shape), value.dtype)
+                if isinstance(value, torch.Tensor) and local.numel() else None)
         if same is not None and same in first:
             aliases[key] = first[same]
         else:
