@@ -34,6 +34,11 @@ def train_zero(out: str, **kwargs) -> dict:
                                        for v in s.values() if hasattr(v, "numel") and v.dim() > 0))
         captured["full_grad_bytes"] = sum(p.grad.numel() * p.grad.element_size()
                                           for p in self.model.parameters() if p.grad is not None)
+        sync = getattr(self.engine, "sync", None)
+        if hasattr(sync, "buckets"):  # ZeRO-1/2: full buffers (if kept), landing buffers, fp32 shards
+            captured["grad_buffer_bytes"] = sum(t.numel() * t.element_size() for b in sync.buckets
+                                                for t in (b.full, b.incoming, b.shard_grad) if t is not None)
+            captured["master_bytes"] = optimizer.master_bytes()
         if hasattr(optimizer, "whole_params"):  # fp32 master weights (collective: every rank calls it)
             captured["masters"] = optimizer.whole_params()
         captured["param_bytes"] = sum(local(p).numel() * local(p).element_size() for p in self.model.parameters())
@@ -102,6 +107,12 @@ def test_zero_matches_single_process(rank_pool, tmp_path, tmp_path_factory, worl
         assert got["state_bytes"] <= 8 * got["local_numel"] / dp + 64, (got["state_bytes"], got["local_numel"], dp)
         if strategy["zero"] == 2:  # and no full gradient between steps
             assert got["full_grad_bytes"] == 0, got["full_grad_bytes"]
+        if strategy["zero"] in (1, 2) and world == dp:  # the search's formula (search/zero_memory.py) is what we hold
+            from autopar.search.zero_memory import zero_model_state_bytes
+            formula = zero_model_state_bytes(got["local_numel"], zero=strategy["zero"], dp=dp, optimizer_bytes=8)
+            padding = 8 * 4 * dp  # each bucket is padded to a multiple of dp (one bucket here)
+            assert abs(got["grad_buffer_bytes"] - formula.grads) <= padding, (got["grad_buffer_bytes"], formula)
+            assert abs(got["state_bytes"] + got["master_bytes"] - formula.optimizer) <= padding, formula
         if strategy["zero"] == 3:  # and only its shard of the parameters (FSDP2 pads each to a multiple of dp)
             assert got["param_bytes"] <= 1.02 * expected["param_bytes"] / dp, (got["param_bytes"], dp)
 
