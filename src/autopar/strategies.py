@@ -2,7 +2,7 @@
 
 `STRATEGIES` is an ordered list; the first entry whose `applies` holds is the run's strategy
 (gossip, then the parameter server, then pipeline / tensor parallelism, then sparse
-embeddings, then plain data parallelism). `resolve()` runs every check that needs no
+embeddings, then ZeRO-3, then plain data parallelism, which also runs ZeRO-1/2). `resolve()` runs every check that needs no
 communication; `autopar train` calls it before starting any process and the Trainer calls it
 again on every rank, so a bad combination fails early, the same way everywhere. A new
 strategy is a new entry: its predicate, its check, its engine builder and, if the

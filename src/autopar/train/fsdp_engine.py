@@ -11,6 +11,10 @@ are plain tensors that the tensor-parallel rules slice), so --zero 3 is refused 
 Every child of every nn.ModuleList (the transformer blocks of an unmodified model) becomes one
 FSDP unit, then the root (embeddings, head, norms). Gradients are summed, not averaged
 (divide factor 1: the trainer pre-scales each replica's loss, see train/loss.py).
+Under --dtype bf16, FSDP2's MixedPrecisionPolicy gathers bf16 parameters and reduce-scatters bf16
+gradients into the fp32 sharded parameters (the masters) and fp32 gradient shards; unlike the
+ZeRO-1/2 path, micro-batches of one step accumulate in the unsharded bf16 gradient (FSDP2's own
+no-sync accumulation), not in fp32.
 """
 
 from __future__ import annotations
