@@ -2,8 +2,9 @@
 
 `STRATEGIES` is an ordered list; the first entry whose `applies` holds is the run's strategy
 (gossip, then the parameter server, then pipeline / tensor parallelism, then sparse
-embeddings, then ZeRO-3, then plain data parallelism, which also runs ZeRO-1/2). `resolve()` runs every check that needs no
-communication; `autopar train` calls it before starting any process and the Trainer calls it
+embeddings, then ZeRO-3, then plain data parallelism, which also runs ZeRO-1/2). `resolve()`
+runs every check that needs no communication; `autopar train` calls it before starting any
+process and the Trainer calls it
 again on every rank, so a bad combination fails early, the same way everywhere. A new
 strategy is a new entry: its predicate, its check, its engine builder and, if the
 synchronous loop does not fit it, a loop of its own.
