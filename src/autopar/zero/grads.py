@@ -119,7 +119,8 @@ class ShardedGradients:
         """(Re)create the full gradient buffer and point every `.grad` at its view (adding what autograd left)."""
         if bucket.full is None:
             bucket.full = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-            bucket.views = [bucket.full[off:off + p.numel()].view_as(p) for p, off in zip(bucket.params, bucket.offsets)]
+            bucket.views = [bucket.full[off:off + p.numel()].view_as(p)
+                            for p, off in zip(bucket.params, bucket.offsets)]
         for p, view in zip(bucket.params, bucket.views):
             self._attach(p, view)
 
