@@ -60,7 +60,7 @@ def test_missing_and_unreadable_config_file(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["--steps", "0"], "train.steps must be a positive integer, got 0"),
     (["--steps", "ten"], "--steps: expected int, got 'ten'"),
-    (["--dtype", "fp16"], "train.dtype must be one of {fp32, bf16}"),
+    (["--dtype", "fp16"], "train.dtype must be one of {fp32, bf16, bf16-autocast}"),
     (["--lr", "-1"], "train.lr must be > 0"),
     (["--model-arg", "n_layer"], "expected KEY=VALUE"),
 ])

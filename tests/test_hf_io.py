@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from example_runner import run_example
 from helpers import max_relative_difference
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -152,10 +153,8 @@ def test_tp_slice_read_equals_slice_of_whole(tmp_path):
 
 def test_example_llama_sharded_tp2_matches_one_process(rank_pool, tmp_path):
     """examples/finetune_hf.py: a sharded Llama folder fine-tuned under tp2 and on one process."""
-    sys.path.insert(0, str(EXAMPLES))
-    import finetune_hf
-    one = rank_pool(1).run(finetune_hf.main, ["--workdir", str(tmp_path / "one"), "--micro-batch-size", "8"])[0]
-    many = rank_pool(2).run(finetune_hf.main, ["--workdir", str(tmp_path / "many"), "--tp", "2"])
+    one = rank_pool(1).run(run_example, "finetune_hf", ["--workdir", str(tmp_path / "one"), "--micro-batch-size", "8"])[0]
+    many = rank_pool(2).run(run_example, "finetune_hf", ["--workdir", str(tmp_path / "many"), "--tp", "2"])
     pretrained = Path(one["pretrained"])
     assert (pretrained / "model.safetensors.index.json").is_file()
     assert_same_fine_tune(one, many, Path(one["export"]).parent, Path(many[0]["export"]).parent, pretrained)

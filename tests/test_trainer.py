@@ -40,7 +40,7 @@ def test_a_real_model_starts_every_replica_from_replica_0(rank_pool, tmp_path):
 
 def test_bf16_autocast_trains_close_to_fp32(rank_pool, tmp_path):
     fp32 = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "fp32"), steps=10)[0]
-    bf16 = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "bf16"), steps=10, dtype="bf16")[0]
+    bf16 = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "bf16"), steps=10, dtype="bf16-autocast")[0]
     assert bf16["losses"][-1] < bf16["losses"][0]
     assert max_relative_difference(fp32["losses"], bf16["losses"]) < 0.02
     assert all(v.dtype == torch.float32 for v in bf16["params"].values())  # master weights stay fp32

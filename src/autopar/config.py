@@ -54,6 +54,8 @@ OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam", "sparse-adam")
 SPARSE_SHARDINGS = ("column", "row")
 DEFAULT_CHECKPOINT_EVERY = 100  # steps; a restart or a preemption loses at most this much work
 SEARCH_MODES = ("manual", "auto")
+ZERO_LEVELS = (0, 1, 2, 3)
+DTYPES = ("fp32", "bf16", "bf16-autocast")
 
 
 @dataclass(kw_only=True)
@@ -76,6 +78,8 @@ class Strategy:
     tp_subbatches: int = _f(1, "sub-pipelined tensor parallelism: split each micro-batch of a tensor-parallel "
                                   "stage into K sub-batches so each tp all-reduce overlaps the next sub-batch's "
                                   "compute (Merak); must divide the micro-batch size")
+    zero: int = _f(0, "ZeRO level over each dp group: 0 (replicated), 1 (optimizer state sharded), 2 (and "
+                      "gradients), 3 (and parameters, FSDP2; dp only)")
     # How data-parallel replicas combine their work (synchronous all-reduce by default).
     dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
                                    "average with neighbours only) | async (parameter server, bounded staleness)")
@@ -128,6 +132,8 @@ class Strategy:
         _check_nonnegative_int("strategy.confirm", self.confirm)
         _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
         _check_positive_int("strategy.servers", self.servers)
+        if self.zero not in ZERO_LEVELS:
+            raise ConfigError(f"strategy.zero must be one of {choices(ZERO_LEVELS)}, got {self.zero!r}")
         if self.sparse_embeddings not in SPARSE_EMBEDDING_MODES:
             raise ConfigError(f"strategy.sparse_embeddings must be one of {choices(SPARSE_EMBEDDING_MODES)}, "
                               f"got {self.sparse_embeddings!r}")
@@ -219,7 +225,8 @@ class TrainConfig:
     out: str | None = _f(None, "run folder (default runs/<timestamp>/)")
     resume: str | None = _f(None, "resume from a run folder or a checkpoint folder")
     device: str = _f("cpu", "cpu or cuda")
-    dtype: str = _f("fp32", "fp32, or bf16 (autocast; parameters and optimizer state stay fp32)")
+    dtype: str = _f("fp32", "fp32 | bf16 (bf16 parameters, gradients and communication; fp32 master weights, "
+                            "optimizer state and accumulation) | bf16-autocast (fp32 parameters, bf16 autocast)")
     timeout_s: float = _f(300.0, "seconds any collective may wait before the run fails (no hangs)")
     progress: bool = _f(True, "show a progress bar on rank 0")
     trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
@@ -252,8 +259,8 @@ class TrainConfig:
             raise ConfigError(f"train.optimizer must be one of {choices(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"train.device must be one of {{cpu, cuda}}, got {self.device!r}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"train.dtype must be one of {{fp32, bf16}}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype must be one of {choices(DTYPES)}, got {self.dtype!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"train.timeout_s must be > 0, got {self.timeout_s}")
 

@@ -1,9 +1,11 @@
 """The strategies, named in one place: which engine a run uses, what it refuses, how it is built.
 
 `STRATEGIES` is an ordered list; the first entry whose `applies` holds is the run's strategy
-(an asynchronous pipeline schedule, PipeDream-2BW, which refuses what it cannot combine with; gossip, then the parameter server, then pipeline / tensor parallelism, then sparse
-embeddings, then plain data parallelism). `resolve()` runs every check that needs no
-communication; `autopar train` calls it before starting any process and the Trainer calls it
+(an asynchronous pipeline schedule, PipeDream-2BW, which refuses what it cannot combine with;
+gossip, then the parameter server, then pipeline / tensor parallelism, then sparse
+embeddings, then ZeRO-3, then plain data parallelism, which also runs ZeRO-1/2). `resolve()`
+runs every check that needs no communication; `autopar train` calls it before starting any
+process and the Trainer calls it
 again on every rank, so a bad combination fails early, the same way everywhere. A new
 strategy is a new entry: its predicate, its check, its engine builder and, if the
 synchronous loop does not fit it, a loop of its own.
@@ -32,6 +34,7 @@ from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.checkpoint import find_checkpoint
 from .train.engine import DataParallelEngine
 from .train.two_bw_oracle import DelayOneDataParallelEngine
+from .train.fsdp_engine import FullyShardedEngine
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ def _build_pipeline(ctx: EngineContext) -> Engine:
     """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1)."""
     return PipelineEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, example_batch=ctx.example_batch(),
                           num_microbatches=ctx.accumulation, autocast=ctx.autocast, timeout_s=ctx.timeout_s,
-                          strategy=ctx.strategy)
+                          strategy=ctx.strategy, param_dtype=ctx.param_dtype)
 
 
 def _build_pipedream(ctx: EngineContext) -> Engine:
@@ -181,9 +184,15 @@ def _build_sparse(ctx: EngineContext) -> Engine:
                                  batches_for_step=ctx.batches_for_step, options=SparseOptions.of(ctx.strategy))
 
 
+def _build_fully_sharded(ctx: EngineContext) -> Engine:
+    """ZeRO-3: parameters sharded too, gathered per block by FSDP2 (train/fsdp_engine.py)."""
+    return FullyShardedEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
+                              autocast=ctx.autocast, param_dtype=ctx.param_dtype)
+
+
 def _build_data_parallel(ctx: EngineContext) -> Engine:
     return DataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                              autocast=ctx.autocast)
+                              autocast=ctx.autocast, zero=ctx.strategy.zero, param_dtype=ctx.param_dtype)
 
 
 STRATEGIES: tuple[StrategyEntry, ...] = (
@@ -193,8 +202,43 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   loop=train_async),
     StrategyEntry("pipeline", lambda s, c: s.pp > 1 or s.tp > 1, _synchronous_check, _build_pipeline),
     StrategyEntry("sparse-embeddings", sparse_requested, _check_sparse, _build_sparse),
+    StrategyEntry("zero-3", lambda s, c: s.zero == 3, _synchronous_check, _build_fully_sharded),
     StrategyEntry("data-parallel", lambda s, c: True, _synchronous_check, _build_data_parallel),
 )
+
+
+ZERO_OPTIMIZERS = ("adamw", "adam", "adagrad")  # element-wise per-parameter state: worth sharding
+
+
+def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
+    """--zero and --dtype bf16 (master weights) work with synchronous all-reduce data parallelism only."""
+    zero = strategy.zero
+    other_mode = ("--dp-mode gossip" if strategy.dp_mode == "gossip" else "--dp-mode async (the parameter server)"
+                  if strategy.dp_mode == "async" else f"--sparse-embeddings {strategy.sparse_embeddings} / "
+                  f"--optimizer {config.optimizer}" if sparse_requested(strategy, config) else None)
+    if config.dtype == "bf16" and other_mode is not None:
+        raise ConfigError(f"--dtype bf16 (bf16 parameters, fp32 master weights) is not supported with {other_mode}; "
+                          f"use --dtype bf16-autocast there, or the default all-reduce data parallelism")
+    if strategy.schedule in ASYNC_SCHEDULES and (zero or config.dtype == "bf16"):
+        raise ConfigError(f"--schedule {strategy.schedule} keeps two whole weight versions per stage; it does not "
+                          f"combine with --zero {zero} / --dtype {config.dtype} yet; use --zero 0 and --dtype fp32 "
+                          f"or bf16-autocast, or a flushing schedule such as 1f1b")
+    if zero == 0:
+        return
+    if other_mode is not None:
+        raise ConfigError(f"--zero {zero} shards optimizer state over synchronous all-reduce replicas; it does not "
+                          f"combine with {other_mode}; use --zero 0, or drop that mode")
+    if strategy.dp == 1:
+        raise ConfigError(f"--zero {zero} shards over data-parallel replicas, but dp=1 (tp={strategy.tp} "
+                          f"pp={strategy.pp}): there is nothing to shard over; use --zero 0, or more processes for dp")
+    if config.optimizer not in ZERO_OPTIMIZERS:
+        raise ConfigError(f"--zero {zero} shards per-parameter optimizer state, and --optimizer {config.optimizer} "
+                          f"has none (plain SGD without momentum): sharding saves nothing; use --zero 0, or an "
+                          f"optimizer with state: {', '.join(ZERO_OPTIMIZERS)}")
+    if zero == 3 and (strategy.pp > 1 or strategy.tp > 1):
+        raise ConfigError(f"--zero 3 (parameters sharded, FSDP2) works with data parallelism only, got "
+                          f"pp={strategy.pp} tp={strategy.tp}; use --zero 2 with pipeline / tensor parallelism "
+                          f"(optimizer state and gradients sharded), or pp=1 tp=1")
 
 
 def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False,
@@ -222,6 +266,7 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
 
 def _entry_and_check(strategy: Strategy, config: TrainConfig, world: int,
                      custom_forward: bool) -> tuple[StrategyEntry, TrainConfig, int]:
+    check_memory_options(strategy, config)
     entry = next(e for e in STRATEGIES if e.applies(strategy, config))
     config, accumulation = entry.check(Request(strategy, config, world, custom_forward))
     return entry, config, accumulation

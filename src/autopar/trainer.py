@@ -123,7 +123,8 @@ class Trainer:
         self.mesh = ProcessMesh.build(self.strategy, device=cfg.device, timeout_s=cfg.timeout_s)
         self.dp_group = self.mesh.group("dp")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16"
+        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
+                         if cfg.dtype == "bf16-autocast"
                          else contextlib.nullcontext)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
         first = lambda: self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,  # noqa: E731

@@ -19,7 +19,6 @@ from torch import nn
 
 from ..config import PARTITION_METHODS
 from ..data.datasets import IGNORE_INDEX
-from ..data_parallel import GradientSynchronizer
 from ..distributed import backend_for, group_options
 from ..errors import ConfigError
 from ..mesh import ProcessMesh
@@ -30,6 +29,7 @@ from .build import build_local_pipeline
 from .schedules import generate
 from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, token_loss_sum
+from ..zero import ShardedGradients, gradient_sync, to_compute_dtype
 
 
 def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
@@ -78,7 +78,7 @@ class PipelineEngine(EngineBase):
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float,
-                 strategy=None):
+                 strategy=None, param_dtype: torch.dtype = torch.float32):
         strategy = strategy if strategy is not None else mesh.strategy  # the strategy table passes it explicitly
         self.mesh, self.autocast = mesh, autocast
         self.pipe = build_local_pipeline(
@@ -96,8 +96,12 @@ class PipelineEngine(EngineBase):
         self.tp_rank = mesh.local_rank("tp")
         self.recompute_plan, self.recompute_report = pipe.recompute_plan, pipe.recompute_report
         self.module = LocalStages(self.stages)
-        self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
+        to_compute_dtype(self.module.parameters(), param_dtype)
         self._shared = self._shared_groups(device, pipe.placement, timeout_s)
+        # zero 1/2: the dp group of this stage and tp shard; tied weights reduced over stages first
+        self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
+                                  master_weights=param_dtype != torch.float32,
+                                  deferred=[p for p, _, _ in self._shared])
         self.last_step = None  # the runtime's record of the last training step (timing read on demand)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
@@ -157,10 +161,16 @@ class PipelineEngine(EngineBase):
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
         step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
         self.last_step = step
-        self.sync.finish()
+        if isinstance(self.sync, ShardedGradients):  # tied weights summed before their shards are reduced
+            self.sync.finish(before_deferred=self._reduce_tied)
+        else:
+            self.sync.finish()
+            self._reduce_tied()
+        return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
+
+    def _reduce_tied(self) -> None:
         for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
             dist.all_reduce(param.grad, group=group)
-        return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
 
     def clip_gradients(self, max_norm: float) -> float:
         """Global norm: tied copies counted once, tensor-parallel slices summed over the tp group
@@ -169,16 +179,21 @@ class PipelineEngine(EngineBase):
         sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
                    if self.tensor_parallel is not None else set())
         device = next(self.module.parameters()).device
-        squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
-        for p in self.sync.params:
-            if p.grad is not None and id(p) not in shared_elsewhere:
-                squares[int(id(p) in sharded)] += p.grad.double().square().sum()
+        if isinstance(self.sync, ShardedGradients):  # [replicated, sharded] over this rank's shard, summed over dp
+            squares = self.sync.squared_norms(lambda p: None if id(p) in shared_elsewhere else int(id(p) in sharded), 2)
+        else:
+            squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
+            for p in self.sync.params:
+                if p.grad is not None and id(p) not in shared_elsewhere:
+                    squares[int(id(p) in sharded)] += p.grad.double().square().sum()
         if self.tensor_parallel is not None:
             dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
         squares = squares.sum()
         dist.all_reduce(squares, group=self.mesh.group("pp"))
         norm = math.sqrt(float(squares))
-        if norm > max_norm and math.isfinite(max_norm):
+        if norm > max_norm and math.isfinite(max_norm) and isinstance(self.sync, ShardedGradients):
+            self.sync.scale_gradients(max_norm / (norm + 1e-6))
+        elif norm > max_norm and math.isfinite(max_norm):
             scale = max_norm / (norm + 1e-6)
             for p in self.sync.params:
                 if p.grad is not None:

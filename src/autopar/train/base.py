@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from ..config import Strategy, TrainConfig
 from ..mesh import ProcessMesh
 from .loss import Batch, LossFn, token_loss_sum
+from ..zero import ShardedGradients, ShardedOptimizer
 from .optim import build_optimizer
 
 
@@ -77,7 +78,13 @@ class EngineBase:
         return sum(p.numel() for p in unique.values())
 
     def build_optimizer(self, config: TrainConfig) -> torch.optim.Optimizer:
-        return build_optimizer(self.module, config)
+        """The configured optimizer; under ZeRO (or bf16 master weights) stepped on this replica's shard."""
+        optimizer = build_optimizer(self.module, config)
+        sync = getattr(self, "sync", None)
+        if isinstance(sync, ShardedGradients):
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            return ShardedOptimizer(optimizer, sync, names)
+        return optimizer
 
     def before_checkpoint(self) -> None:
         """Make the parameters the ones to save (gossip: the replicas' average; sparse: deferred rows landed)."""
@@ -127,6 +134,11 @@ class EngineContext:
     @property
     def timeout_s(self) -> float:
         return self.config.timeout_s
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype parameters are stored and communicated in (bf16: fp32 masters in the optimizer)."""
+        return torch.bfloat16 if self.config.dtype == "bf16" else torch.float32
 
 
 @dataclass

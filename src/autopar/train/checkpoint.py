@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from . import manifest
@@ -41,8 +42,9 @@ def _primary_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
     same keys: a pipeline stage holds one name for a tied weight, the whole model lists both."""
     kept, aliases, first = {}, {}, {}
     for key, value in state.items():
-        same = ((value.data_ptr(), tuple(value.shape), value.dtype)
-                if isinstance(value, torch.Tensor) and value.numel() else None)
+        local = value.to_local() if isinstance(value, DTensor) else value  # a DTensor's own data_ptr is not its shard's
+        same = ((local.data_ptr(), tuple(value.shape), value.dtype)
+                if isinstance(value, torch.Tensor) and local.numel() else None)
         if same is not None and same in first:
             aliases[key] = first[same]
         else:
@@ -74,6 +76,27 @@ def _is_slice_state(value: Any, param_shape: tuple | None) -> bool:
         and tuple(value.shape) == param_shape
 
 
+def _get_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state by parameter name, whole over dp: a sharded optimizer (zero/) gathers
+    its shards, and its fp32 master weights stand for the parameters (bf16 runs save fp32)."""
+    if not hasattr(optimizer, "whole_state_dict"):
+        return get_state_dict(model, optimizer)
+    masters = optimizer.whole_params()
+    primary = {id(p): name for name, p in model.named_parameters()}
+    model_sd = {k: masters[primary[id(v)]] if id(v) in primary else v.detach()
+                for k, v in model.state_dict(keep_vars=True).items()}
+    return model_sd, optimizer.whole_state_dict()
+
+
+def _set_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+    if not hasattr(optimizer, "load_whole_state_dict"):
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        return
+    model.load_state_dict(model_sd)
+    optimizer.load_whole_params(model_sd)
+    optimizer.load_whole_state_dict(optim_sd)
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], tensor_parallel: Any = None, *,
                     manifest_info: dict[str, Any] | None = None, keep: int = 0) -> Path:
@@ -91,7 +114,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     dist.barrier()
-    model_sd, optim_sd = _whole_state(*get_state_dict(model, optimizer), tensor_parallel)
+    model_sd, optim_sd = _whole_state(*_get_state(model, optimizer), tensor_parallel)
     dcp.save({"model": _primary_names(model_sd)[0], "optim": optim_sd}, checkpoint_id=partial)
     torch.save(torch.get_rng_state(), partial / f"rng_rank{rank}.pt")
     if rank == 0:
@@ -120,6 +143,9 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     torch's own helper skips this when gradients already exist, and ours always do (they are
     views into the all-reduce buckets).
     """
+    if hasattr(optimizer, "ensure_state"):  # a sharded optimizer (zero/) creates its own
+        optimizer.ensure_state()
+        return
     if optimizer.state:
         return
     saved = []
@@ -154,7 +180,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {str(path)!r}: {TRAINER_STATE} is unreadable ({exc})") from None
     _ensure_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _get_state(model, optimizer)
     primary, aliases = _primary_names(model_sd)
     shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
     if tensor_parallel is not None:  # load whole tensors, then keep this rank's slices
@@ -178,7 +204,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                                    for fqn, entries in state["optim"].get("state", {}).items()}
     loaded = {**state["model"], **{alias: state["model"][key] for alias, key in aliases.items()}}
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    set_state_dict(model, optimizer, model_state_dict=loaded, optim_state_dict=state["optim"])
+    _set_state(model, optimizer, loaded, state["optim"])
     # Hyperparameters come from this run's config (the learning rate from the scheduler's
     # state, set by the caller), never from the file: measured with torch 2.13, a pipeline
     # rank whose tied weight another rank also saved gets its groups back without lr/betas/eps.

@@ -18,6 +18,7 @@ pp=1), because it rewrites the traced stage graphs.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data_parallel import GradientSynchronizer
 from ..dropout import eager_micro_batch
 from ..errors import AutoparError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from ..zero import ShardedGradients, gradient_sync, to_compute_dtype
 from .base import EngineBase
 from .loss import Batch, count_targets, token_loss_sum
 
@@ -40,18 +41,30 @@ class DataParallelEngine(EngineBase):
     """The whole model on every rank; gradients summed over the dp group."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 forward_fn: Callable, autocast: Callable):
+                 forward_fn: Callable, autocast: Callable, zero: int = 0, param_dtype: torch.dtype = torch.float32):
+        """zero 1/2: gradients reduce-scattered into shards (zero/); param_dtype bf16: fp32 masters kept there."""
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         broadcast_from_first_replica(self.module, mesh)
-        self.sync = GradientSynchronizer(self.module.parameters(), mesh.group("dp"))
+        to_compute_dtype(self.module.parameters(), param_dtype)
+        self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=zero,
+                                  master_weights=param_dtype != torch.float32, per_micro_batch=True)
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
+        if isinstance(self.sync, ShardedGradients) and self.sync.per_micro_batch:  # zero 2: reduce each micro-batch
+            total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn,
+                                         after_each=self.sync.finish)
+            return total
         total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn, self.sync.no_sync)
         self.sync.finish()
         return total
 
     def clip_gradients(self, max_norm: float) -> float:
+        if isinstance(self.sync, ShardedGradients):
+            norm = math.sqrt(float(self.sync.squared_norms(lambda p: 0).sum()))
+            if norm > max_norm and math.isfinite(max_norm):
+                self.sync.scale_gradients(max_norm / (norm + 1e-6))
+            return norm
         return float(torch.nn.utils.clip_grad_norm_(self.sync.params, max_norm))
 
     @torch.no_grad()
@@ -66,9 +79,11 @@ class DataParallelEngine(EngineBase):
 
 
 def accumulate_gradients(module: nn.Module, forward_fn: Callable, autocast: Callable, batches: list[Batch],
-                         loss_fn: LossFn, no_sync: Callable | None = None) -> torch.Tensor:
+                         loss_fn: LossFn, no_sync: Callable | None = None,
+                         after_each: Callable[[], None] | None = None) -> torch.Tensor:
     """Forward and backward of every micro-batch of a replica holding the whole model; returns the
-    summed loss. `no_sync` (a context factory) defers gradient communication until the last one."""
+    summed loss. `no_sync` (a context factory) defers gradient communication until the last one;
+    `after_each()` runs after every micro-batch's backward (ZeRO-2 reduces each one)."""
     total = torch.zeros((), device=batches[0]["labels"].device)
     module.train()
     for i, batch in enumerate(batches):
@@ -77,6 +92,8 @@ def accumulate_gradients(module: nn.Module, forward_fn: Callable, autocast: Call
             with autocast():
                 loss = loss_fn(forward_fn(module, batch), batch)
             loss.backward()
+        if after_each is not None:
+            after_each()
         total += loss.detach().float()
     return total
 

@@ -1,0 +1,264 @@
+"""ZeRO-1/2 gradients: reduce-scattered into each replica's shard of flat buckets, not all-reduced.
+
+Why our own rather than torch's ZeroRedundancyOptimizer: it shards whole parameters between
+replicas (each rank owns some tensors), still needs a full all-reduce of every gradient, and
+sits on top of DDP's reducer; ours shards flat, padded buckets element-wise (every replica owns
+1/dp of every bucket), reduce-scatters straight into that shard and is driven by the same
+gradient hooks and explicit `finish()` as data_parallel/grad_sync.py, so the pipeline runtime and
+tensor parallelism use it unchanged.
+
+Layout: parameters are grouped into buckets of about `bucket_mb` in reverse registration order
+(about the order backward produces them), one dtype per bucket; each bucket is a flat buffer
+padded to a multiple of dp, and replica r owns elements [r*S, (r+1)*S) of it. Parameters named
+`deferred` (weights tied across pipeline stages, whose gradient must first be summed with the
+other stage's) go in buckets of their own at the end, launched only by `finish()`.
+
+Level 1 keeps the full gradient buffers (autograd accumulates into them across micro-batches)
+and reduce-scatters once per step. Level 2 keeps only the shard's gradient between micro-batches:
+with `per_micro_batch` (the data-parallel engine) every micro-batch is reduce-scattered and added
+into the fp32 shard accumulator, and the full buffers are released after each reduction; the
+pipeline engine reduce-scatters once per step (its schedules interleave micro-batches and split
+backward into input and weight halves) and releases the full buffers after it.
+
+Gradients are SUMMED over the group (the loss is pre-scaled, as in grad_sync.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class FlatBucket:
+    """Parameters flattened one after another; `shard` elements per replica (padded)."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]  # where each parameter starts in the flat bucket
+    numel: int  # padded: a multiple of the group size
+    shard: int  # elements each replica owns
+    dtype: torch.dtype
+    device: torch.device
+    deferred: bool  # launched only by finish(), after the engine's own pre-reduction
+    full: torch.Tensor | None = None  # the full gradient (param dtype); None while released (level 2)
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient inside `full`
+    shard_grad: torch.Tensor | None = None  # this replica's summed gradient, fp32
+    incoming: torch.Tensor | None = None  # reduce-scatter output when it cannot land in shard_grad directly
+    ready: int = 0
+    work: dist.Work | None = field(default=None, repr=False)
+    pending_out: torch.Tensor | None = None  # where the reduction in flight lands
+
+    def pieces(self, rank: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+        """(param, start in the param's flat view, start in the shard, length) of what replica `rank` owns."""
+        lo, hi = rank * self.shard, (rank + 1) * self.shard
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                yield p, a - off, a - lo, b - a
+
+
+class ShardedGradients:
+    """Reduce-scatters gradients over `group` into this replica's shard of each bucket (ZeRO-1/2)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, level: int,
+                 deferred: Iterable[nn.Parameter] = (), per_micro_batch: bool = False, bucket_mb: float = 25.0):
+        """level 0: nothing sharded, gradients all-reduced into a full fp32 copy (bf16 master weights
+        without ZeRO); 1: reduce-scattered once per step; 2: and only the shard's gradient is kept."""
+        self.group, self.level = group, level
+        self.dp = dist.get_world_size(group)
+        # how the buckets are split: over the replicas, or (level 0) one whole copy on each
+        self.world, self.rank = (self.dp, dist.get_rank(group)) if level >= 1 else (1, 0)
+        self.per_micro_batch = per_micro_batch and level >= 2
+        unique: dict[int, nn.Parameter] = {}
+        for p in params:
+            if p.requires_grad:
+                unique.setdefault(id(p), p)
+        self.params = list(unique.values())
+        late = {id(p) for p in deferred}
+        ordered = [p for p in reversed(self.params) if id(p) not in late]
+        self.buckets = (self._make_buckets(ordered, int(bucket_mb * 2**20), deferred=False)
+                        + self._make_buckets([p for p in reversed(self.params) if id(p) in late],
+                                             int(bucket_mb * 2**20), deferred=True))
+        self._slot = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        self.sync = True
+        self._next_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.zero_grad()
+
+    def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int, *, deferred: bool) -> list[FlatBucket]:
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params:
+            same_kind = groups and groups[-1][0].dtype == p.dtype and groups[-1][0].device == p.device
+            if not same_kind or size + p.numel() * p.element_size() > cap_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += p.numel() * p.element_size()
+        buckets = []
+        for members in groups:
+            offsets, total = [], 0
+            for p in members:
+                offsets.append(total)
+                total += p.numel()
+            shard = -(-total // self.world)
+            bucket = FlatBucket(params=members, offsets=offsets, numel=shard * self.world, shard=shard,
+                                dtype=members[0].dtype, device=members[0].device, deferred=deferred)
+            bucket.shard_grad = torch.zeros(shard, dtype=torch.float32, device=bucket.device)
+            buckets.append(bucket)
+        return buckets
+
+    # ------------------------------------------------------------------ the full gradient buffers
+
+    def _allocate(self, bucket: FlatBucket) -> None:
+        """(Re)create the full gradient buffer and point every `.grad` at its view (adding what autograd left)."""
+        if bucket.full is None:
+            bucket.full = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.views = [bucket.full[off:off + p.numel()].view_as(p)
+                            for p, off in zip(bucket.params, bucket.offsets)]
+        for p, view in zip(bucket.params, bucket.views):
+            self._attach(p, view)
+
+    @staticmethod
+    def _attach(param: nn.Parameter, view: torch.Tensor) -> None:
+        if param.grad is not view:
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad)
+            param.grad = view
+
+    def _release(self, bucket: FlatBucket) -> None:
+        """Level 2: drop the full gradient; only the shard's stays."""
+        for p in bucket.params:
+            p.grad = None
+        bucket.full, bucket.views = None, []
+
+    def zero_grad(self) -> None:
+        """Zero the shard gradients (and the full buffers that are kept); use instead of optimizer.zero_grad."""
+        for bucket in self.buckets:
+            if bucket.work is not None:  # an aborted step: let the reduction land first
+                bucket.work.wait()
+                bucket.work = None
+            bucket.ready = 0
+            bucket.shard_grad.zero_()
+            if self.level >= 2:
+                self._release(bucket)
+            else:
+                self._allocate(bucket)
+                bucket.full.zero_()
+        self._next_launch = 0
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (earlier micro-batches of a step); level 2 per micro-batch ignores it."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    # ------------------------------------------------------------------ reduction
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        index, position = self._slot[id(param)]
+        bucket = self.buckets[index]
+        if bucket.full is None:
+            self._allocate(bucket)  # level 2: released since the last reduction
+        else:
+            self._attach(param, bucket.views[position])  # something replaced .grad (set_to_none)
+        if not (self.sync or self.per_micro_batch):
+            return
+        if index < self._next_launch or bucket.ready >= len(bucket.params):
+            raise RuntimeError(
+                "a gradient arrived for a parameter whose bucket is already being reduced: backward ran twice "
+                "in one synchronised step. Wrap every micro-batch but the last in `no_sync()`, and call "
+                "`finish()` once per step.")
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch(self, bucket: FlatBucket) -> None:
+        if bucket.full is None:
+            self._allocate(bucket)
+        if self.world == 1:  # level 0: all-reduce the whole bucket (nothing when dp is 1)
+            bucket.work = dist.all_reduce(bucket.full, group=self.group, async_op=True) if self.dp > 1 else None
+            out = bucket.full
+        else:
+            if bucket.dtype == torch.float32 and not self.per_micro_batch:
+                out = bucket.shard_grad  # once per step, fp32: land straight in the shard
+            else:
+                if bucket.incoming is None:
+                    bucket.incoming = torch.empty(bucket.shard, dtype=bucket.dtype, device=bucket.device)
+                out = bucket.incoming
+            bucket.work = dist.reduce_scatter_single(out, bucket.full, group=self.group, async_op=True)
+        bucket.pending_out = out
+
+    def _land(self, bucket: FlatBucket) -> None:
+        """Wait for the bucket's reduction and add it into the fp32 shard gradient."""
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        out = bucket.pending_out
+        if out is not bucket.shard_grad:
+            bucket.shard_grad.add_(out[:bucket.shard] if self.world == 1 else out)
+        bucket.pending_out = None
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.deferred or bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def finish(self, before_deferred: Callable[[], None] | None = None) -> None:
+        """Launch what backward left and land every bucket in its shard gradient.
+
+        `before_deferred()` runs on the full gradients of the deferred (tied) parameters before
+        their buckets are reduced: the pipeline engine sums tied weights over their stages there.
+        """
+        for bucket in self.buckets[self._next_launch:]:
+            self._allocate(bucket)  # parameters that got no gradient reduce zeros, the same buffers everywhere
+        for bucket in self.buckets[self._next_launch:]:
+            if bucket.deferred and before_deferred is not None:
+                before_deferred()
+                before_deferred = None
+            self._launch(bucket)
+        for bucket in self.buckets:
+            self._land(bucket)
+            bucket.ready = 0
+            if self.level >= 2:
+                self._release(bucket)
+        self._next_launch = 0
+
+    # ------------------------------------------------------------------ what the optimizer and clipping see
+
+    def grad_pieces(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, this replica's part of its summed gradient), fp32 views into the shard gradients."""
+        for bucket in self.buckets:
+            for p, _, start, length in bucket.pieces(self.rank):
+                yield p, bucket.shard_grad[start:start + length]
+
+    def squared_norms(self, kind: Callable[[nn.Parameter], int | None], kinds: int = 1) -> torch.Tensor:
+        """Squared gradient norms summed per `kind(param)` (None: not counted), fp64, over every replica."""
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        squares = torch.zeros(kinds, dtype=torch.float64, device=device)
+        for p, grad in self.grad_pieces():
+            k = kind(p)
+            if k is not None:
+                squares[k] += grad.double().square().sum()
+        if self.world > 1:
+            dist.all_reduce(squares, group=self.group)
+        return squares
+
+    def scale_gradients(self, factor: float) -> None:
+        for bucket in self.buckets:
+            bucket.shard_grad.mul_(factor)
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
