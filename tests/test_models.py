@@ -224,7 +224,8 @@ def test_unknown_model_lists_available():
         build_model("gpt-huge")
     assert str(err.value) == (
         "unknown model 'gpt-huge'; available: "
-        "{gpt-tiny, gpt-mini, gpt-small, gpt-medium, word-lstm, word-gpt, hf:gpt2, hf:llama, hf:bert}"
+        "{gpt-tiny, gpt-mini, gpt-small, gpt-medium, gpt-1.5b, gpt-2.5b, gpt-8.3b, gpt-20b, word-lstm, word-gpt, "
+        "hf:gpt2, hf:llama, hf:bert}"
     )
 
 

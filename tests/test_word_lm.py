@@ -44,6 +44,8 @@ def test_word_tokenizer_errors():
     with pytest.raises(DataError, match="pass corpus="):
         build_tokenizer("word")
     with pytest.raises(DataError, match="unknown tokenizer"):
+        build_tokenizer("sentencepiece")
+    with pytest.raises(DataError, match="pass text= or corpus="):
         build_tokenizer("bpe")
 
 

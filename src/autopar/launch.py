@@ -103,12 +103,13 @@ def _run_once(command: Sequence[str], nproc: int, extra_env: dict[str, str], for
     try:
         while True:
             codes = [p.poll() for p in procs]
-            if failed is None:
-                for rank, code in enumerate(codes):
-                    if code not in (None, 0) and not (code == PREEMPTED_EXIT and forwarding.signal is not None):
-                        failed = (rank, code)
-                        deadline = time.monotonic() + grace_s
-                        break
+            failing = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)
+                       and not (code == PREEMPTED_EXIT and forwarding.signal is not None)]
+            # a rank killed by a signal is the cause; a peer's error exit is usually its consequence
+            killed = next(((rank, code) for rank, code in failing if code < 0), None)
+            if failing and (failed is None or (failed[1] > 0 and killed is not None)):
+                failed = killed or failing[0]
+                deadline = deadline or time.monotonic() + grace_s
             if all(code is not None for code in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:

@@ -259,7 +259,8 @@ class Trainer:
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         # [loss share, bad gradient norm, stop requested], summed over every rank that holds a loss share
         # (replicas; the last pipeline stage), and the peak memory: read once, before the update they decide
-        flags = torch.tensor([0.0, float(not math.isfinite(grad_norm)), float(stop_requested)], device=self.device)
+        bad_norm = grad_norm is not None and not math.isfinite(grad_norm)  # None: the engine has no norm here
+        flags = torch.tensor([0.0, float(bad_norm), float(stop_requested)], device=self.device)
         flags[0] = total.detach().float().reshape(())
         dist.all_reduce(flags)
         peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
@@ -395,7 +396,7 @@ class Trainer:
                     result.losses.append(loss)
                     self.step_times_s.append(elapsed)  # this rank's clock (plan.json's measured step time)
                     record = {"step": number, "loss": loss if math.isfinite(loss) else None, "lr": lr,
-                              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+                              "grad_norm": grad_norm if grad_norm is not None and math.isfinite(grad_norm) else None,
                               "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                               "peak_mem_bytes": out.peak_bytes}
                     if bad_total:
@@ -501,7 +502,7 @@ class StepResult:
     """What one optimizer step gives, the same on every rank."""
 
     loss: float
-    grad_norm: float
+    grad_norm: float | None  # None: the engine does not compute one (scheduled sparse exchanges)
     tokens: int  # in the global batch
     skipped: bool = False  # loss or gradient norm not finite: no update anywhere
     stop: bool = False  # some rank was asked to stop (SIGTERM/SIGINT)
@@ -519,7 +520,7 @@ def _non_finite_message(loss: float, step: int, lr: float, grad_norm: float, run
     what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
     streak = (f" ({in_a_row} non-finite steps in a row, more than --max-bad-steps {allowed}; each was skipped)"
               if allowed else "")
-    return (f"{what} at step {step} (lr {lr:g}, loss {loss:g}, gradient norm {grad_norm:g}){streak}; training "
+    return (f"{what} at step {step} (lr {lr:g}, loss {loss:g}, gradient norm {grad_norm}){streak}; training "
             f"stopped rather than go on with non-finite weights (no checkpoint holds them). Lower the learning rate "
             f"(--lr) or clip gradients (--grad-clip), or look in the model and loss for a log, division or square "
             f"root of a value that can reach zero or below; {run_dir}/metrics.jsonl has the steps before")

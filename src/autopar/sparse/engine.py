@@ -260,9 +260,9 @@ class SparseEmbeddingEngine(EngineBase):
     def before_checkpoint(self) -> None:
         self.flush()  # 2D-scheduled tables: land deferred row updates first
 
-    def clip_gradients(self, max_norm: float) -> float:
+    def clip_gradients(self, max_norm: float) -> float | None:
         if any(ex.scheduled for ex in self.exchanges):
-            return float("nan")  # part of the table gradient is still in flight (grad_clip must be 0)
+            return None  # part of the table gradient is still in flight (grad_clip must be 0): no norm
         # per-tensor norms in the gradient's dtype (as clip_grad_norm_ does), combined in float64
         grads = [_values(p.grad) for p in self.dense_params + self.replicated_tables * (self.mode == "allgather")
                  if p.grad is not None]

@@ -35,8 +35,9 @@ class Engine(Protocol):
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         """Every micro-batch of this replica, gradients exchanged; this rank's share of the loss."""
 
-    def clip_gradients(self, max_norm: float) -> float:
-        """The global gradient norm (before clipping); clips to max_norm."""
+    def clip_gradients(self, max_norm: float) -> float | None:
+        """The global gradient norm (before clipping); clips to max_norm. None where the engine cannot know
+        it at this point (gradients still in flight) and so cannot clip."""
 
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
         """[loss sum, weight] this rank contributes, without gradients."""
