@@ -66,14 +66,16 @@ def _delayed_p2p(latency: float, bandwidth: float, nbytes: int) -> dict:
 def test_sender_side_delay_latency_and_bandwidth(rank_pool):
     latency, bandwidth, nbytes = 0.15, 2e6, 200_000  # each message: 0.1 s on the link, then 0.15 s in flight
     sender, receiver = rank_pool(2).run(_delayed_p2p, latency, bandwidth, nbytes)
-    assert sender["post_s"] < 0.1  # the delay overlaps the caller
+    # the delay overlaps the caller: a blocking isend would return only after the first message's 0.25 s
+    # (transfer + latency); anything below that proves it did not wait, however loaded the CPUs are
+    assert sender["post_s"] < 0.25
     assert sender["bytes"] == 2 * nbytes + 4 and sender["messages"] == 3
     assert receiver["values"] == (1.0, 2.0, 7.0)
     assert receiver["second_src"] == 0 and receiver["third_src"] == 0
     # first message: 0.1 transfer + 0.15 latency; the second queues behind it on the link: 0.2 + 0.15
     assert receiver["first_s"] >= 0.25 - 0.01
     assert receiver["second_s"] >= 0.35 - 0.01
-    assert receiver["second_s"] < 1.5  # and not grossly more (loose: shared CPUs)
+    assert receiver["second_s"] < 5.0  # and not grossly more (loose: a loaded 2-core CI machine)
 
 
 def _timed_all_reduce(latency: float) -> dict:
