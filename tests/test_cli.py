@@ -110,8 +110,20 @@ def test_unknown_config_key_names_the_valid_ones(tmp_path):
 
 
 def test_errors_are_reported_on_every_rank():
-    done = autopar("train", *SMALL, "--nproc", "2", "--model", "gpt-huge", "--steps", "2")
+    """A model that only the ranks can refuse (tp splits are found when the traced model is planned)."""
+    done = autopar("train", *SMALL, "--nproc", "2", "--tp", "2", "--model-arg", "vocab_size=321", "--steps", "2")
     assert "(rank 0 of 2)" in done.stderr and "(rank 1 of 2)" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "gpt-huge"], "unknown model 'gpt-huge'"),
+    (["--resume", "/nonexistent/run"], "no such folder"),
+    (["--seq-len", "1000"], "seq_len=1000 is longer than gpt-tiny's context of 256"),
+])
+def test_model_and_resume_errors_come_before_any_rank_starts(args, message):
+    done = autopar("train", *[a for a in SMALL if a not in ("--seq-len", "32")], "--nproc", "2", "--steps", "2", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "(rank" not in done.stderr, done.stderr  # said once, by the launcher
 
 
 DYING_SCRIPT = """

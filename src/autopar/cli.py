@@ -120,6 +120,8 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     if not env.launched and (job.launch.nproc > 1 or job.launch.max_restarts > 0):
         from .strategies import resolve
         resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process
+        from .preflight import check_before_launch
+        check_before_launch(job)  # the resume folder and the model, once, here
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         command = [sys.executable, "-m", "autopar", *argv, "--out", out]

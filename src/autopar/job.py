@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .models import build_model
 from .models.hf import hf_config_json, is_folder_name
 from .models.pretrained import PretrainedWeights
+from .preflight import check_model_fits
 from .trainer import Trainer, TrainResult
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -85,13 +86,7 @@ def build_job(job: JobConfig) -> JobParts:
     tokenizer = build_job_tokenizer(job, corpus, files)
     model, info = build_model(job.model.name, job.model.args, vocab_size=padded_vocab_size(tokenizer.vocab_size),
                               device="meta")
-    if info.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} tokens but the model "
-                          f"{info.name} only {info.vocab_size} (vocab_size); use a tokenizer of at most "
-                          f"{info.vocab_size} tokens, or a model with vocab_size >= {tokenizer.vocab_size}")
-    if job.data.seq_len > info.max_seq_len:
-        raise ConfigError(f"seq_len={job.data.seq_len} is longer than {info.name}'s context of {info.max_seq_len} "
-                          f"positions; use --seq-len <= {info.max_seq_len} or a larger max_seq_len model argument")
+    check_model_fits(info, tokenizer, job.data.seq_len)
     pretrained = None
     if job.model.name.startswith("hf:") and is_folder_name(job.model.name):
         pretrained = PretrainedWeights(job.model.name[3:], model)  # headers only: every rank checks, before spawning
