@@ -26,18 +26,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
-import tomli_w
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from .config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
+from .config import JobConfig, Strategy, TrainConfig, to_dict
 from .data.sampler import GlobalBatchSampler
 from .distributed import DistEnv, init_distributed
 from .dropout import dropout_step
 from .errors import CheckpointError, ConfigError, DataError, Preempted, TrainingError
-from .launch import ATTEMPT_ENV, RESTARTS_LOG, restart_attempt
+from .launch import ATTEMPT_ENV, restart_attempt
 from .mesh import ProcessMesh
 from .search.auto import Measured, Plan
 from .strategies import Resolved, resolve
@@ -51,6 +50,7 @@ from .train.interrupt import StopRequest
 from .train.loss import Batch, LossFn, as_batch, default_forward, main_input, target_count, tokens_in
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
 from .train.optim import build_scheduler
+from .train.run_folder import config_toml, log_restart, non_finite_message, truncate_metrics, write_run_folder
 from .train.watchdog import Watchdog
 from .timing import StepTimer
 from .version import __version__
@@ -178,29 +178,18 @@ class Trainer:
         run_dir = Path(shared[0])
         self._fresh_run_dir = self.is_main and not run_dir.exists()  # removed again if we fail before step 1
         if self.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(self._config_toml())
             info = {"autopar": __version__, "torch": torch.__version__, "world_size": dist.get_world_size(),
                     "strategy": to_dict(self.strategy), "accumulation_steps": self.accumulation,
                     "model_class": type(self.model).__name__, **self.run_info}
-            (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
-            for name, text in {**self.engine.run_files(), **self.extra_run_files}.items():  # tp_plan.txt, hf/...
-                (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-                (run_dir / name).write_text(text)
+            write_run_folder(run_dir, config=self._config_toml(), info=info,
+                             files={**self.engine.run_files(), **self.extra_run_files})
             if self.plan is not None:  # --strategy auto / --plan: what was chosen and predicted
                 self.plan.record.pop("measured", None)  # a rerun plan's old measurements belong to its old run
                 self.plan.save(run_dir / "plan.json")
         return run_dir
 
     def _config_toml(self) -> str:
-        """The run's configuration, without where it was written or resumed from: rerunning the file starts a
-        new run folder, and `--resume RUN_DIR` reads it back. A plan also chose the micro-batches: write what runs."""
-        if self.job_config is not None:
-            train = self.config if self.plan is not None else self.job_config.train
-            train = dataclasses.replace(train, out=None, resume=None)
-            return to_toml(dataclasses.replace(self.job_config, strategy=self.strategy, train=train))
-        train = to_dict(dataclasses.replace(self.config, out=None, resume=None))
-        return tomli_w.dumps({"strategy": to_dict(self.strategy), "train": train})
+        return config_toml(self.strategy, self.config, self.job_config, planned=self.plan is not None)
 
     # ------------------------------------------------------------------ steps
 
@@ -360,9 +349,9 @@ class Trainer:
             self._discard_fresh_run_dir()
             raise
         if self.is_main and (start or self.attempt):
-            _truncate_metrics(self.run_dir / "metrics.jsonl", start)
+            truncate_metrics(self.run_dir / "metrics.jsonl", start)
         if self.is_main and self.attempt and ATTEMPT_ENV not in os.environ:  # torchrun restarted us
-            _log_restart(self.run_dir, {"restart": self.attempt, "by": "torchrun", "world_size": dist.get_world_size(),
+            log_restart(self.run_dir, {"restart": self.attempt, "by": "torchrun", "world_size": dist.get_world_size(),
                                         "cause": "torchrun restarted the workers (see its log)",
                                         "resumes_from": self.resumed_from and self.resumed_from.name})
         metrics = MetricsLog(self.run_dir / "metrics.jsonl" if self.is_main else None)
@@ -390,7 +379,7 @@ class Trainer:
                     bad_in_a_row = bad_in_a_row + 1 if out.skipped else 0
                     bad_total += out.skipped
                     if bad_in_a_row > cfg.max_bad_steps:  # the same sums on every rank: all stop together
-                        raise TrainingError(_non_finite_message(loss, number, lr, grad_norm, self.run_dir,
+                        raise TrainingError(non_finite_message(loss, number, lr, grad_norm, self.run_dir,
                                                                 bad_in_a_row, cfg.max_bad_steps))
                     elapsed = timer.seconds()
                     result.losses.append(loss)
@@ -507,28 +496,3 @@ class StepResult:
     skipped: bool = False  # loss or gradient norm not finite: no update anywhere
     stop: bool = False  # some rank was asked to stop (SIGTERM/SIGINT)
     peak_bytes: int = 0  # the largest peak memory of any rank, after this step's backward
-
-
-def _log_restart(run_dir: Path, record: dict[str, Any]) -> None:
-    record = {**record, "time": datetime.now().isoformat(timespec="seconds")}
-    with open(run_dir / RESTARTS_LOG, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _non_finite_message(loss: float, step: int, lr: float, grad_norm: float, run_dir: Path, in_a_row: int = 1,
-                        allowed: int = 0) -> str:
-    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}"
-    streak = (f" ({in_a_row} non-finite steps in a row, more than --max-bad-steps {allowed}; each was skipped)"
-              if allowed else "")
-    return (f"{what} at step {step} (lr {lr:g}, loss {loss:g}, gradient norm {grad_norm}){streak}; training "
-            f"stopped rather than go on with non-finite weights (no checkpoint holds them). Lower the learning rate "
-            f"(--lr) or clip gradients (--grad-clip), or look in the model and loss for a log, division or square "
-            f"root of a value that can reach zero or below; {run_dir}/metrics.jsonl has the steps before")
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop records of steps after the checkpoint (they will be redone)."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
