@@ -29,7 +29,7 @@ from .cluster import Cluster
 from .memory import OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
 from .profile import ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled
-from .zero_cost import data_parallel_exposed_s
+from .zero_cost import copy_bytes_per_param, data_parallel_exposed_s
 
 RECOMPUTE = ("none", "stage-aware", "all")
 PARTITIONS = ("uniform", "parameters", "time")
@@ -239,8 +239,9 @@ class StepModel:
             tied = 0.0
             if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
                 tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)
-            shard = c.dp if c.zero else 1  # ZeRO steps only this replica's shard
-            optimizer = elements / shard * ADAM_BYTES_PER_PARAM / cl.memory_bandwidth_bytes_per_s
+            shard = c.dp if c.zero else 1  # ZeRO steps only this replica's shard, then copies the gathered one in
+            moved = ADAM_BYTES_PER_PARAM / shard + copy_bytes_per_param(c.zero, 2.0 if self.bf16_master else 4.0)
+            optimizer = elements * moved / cl.memory_bandwidth_bytes_per_s
             finish_all.append(times.finish[r] + exposed + tied + optimizer)
             dp_exposed.append(exposed)
             opt_time.append(optimizer)

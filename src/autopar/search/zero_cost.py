@@ -16,6 +16,9 @@
 Volumes are ring volumes (cluster.py): all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n
 of the bytes, so zero 1/2 move what zero 0 moves and zero 3 half again as much (the ZeRO paper's 1.5x).
 Each profile block is taken as one FSDP2 unit (the embedding and head blocks as the root's).
+
+Beside the communication, zero 1/2 step only their shard (the optimizer's time / dp) and then copy
+the all-gathered buckets into the parameters (`copy_bytes_per_param`, memory-bandwidth bound).
 """
 
 from __future__ import annotations
@@ -59,3 +62,8 @@ def data_parallel_exposed_s(cluster: Cluster, *, zero: int, dp: int, span: int, 
         backward = backward_order[0] + sum(max(0.0, g - b) for g, b in zip(backward_order[1:], times))
         return reduction + num_microbatches * (forward + backward)
     raise ValueError(f"zero level must be 0, 1, 2 or 3, got {zero!r}")
+
+
+def copy_bytes_per_param(zero: int, element_bytes: float) -> float:
+    """Bytes per parameter ZeRO-1/2 move after the step: the gathered bucket read, the parameter written."""
+    return 2 * element_bytes if zero in (1, 2) else 0.0
