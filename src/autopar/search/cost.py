@@ -235,7 +235,7 @@ class StepModel:
                 cl, zero=c.zero, dp=c.dp, span=span_dp, param_elements=elements, overlap_s=b_stage[min(mine)],
                 element_bytes=2.0 if self.bf16_master else 4.0, num_microbatches=c.num_microbatches,
                 per_micro_batch=c.pp == 1, block_params=prof.params, block_forward_s=forward,
-                block_backward_s=backward)
+                block_backward_s=backward, hide_gathers=not (cl.cores_per_node or cl.name == "cpu-local"))
             tied = 0.0
             if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
                 tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)

@@ -259,6 +259,11 @@ def why(winner: Estimate, runner_up: Estimate | None) -> str:
         "bubble": (b.bubble - a.bubble, f"its pipeline idles {a.bubble:.0%} of the step instead of {b.bubble:.0%}"),
         "comm": (b.comm_share - a.comm_share,
                  f"communication takes {a.comm_share:.0%} of its step instead of {b.comm_share:.0%}"),
+        "data-parallel": ((b.parts["dp_exposed_s"] + b.parts["optimizer_s"] - a.parts["dp_exposed_s"]
+                           - a.parts["optimizer_s"]) / b.step_time_s,
+                          f"its data-parallel communication and optimizer step take "
+                          f"{(a.parts['dp_exposed_s'] + a.parts['optimizer_s']) * 1e3:.3g} ms instead of "
+                          f"{(b.parts['dp_exposed_s'] + b.parts['optimizer_s']) * 1e3:.3g} ms"),
         "pipeline": ((b.parts["pipeline_s"] - a.parts["pipeline_s"]) / b.step_time_s,
                      f"its pipeline (compute and transfers) takes {a.parts['pipeline_s'] * 1e3:.3g} ms instead of "
                      f"{b.parts['pipeline_s'] * 1e3:.3g} ms"),

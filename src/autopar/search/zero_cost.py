@@ -15,7 +15,11 @@
 
 Volumes are ring volumes (cluster.py): all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n
 of the bytes, so zero 1/2 move what zero 0 moves and zero 3 half again as much (the ZeRO paper's 1.5x).
-Each profile block is taken as one FSDP2 unit (the embedding and head blocks as the root's).
+Each profile block is taken as one FSDP2 unit (the embedding and head blocks as the root's). On a
+CPU cluster (`hide_gathers=False`: a calibrated one, with cores_per_node, or the cpu-local preset;
+ranks time-share cores, and gloo's copies take the cycles the
+compute would use) nothing hides the gathers: benchmarks/zero_memory.py measures FSDP2 well behind
+plain all-reduce there (docs/benchmarks/zero.md).
 
 Beside the communication, zero 1/2 step only their shard (the optimizer's time / dp) and then copy
 the all-gathered buckets into the parameters (`copy_bytes_per_param`, memory-bandwidth bound).
@@ -32,7 +36,8 @@ from .memory import BUCKET_BYTES
 def data_parallel_exposed_s(cluster: Cluster, *, zero: int, dp: int, span: int, param_elements: float,
                             element_bytes: float, overlap_s: float, num_microbatches: int = 1,
                             per_micro_batch: bool = False, block_params: Sequence[float] = (),
-                            block_forward_s: Sequence[float] = (), block_backward_s: Sequence[float] = ()) -> float:
+                            block_forward_s: Sequence[float] = (), block_backward_s: Sequence[float] = (),
+                            hide_gathers: bool = True) -> float:
     """Seconds of data-parallel communication left on the step's critical path for one rank.
 
     `element_bytes` is what a gradient and a parameter weigh on the wire (4 fp32, 2 under bf16 master
@@ -57,6 +62,8 @@ def data_parallel_exposed_s(cluster: Cluster, *, zero: int, dp: int, span: int, 
         gathers = [cluster.all_gather(p * element_bytes, dp, span=span) for p in block_params]
         if not gathers:
             return reduction + 2 * num_microbatches * cluster.all_gather(nbytes, dp, span=span)
+        if not hide_gathers:
+            return reduction + num_microbatches * 2 * sum(gathers)
         forward = gathers[0] + sum(max(0.0, g - f) for g, f in zip(gathers[1:], block_forward_s))
         backward_order, times = gathers[::-1], list(block_backward_s)[::-1]
         backward = backward_order[0] + sum(max(0.0, g - b) for g, b in zip(backward_order[1:], times))
