@@ -269,5 +269,8 @@ def why(winner: Estimate, runner_up: Estimate | None) -> str:
                      f"{b.parts['pipeline_s'] * 1e3:.3g} ms"),
     }
     _, text = max(reasons.values(), key=lambda r: r[0])
+    if abs(b.step_time_s - a.step_time_s) <= 1e-9 * b.step_time_s and a.peak_memory < b.peak_memory:
+        text = (f"at the same predicted time it needs less memory per rank ({a.peak_memory / 2**20:.3g} MiB "
+                f"instead of {b.peak_memory / 2**20:.3g} MiB)")  # the ranking's tie-break
     what = "; ".join(changed) if changed else "a different cut or recomputation"
     return f"the winner is {gain:.1f}% faster than the runner-up ({what}) because {text}."
