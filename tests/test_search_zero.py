@@ -7,7 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
+from autopar.config import Strategy, TrainConfig
+from autopar.data.tokenizer import padded_vocab_size
+from autopar.models import build_model
 from autopar.search.cluster import Cluster, Link
 from autopar.search.cost import Candidate, StepModel
 from autopar.search.memory import stage_memory
@@ -15,6 +19,7 @@ from autopar.search.profile import ModelProfile, TPProfile
 from autopar.search.search import SearchSpace, enumerate_candidates, exhaustive, mcmc
 from autopar.search.zero_cost import data_parallel_exposed_s
 from autopar.search.zero_memory import zero_model_state_bytes
+from autopar.strategies import resolve
 
 
 def cluster(memory_bytes: float, flops: float = 1e9) -> Cluster:
@@ -116,3 +121,12 @@ def test_refused_levels_are_never_proposed_and_mcmc_finds_the_zero_winner():
     best = exhaustive(model, space).ranked[0]
     found, _ = mcmc(model, space, steps=1500, seed=0)
     assert found is not None and found.step_time_s <= best.step_time_s * (1 + 1e-12)
+
+
+def test_strategy_auto_with_a_fixed_zero_level_searches_the_rest():
+    model, _ = build_model("gpt-tiny", {"n_layer": 2}, vocab_size=padded_vocab_size(258), device="meta")
+    example = lambda: ((torch.zeros(1, 32, dtype=torch.long, device="meta"),), {})  # noqa: E731
+    resolved = resolve(Strategy.auto(zero=1), TrainConfig(global_batch_size=8), 4, model=model, example=example)
+    assert resolved.strategy.zero == 1 and resolved.strategy.dp > 1  # zero 1 needs replicas to shard over
+    assert resolved.plan.record["strategy"]["zero"] == 1 and resolved.plan.record["search"]["fixed"] == {"zero": 1}
+    assert "zero 1" in resolved.plan.describe()
