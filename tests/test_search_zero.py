@@ -130,3 +130,13 @@ def test_strategy_auto_with_a_fixed_zero_level_searches_the_rest():
     assert resolved.strategy.zero == 1 and resolved.strategy.dp > 1  # zero 1 needs replicas to shard over
     assert resolved.plan.record["strategy"]["zero"] == 1 and resolved.plan.record["search"]["fixed"] == {"zero": 1}
     assert "zero 1" in resolved.plan.describe()
+
+
+def test_precision_modes_set_the_model_state_bytes():
+    c = Candidate(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    psi = sum(heavy_profile().params)
+    states = {}
+    for dtype in ("fp32", "bf16", "bf16-autocast"):  # autocast keeps fp32 parameters; bf16 adds fp32 masters
+        memory = StepModel(heavy_profile(), cluster(1e9), global_batch_size=8, dtype=dtype).evaluate(c).memory_per_stage[0]
+        states[dtype] = (memory.params + memory.grads + memory.optimizer) / psi
+    assert states == {"fp32": 16.0, "bf16": 20.0, "bf16-autocast": 16.0}

@@ -92,8 +92,9 @@ class StepModel:
             raise ConfigError(f"optimizer must be one of {choices(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
         self.profile, self.cluster, self.global_batch_size = profile, cluster, global_batch_size
         self.dtype, self.optimizer = dtype, optimizer
-        self.rate = cluster.rate(dtype)
-        self.act_scale = 0.5 if dtype == "bf16" else 1.0
+        half = dtype in ("bf16", "bf16-autocast")  # both compute in bf16; only "bf16" stores bf16 parameters
+        self.rate = cluster.rate("bf16" if half else dtype)
+        self.act_scale = 0.5 if half else 1.0
         self.bf16_master = dtype == "bf16"  # --dtype bf16: bf16 parameters and gradients, fp32 master weights
         self._blocks: dict = {}
         self._bounds: dict = {}
