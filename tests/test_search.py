@@ -146,10 +146,12 @@ def _brute_force(model: StepModel, nproc: int):
     """Every raw combination of values, invalid ones skipped by what the runtime would refuse."""
     best = None
     g = model.global_batch_size
-    for dp, tp, pp, mbs, schedule, chunks, rc, method in itertools.product(
+    for dp, tp, pp, mbs, schedule, chunks, rc, method, zero in itertools.product(
             range(1, nproc + 1), (1, 2, 4), range(1, nproc + 1), range(1, g + 1),
-            ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "zb-h1"), (1, 2), RECOMPUTE, PARTITIONS):
+            ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "zb-h1"), (1, 2), RECOMPUTE, PARTITIONS, range(4)):
         if dp * tp * pp != nproc or g % (dp * mbs) or tp not in model.profile.tp or pp * chunks > 6:
+            continue
+        if zero and dp == 1 or zero == 3 and (tp > 1 or pp > 1):  # strategies.py refuses these
             continue
         m = g // (dp * mbs)
         if pp == 1 and (schedule, chunks) != ("1f1b", 1):
@@ -159,7 +161,7 @@ def _brute_force(model: StepModel, nproc: int):
         except ConfigError:
             continue
         e = model.evaluate(Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
-                                     schedule=schedule, chunks=chunks, recompute=rc, partition=method))
+                                     schedule=schedule, chunks=chunks, recompute=rc, partition=method, zero=zero))
         if e.fits and (best is None or e.step_time_s < best.step_time_s):
             best = e
     return best

@@ -187,6 +187,8 @@ def _configuration(record: dict) -> str:
         parts.append(f"recompute to fit {s['memory_budget_mb']:g} MiB")
     if s.get("pp", 1) > 1:
         parts.append(f"{s.get('partition', 'time')} cut")
+    if s.get("zero"):
+        parts.append(f"zero {s['zero']}")
     return " ".join(parts)
 
 
@@ -201,7 +203,8 @@ def _costs(prediction: dict) -> str:
 def fixed_fields(strategy: Strategy, config: TrainConfig) -> dict[str, Any]:
     """What the user fixed beside `--strategy auto`: every searched field set away from its default."""
     defaults, train_defaults = Strategy(), TrainConfig()
-    fixed = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "schedule", "chunks", "partition", "recompute")
+    fixed = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "schedule", "chunks", "partition", "recompute",
+                                               "zero")
              if getattr(strategy, k) != getattr(defaults, k)}
     for k in ("micro_batch_size", "micro_batches"):
         if getattr(config, k) != getattr(train_defaults, k):

@@ -21,7 +21,7 @@ def plan_dict(e: Estimate, model: StepModel) -> dict:
     """A plan: Strategy fields + micro-batch settings + the prediction behind them."""
     c = e.candidate
     strategy = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "schedule": c.schedule, "chunks": c.chunks,
-                "partition": c.partition, "recompute": "all" if c.recompute == "all" else "none"}
+                "partition": c.partition, "recompute": "all" if c.recompute == "all" else "none", "zero": c.zero}
     if c.recompute == "stage-aware" and any(e.recompute_blocks):
         strategy["memory_budget_mb"] = round(model.cluster.memory_bytes / 2**20, 1)
     return {

@@ -7,8 +7,9 @@
                  blocks' forward to the backward; whole-stage recomputation is the schedule's R action
     pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
-                 (only what outlasts it, or the last bucket, shows), the tied-weight gradient sum
-                 between first and last stage, and the optimizer step (memory-bandwidth bound)
+                 (only what outlasts it, or the last bucket, shows), or the ZeRO level's reduce-scatter
+                 and all-gathers (zero_cost.py), the tied-weight gradient sum between first and last
+                 stage, and the optimizer step (memory-bandwidth bound; over the shard under ZeRO)
     time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
                  ranks' summed work (compute, optimizer, exposed all-reduce) / cores bounds the step
                  from below; the step is the larger of that and the timeline above
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, choices
 from ..partition import algorithms
 from .cluster import Cluster
-from .memory import BUCKET_BYTES, OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
+from .memory import OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
 from .profile import ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled
+from .zero_cost import copy_bytes_per_param, data_parallel_exposed_s
 
 RECOMPUTE = ("none", "stage-aware", "all")
 PARTITIONS = ("uniform", "parameters", "time")
@@ -49,6 +51,7 @@ class Candidate:
     partition: str = "time"  # uniform | parameters | time; ignored when `bounds` is given
     bounds: tuple[int, ...] | None = None  # explicit block bounds per stage (MCMC)
     recompute_blocks: tuple[int, ...] | None = None  # explicit recomputed blocks per stage (MCMC)
+    zero: int = 0  # ZeRO level over each dp group: 0 replicated, 1 optimizer, 2 and gradients, 3 and parameters
 
     def describe(self) -> str:
         cut = "custom cut" if self.bounds else f"{self.partition} cut"
@@ -56,7 +59,7 @@ class Candidate:
               else f"recompute {self.recompute}")
         sched = f"{self.schedule}" + (f" x{self.chunks} chunks" if self.chunks > 1 else "")
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
-                f"{sched} {rc} {cut}")
+                f"{sched} {rc} {cut}" + (f" zero {self.zero}" if self.zero else ""))
 
 
 @dataclass
@@ -89,8 +92,10 @@ class StepModel:
             raise ConfigError(f"optimizer must be one of {choices(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
         self.profile, self.cluster, self.global_batch_size = profile, cluster, global_batch_size
         self.dtype, self.optimizer = dtype, optimizer
-        self.rate = cluster.rate(dtype)
-        self.act_scale = 0.5 if dtype == "bf16" else 1.0
+        half = dtype in ("bf16", "bf16-autocast")  # both compute in bf16; only "bf16" stores bf16 parameters
+        self.rate = cluster.rate("bf16" if half else dtype)
+        self.act_scale = 0.5 if half else 1.0
+        self.bf16_master = dtype == "bf16"  # --dtype bf16: bf16 parameters and gradients, fp32 master weights
         self._blocks: dict = {}
         self._bounds: dict = {}
         self._timelines: dict = {}
@@ -191,7 +196,7 @@ class StepModel:
             transient = [max((m.transient_fixed + m.transient_per_seq * mbs * self.act_scale) * share[i]
                              for i, m in enumerate(self.profile.measured[a:b], start=a)) for a, b in spans]
         memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
-                           headroom=cl.memory_headroom)
+                           headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master)
 
         def memory_of(s: int, k: int) -> StageMemory:
             a, b = spans[s]
@@ -199,7 +204,8 @@ class StepModel:
             return stage_memory(param_elements=local_params[s], saved=list(prof.saved_bytes[a:b]),
                                 inputs=inputs[a:b], output_bytes=out, in_flight=max(1, structure.in_flight[s]),
                                 stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole,
-                                transient_bytes=transient[s], **memory_args)
+                                transient_bytes=transient[s], largest_block_params=max(prof.params[a:b]),
+                                **memory_args)
 
         if c.recompute_blocks is not None:
             blocks = tuple(min(k, b - a) for k, (a, b) in zip(c.recompute_blocks, spans))
@@ -225,17 +231,18 @@ class StepModel:
         span_dp = c.dp * c.tp
         for r in range(c.pp):
             mine = [s for s in range(stages) if rank_of[s] == r]
-            grad_bytes = sum(local_params[s] for s in mine) * 4.0
-            exposed = 0.0
-            if c.dp > 1 and grad_bytes:
-                total = cl.all_reduce(grad_bytes, c.dp, span=span_dp)
-                last = cl.all_reduce(min(BUCKET_BYTES, grad_bytes), c.dp, span=span_dp)
-                overlap = b_stage[min(mine)]  # the last backward on this rank (its first stage runs last)
-                exposed = max(last, total - overlap)
+            elements = sum(local_params[s] for s in mine)
+            exposed = data_parallel_exposed_s(  # the last backward on this rank (its first stage runs last)
+                cl, zero=c.zero, dp=c.dp, span=span_dp, param_elements=elements, overlap_s=b_stage[min(mine)],
+                element_bytes=2.0 if self.bf16_master else 4.0, num_microbatches=c.num_microbatches,
+                per_micro_batch=c.pp == 1, block_params=prof.params, block_forward_s=forward,
+                block_backward_s=backward, hide_gathers=not (cl.cores_per_node or cl.name == "cpu-local"))
             tied = 0.0
             if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
                 tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)
-            optimizer = sum(local_params[s] for s in mine) * ADAM_BYTES_PER_PARAM / cl.memory_bandwidth_bytes_per_s
+            shard = c.dp if c.zero else 1  # ZeRO steps only this replica's shard, then copies the gathered one in
+            moved = ADAM_BYTES_PER_PARAM / shard + copy_bytes_per_param(c.zero, 2.0 if self.bf16_master else 4.0)
+            optimizer = elements * moved / cl.memory_bandwidth_bytes_per_s
             finish_all.append(times.finish[r] + exposed + tied + optimizer)
             dp_exposed.append(exposed)
             opt_time.append(optimizer)

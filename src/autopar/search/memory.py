@@ -1,6 +1,7 @@
 """Peak memory of one pipeline stage on one rank: the pieces, each in bytes, so a plan can say why it fits.
 
-    parameters + gradients + optimizer states          (fp32 master weights, as the trainer keeps them)
+    parameters + gradients + optimizer states          (fp32 master weights, as the trainer keeps them;
+                                                        per ZeRO level and bf16 master weights: zero_memory.py)
   + activations      saved bytes per micro-batch x in-flight micro-batches (from the simulator)
   + stashed inputs   a recomputing stage keeps only its input per in-flight micro-batch
   + transient        one block's activations rebuilt or differentiated at a time during backward
@@ -19,6 +20,8 @@ recomputation (the schedule's R actions) keeps only the stage input and rebuilds
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .zero_memory import zero_model_state_bytes
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adagrad": 4}
 """Optimizer bytes per fp32 parameter: AdamW's two moments; plain SGD none; Adagrad one sum."""
@@ -58,16 +61,21 @@ def kept_bytes(saved: list[float], inputs: list[float], recompute_blocks: int) -
 def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float], output_bytes: float,
                  micro_batch_size: int, in_flight: int, stashed: int, recompute_blocks: int, whole_stage: bool,
                  activation_scale: float, optimizer: str, dp: int, headroom: float,
-                 transient_bytes: float | None = None) -> StageMemory:
+                 transient_bytes: float | None = None, zero: int = 0, bf16_master: bool = False,
+                 largest_block_params: float = 0.0) -> StageMemory:
     """Memory of one stage; `saved` and `inputs` are per-block bytes per sequence (fp32).
 
     `inputs[i]` is the bytes entering block i (what a recomputed block keeps); `activation_scale`
     is 0.5 under bf16 autocast (activations in 16 bits), 1 in fp32. `transient_bytes`, when measured
     (measure_profile.py), is the most bytes one block's forward+backward holds beyond its saved tensors
     for this micro-batch, replacing the estimate of one block's activations twice over.
+
+    `zero` and `bf16_master` choose the model-state bytes (zero_memory.py). Beyond them, ZeRO-2 holds
+    the stage's full gradient at the end of each backward, until its reduction (a transient, as the
+    activations it replaces are freed); ZeRO-3 (FSDP2) holds one block gathered, the next prefetched,
+    and the gathered block's gradient (3 x `largest_block_params` in the parameter dtype, as buffers).
     """
     b = micro_batch_size * activation_scale
-    state = param_elements * 4.0
     input_bytes = inputs[0] * b if inputs else 0.0
     if whole_stage:
         activations = in_flight * sum(saved) * b  # rebuilt by R, alive until the backward ends
@@ -83,6 +91,13 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
     # the received input is the stash above; one outgoing activation and one incoming gradient in transit.
     # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
     buffers = input_bytes + output_bytes * b
-    return StageMemory(params=state, grads=state, optimizer=param_elements * float(OPTIMIZER_STATE_BYTES[optimizer]),
+    states = zero_model_state_bytes(param_elements, zero=zero, dp=dp, bf16=bf16_master,
+                                    optimizer_bytes=float(OPTIMIZER_STATE_BYTES[optimizer]))
+    element = 2.0 if bf16_master else 4.0
+    if zero == 2:
+        transient = max(transient, param_elements * element)
+    if zero == 3:
+        buffers += 3 * largest_block_params * element
+    return StageMemory(params=states.params, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, stashed_inputs=stash, transient=transient, buffers=buffers,
                        headroom=headroom)

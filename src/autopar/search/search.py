@@ -3,7 +3,10 @@
 Exhaustive space (`enumerate_candidates`): dp x tp x pp = devices, tp within a node and only
 degrees the TP planner accepted for this model; micro-batch size and count dividing the
 global batch; every schedule (interleaved with 2 or more chunks, when the stages exist);
-recomputation none / stage-aware / whole-stage; partition uniform / parameters / time.
+recomputation none / stage-aware / whole-stage; partition uniform / parameters / time; the ZeRO
+level 0-3 where the runtime runs it (1-3 need dp > 1 and an optimizer with per-parameter state;
+3, FSDP2, data parallelism alone). Precision is not searched: --dtype changes the numbers trained,
+so the user's choice stays and the memory and cost models follow it (bf16 master weights).
 Candidates over the device memory are pruned; the rest are ranked by predicted step time.
 
 MCMC (`mcmc`, after FlexFlow): a Metropolis walk whose state also holds the exact cut (layers
@@ -40,6 +43,17 @@ class SearchSpace:
     recompute: tuple[str, ...] = RECOMPUTE
     partitions: tuple[str, ...] = PARTITIONS
     max_microbatches: int | None = None
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+
+
+def zero_valid(zero: int, dp: int, tp: int, pp: int, optimizer: str) -> bool:
+    """What strategies.py runs: ZeRO shards over dp > 1 replicas of per-parameter optimizer state;
+    level 3 (FSDP2) only with data parallelism alone."""
+    if zero == 0:
+        return True
+    if dp == 1 or optimizer == "sgd":  # sgd: plain SGD without momentum has no state to shard
+        return False
+    return zero != 3 or (tp == 1 and pp == 1)
 
 
 def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int) -> bool:
@@ -74,9 +88,12 @@ def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candi
                             continue
                         for recompute in space.recompute:
                             for method in (space.partitions if pp > 1 else ("uniform",)):
-                                yield Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
-                                                schedule=schedule, chunks=chunks, recompute=recompute,
-                                                partition=method)
+                                for zero in space.zero_levels:
+                                    if not zero_valid(zero, dp, tp, pp, model.optimizer):
+                                        continue
+                                    yield Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
+                                                    schedule=schedule, chunks=chunks, recompute=recompute,
+                                                    partition=method, zero=zero)
 
 
 @dataclass
@@ -98,7 +115,7 @@ def exhaustive(model: StepModel, space: SearchSpace, candidates: list[Candidate]
             pruned += 1
             continue
         key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.schedule, c.chunks,
-               c.recompute == "all", estimate.bounds, estimate.recompute_blocks)
+               c.recompute == "all", estimate.bounds, estimate.recompute_blocks, c.zero)
         if key not in same:
             same.add(key)
             ranked.append(estimate)
@@ -132,16 +149,19 @@ def _random_bounds(rng: random.Random, blocks: int, stages: int) -> tuple[int, .
 
 def _neighbour(c: Candidate, model: StepModel, space: SearchSpace, rng: random.Random,
                degrees: list[tuple[int, int, int, int, int]]) -> Candidate:
-    """One random change: degrees and micro-batching, schedule, a cut, or one stage's recomputation."""
-    move = rng.randrange(4)
+    """One random change: degrees and micro-batching, schedule, zero level, a cut, or one stage's recomputation."""
+    move = rng.randrange(5)
     if move == 0:  # new (dp, tp, pp, mbs, m): start from the time partition of the new stage count
         dp, tp, pp, mbs, m = rng.choice(degrees)
+        zero = c.zero if zero_valid(c.zero, dp, tp, pp, model.optimizer) else 0
         return dataclasses.replace(c, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
-                                   chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None)
+                                   chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None, zero=zero)
     if move == 1:
         schedule = rng.choice(space.schedules)
         chunks = rng.choice(space.chunks)
         return dataclasses.replace(c, schedule=schedule, chunks=chunks, bounds=None, recompute_blocks=None)
+    if move == 4:
+        return dataclasses.replace(c, zero=rng.choice(space.zero_levels))
     stages = c.pp * c.chunks
     bounds = list(c.bounds or model.bounds(c.partition, c.tp, c.micro_batch_size, stages))
     if move == 2 and stages > 1:  # move one cut by one block
@@ -173,6 +193,8 @@ def valid(c: Candidate, model: StepModel) -> bool:
     blocks = model.profile.num_blocks
     if not schedule_valid(c.schedule, c.pp, c.chunks, c.num_microbatches, blocks):
         return False
+    if not zero_valid(c.zero, c.dp, c.tp, c.pp, model.optimizer):
+        return False
     if c.bounds is not None:
         b = c.bounds
         if len(b) != c.pp * c.chunks + 1 or b[0] != 0 or b[-1] != blocks or any(x >= y for x, y in zip(b, b[1:])):
@@ -187,7 +209,8 @@ def mcmc(model: StepModel, space: SearchSpace, *, steps: int = 2000, seed: int =
     degrees = sorted({(c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches)
                       for c in enumerate_candidates(model, dataclasses.replace(space, schedules=("1f1b",),
                                                                                 chunks=(1,), recompute=("none",),
-                                                                                partitions=("time",)))})
+                                                                                partitions=("time",),
+                                                                                zero_levels=(0,)))})
     if not degrees:
         return None, 0
     if start is None:
@@ -229,16 +252,25 @@ def why(winner: Estimate, runner_up: Estimate | None) -> str:
     gain = (b.step_time_s - a.step_time_s) / b.step_time_s * 100
     ca, cb = a.candidate, b.candidate
     changed = [f"{name} {getattr(ca, name)} vs {getattr(cb, name)}" for name in
-               ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "schedule", "chunks", "recompute", "partition")
+               ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "schedule", "chunks", "recompute", "partition",
+                "zero")
                if getattr(ca, name) != getattr(cb, name)]
     reasons = {
         "bubble": (b.bubble - a.bubble, f"its pipeline idles {a.bubble:.0%} of the step instead of {b.bubble:.0%}"),
         "comm": (b.comm_share - a.comm_share,
                  f"communication takes {a.comm_share:.0%} of its step instead of {b.comm_share:.0%}"),
+        "data-parallel": ((b.parts["dp_exposed_s"] + b.parts["optimizer_s"] - a.parts["dp_exposed_s"]
+                           - a.parts["optimizer_s"]) / b.step_time_s,
+                          f"its data-parallel communication and optimizer step take "
+                          f"{(a.parts['dp_exposed_s'] + a.parts['optimizer_s']) * 1e3:.3g} ms instead of "
+                          f"{(b.parts['dp_exposed_s'] + b.parts['optimizer_s']) * 1e3:.3g} ms"),
         "pipeline": ((b.parts["pipeline_s"] - a.parts["pipeline_s"]) / b.step_time_s,
                      f"its pipeline (compute and transfers) takes {a.parts['pipeline_s'] * 1e3:.3g} ms instead of "
                      f"{b.parts['pipeline_s'] * 1e3:.3g} ms"),
     }
     _, text = max(reasons.values(), key=lambda r: r[0])
+    if abs(b.step_time_s - a.step_time_s) <= 1e-9 * b.step_time_s and a.peak_memory < b.peak_memory:
+        text = (f"at the same predicted time it needs less memory per rank ({a.peak_memory / 2**20:.3g} MiB "
+                f"instead of {b.peak_memory / 2**20:.3g} MiB)")  # the ranking's tie-break
     what = "; ".join(changed) if changed else "a different cut or recomputation"
     return f"the winner is {gain:.1f}% faster than the runner-up ({what}) because {text}."

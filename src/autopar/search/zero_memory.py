@@ -16,8 +16,11 @@ stage, with d the dp degree and K the optimizer's fp32 bytes (OPTIMIZER_STATE_BY
     zero 2                 2        6/d                         (4 + K)/d       (DeepSpeed's 2 + 18/d)
     zero 3 (FSDP2)         4/d      4/d                         K/d             (the ZeRO paper's 16/d)
 
-The level-2 figures hold between micro-batches; during a backward one bucket's full gradient
-(25 MiB, the search's BUCKET_BYTES) is also alive.
+The level-2 figures hold between micro-batches; during a backward the full gradient fills bucket by
+bucket and is released only when the micro-batch's (or, in the pipeline engine, the step's)
+reductions land, so at the end of a backward it is all alive once more: search/memory.py counts
+it as a transient. benchmarks/zero_memory.py prints these formulas beside the measured bytes (equal
+for every level at dp 2 and 4 under --dtype bf16: docs/benchmarks/zero.md).
 """
 
 from __future__ import annotations

@@ -66,9 +66,14 @@ class ShardedGradients:
     """Reduce-scatters gradients over `group` into this replica's shard of each bucket (ZeRO-1/2)."""
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, level: int,
-                 deferred: Iterable[nn.Parameter] = (), per_micro_batch: bool = False, bucket_mb: float = 25.0):
+                 deferred: Iterable[nn.Parameter] = (), per_micro_batch: bool = False, bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0):
         """level 0: nothing sharded, gradients all-reduced into a full fp32 copy (bf16 master weights
-        without ZeRO); 1: reduce-scattered once per step; 2: and only the shard's gradient is kept."""
+        without ZeRO); 1: reduce-scattered once per step; 2: and only the shard's gradient is kept.
+
+        The first bucket is small (`first_bucket_mb`, as grad_sync.py's) so that a reduction starts early
+        in backward: with one 25 MiB bucket a small model's whole reduce-scatter waited for the end of
+        backward (benchmarks/zero_memory.py)."""
         self.group, self.level = group, level
         self.dp = dist.get_world_size(group)
         # how the buckets are split: over the replicas, or (level 0) one whole copy on each
@@ -81,21 +86,24 @@ class ShardedGradients:
         self.params = list(unique.values())
         late = {id(p) for p in deferred}
         ordered = [p for p in reversed(self.params) if id(p) not in late]
-        self.buckets = (self._make_buckets(ordered, int(bucket_mb * 2**20), deferred=False)
-                        + self._make_buckets([p for p in reversed(self.params) if id(p) in late],
-                                             int(bucket_mb * 2**20), deferred=True))
+        cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
+        self.buckets = (self._make_buckets(ordered, cap, deferred=False, first_cap_bytes=first_cap)
+                        + self._make_buckets([p for p in reversed(self.params) if id(p) in late], cap,
+                                             deferred=True))
         self._slot = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         self.sync = True
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.zero_grad()
 
-    def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int, *, deferred: bool) -> list[FlatBucket]:
+    def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int, *, deferred: bool,
+                      first_cap_bytes: int | None = None) -> list[FlatBucket]:
         groups: list[list[nn.Parameter]] = []
         size = 0
         for p in params:
             same_kind = groups and groups[-1][0].dtype == p.dtype and groups[-1][0].device == p.device
-            if not same_kind or size + p.numel() * p.element_size() > cap_bytes:
+            cap = first_cap_bytes if len(groups) == 1 and first_cap_bytes is not None else cap_bytes
+            if not same_kind or size + p.numel() * p.element_size() > cap:
                 groups.append([])
                 size = 0
             groups[-1].append(p)
@@ -246,10 +254,18 @@ class ShardedGradients:
         """Squared gradient norms summed per `kind(param)` (None: not counted), fp64, over every replica."""
         device = self.buckets[0].device if self.buckets else torch.device("cpu")
         squares = torch.zeros(kinds, dtype=torch.float64, device=device)
-        for p, grad in self.grad_pieces():
-            k = kind(p)
-            if k is not None:
-                squares[k] += grad.double().square().sum()
+        for bucket in self.buckets:
+            pieces = list(bucket.pieces(self.rank))
+            same = {kind(p) for p, *_ in pieces}
+            if len(same) == 1:  # one kind: the whole shard at once (its padding reduced zeros)
+                k = same.pop()
+                if k is not None:
+                    squares[k] += bucket.shard_grad.double().square().sum()
+                continue
+            for p, _, start, length in pieces:
+                k = kind(p)
+                if k is not None:
+                    squares[k] += bucket.shard_grad[start:start + length].double().square().sum()
         if self.world > 1:
             dist.all_reduce(squares, group=self.group)
         return squares

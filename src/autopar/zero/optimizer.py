@@ -80,11 +80,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """Every replica's parameters become the updated masters (all-gathered, cast to the parameter dtype)."""
+        """Every replica's parameters become the updated masters (all-gathered, cast to the parameter dtype).
+
+        Every bucket's all-gather is launched before the first is waited on, and each lands in the
+        parameters with one foreach copy, not a Python loop of copies."""
+        launched = []
         for bucket, master in zip(self.grads.buckets, self._masters):
-            whole = self._gather(master.to(bucket.dtype), bucket)
-            for p, off in zip(bucket.params, bucket.offsets):
-                p.data.copy_(whole[off:off + p.numel()].view_as(p))
+            shard = master.to(bucket.dtype)
+            if self.grads.world == 1:
+                launched.append((bucket, shard, None))
+                continue
+            whole = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
+            work = dist.all_gather_single(whole, shard.contiguous(), group=self.grads.group, async_op=True)
+            launched.append((bucket, whole, work))
+        for bucket, whole, work in launched:
+            if work is not None:
+                work.wait()
+            torch._foreach_copy_([p.data for p in bucket.params],
+                                 [whole[off:off + p.numel()].view_as(p) for p, off in zip(bucket.params, bucket.offsets)])
 
     def _gather(self, shard: torch.Tensor, bucket: FlatBucket) -> torch.Tensor:
         if self.grads.world == 1:

@@ -1,0 +1,76 @@
+"""The data-parallel communication a step exposes under each ZeRO level, as the runtime does it.
+
+    zero 0   bucketed all-reduce of the gradients, overlapped with the last backward
+             (only what outlasts it, or the last bucket, shows)                 data_parallel/grad_sync.py
+    zero 1   reduce-scatter of the gradients into each replica's shard, overlapped the same way, then
+             the all-gather of the updated parameters after the optimizer step (not overlapped: the
+             next forward needs them)                                            zero/grads.py, optimizer.py
+    zero 2   as zero 1; the data-parallel engine (pp = 1) also reduce-scatters every earlier
+             micro-batch, one whole reduce-scatter each, counted as exposed (conservative: on CPU the
+             collective competes with the compute it would overlap)
+    zero 3   FSDP2 per block (train/fsdp_engine.py): every micro-batch all-gathers each block's
+             parameters in forward and again in backward, prefetching the next block's during the
+             current one's compute (only what outlasts it shows, plus the first block's), and the last
+             micro-batch's backward reduce-scatters the gradients, overlapped like zero 1's
+
+Volumes are ring volumes (cluster.py): all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n
+of the bytes, so zero 1/2 move what zero 0 moves and zero 3 half again as much (the ZeRO paper's 1.5x).
+Each profile block is taken as one FSDP2 unit (the embedding and head blocks as the root's). On a
+CPU cluster (`hide_gathers=False`: a calibrated one, with cores_per_node, or the cpu-local preset;
+ranks time-share cores, and gloo's copies take the cycles the
+compute would use) nothing hides the gathers: benchmarks/zero_memory.py measures FSDP2 well behind
+plain all-reduce there (docs/benchmarks/zero.md).
+
+Beside the communication, zero 1/2 step only their shard (the optimizer's time / dp) and then copy
+the all-gathered buckets into the parameters (`copy_bytes_per_param`, memory-bandwidth bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .cluster import Cluster
+from .memory import BUCKET_BYTES
+
+
+def data_parallel_exposed_s(cluster: Cluster, *, zero: int, dp: int, span: int, param_elements: float,
+                            element_bytes: float, overlap_s: float, num_microbatches: int = 1,
+                            per_micro_batch: bool = False, block_params: Sequence[float] = (),
+                            block_forward_s: Sequence[float] = (), block_backward_s: Sequence[float] = (),
+                            hide_gathers: bool = True) -> float:
+    """Seconds of data-parallel communication left on the step's critical path for one rank.
+
+    `element_bytes` is what a gradient and a parameter weigh on the wire (4 fp32, 2 under bf16 master
+    weights); `overlap_s` the last backward the gradient reduction can hide behind; `per_micro_batch`
+    says ZeRO-2 reduces every micro-batch (the data-parallel engine). The block lists (zero 3) are the
+    stage's per-block parameter counts and forward / backward seconds of one micro-batch.
+    """
+    nbytes = param_elements * element_bytes
+    if dp <= 1 or nbytes <= 0:
+        return 0.0
+    if zero == 0:
+        total = cluster.all_reduce(nbytes, dp, span=span)
+        last = cluster.all_reduce(min(BUCKET_BYTES, nbytes), dp, span=span)
+        return max(last, total - overlap_s)
+    scatter = cluster.reduce_scatter(nbytes, dp, span=span)
+    last = cluster.reduce_scatter(min(BUCKET_BYTES, nbytes), dp, span=span)
+    reduction = max(last, scatter - overlap_s)
+    if zero in (1, 2):
+        earlier = (num_microbatches - 1) * scatter if zero == 2 and per_micro_batch else 0.0
+        return reduction + earlier + cluster.all_gather(nbytes, dp, span=span)
+    if zero == 3:
+        gathers = [cluster.all_gather(p * element_bytes, dp, span=span) for p in block_params]
+        if not gathers:
+            return reduction + 2 * num_microbatches * cluster.all_gather(nbytes, dp, span=span)
+        if not hide_gathers:
+            return reduction + num_microbatches * 2 * sum(gathers)
+        forward = gathers[0] + sum(max(0.0, g - f) for g, f in zip(gathers[1:], block_forward_s))
+        backward_order, times = gathers[::-1], list(block_backward_s)[::-1]
+        backward = backward_order[0] + sum(max(0.0, g - b) for g, b in zip(backward_order[1:], times))
+        return reduction + num_microbatches * (forward + backward)
+    raise ValueError(f"zero level must be 0, 1, 2 or 3, got {zero!r}")
+
+
+def copy_bytes_per_param(zero: int, element_bytes: float) -> float:
+    """Bytes per parameter ZeRO-1/2 move after the step: the gathered bucket read, the parameter written."""
+    return 2 * element_bytes if zero in (1, 2) else 0.0

@@ -1,0 +1,142 @@
+"""The ZeRO level as a dimension of the strategy search (issues 14 and 16): its communication by hand,
+a memory-bound model that only fits (or fits fastest) with a zero level, a roomy one that does not
+pay for one it does not need, and the levels the runtime refuses never proposed. Pure Python, no ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.config import Strategy, TrainConfig
+from autopar.data.tokenizer import padded_vocab_size
+from autopar.models import build_model
+from autopar.search.cluster import Cluster, Link
+from autopar.search.cost import Candidate, StepModel
+from autopar.search.memory import stage_memory
+from autopar.search.profile import ModelProfile, TPProfile
+from autopar.search.search import SearchSpace, enumerate_candidates, exhaustive, mcmc
+from autopar.search.zero_cost import data_parallel_exposed_s
+from autopar.search.zero_memory import zero_model_state_bytes
+from autopar.strategies import resolve
+
+
+def cluster(memory_bytes: float, flops: float = 1e9) -> Cluster:
+    return Cluster(name="toy", source="test", num_devices=4, devices_per_node=4, memory_per_device_gb=memory_bytes / 2**30,
+                   flops_per_s={"fp32": flops, "bf16": 2 * flops}, compute_efficiency=1.0, memory_bandwidth_bytes_per_s=1e12,
+                   intra_node=Link(1e-5, 1e9), inter_node=Link(1e-4, 1e8), per_action_overhead_s=1e-4)
+
+
+def heavy_profile(layers: int = 8) -> ModelProfile:
+    """Parameters heavy, activations light: the model states decide whether it fits. No tensor parallelism."""
+    n = layers + 2
+    flops = (1e5,) + (4e6,) * layers + (2e6,)
+    saved = (2e3,) + (1e4,) * layers + (5e3,)
+    params = (50_000,) + (200_000,) * layers + (1_000,)
+    tp1 = TPProfile(1, flops, params, saved, (0.0,) * n, (0,) * n)
+    return ModelProfile(name="heavy", seq_len=32, block_names=tuple(f"b{i}" for i in range(n)), flops=flops,
+                        saved_bytes=saved, params=params, boundary_bytes=(8e2,) * (n - 1), shared_params=0,
+                        tp={1: tp1}, tp_refused={2: "made up", 4: "made up"})
+
+
+def test_zero_communication_by_hand():
+    cl = cluster(1e9)
+    n, nbytes, lat, bw = 4, 4e6, 1e-5, 1e9
+    ring = 3 * lat + 3 / 4 * nbytes / bw  # reduce-scatter or all-gather of 4 MB over 4 ranks
+    args = dict(dp=n, span=n, param_elements=1e6, element_bytes=4.0, overlap_s=0.0)
+    assert data_parallel_exposed_s(cl, zero=0, **args) == pytest.approx(2 * ring)  # the all-reduce
+    assert data_parallel_exposed_s(cl, zero=1, **args) == pytest.approx(2 * ring)  # reduce-scatter + all-gather
+    # zero 2 in the data-parallel engine reduces each of 3 micro-batches; the pipeline engine once per step
+    assert data_parallel_exposed_s(cl, zero=2, num_microbatches=3, per_micro_batch=True, **args) == \
+        pytest.approx(4 * ring)
+    assert data_parallel_exposed_s(cl, zero=2, num_microbatches=3, per_micro_batch=False, **args) == \
+        pytest.approx(2 * ring)
+    # the reduce-scatter hides behind a long backward; the all-gather after the step cannot
+    hidden = dict(args, overlap_s=1.0)
+    assert data_parallel_exposed_s(cl, zero=1, **hidden) == pytest.approx(2 * ring)  # one bucket: the last shows
+    # zero 3: 2 blocks of 0.5 M parameters gathered in forward and backward, compute too short to hide the second
+    blocks = dict(block_params=(5e5, 5e5), block_forward_s=(0.0, 0.0), block_backward_s=(0.0, 0.0))
+    half = 3 * lat + 3 / 4 * nbytes / 2 / bw
+    assert data_parallel_exposed_s(cl, zero=3, num_microbatches=1, **args, **blocks) == pytest.approx(ring + 4 * half)
+    slow = dict(blocks, block_forward_s=(1.0, 1.0), block_backward_s=(1.0, 1.0))  # prefetch hides the second
+    assert data_parallel_exposed_s(cl, zero=3, num_microbatches=2, **args, **slow) == pytest.approx(ring + 2 * 2 * half)
+    assert data_parallel_exposed_s(cl, zero=1, **dict(args, dp=1)) == 0.0
+
+
+def test_stage_memory_uses_the_zero_formula():
+    psi = 1000
+    common = dict(param_elements=psi, saved=[0.0], inputs=[0.0], output_bytes=0.0, micro_batch_size=1, in_flight=1,
+                  stashed=0, recompute_blocks=0, whole_stage=False, activation_scale=1.0, optimizer="adamw", dp=4,
+                  headroom=1.0)
+    for zero in range(4):
+        for bf16 in (False, True):
+            m = stage_memory(**common, zero=zero, bf16_master=bf16, largest_block_params=100)
+            states = zero_model_state_bytes(psi, zero=zero, dp=4, optimizer_bytes=8, bf16=bf16)
+            assert (m.params, m.grads, m.optimizer) == (states.params, states.grads, states.optimizer)
+    assert stage_memory(**common).params == 4 * psi and stage_memory(**common).optimizer == 8 * psi  # zero 0, fp32
+    z2 = stage_memory(**common, zero=2)
+    assert z2.transient == 4 * psi  # the full fp32 gradient, until the end-of-backward reduction
+    z3 = stage_memory(**common, zero=3, largest_block_params=100)
+    assert z3.buffers == 3 * 100 * 4  # one block gathered, the next prefetched, the gathered block's gradient
+
+
+def test_memory_bound_model_picks_a_zero_level():
+    model = StepModel(heavy_profile(), cluster(13e6), global_batch_size=8)
+    result = exhaustive(model, SearchSpace(nproc=4))
+    winner = result.ranked[0]
+    assert winner.candidate.zero > 0, winner.candidate.describe()
+    assert winner.peak_memory <= model.cluster.memory_bytes
+    without = exhaustive(model, SearchSpace(nproc=4, zero_levels=(0,)))
+    assert not without.ranked or without.ranked[0].step_time_s > winner.step_time_s
+    # the same configuration at zero 0 would not fit
+    plain = model.evaluate(dataclasses.replace(winner.candidate, zero=0))
+    assert not plain.fits
+
+
+def test_roomy_model_does_not_pay_for_zero():
+    # communication-bound (fast compute): ZeRO-3's extra gathers cannot hide behind the blocks' compute.
+    # (Where compute hides them, the model rightly finds zero 3 free: its reduce-scatter moves half an all-reduce.)
+    model = StepModel(heavy_profile(), cluster(1e9, flops=1e12), global_batch_size=8)
+    winner = exhaustive(model, SearchSpace(nproc=4)).ranked[0]
+    best_plain = exhaustive(model, SearchSpace(nproc=4, zero_levels=(0,))).ranked[0]
+    assert winner.step_time_s <= best_plain.step_time_s
+    assert winner.candidate.zero in (0, 1)  # zero 1 moves what zero 0 moves; 2 and 3 cost more here
+    for zero in (2, 3):  # the winner's degrees with a costlier level are slower
+        c = dataclasses.replace(winner.candidate, zero=zero)
+        if zero == 3:
+            c = Candidate(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1, zero=3)
+        assert model.evaluate(c).step_time_s > winner.step_time_s
+
+
+def test_refused_levels_are_never_proposed_and_mcmc_finds_the_zero_winner():
+    model = StepModel(heavy_profile(4), cluster(13e6), global_batch_size=4)
+    candidates = list(enumerate_candidates(model, SearchSpace(nproc=4)))
+    assert {c.zero for c in candidates} == {0, 1, 2, 3}
+    assert all(c.dp > 1 for c in candidates if c.zero)
+    assert all(c.pp == 1 and c.tp == 1 for c in candidates if c.zero == 3)
+    sgd = StepModel(heavy_profile(4), cluster(13e6), global_batch_size=4, optimizer="sgd")
+    assert {c.zero for c in enumerate_candidates(sgd, SearchSpace(nproc=4))} == {0}  # no state to shard
+    space = SearchSpace(nproc=4, schedules=("1f1b",), chunks=(1,), recompute=("none",))
+    best = exhaustive(model, space).ranked[0]
+    found, _ = mcmc(model, space, steps=1500, seed=0)
+    assert found is not None and found.step_time_s <= best.step_time_s * (1 + 1e-12)
+
+
+def test_strategy_auto_with_a_fixed_zero_level_searches_the_rest():
+    model, _ = build_model("gpt-tiny", {"n_layer": 2}, vocab_size=padded_vocab_size(258), device="meta")
+    example = lambda: ((torch.zeros(1, 32, dtype=torch.long, device="meta"),), {})  # noqa: E731
+    resolved = resolve(Strategy.auto(zero=1), TrainConfig(global_batch_size=8), 4, model=model, example=example)
+    assert resolved.strategy.zero == 1 and resolved.strategy.dp > 1  # zero 1 needs replicas to shard over
+    assert resolved.plan.record["strategy"]["zero"] == 1 and resolved.plan.record["search"]["fixed"] == {"zero": 1}
+    assert "zero 1" in resolved.plan.describe()
+
+
+def test_precision_modes_set_the_model_state_bytes():
+    c = Candidate(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    psi = sum(heavy_profile().params)
+    states = {}
+    for dtype in ("fp32", "bf16", "bf16-autocast"):  # autocast keeps fp32 parameters; bf16 adds fp32 masters
+        memory = StepModel(heavy_profile(), cluster(1e9), global_batch_size=8, dtype=dtype).evaluate(c).memory_per_stage[0]
+        states[dtype] = (memory.params + memory.grads + memory.optimizer) / psi
+    assert states == {"fp32": 16.0, "bf16": 20.0, "bf16-autocast": 16.0}
