@@ -96,6 +96,11 @@ LAYOUTS = [
     (4, {"dp": 2, "pp": 2, "zero": 3}, 2),
     (4, {"dp": 2, "tp": 2, "zero": 3}, 2),
     (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 3}, 2),
+    # FSDP2 stages under recomputation: scheduled (scp's R), per block (torch checkpoint; 2 blocks of stage 0
+    # at this budget), and sub-pipelined tp
+    (4, {"dp": 2, "pp": 2, "zero": 3, "schedule": "scp"}, 2),
+    (4, {"dp": 2, "pp": 2, "zero": 3, "memory_budget_mb": 1.7}, 2),
+    (4, {"dp": 2, "tp": 2, "zero": 3, "tp_subbatches": 2}, 2),
 ]
 
 
@@ -129,7 +134,7 @@ BAD_INPUT = [
     ({"zero": 1, "sparse_embeddings": "allgather"}, {}, 2, "--sparse-embeddings allgather"),
     ({"zero": 1}, {"optimizer": "sgd"}, 2, "plain SGD without momentum"),
     ({"zero": 3, "pp": 2, "chunks": 2, "schedule": "interleaved-1f1b"}, {}, 4, "--chunks 2: one FSDP2 unit per stage"),
-    ({"zero": 3, "pp": 2, "schedule": "zb-h1"}, {}, 4, "--schedule zb-h1: its split backward"),
+    ({"zero": 3, "pp": 2, "schedule": "zb-h1"}, {}, 4, "--schedule zb-h1: its weight-gradient pass"),
     ({"zero": 4}, {}, 2, "strategy.zero must be one of {0, 1, 2, 3}"),
     ({"dp_mode": "gossip"}, {"dtype": "bf16"}, 2, "use --dtype bf16-autocast"),
 ]

@@ -239,12 +239,9 @@ def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
         refusals = [
             (strategy.chunks > 1, f"--chunks {strategy.chunks}: one FSDP2 unit per stage, and a rank's stages "
              f"may share a tied weight; use --chunks 1"),
-            (strategy.schedule in ("zb-h1", "scp"), f"--schedule {strategy.schedule}: its split backward / "
-             f"stage recomputation runs outside FSDP2's hooks; use 1f1b, gpipe or eager-1f1b"),
-            (strategy.recompute != "none" or strategy.memory_budget_mb is not None,
-             "recomputation (--recompute / --memory-budget-mb): not tested with FSDP2 stages yet; use --recompute none"),
-            (strategy.tp_subbatches > 1, f"--tp-subbatches {strategy.tp_subbatches}: sub-pipelined TP is not "
-             f"tested with FSDP2 stages yet; use --tp-subbatches 1"),
+            (strategy.schedule == "zb-h1", f"--schedule {strategy.schedule}: its weight-gradient pass (W) runs "
+             f"after FSDP2 has resharded the stage at the end of the input-gradient pass (I); use 1f1b, gpipe, "
+             f"eager-1f1b or scp"),
         ]
         for refused, why in refusals:
             if refused:

@@ -20,10 +20,17 @@ attributes that its graph pieces read as arguments (partition/stages.py), so the
 per-block module call for FSDP2 to hook. A stage's parameters are whole only while it runs
 a forward or backward; between them this rank holds 1/dp of them.
 
+Recomputation composes too: a scheduled recompute (R) is one more forward, which FSDP2
+gathers for; recomputed blocks (torch checkpoint inside a stage) re-run during backward, while
+the stage is gathered. So does sub-pipelined TP (several calls of the stage's pieces per forward).
+
 What does not compose (refused in strategies.py): several stages per rank (--chunks > 1: a
 tied weight shared by two local stages would belong to two FSDP units, and the step's last
-backward is not each stage's last), split backward (zero-bubble I/W: the weight-gradient
-pass runs outside FSDP2's hooks), whole-stage recomputation and sub-pipelined TP (untested).
+backward is not each stage's last), split backward (zero-bubble I/W: FSDP2 reshards the stage
+at the end of the input-gradient pass, before the weight-gradient pass that still needs it).
+Under --dtype bf16, micro-batches accumulate in the unsharded bf16 gradient (FSDP2's no-sync
+accumulation), not in fp32: dp2 x pp2 measured 1.8e-4 relative from one bf16 process's losses
+over 3 steps (ZeRO-1's fp32 accumulation: 2e-5).
 """
 
 from __future__ import annotations
