@@ -240,8 +240,8 @@ def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
             (strategy.chunks > 1, f"--chunks {strategy.chunks}: one FSDP2 unit per stage, and a rank's stages "
              f"may share a tied weight; use --chunks 1"),
             (strategy.schedule == "zb-h1", f"--schedule {strategy.schedule}: its weight-gradient pass (W) runs "
-             f"after FSDP2 has resharded the stage at the end of the input-gradient pass (I); use 1f1b, gpipe, "
-             f"eager-1f1b or scp"),
+             f"after FSDP2 has resharded the stage at the end of the input-gradient pass (I) (tried: the ranks "
+             f"hang); use 1f1b, gpipe, eager-1f1b or scp"),
         ]
         for refused, why in refusals:
             if refused:

@@ -27,7 +27,8 @@ the stage is gathered. So does sub-pipelined TP (several calls of the stage's pi
 What does not compose (refused in strategies.py): several stages per rank (--chunks > 1: a
 tied weight shared by two local stages would belong to two FSDP units, and the step's last
 backward is not each stage's last), split backward (zero-bubble I/W: FSDP2 reshards the stage
-at the end of the input-gradient pass, before the weight-gradient pass that still needs it).
+at the end of the input-gradient pass, before the weight-gradient pass that still needs it;
+tried with the refusal lifted: dp2 x pp2 hangs in the first step).
 Under --dtype bf16, micro-batches accumulate in the unsharded bf16 gradient (FSDP2's no-sync
 accumulation), not in fp32: dp2 x pp2 measured 1.8e-4 relative from one bf16 process's losses
 over 3 steps (ZeRO-1's fp32 accumulation: 2e-5).
