@@ -44,7 +44,8 @@ def train_builtin(model_name: str, out: str, *, model_args: dict | None = None, 
 def whole_parameters(trainer) -> dict:
     """This rank's parameters by name; tensor-parallel slices gathered into whole tensors."""
     tp = trainer.engine.tensor_parallel
-    return {k: (tp.gather(k, v) if tp is not None else v).detach().clone()
+    whole = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v  # noqa: E731 (ZeRO-3 with tp: dp shards)
+    return {k: (tp.gather(k, whole(v)) if tp is not None else v).detach().clone()
             for k, v in trainer.model.state_dict().items()}
 
 

@@ -114,20 +114,30 @@ def assert_same_fine_tune(one: dict, many: list[dict], one_dir: Path, many_dir: 
     return ref_logits
 
 
-# (family, world, strategy, micro-batch size)
-LAYOUTS = [("gpt2", 4, {"dp": 2, "pp": 2}, 2), ("qwen2", 2, {"tp": 2}, 4)]
+# (family, world, strategy, micro-batch size); under ZeRO-3 each rank reads only its dp rows of its stage
+LAYOUTS = [("gpt2", 4, {"dp": 2, "pp": 2}, 2), ("qwen2", 2, {"tp": 2}, 4),
+           ("gpt2", 4, {"dp": 2, "pp": 2, "zero": 3}, 2), ("qwen2", 4, {"dp": 2, "tp": 2, "zero": 2}, 2),
+           ("gpt2", 2, {"zero": 3}, 4)]
+_one_process: dict = {}  # family -> (pretrained folder, one-process result, its run folder): one run per family
 
 
 @pytest.mark.parametrize("family,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
-def test_finetune_layout_matches_one_process_and_exports(rank_pool, tmp_path, inputs, family, world, strategy,
-                                                         micro):
-    folder = save_pretrained(family, tmp_path / "pretrained")
-    one = rank_pool(1).run(finetune, str(folder), inputs, str(tmp_path / "one"), {}, 8)[0]
+def test_finetune_layout_matches_one_process_and_exports(rank_pool, tmp_path, tmp_path_factory, inputs, family,
+                                                         world, strategy, micro):
+    if family not in _one_process:
+        base = tmp_path_factory.mktemp(f"one-{family}")
+        folder = save_pretrained(family, base / "pretrained")
+        _one_process[family] = folder, rank_pool(1).run(finetune, str(folder), inputs, str(base / "one"), {}, 8)[0], \
+            base / "one"
+    folder, one, one_dir = _one_process[family]
     many = rank_pool(world).run(finetune, str(folder), inputs, str(tmp_path / "many"), strategy, micro)
     assert one["kind"] == "instruction"
-    ref_logits = assert_same_fine_tune(one, many, tmp_path / "one", tmp_path / "many", folder)
+    ref_logits = assert_same_fine_tune(one, many, one_dir, tmp_path / "many", folder)
     # from_pretrained of the export runs autopar's final weights through the same HF code
     assert (ref_logits - one["logits"]).abs().max() < 1e-6
+    if strategy.get("zero") == 3:  # half of the model's rows per rank (dp 2), of a stage's rows with pp 2
+        whole, share = tensor_bytes(folder), 0.45 if strategy.get("pp", 1) > 1 else 0.55
+        assert all(got["bytes_read"] < share * whole for got in many), ([g["bytes_read"] for g in many], whole)
 
 
 def test_tp_slice_read_equals_slice_of_whole(tmp_path):
@@ -149,6 +159,27 @@ def test_tp_slice_read_equals_slice_of_whole(tmp_path):
     assert read == 64 * 96 * 4
     expected = torch.cat([whole[fused][:, s:s + n] for s, n in slices], dim=1)
     assert torch.equal(target.w.detach(), expected)  # bitwise: a copy of the same stored values
+
+
+def test_zero3_rows_of_a_tp_slice_are_read_straight_from_the_file(tmp_path):
+    """ZeRO-3 with tp: this rank's dp rows of its tensor-parallel slice, along dim 1 (rows and columns read
+    together) and along dim 0 (the rows of the concatenated slices), equal that part of the whole tensor."""
+    from safetensors.torch import load_file
+
+    from autopar.models import build_model
+    from autopar.models.pretrained import PretrainedWeights
+    folder = save_pretrained("gpt2", tmp_path / "gpt2")
+    model, _ = build_model(f"hf:{folder}", device="meta")
+    weights = PretrainedWeights(folder, model)
+    fused = "transformer.h.0.attn.c_attn.weight"  # [64, 192]: q, k, v along dim 1
+    whole = load_file(str(folder / "model.safetensors"))[fused]
+    slices = [(64 * k + 32, 32) for k in range(3)]
+    tp_slice = torch.cat([whole[:, s:s + n] for s, n in slices], dim=1)
+    assert torch.equal(weights._read_rows(fused, (1, slices), (22, 22)), tp_slice[22:44])  # bitwise: stored values
+    row_slices = [(8, 16), (40, 16)]  # a tp slice along dim 0 in two segments; rows 10:20 straddle them
+    tp_rows = torch.cat([whole[s:s + n] for s, n in row_slices])
+    assert torch.equal(weights._read_rows(fused, (0, row_slices), (10, 10)), tp_rows[10:20])
+    assert torch.equal(weights._read_rows(fused, None, (32, 32)), whole[32:64])
 
 
 def test_example_llama_sharded_tp2_matches_one_process(rank_pool, tmp_path):

@@ -235,10 +235,18 @@ def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
         raise ConfigError(f"--zero {zero} shards per-parameter optimizer state, and --optimizer {config.optimizer} "
                           f"has none (plain SGD without momentum): sharding saves nothing; use --zero 0, or an "
                           f"optimizer with state: {', '.join(ZERO_OPTIMIZERS)}")
-    if zero == 3 and (strategy.pp > 1 or strategy.tp > 1):
-        raise ConfigError(f"--zero 3 (parameters sharded, FSDP2) works with data parallelism only, got "
-                          f"pp={strategy.pp} tp={strategy.tp}; use --zero 2 with pipeline / tensor parallelism "
-                          f"(optimizer state and gradients sharded), or pp=1 tp=1")
+    if zero == 3 and (strategy.pp > 1 or strategy.tp > 1):  # FSDP2 per stage (zero/fully_sharded.py)
+        refusals = [
+            (strategy.chunks > 1, f"--chunks {strategy.chunks}: one FSDP2 unit per stage, and a rank's stages "
+             f"may share a tied weight; use --chunks 1"),
+            (strategy.schedule == "zb-h1", f"--schedule {strategy.schedule}: its weight-gradient pass (W) runs "
+             f"after FSDP2 has resharded the stage at the end of the input-gradient pass (I) (tried: the ranks "
+             f"hang); use 1f1b, gpipe, eager-1f1b or scp"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ConfigError(f"--zero 3 with pp={strategy.pp} tp={strategy.tp} cannot be combined with {why}; "
+                                  f"or use --zero 2 (optimizer state and gradients sharded)")
 
 
 def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False,

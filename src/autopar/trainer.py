@@ -109,9 +109,6 @@ class Trainer:
             raise ConfigError(f"pretrained weights load under synchronous layouts (dp, tp, pp and their products), "
                               f"got dp_mode={strategy.dp_mode!r} sparse_embeddings={strategy.sparse_embeddings!r}; "
                               f"use --dp-mode allreduce --sparse-embeddings dense")
-        if self.pretrained is not None and strategy.zero == 3:  # FSDP2 holds DTensor shards: not read yet
-            raise ConfigError("pretrained weights (--model hf:PATH) do not load into --zero 3's FSDP2 shards yet; "
-                              "use --zero 2 (optimizer state and gradients sharded) or --zero 0")
         return resolved
 
     def _setup(self) -> None:

@@ -8,6 +8,9 @@ each rank read are counted (`bytes_read`), so a test and the benchmark can show 
 
 Names are the model's own parameter names; a tied weight (GPT-2's embedding and head) is stored
 once under any of its names, as `save_pretrained` writes it.
+
+Under ZeRO-3 a parameter is FSDP2's DTensor shard: rows of dim 0 (torch.chunk's split over the
+dp replicas) of the tensor or of its tensor-parallel slice; only those rows are read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ModelError
 from .materialize import tied_groups
@@ -89,15 +93,21 @@ class SafetensorsFolder:
             self._shapes[name] = tuple(self._handle(name).get_slice(name).get_shape())
         return self._shapes[name]
 
-    def read(self, name: str, dim: int = 0, slices: Iterable[tuple[int, int]] | None = None) -> torch.Tensor:
-        """The tensor `name`, or the concatenation along `dim` of the given (start, length) slices of it."""
+    def read(self, name: str, dim: int = 0, slices: Iterable[tuple[int, int]] | None = None,
+             rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `name`, or the concatenation along `dim` of the given (start, length) slices of it;
+        `rows` (start, length): only those rows of dim 0 as well (a ZeRO-3 shard of a slice along dim > 0)."""
+        if rows is not None and slices is not None and dim == 0:
+            raise ValueError("rows and slices of dim 0 together: pass the rows' slices instead")
         view = self._handle(name).get_slice(name)
+        first = slice(None) if rows is None else slice(rows[0], rows[0] + rows[1])
         if slices is None:
-            pieces = [view[:]]
+            pieces = [view[first]]
         else:
             pieces = []
             for start, length in slices:
-                index = tuple([slice(None)] * dim + [slice(start, start + length)])
+                index = tuple([first] + [slice(None)] * (dim - 1) + [slice(start, start + length)]) if dim > 0 \
+                    else (slice(start, start + length),)
                 pieces.append(view[index])
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
         self.bytes_read += out.numel() * out.element_size()
@@ -170,10 +180,47 @@ class PretrainedWeights:
                 continue
             done.add(id(target))
             part = slices(name) if slices is not None else None
-            value = self.source.read(stored) if part is None else self.source.read(stored, part[0], part[1])
+            if isinstance(target, DTensor):  # ZeRO-3: only this rank's dp rows of its (tp slice of the) tensor
+                target, rows = target.to_local(), _dp_rows(name, target)
+                if rows[1] == 0:
+                    continue  # an empty shard (fewer rows than replicas)
+                value = self._read_rows(stored, part, rows)
+            else:
+                value = self.source.read(stored) if part is None else self.source.read(stored, part[0], part[1])
             if tuple(value.shape) != tuple(target.shape):
                 raise ModelError(f"{name}: read {list(value.shape)} from {str(self.folder)!r} for a local tensor of "
                                  f"{list(target.shape)}")
             target.copy_(value)
         self.source.close()
         return self.source.bytes_read - before
+
+    def _read_rows(self, stored: str, part: tuple[int, list[tuple[int, int]]] | None,
+                   rows: tuple[int, int]) -> torch.Tensor:
+        """Rows [start, start + length) of dim 0 of the tensor, or of its tensor-parallel slice `part`."""
+        if part is None:
+            return self.source.read(stored, 0, [rows])
+        dim, pieces = part
+        if dim > 0:
+            return self.source.read(stored, dim, pieces, rows=rows)
+        wanted, offset, start, end = [], 0, rows[0], rows[0] + rows[1]  # rows of the concatenated slices
+        for piece_start, length in pieces:
+            low, high = max(start, offset), min(end, offset + length)
+            if low < high:
+                wanted.append((piece_start + low - offset, high - low))
+            offset += length
+        return self.source.read(stored, 0, wanted)
+
+
+def _dp_rows(name: str, target: DTensor) -> tuple[int, int]:
+    """(first row, rows) of dim 0 that this rank's FSDP2 shard holds: torch.chunk's split over the replicas."""
+    if len(target.placements) != 1 or not isinstance(target.placements[0], Shard) or target.placements[0].dim != 0:
+        raise ModelError(f"{name}: expected a parameter sharded on dim 0 over one mesh dimension (FSDP2), "
+                         f"got placements {target.placements}")
+    size, replicas, rank = target.shape[0], target.device_mesh.size(), target.device_mesh.get_local_rank()
+    chunk = -(-size // replicas)
+    start = min(rank * chunk, size)
+    rows = min(chunk, size - start)
+    if rows != target.to_local().shape[0]:
+        raise ModelError(f"{name}: this rank's shard has {target.to_local().shape[0]} rows, expected {rows} "
+                         f"(rows {start}:{start + rows} of {size} over {replicas} replicas)")
+    return start, rows

@@ -30,6 +30,9 @@ from .schedules import generate
 from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, token_loss_sum
 from ..zero import ShardedGradients, gradient_sync, to_compute_dtype
+from ..zero.fully_sharded import FullyShardedStages, local_tensor
+
+SHARDED = (ShardedGradients, FullyShardedStages)  # gradients held as this replica's shards
 
 
 def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
@@ -47,9 +50,11 @@ class LocalStages(nn.Module):
 
     Stages of one rank that read the same parameter (a tied embedding on two chunks) share
     one Parameter object, so checkpoints and the optimizer see each name once.
+    `adopt`: hold the stages' own Parameter objects instead (ZeRO-3: FSDP2 owns them, and swaps
+    the stage's attribute between its sharded and gathered parameter; this view keeps the shard).
     """
 
-    def __init__(self, stages: dict[int, nn.Module]):
+    def __init__(self, stages: dict[int, nn.Module], adopt: bool = False):
         super().__init__()
         for stage in stages.values():
             for name, p in stage.named_parameters():
@@ -57,8 +62,11 @@ class LocalStages(nn.Module):
                     existing = self.get_parameter(name)
                 except AttributeError:
                     _set_by_path(self, name, p.data, buffer=False)
+                    if adopt:
+                        _assign(self, name, p)
                     existing = self.get_parameter(name)
-                _assign(stage, name, existing)
+                if not adopt:
+                    _assign(stage, name, existing)
             persistent = set(stage.state_dict().keys())
             for name, b in stage.named_buffers():
                 try:
@@ -95,13 +103,19 @@ class PipelineEngine(EngineBase):
         self.tensor_parallel = pipe.tensor_parallel
         self.tp_rank = mesh.local_rank("tp")
         self.recompute_plan, self.recompute_report = pipe.recompute_plan, pipe.recompute_report
-        self.module = LocalStages(self.stages)
-        to_compute_dtype(self.module.parameters(), param_dtype)
-        self._shared = self._shared_groups(device, pipe.placement, timeout_s)
-        # zero 1/2: the dp group of this stage and tp shard; tied weights reduced over stages first
-        self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
-                                  master_weights=param_dtype != torch.float32,
-                                  deferred=[p for p, _, _ in self._shared])
+        if strategy.zero == 3:  # parameters sharded over this stage's dp group by FSDP2 (zero/fully_sharded.py)
+            self.sync = FullyShardedStages(list(self.stages.values()), mesh.device_mesh["dp"], mesh.group("dp"),
+                                           param_dtype=param_dtype)
+            self.module = LocalStages(self.stages, adopt=True)
+            self._shared = self._shared_groups(device, pipe.placement, timeout_s)
+        else:
+            self.module = LocalStages(self.stages)
+            to_compute_dtype(self.module.parameters(), param_dtype)
+            self._shared = self._shared_groups(device, pipe.placement, timeout_s)
+            # zero 1/2: the dp group of this stage and tp shard; tied weights reduced over stages first
+            self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
+                                      master_weights=param_dtype != torch.float32,
+                                      deferred=[p for p, _, _ in self._shared])
         self.last_step = None  # the runtime's record of the last training step (timing read on demand)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
@@ -161,7 +175,7 @@ class PipelineEngine(EngineBase):
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
         step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
         self.last_step = step
-        if isinstance(self.sync, ShardedGradients):  # tied weights summed before their shards are reduced
+        if isinstance(self.sync, SHARDED):  # tied weights summed before (zero 1/2) or after (zero 3) dp
             self.sync.finish(before_deferred=self._reduce_tied)
         else:
             self.sync.finish()
@@ -169,8 +183,8 @@ class PipelineEngine(EngineBase):
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
 
     def _reduce_tied(self) -> None:
-        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
-            dist.all_reduce(param.grad, group=group)
+        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients (zero 3: equal shards)
+            dist.all_reduce(local_tensor(param.grad), group=group)
 
     def clip_gradients(self, max_norm: float) -> float:
         """Global norm: tied copies counted once, tensor-parallel slices summed over the tp group
@@ -179,7 +193,7 @@ class PipelineEngine(EngineBase):
         sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
                    if self.tensor_parallel is not None else set())
         device = next(self.module.parameters()).device
-        if isinstance(self.sync, ShardedGradients):  # [replicated, sharded] over this rank's shard, summed over dp
+        if isinstance(self.sync, SHARDED):  # [replicated, sharded] over this rank's shard, summed over dp
             squares = self.sync.squared_norms(lambda p: None if id(p) in shared_elsewhere else int(id(p) in sharded), 2)
         else:
             squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
@@ -191,7 +205,7 @@ class PipelineEngine(EngineBase):
         squares = squares.sum()
         dist.all_reduce(squares, group=self.mesh.group("pp"))
         norm = math.sqrt(float(squares))
-        if norm > max_norm and math.isfinite(max_norm) and isinstance(self.sync, ShardedGradients):
+        if norm > max_norm and math.isfinite(max_norm) and isinstance(self.sync, SHARDED):
             self.sync.scale_gradients(max_norm / (norm + 1e-6))
         elif norm > max_norm and math.isfinite(max_norm):
             scale = max_norm / (norm + 1e-6)

@@ -198,13 +198,18 @@ class StepModel:
         memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
                            headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master)
 
+        def gathered_unit(s: int, a: int, b: int) -> float:
+            """ZeRO-3's unit gathered at once: a block under dp alone, the whole stage with pp or tp (one
+            FSDP2 unit per stage, zero/fully_sharded.py)."""
+            return local_params[s] if c.zero == 3 and (c.pp > 1 or c.tp > 1) else max(prof.params[a:b])
+
         def memory_of(s: int, k: int) -> StageMemory:
             a, b = spans[s]
             out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
             return stage_memory(param_elements=local_params[s], saved=list(prof.saved_bytes[a:b]),
                                 inputs=inputs[a:b], output_bytes=out, in_flight=max(1, structure.in_flight[s]),
                                 stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole,
-                                transient_bytes=transient[s], largest_block_params=max(prof.params[a:b]),
+                                transient_bytes=transient[s], largest_block_params=gathered_unit(s, a, b),
                                 **memory_args)
 
         if c.recompute_blocks is not None:

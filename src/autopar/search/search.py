@@ -46,14 +46,14 @@ class SearchSpace:
     zero_levels: tuple[int, ...] = (0, 1, 2, 3)
 
 
-def zero_valid(zero: int, dp: int, tp: int, pp: int, optimizer: str) -> bool:
+def zero_valid(zero: int, dp: int, tp: int, pp: int, optimizer: str, schedule: str = "1f1b", chunks: int = 1) -> bool:
     """What strategies.py runs: ZeRO shards over dp > 1 replicas of per-parameter optimizer state;
-    level 3 (FSDP2) only with data parallelism alone."""
+    level 3 (FSDP2) with pp or tp one unit per stage, not with interleaved chunks or zb-h1."""
     if zero == 0:
         return True
     if dp == 1 or optimizer == "sgd":  # sgd: plain SGD without momentum has no state to shard
         return False
-    return zero != 3 or (tp == 1 and pp == 1)
+    return zero != 3 or (tp == 1 and pp == 1) or (chunks == 1 and schedule != "zb-h1")
 
 
 def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int) -> bool:
@@ -89,7 +89,7 @@ def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candi
                         for recompute in space.recompute:
                             for method in (space.partitions if pp > 1 else ("uniform",)):
                                 for zero in space.zero_levels:
-                                    if not zero_valid(zero, dp, tp, pp, model.optimizer):
+                                    if not zero_valid(zero, dp, tp, pp, model.optimizer, schedule, chunks):
                                         continue
                                     yield Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
                                                     schedule=schedule, chunks=chunks, recompute=recompute,
@@ -193,7 +193,7 @@ def valid(c: Candidate, model: StepModel) -> bool:
     blocks = model.profile.num_blocks
     if not schedule_valid(c.schedule, c.pp, c.chunks, c.num_microbatches, blocks):
         return False
-    if not zero_valid(c.zero, c.dp, c.tp, c.pp, model.optimizer):
+    if not zero_valid(c.zero, c.dp, c.tp, c.pp, model.optimizer, c.schedule, c.chunks):
         return False
     if c.bounds is not None:
         b = c.bounds

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import CheckpointError
 from . import manifest
@@ -61,14 +61,32 @@ def checkpoint_name(step: int) -> str:
 def _whole_state(model_sd: dict, optim_sd: dict, tensor_parallel: Any) -> tuple[dict, dict]:
     """Gather tensor-parallel slices (parameters and their optimizer state) into whole tensors."""
     if tensor_parallel is None:
-        return model_sd, optim_sd
+        return model_sd, optim_sd  # ZeRO-3's DTensor shards are saved as they are: DCP stores them whole
     shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
-    model_sd = {k: tensor_parallel.gather(k, v) for k, v in model_sd.items()}
+    # ZeRO-3 with tp: a slice sharded again over dp; gathered over dp first (the slice whole), then over tp
+    model_sd = {k: tensor_parallel.gather(k, _whole_over_dp(v)) for k, v in model_sd.items()}
     state = {}
     for fqn, entries in optim_sd.get("state", {}).items():
-        state[fqn] = {k: tensor_parallel.gather(fqn, v) if _is_slice_state(v, shapes.get(fqn)) else v
-                      for k, v in entries.items()}
+        state[fqn] = {k: tensor_parallel.gather(fqn, _whole_over_dp(v)) if _is_slice_state(v, shapes.get(fqn))
+                      else _whole_over_dp(v) for k, v in entries.items()}
     return model_sd, {**optim_sd, "state": state}
+
+
+def _whole_over_dp(value: Any) -> Any:
+    """A DTensor (ZeRO-3: FSDP2's dp shard) gathered whole (collective over its mesh); anything else as is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _placeholder(value: Any) -> Any:
+    """Where DCP loads a whole tensor for a DTensor target (sliced into its shard afterwards)."""
+    return torch.empty(value.shape, dtype=value.dtype, device=value.device) if isinstance(value, DTensor) else value
+
+
+def _like(value: Any, target: Any) -> Any:
+    """`value` (this rank's whole tp slice) as `target`'s DTensor shard, sliced locally (no communication)."""
+    if isinstance(target, DTensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    return value
 
 
 def _is_slice_state(value: Any, param_shape: tuple | None) -> bool:
@@ -184,6 +202,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     primary, aliases = _primary_names(model_sd)
     shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
     if tensor_parallel is not None:  # load whole tensors, then keep this rank's slices
+        targets = {"model": primary, "optim": optim_sd}
+        primary = {k: _placeholder(v) for k, v in primary.items()}  # ZeRO-3: dp shards made whole (below)
+        optim_sd = {**optim_sd, "state": {fqn: {k: _placeholder(v) for k, v in entries.items()}
+                                          for fqn, entries in optim_sd.get("state", {}).items()}}
         whole = lambda fqn, v: v.new_empty(tensor_parallel.full_shape(fqn, v))
         primary = {k: whole(k, v) if tensor_parallel.is_sharded(k) else v for k, v in primary.items()}
         optim_sd = {**optim_sd, "state": {
@@ -202,6 +224,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                                          and isinstance(v, torch.Tensor) and v.dim() > 0 else v
                                          for k, v in entries.items()}
                                    for fqn, entries in state["optim"].get("state", {}).items()}
+        state["model"] = {k: _like(v, targets["model"][k]) for k, v in state["model"].items()}
+        old_state = targets["optim"].get("state", {})
+        state["optim"]["state"] = {fqn: {k: _like(v, old_state[fqn][k]) for k, v in entries.items()}
+                                   for fqn, entries in state["optim"]["state"].items()}
     loaded = {**state["model"], **{alias: state["model"][key] for alias, key in aliases.items()}}
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     _set_state(model, optimizer, loaded, state["optim"])

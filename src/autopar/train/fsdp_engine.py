@@ -3,10 +3,9 @@
 Why FSDP2 (`torch.distributed.fsdp.fully_shard`) here and not our own: with the whole model on
 every replica (dp only), gathering each block's parameters just before its forward and backward
 and freeing them after is exactly what FSDP2 does, per module, overlapped with compute, on
-DTensors that torch's optimizers, clipping and distributed checkpoints already understand. It does
-not fit our pipeline and tensor-parallel runtimes (they run traced stage graphs whose parameters
-are plain tensors that the tensor-parallel rules slice), so --zero 3 is refused with pp or tp
-(strategies.py); --zero 2 covers those.
+DTensors that torch's optimizers, clipping and distributed checkpoints already understand. With
+pp or tp, the pipeline engine shards each stage (one FSDP2 unit per stage) over its dp group
+instead: zero/fully_sharded.py.
 
 Every child of every nn.ModuleList (the transformer blocks of an unmodified model) becomes one
 FSDP unit, then the root (embeddings, head, norms). Gradients are summed, not averaged
