@@ -255,9 +255,11 @@ def test_stash_matches_its_single_process_rule(rank_pool, tmp_path, model, world
     expected = rank_pool(1).run(train_stash_oracle, model, str(tmp_path / "oracle"), pp=strategy["pp"],
                                 stages_of=stages_of, vertical_sync=vertical_sync, model_args=MODELS[model],
                                 micro_batch_size=2, **STASH_COMMON)[0]
-    sync = rank_pool(1).run(train_stash_oracle, model, str(tmp_path / "sync"), pp=1, stages_of={
-        k: [0] for k in stages_of}, vertical_sync=False, model_args=MODELS[model], micro_batch_size=2,
-        **STASH_COMMON)[0]
+    if ("sync", model) not in _oracles:  # the rule at pp=1: synchronous SGD (once per model)
+        _oracles[("sync", model)] = rank_pool(1).run(train_stash_oracle, model, str(tmp_path / "sync"), pp=1,
+                                                     stages_of={k: [0] for k in stages_of}, vertical_sync=False,
+                                                     model_args=MODELS[model], micro_batch_size=2, **STASH_COMMON)[0]
+    sync = _oracles[("sync", model)]
     # the rule differs from synchronous SGD (so this test can fail): step 2 runs stage 0 on W(0), not W(1)
     assert min(abs(a - b) / a for a, b in zip(sync["losses"][1:4], expected["losses"][1:4])) > 1e-6
     for got in results:
