@@ -184,6 +184,9 @@ def test_stash_lists_run_without_deadlock_and_hold_at_most_pp_minus_s_versions(p
     timeline = simulate(whole_run(no_flush), pp=pp, num_stages=pp, num_microbatches=steps)
     steady = {t: no_flush[t] for t in range(steps - pp + 1)}  # leave out the warm-up and the final drain's steps
     assert max(steady_state_bubble(timeline, steady, skip=pp).values()) == 0.0  # unit costs: exact
+    # with the ranks meeting after every step (one micro-batch), its backward climbs the whole pipe each time
+    segment_t = {s: acts for s, acts in no_flush[pp].items()}
+    assert step_time_with_meeting(pp=pp, m=1, lists=segment_t) == 1 + 2 * pp
 
 
 def test_stash_version_check_catches_a_missing_stash():

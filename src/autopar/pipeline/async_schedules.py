@@ -179,15 +179,18 @@ def steady_state_bubble(timeline, lists: dict[int, Schedule], *, skip: int = 1) 
     return result
 
 
-def step_time_with_meeting(*, pp: int, m: int, forward: float = 1.0, backward: float = 2.0) -> float:
+def step_time_with_meeting(*, pp: int, m: int, forward: float = 1.0, backward: float = 2.0,
+                           lists: dict[int, list[Action]] | None = None) -> float:
     """Time of one steady 2BW step when every rank waits for all others at the step's end (as the
     trainer's ranks do: the gradient norm and the loss are global), with no transfer cost.
 
     The look-ahead forwards of the previous step have landed, so every rank starts at once; the
     step ends when the slowest rank ends its segment. Compare with 1F1B's step,
     (m + pp - 1) * (forward + backward), and with the no-meeting steady state, m * (forward + backward).
+    `lists`: another steady segment (stage -> compute actions), e.g. PipeDream's `stash_segment`.
     """
-    lists = {s: segment(s, pp=pp, m=m, step=1, warm=False, drain=False) for s in range(pp)}
+    if lists is None:
+        lists = {s: segment(s, pp=pp, m=m, step=1, warm=False, drain=False) for s in range(pp)}
     done: dict[tuple[int, Op, int], float] = {}
     clock = dict.fromkeys(range(pp), 0.0)
     cursor = dict.fromkeys(range(pp), 0)
