@@ -61,7 +61,8 @@ def summarise(records: list[dict], skip: int, microbatches: int) -> dict:
     timed = [r for r in records if skip < r["step"] < len(records)]
     step = statistics.median(r["step_time_s"] for r in timed)
     last = records[-max(1, len(records) // 10):]
-    return {"step_time_s": step, "per_microbatch_s": step / microbatches, "wall_s": sum(r["step_time_s"] for r in records),
+    return {"step_time_s": step, "per_microbatch_s": step / microbatches,
+            "wall_s": sum(r["step_time_s"] for r in records),
             "bubble": statistics.median(r.get("bubble_fraction", float("nan")) for r in timed),
             "mean_loss_last_10pct": statistics.fmean(r["loss"] for r in last)}
 

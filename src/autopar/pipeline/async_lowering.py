@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .actions import Action, Op, Schedule
+from .actions import Action, Schedule
 from .comm_steps import batch_communication
 
 
-def lower_calls(compute: dict[int, Schedule], *, pp: int, flush_after: set[int] | frozenset[int]) -> dict[int, Schedule]:
+def lower_calls(compute: dict[int, Schedule], *, pp: int,
+                flush_after: set[int] | frozenset[int]) -> dict[int, Schedule]:
     """step -> rank -> compute-only actions (global micro-batch ids), consecutive steps to the
     end of training (the last drains) -> the same with batched SEND/RECV groups, per step.
 
@@ -118,7 +119,3 @@ def check_calls_aligned(calls: dict[int, Schedule]) -> None:
         g, ts = next(iter(sorted(split.items())))
         raise ValueError(f"communication group {g} is posted in different optimizer steps {ts} by its two ends; "
                          f"the ranks meet between steps, so this could deadlock ({len(split)} such groups)")
-
-
-def compute_only(actions: list[Action]) -> list[Action]:
-    return [a for a in actions if a.op in (Op.FORWARD, Op.BACKWARD)]
