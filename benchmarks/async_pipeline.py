@@ -1,18 +1,22 @@
-"""Asynchronous pipelines: does PipeDream-2BW's missing flush pay for its stale gradients?
+"""Asynchronous pipelines: does the missing flush of PipeDream-2BW and PipeDream pay for their stale weights?
 
 One run trains gpt-mini with `autopar train` (one process per pipeline rank, gloo on CPU,
 or CUDA with --device cuda) under each (schedule, pp): 1f1b (synchronous, a flush every
-step) and pipedream-2bw (no flush; step t's gradient computed on W(t-1)), at pp 2 and 4,
-with the same data, seed, optimizer and number of micro-batches. From each run's
-metrics.jsonl it reports the median step time after warm-up (`step_time_s`), the measured
-bubble the engine logs (`bubble_fraction`), the final training loss, and plots the loss
-against optimizer steps and against wall time (the cumulative step time) to a PNG.
+step), pipedream-2bw (no flush; step t's gradient computed on W(t-1)) and pipedream (weight
+stashing: no flush, one update per micro-batch, stage s delayed pp-1-s updates), at pp 2 and
+4, with the same data, seed and optimizer. 1f1b and 2bw take m = global/micro micro-batches
+per step; pipedream takes one per step (its semantics), so it runs m times as many steps over
+the same samples (`--steps` counts 1f1b's steps; pipedream's warm-up is m times longer too).
+From each run's metrics.jsonl it reports the median step time after warm-up (`step_time_s`),
+the time per micro-batch, the measured bubble the engine logs (`bubble_fraction`), the final
+training loss, and plots the loss against optimizer steps, against samples seen and against
+wall time (the cumulative step time) to a PNG; pipedream's per-micro-batch losses are averaged
+over m steps (the samples of one 1f1b step) so the curves compare like with like.
 
     python benchmarks/async_pipeline.py                       # gpt-mini, 300 steps (long on CPU)
     python benchmarks/async_pipeline.py --steps 20 --quick    # smoke test: gpt-tiny, pp 2
     python benchmarks/async_pipeline.py --out runs/async_pipeline --png docs/benchmarks/async_pipeline.png
 
-Not in the comparison: PipeDream weight stashing (`pipedream`), not implemented yet.
 """
 
 from __future__ import annotations
@@ -26,14 +30,22 @@ import sys
 import time
 from pathlib import Path
 
-SCHEDULES = ("1f1b", "pipedream-2bw")
+SCHEDULES = ("1f1b", "pipedream-2bw", "pipedream")
+
+
+def per_step(args: argparse.Namespace, schedule: str) -> int:
+    """Micro-batches per optimizer step: pipedream updates after every one."""
+    return 1 if schedule == "pipedream" else args.global_batch // args.micro_batch
 
 
 def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list[dict]:
+    stretch = args.global_batch // args.micro_batch // per_step(args, schedule)
     command = [sys.executable, "-m", "autopar", "train", "--model", args.model, "--pp", str(pp),
-               "--schedule", schedule, "--steps", str(args.steps), "--global-batch-size", str(args.global_batch),
+               "--schedule", schedule, "--steps", str(args.steps * stretch),
+               "--global-batch-size", str(args.micro_batch * per_step(args, schedule)),
                "--micro-batch-size", str(args.micro_batch), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
-               "--warmup-steps", str(args.warmup), "--eval-every", "0", "--log-every", "1", "--no-progress",
+               "--warmup-steps", str(args.warmup * stretch), "--eval-every", "0", "--checkpoint-every", "0",
+               "--log-every", "1", "--no-progress",
                "--device", args.device, "--nproc", str(pp), "--out", str(out), "--seed", str(args.seed)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     began = time.perf_counter()
@@ -44,32 +56,47 @@ def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarise(records: list[dict], skip: int) -> dict:
-    timed = [r for r in records if r["step"] > skip]
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in timed),
+def summarise(records: list[dict], skip: int, microbatches: int) -> dict:
+    """Medians over the steps after `skip` (warm-up) and before the last (the drain)."""
+    timed = [r for r in records if skip < r["step"] < len(records)]
+    step = statistics.median(r["step_time_s"] for r in timed)
+    last = records[-max(1, len(records) // 10):]
+    return {"step_time_s": step, "per_microbatch_s": step / microbatches,
+            "wall_s": sum(r["step_time_s"] for r in records),
             "bubble": statistics.median(r.get("bubble_fraction", float("nan")) for r in timed),
-            "final_loss": records[-1]["loss"],
-            "mean_loss_last_10pct": statistics.fmean(r["loss"] for r in records[-max(1, len(records) // 10):])}
+            "mean_loss_last_10pct": statistics.fmean(r["loss"] for r in last)}
 
 
-def plot(results: dict, png: Path) -> None:
+def averaged(records: list[dict], m: int) -> list[tuple[int, float, float]]:
+    """(samples-step index, mean loss, cumulative wall time) per group of m steps (one 1f1b step's samples)."""
+    out, wall = [], 0.0
+    for i in range(0, len(records) - m + 1, m):
+        group = records[i:i + m]
+        wall += sum(r["step_time_s"] for r in group)
+        out.append((i // m + 1, statistics.fmean(r["loss"] for r in group), wall))
+    return out
+
+
+def plot(results: dict, png: Path, args: argparse.Namespace) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (by_step, by_samples, by_time) = plt.subplots(1, 3, figsize=(16, 4.5))
+    styles = {"1f1b": "-", "pipedream-2bw": "--", "pipedream": ":"}
     for (schedule, pp), records in sorted(results.items()):
-        steps = [r["step"] for r in records]
-        losses = [r["loss"] for r in records]
-        wall, total = [], 0.0
-        for r in records:
-            total += r["step_time_s"]
-            wall.append(total)
-        style = "-" if schedule == "1f1b" else "--"
-        by_step.plot(steps, losses, style, label=f"{schedule} pp={pp}")
-        by_time.plot(wall, losses, style, label=f"{schedule} pp={pp}")
-    by_step.set_xlabel("optimizer step")
+        m = args.global_batch // args.micro_batch // per_step(args, schedule)  # steps per 1f1b step's samples
+        points = averaged(records, m)
+        label = f"{schedule} pp={pp}"
+        by_step.plot([r["step"] for r in records], [r["loss"] for r in records], styles[schedule], label=label,
+                     alpha=0.8)
+        by_samples.plot([i * args.global_batch for i, _, _ in points], [loss for _, loss, _ in points],
+                        styles[schedule], label=label)
+        by_time.plot([w for _, _, w in points], [loss for _, loss, _ in points], styles[schedule], label=label)
+    by_step.set_xlabel("optimizer step (pipedream: one micro-batch each)")
+    by_step.set_xscale("log")
+    by_samples.set_xlabel(f"samples seen (pipedream averaged over {args.global_batch // args.micro_batch} steps)")
     by_time.set_xlabel("wall time (s, sum of step times)")
-    for ax in (by_step, by_time):
+    for ax in (by_step, by_samples, by_time):
         ax.set_ylabel("training loss")
         ax.legend()
     fig.tight_layout()
@@ -103,17 +130,19 @@ def main() -> None:
         for schedule in SCHEDULES:
             results[(schedule, pp)] = run_one(args, schedule, pp, Path(args.out) / f"{schedule}-pp{pp}")
     m = args.global_batch // args.micro_batch
-    print(f"\n{args.model}, {args.steps} steps, {m} micro-batches of {args.micro_batch} x {args.seq_len} tokens "
-          f"per step, device {args.device}, {args.threads} thread(s) per rank")
-    print(f"{'schedule':>14} {'pp':>3} {'step s':>8} {'vs 1f1b':>8} {'bubble':>7} {'final loss':>11} "
-          f"{'mean loss last 10%':>19}")
-    for (schedule, pp), records in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        row = summarise(records, args.skip)
-        base = summarise(results[("1f1b", pp)], args.skip)["step_time_s"]
-        print(f"{schedule:>14} {pp:>3} {row['step_time_s']:8.3f} {row['step_time_s'] / base:8.2f} "
-              f"{row['bubble']:7.2f} {row['final_loss']:11.4f} {row['mean_loss_last_10pct']:19.4f}")
+    print(f"\n{args.model}, {args.steps * args.global_batch} samples: {args.steps} steps of {m} micro-batches of "
+          f"{args.micro_batch} x {args.seq_len} tokens (pipedream: {args.steps * m} steps of one), device "
+          f"{args.device}, {args.threads} thread(s) per rank, load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"{'schedule':>14} {'pp':>3} {'steps':>6} {'step s':>8} {'per mb s':>9} {'vs 1f1b':>8} {'bubble':>7} "
+          f"{'wall s':>8} {'mean loss last 10%':>19}")
+    for (schedule, pp), records in sorted(results.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0]))):
+        row = summarise(records, args.skip * m // per_step(args, schedule), per_step(args, schedule))
+        base = summarise(results[("1f1b", pp)], args.skip, m)["per_microbatch_s"]
+        print(f"{schedule:>14} {pp:>3} {len(records):6d} {row['step_time_s']:8.3f} {row['per_microbatch_s']:9.4f} "
+              f"{row['per_microbatch_s'] / base:8.2f} {row['bubble']:7.2f} {row['wall_s']:8.1f} "
+              f"{row['mean_loss_last_10pct']:19.4f}")
     try:
-        plot(results, Path(args.png))
+        plot(results, Path(args.png), args)
     except ImportError:
         print("plot skipped: install matplotlib (pip install 'autopar[plot]')")
 

@@ -31,3 +31,54 @@ def train_2bw(model_name: str, out: str, **kwargs) -> dict:
         result["num_params"] = len(versions.names)
         result["peak_storages"] = engine.peak_storages
     return result
+
+
+def train_stash(model_name: str, out: str, **kwargs) -> dict:
+    """train_2bw for --schedule pipedream, with each parameter's reading stages (for the oracle)."""
+    import autopar.trainer as trainer_module
+
+    seen = {}
+    original = trainer_module.Trainer.train
+
+    def train(self):
+        try:
+            return original(self)
+        finally:
+            seen["engine"] = self.engine
+
+    trainer_module.Trainer.train = train
+    try:
+        result = train_builtin(model_name, out, **kwargs)
+    finally:
+        trainer_module.Trainer.train = original
+    engine = seen["engine"]
+    result["stages_of"] = engine.stages_of_parameters()
+    result["peak_storages"] = engine.peak_storages
+    result["num_params"] = len(engine.versions.names)
+    result["stage"] = engine.pp_rank
+    return result
+
+
+def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, vertical_sync: bool, **kwargs) -> dict:
+    """The one-process rule (train/stash_oracle.py) through the ordinary Trainer: the strategy table's
+    data-parallel entry is swapped for one that builds the oracle engine, in this worker only."""
+    import dataclasses
+
+    import autopar.strategies as strategies
+    from autopar.pipeline.async_schedules import flush_steps
+    from autopar.train.stash_oracle import StashOracleEngine
+
+    def build(ctx):
+        cfg = ctx.config
+        return StashOracleEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
+                                 autocast=ctx.autocast, pp=pp, stages_of=stages_of, vertical_sync=vertical_sync,
+                                 steps=cfg.steps, flush_after=flush_steps(cfg.steps, eval_every=cfg.eval_every,
+                                                                          checkpoint_every=cfg.checkpoint_every))
+
+    original = strategies.STRATEGIES
+    oracle = dataclasses.replace(original[-1], name="stash-oracle", build=build)
+    strategies.STRATEGIES = (oracle,)
+    try:
+        return train_builtin(model_name, out, **kwargs)
+    finally:
+        strategies.STRATEGIES = original

@@ -305,8 +305,8 @@ def test_check_catches_order_placement_recompute_and_message_order():
 # --- bad input ---------------------------------------------------------------------------------
 
 def test_bad_input_raises_config_errors():
-    with pytest.raises(ConfigError, match=r"unknown pipeline schedule 'pipedream'.*1f1b.*zb-h1"):
-        generate("pipedream", pp=2, num_microbatches=4)
+    with pytest.raises(ConfigError, match=r"unknown pipeline schedule 'pipedream-flush'.*1f1b.*zb-h1"):
+        generate("pipedream-flush", pp=2, num_microbatches=4)
     with pytest.raises(ConfigError, match=r"at least 4 micro-batches.*got num_microbatches=2"):
         generate("interleaved-1f1b", pp=4, num_microbatches=2, chunks=2)
     with pytest.raises(ConfigError, match=r"at least 1 micro-batches"):

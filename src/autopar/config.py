@@ -43,7 +43,7 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1")
 # No-flush schedules with stale weights (pipeline/async_schedules.py): not synchronous SGD, so
 # never candidates of the strategy search, which reads SCHEDULES only.
-ASYNC_SCHEDULES = ("pipedream-2bw",)
+ASYNC_SCHEDULES = ("pipedream-2bw", "pipedream")
 PARTITION_METHODS = ("uniform", "parameters", "time")
 RECOMPUTE_MODES = ("none", "all", "all-but-last")
 GOSSIP_TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -70,6 +70,8 @@ class Strategy:
     tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
     pp: int = _f(1, "pipeline-parallel degree (stages)")
     schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
+    vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
+                                    "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
     chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2)")
     partition: str = _f("time", f"how to cut the model into stages: {'|'.join(PARTITION_METHODS)}")
     recompute: str = _f("none", f"whole-stage recomputation scheduled by the pipeline: {'|'.join(RECOMPUTE_MODES)}")
@@ -131,6 +133,9 @@ class Strategy:
             raise ConfigError(f"strategy.search (--strategy) must be one of {choices(SEARCH_MODES)}, got {self.search!r}")
         _check_nonnegative_int("strategy.confirm", self.confirm)
         _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
+        if self.vertical_sync and self.schedule != "pipedream":
+            raise ConfigError(f"strategy.vertical_sync (--vertical-sync) belongs to --schedule pipedream (weight "
+                              f"stashing), got --schedule {self.schedule}; drop it or use --schedule pipedream")
         _check_positive_int("strategy.servers", self.servers)
         if self.zero not in ZERO_LEVELS:
             raise ConfigError(f"strategy.zero must be one of {choices(ZERO_LEVELS)}, got {self.zero!r}")

@@ -25,6 +25,7 @@ from .config import ASYNC_SCHEDULES, Strategy, TrainConfig
 from .errors import ConfigError
 from .gossip import GossipEngine, check_gossip_strategy
 from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpoint
+from .pipeline.async_stash_engine import PipeDreamStashEngine
 from .pipeline.async_schedules import check_no_flush
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
 from .search.auto import Example, Plan, resolve_choice
@@ -110,12 +111,23 @@ def _check_pipedream(request: Request) -> tuple[TrainConfig, int]:
          "lists yet; use --recompute none"),
         (sparse_requested(strategy, config), "sparse embeddings / sparse-adam: their deferred rows assume "
          "synchronous steps; use dense embeddings"),
-        (strategy.pp == 1 and bool(config.resume), "--resume with pp=1: the whole-model 2BW rule keeps its "
-         "older version outside the checkpoint; resume a pipelined (pp > 1) run"),
+        (name == "pipedream-2bw" and strategy.pp == 1 and bool(config.resume), "--resume with pp=1: the whole-model "
+         "2BW rule keeps its older version outside the checkpoint; resume a pipelined (pp > 1) run"),
     ]
     for refused, why in refusals:
         if refused:
             raise ConfigError(f"schedule {name!r} cannot be combined with {why}")
+    if name == "pipedream":
+        resolved = config.with_micro_batches(strategy.dp)
+        per_replica = resolved.accumulation_steps(strategy.dp)
+        if per_replica != 1:
+            raise ConfigError(f"schedule 'pipedream' updates after every micro-batch (the paper's semantics: one "
+                              f"optimizer step is one micro-batch per replica), but global batch "
+                              f"{config.global_batch_size} gives {per_replica} micro-batches of "
+                              f"{resolved.micro_batch_size} per replica (dp={strategy.dp}); set --global-batch-size "
+                              f"to micro-batch size x dp = {resolved.micro_batch_size * strategy.dp}")
+        # the rest as for a 1F1B pipeline (one micro-batch per call is enough for the no-flush lists)
+        return _synchronous_check(dataclasses.replace(request, strategy=dataclasses.replace(strategy, schedule="1f1b")))
     if strategy.pp > 1:
         check_no_flush(strategy.pp, config.with_micro_batches(strategy.dp).accumulation_steps(strategy.dp))
         if config.resume:
@@ -165,11 +177,20 @@ def _build_pipeline(ctx: EngineContext) -> Engine:
 
 def _build_pipedream(ctx: EngineContext) -> Engine:
     """PipeDream-2BW: no-flush 1F1B on two weight versions (pipeline/async_engine.py); with pp=1, the
-    same update rule on whole models (train/two_bw_oracle.py)."""
+    same update rule on whole models (train/two_bw_oracle.py). PipeDream (weight stashing,
+    pipeline/async_stash_engine.py); with pp=1 its rule is synchronous SGD (no stage lags)."""
+    cfg = ctx.config
+    if ctx.strategy.schedule == "pipedream":
+        if ctx.strategy.pp == 1:
+            return _build_data_parallel(ctx)
+        return PipeDreamStashEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
+                                    example_batch=ctx.example_batch(), autocast=ctx.autocast, timeout_s=ctx.timeout_s,
+                                    strategy=ctx.strategy, steps=cfg.steps, eval_every=cfg.eval_every,
+                                    checkpoint_every=cfg.checkpoint_every, vertical_sync=ctx.strategy.vertical_sync,
+                                    batches_for_step=ctx.batches_for_step, samples_for_step=ctx.samples_for_step)
     if ctx.strategy.pp == 1:
         return DelayOneDataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
                                           forward_fn=ctx.forward_fn, autocast=ctx.autocast)
-    cfg = ctx.config
     return PipeDream2BWEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
                               example_batch=ctx.example_batch(), num_microbatches=ctx.accumulation,
                               autocast=ctx.autocast, timeout_s=ctx.timeout_s, strategy=ctx.strategy,
@@ -220,7 +241,7 @@ def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
         raise ConfigError(f"--dtype bf16 (bf16 parameters, fp32 master weights) is not supported with {other_mode}; "
                           f"use --dtype bf16-autocast there, or the default all-reduce data parallelism")
     if strategy.schedule in ASYNC_SCHEDULES and (zero or config.dtype == "bf16"):
-        raise ConfigError(f"--schedule {strategy.schedule} keeps two whole weight versions per stage; it does not "
+        raise ConfigError(f"--schedule {strategy.schedule} keeps several whole weight versions per stage; it does not "
                           f"combine with --zero {zero} / --dtype {config.dtype} yet; use --zero 0 and --dtype fp32 "
                           f"or bf16-autocast, or a flushing schedule such as 1f1b")
     if zero == 0:

@@ -10,6 +10,10 @@ checkpoint, so evaluation runs on the newest weights with nothing in flight and 
 holds exactly the two versions, the optimizer state and the step: resuming continues the
 same trajectory.
 
+Transfers: every step's lists come from `async_lowering.lower_calls`: batched send/receive
+groups (one `batch_isend_irecv` per group, as the flushing schedules post them), with both ends
+of every group in the same step, so NCCL cannot deadlock when two ranks send to each other.
+
 Gradients: step t's gradient is complete on a rank when its segment ends; it is then summed
 over data-parallel replicas (and tied copies) in one go, not overlapped with the backward.
 The ranks still meet between steps (the gradient norm and the loss are global), so the
@@ -29,7 +33,8 @@ import torch
 
 from ..dropout import active_scope, dropout_step, micro_batch
 from ..errors import ConfigError
-from .async_schedules import flush_steps, rank_segment
+from .async_lowering import lower_calls
+from .async_schedules import flush_steps, segment
 from .engine import PipelineEngine
 from .runtime import InFlight
 from .weight_versions import StageSlots, TwoWeightVersions
@@ -55,7 +60,8 @@ class PipeDream2BWEngine(PipelineEngine):
                  batches_for_step: Callable[[int], list[dict]],
                  samples_for_step: Callable[[int], list[list[int]]] | None = None, **kwargs):
         super().__init__(model, mesh, num_microbatches=num_microbatches, **kwargs)
-        self.m = num_microbatches
+        self.m, self.steps = num_microbatches, steps
+        self.calls: dict[int, list] = {}  # step -> this rank's lowered actions (built at the first step)
         self.flush_after = flush_steps(steps, eval_every=eval_every, checkpoint_every=checkpoint_every)
         self.batches_for_step, self.samples_for_step = batches_for_step, samples_for_step
         params = {}
@@ -78,15 +84,16 @@ class PipeDream2BWEngine(PipelineEngine):
 
     def forward_backward(self, batches: list[dict], loss_fn: Callable[[Any, dict], torch.Tensor]) -> torch.Tensor:
         t = int(self.versions.step)
-        warm, drain = self.carry.empty(), t in self.flush_after
+        drain = t in self.flush_after
         self.module.train()
         by_id = {t * self.m + j: b for j, b in enumerate(batches)}
         if not drain:
             by_id.update({(t + 1) * self.m + j: b for j, b in enumerate(self.batches_for_step(t + 1))})
         for batch in by_id.values():  # on every pp rank: an error, never a hang
             self.pipe.first_stage_inputs(batch)
-        actions = [a for s in sorted(self.stages)
-                   for a in rank_segment(s, pp=self.pp, m=self.m, step=t, warm=warm, drain=drain)]
+        if not self.calls:
+            self._plan(t)
+        actions = self.calls[t]
         step = self.runtime.run(actions, by_id, loss_fn=loss_fn, record=True, forward_scope=self._scope(t),
                                 carry=self.carry)
         if drain and not self.carry.empty():
@@ -99,6 +106,17 @@ class PipeDream2BWEngine(PipelineEngine):
             torch.distributed.all_reduce(param.grad, group=group)
         self.versions.advance()  # the Parameters now hold the buffer the optimizer will update
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)
+
+    def _plan(self, first: int) -> None:
+        """The lists of every step from `first` (0, or the resumed step) to the end, lowered into batched
+        communication groups with both ends of each in one step (pipeline/async_lowering.py: NCCL-safe)."""
+        compute, warm = {}, True
+        for u in range(first, self.steps):
+            drain = u in self.flush_after
+            compute[u] = {s: segment(s, pp=self.pp, m=self.m, step=u, warm=warm, drain=drain) for s in range(self.pp)}
+            warm = drain
+        lowered = lower_calls(compute, pp=self.pp, flush_after=self.flush_after)
+        self.calls = {u: lowered[u][self.pp_rank] for u in compute}
 
     def _scope(self, t: int) -> Callable[[int, int], contextlib.AbstractContextManager]:
         @contextlib.contextmanager

@@ -179,15 +179,18 @@ def steady_state_bubble(timeline, lists: dict[int, Schedule], *, skip: int = 1) 
     return result
 
 
-def step_time_with_meeting(*, pp: int, m: int, forward: float = 1.0, backward: float = 2.0) -> float:
+def step_time_with_meeting(*, pp: int, m: int, forward: float = 1.0, backward: float = 2.0,
+                           lists: dict[int, list[Action]] | None = None) -> float:
     """Time of one steady 2BW step when every rank waits for all others at the step's end (as the
     trainer's ranks do: the gradient norm and the loss are global), with no transfer cost.
 
     The look-ahead forwards of the previous step have landed, so every rank starts at once; the
     step ends when the slowest rank ends its segment. Compare with 1F1B's step,
     (m + pp - 1) * (forward + backward), and with the no-meeting steady state, m * (forward + backward).
+    `lists`: another steady segment (stage -> compute actions), e.g. PipeDream's `stash_segment`.
     """
-    lists = {s: segment(s, pp=pp, m=m, step=1, warm=False, drain=False) for s in range(pp)}
+    if lists is None:
+        lists = {s: segment(s, pp=pp, m=m, step=1, warm=False, drain=False) for s in range(pp)}
     done: dict[tuple[int, Op, int], float] = {}
     clock = dict.fromkeys(range(pp), 0.0)
     cursor = dict.fromkeys(range(pp), 0)
@@ -219,3 +222,90 @@ def step_time_with_meeting(*, pp: int, m: int, forward: float = 1.0, backward: f
         if not progressed:
             raise ValueError("a steady 2BW segment deadlocks")
     return max(clock.values())
+
+
+# ---------------------------------------------------------------- PipeDream (weight stashing)
+#
+# The original PipeDream (Narayanan et al., SOSP'19): 1F1B that never drains, and every stage
+# updates its weights after every micro-batch's backward. In the trainer one optimizer step is
+# one micro-batch per replica (the paper's "minibatch"; replicas sum their gradients): stage s's
+# step t runs the forward of micro-batch t + w - 1 (w = pp - s, 1F1B's depth) and the backward
+# of micro-batch t, then the optimizer updates. So a forward of micro-batch j on stage s runs on
+# the newest weights, W_s(j - (pp-1-s)) (after j - (pp-1-s) updates; at most the run's first
+# step r: after a flush the pipeline warms up on the newest weights), and its backward must use
+# that same version: weight stashing. With vertical sync every stage uses stage 0's version,
+# W_s(max(r, j - (pp-1))).
+
+def stash_segment(stage: int, *, pp: int, step: int, run_start: int, run_end: int) -> list[Action]:
+    """Compute actions of `stage` in optimizer step `step` of a pipeline run from `run_start` to
+    `run_end` (inclusive; a flush after it). Micro-batch ids are step numbers."""
+    w = pp - stage
+    if not run_start <= step <= run_end:
+        raise ValueError(f"step {step} is outside its run {run_start}..{run_end}")
+    forwards = range(step, min(step + w, run_end + 1)) if step == run_start else \
+        [j for j in (step + w - 1,) if j <= run_end]
+    return [Action(stage, F, j) for j in forwards] + [Action(stage, B, step)]
+
+
+def runs_of(steps: Sequence[int], flush_after: frozenset[int] | set[int]) -> dict[int, tuple[int, int]]:
+    """step -> (first, last step of its pipeline run); a run ends at a flush or the last step."""
+    out: dict[int, tuple[int, int]] = {}
+    run: list[int] = []
+    for t in sorted(steps):
+        run.append(t)
+        if t in flush_after or t == max(steps):
+            out.update({s: (run[0], run[-1]) for s in run})
+            run = []
+    return out
+
+
+def stash_lists(*, pp: int, steps: Sequence[int], flush_after: frozenset[int] | set[int]) -> dict[int, Schedule]:
+    """step -> rank -> compute-only `stash_segment` lists (one stage per rank)."""
+    runs = runs_of(steps, flush_after)
+    return {t: {s: stash_segment(s, pp=pp, step=t, run_start=runs[t][0], run_end=runs[t][1]) for s in range(pp)}
+            for t in sorted(steps)}
+
+
+def stash_version(microbatch: int, stage: int, *, pp: int, run_start: int, vertical_sync: bool) -> int:
+    """The version (updates applied) stage `stage` runs micro-batch `microbatch` on (module comment)."""
+    delay = pp - 1 if vertical_sync else pp - 1 - stage
+    return max(run_start, microbatch - delay)
+
+
+def check_stash_versions(lists: dict[int, Schedule], *, pp: int, flush_after: frozenset[int] | set[int],
+                         vertical_sync: bool) -> dict[int, int]:
+    """Check, on the lists, PipeDream's stashing: each forward's version exists when it runs (at most
+    the updates made so far; without vertical sync exactly the newest), and count the versions a
+    rank must hold at once: those of its in-flight micro-batches, the newest, and (vertical sync)
+    every version a later forward will still need. Returns rank -> that peak; raises ValueError
+    if a version is missing or, without vertical sync, the peak exceeds pp - s."""
+    runs = runs_of(sorted(lists), flush_after)
+    problems, most = [], {}
+    for r in range(pp):
+        in_flight: dict[int, int] = {}  # micro-batch -> version its forward used
+        peak = 0
+        for t in sorted(lists):
+            start, end = runs[t]
+            for a in lists[t][r]:
+                if not a.op.is_compute:
+                    continue
+                v = stash_version(a.microbatch, r, pp=pp, run_start=start, vertical_sync=vertical_sync)
+                if a.op == F:
+                    if v > t or (not vertical_sync and v != t):
+                        problems.append(f"rank {r}: F{a.microbatch} in step {t} runs on W({v}); the newest is W({t})")
+                    in_flight[a.microbatch] = v
+                else:
+                    if a.microbatch not in in_flight:
+                        problems.append(f"rank {r}: B{a.microbatch} in step {t} before its forward")
+                        continue
+                    in_flight.pop(a.microbatch)
+                later = {stash_version(j, r, pp=pp, run_start=start, vertical_sync=vertical_sync)
+                         for j in range(max([a.microbatch, *in_flight]) + 1, end + 1)}
+                held = set(in_flight.values()) | {t} | {v for v in later if v <= t}
+                peak = max(peak, len(held))
+        most[r] = peak
+        if not vertical_sync and peak > pp - r:
+            problems.append(f"rank {r}: {peak} weight versions held at once, more than pp - s = {pp - r}")
+    if problems:
+        raise ValueError("; ".join(problems[:5]))
+    return most

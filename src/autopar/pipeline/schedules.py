@@ -85,6 +85,7 @@ def generate(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
         # one step of PipeDream-2BW run alone (warm-up and drain) is 1F1B; the engine runs the
         # no-flush lists of pipeline/async_schedules.py across steps
         "pipedream-2bw": lambda s: min(m, pp - s),
+        "pipedream": lambda s: min(m, pp - s),  # likewise (async_stash_engine.py runs the no-flush lists)
         "eager-1f1b": lambda s: min(m, 2 * (pp - s) - 1),
         "scp": lambda s: _scp_depth(s, pp, m, recompute),
     }[name]

@@ -118,3 +118,85 @@ class StageSlots:
         finally:
             for owner, attr, original in saved:
                 owner._parameters[attr] = original
+
+
+class StashedVersions:
+    """PipeDream weight stashing on one pipeline rank: each in-flight micro-batch keeps the version
+    its forward ran on until its backward is done (pipeline/async_schedules.py states the rule).
+
+    The optimizer's Parameters always hold the newest version. A micro-batch runs on leaf tensors
+    that alias a version's storage (one set per micro-batch, so its gradient stays apart). Before
+    the optimizer updates in place, the Parameters move to a fresh copy if the current storage is
+    still read by an in-flight micro-batch or by a later forward (vertical sync); otherwise the
+    update goes in place and nothing is kept. So a rank holds one storage per version still in
+    use: pp - s at most on stage s without vertical sync, and nothing beyond the Parameters
+    once the pipeline has drained (a checkpoint needs no stash).
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter]):
+        self.names = list(params)
+        self._params = list(params.values())
+        self.newest = 0  # the version (updates applied) the Parameters hold
+        self._kept: dict[int, list[torch.Tensor]] = {}  # older versions a later forward still needs
+        self._leaves: dict[int, tuple[int, list[nn.Parameter]]] = {}  # micro-batch -> (version, its leaves)
+
+    def start(self, version: int) -> None:
+        """A pipeline run begins (training starts or resumes, or after a flush) at `version`."""
+        if self._leaves:
+            raise RuntimeError(f"PipeDream: a new pipeline run with micro-batches {sorted(self._leaves)} in flight")
+        self.newest, self._kept = version, {}
+
+    def leaves(self, microbatch: int, version: int) -> list[nn.Parameter]:
+        """The tensors micro-batch `microbatch` runs on: version `version`, made at its first forward."""
+        if microbatch in self._leaves:
+            held, leaves = self._leaves[microbatch]
+            if held != version:
+                raise RuntimeError(f"PipeDream: micro-batch {microbatch} ran on W({held}), now asks for W({version})")
+            return leaves
+        if version == self.newest:
+            sources = [p.data for p in self._params]
+        elif version in self._kept:
+            sources = self._kept[version]
+        else:
+            raise RuntimeError(f"PipeDream: micro-batch {microbatch} needs W({version}); this rank holds "
+                               f"W({self.newest}) and {sorted(self._kept)}")
+        leaves = [nn.Parameter(s, requires_grad=p.requires_grad) for s, p in zip(sources, self._params)]
+        self._leaves[microbatch] = (version, leaves)
+        return leaves
+
+    def gradients_to_parameters(self, microbatch: int) -> None:
+        """Micro-batch `microbatch`'s gradient (on its leaves) becomes the Parameters' .grad; its stash is dropped."""
+        _, leaves = self._leaves.pop(microbatch, (None, None))
+        for i, p in enumerate(self._params):
+            grad = leaves[i].grad if leaves is not None else None
+            p.grad = grad if grad is not None else torch.zeros_like(p)
+
+    @torch.no_grad()
+    def advance(self, still_needed: set[int]) -> None:
+        """Before the optimizer makes version newest + 1: keep the current storage aside if an in-flight
+        micro-batch reads it or `still_needed` (versions later forwards will ask for) holds it, and
+        drop kept versions nobody needs any more."""
+        in_use = {v for v, _ in self._leaves.values()}
+        if self.newest in in_use or self.newest in still_needed:
+            if self.newest in still_needed:
+                self._kept[self.newest] = [p.data for p in self._params]
+            for p in self._params:
+                p.data = p.data.clone()
+        self.newest += 1
+        self._kept = {v: s for v, s in self._kept.items() if v in still_needed}
+
+    def in_flight(self) -> list[int]:
+        return sorted(self._leaves)
+
+    def storages(self) -> set[int]:
+        """Distinct weight storages this rank holds (the memory check)."""
+        held = {p.untyped_storage().data_ptr() for p in self._params}
+        for kept in self._kept.values():
+            held |= {t.untyped_storage().data_ptr() for t in kept}
+        for _, leaves in self._leaves.values():
+            held |= {leaf.untyped_storage().data_ptr() for leaf in leaves}
+        return held
+
+    def nbytes(self) -> int:
+        """Bytes of one version of this rank's weights."""
+        return sum(p.numel() * p.element_size() for p in self._params)

@@ -1,0 +1,169 @@
+"""PipeDream (weight stashing): the pipeline engine run without a flush, one update per micro-batch.
+
+The paper's semantics (Narayanan et al., SOSP'19), as the trainer runs them: one optimizer
+step is one micro-batch per data-parallel replica (global batch = micro-batch size x dp; the
+replicas sum their gradients, as PipeDream's replicated stages do), so the learning rate is
+the rate of every per-micro-batch update. Stage s's step t runs the forward of micro-batch
+t + pp - s - 1 (on the newest weights) and the backward of micro-batch t (on the weights its
+forward stashed), then the optimizer updates every stage. The rule this computes, with W_s(k)
+stage s's weights after k updates and r the first step of the current pipeline run:
+
+    W(t+1) = opt(W(t), grad f_t(W_0(v_0), ..., W_{pp-1}(v_{pp-1}))),  v_s = max(r, t - (pp-1-s))
+
+and with --vertical-sync v_s = max(r, t - (pp-1)) for every stage. train/stash_oracle.py runs
+it in one process. The pipeline drains (a flush) before each eval and checkpoint and after the
+last step; the next step warms up again on the newest weights (so r moves on: an eval or a
+checkpoint does change the trajectory, as a restart of PipeDream does). A checkpoint therefore
+holds just the newest weights, the optimizer state and the step.
+
+Memory: stage s holds at most pp - s weight versions (measured: `weight_storages`); with
+vertical sync up to pp (every version a later forward will ask for stays, too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..dropout import active_scope, dropout_step, micro_batch
+from .async_lowering import lower_calls
+from .async_schedules import flush_steps, runs_of, stash_lists, stash_version
+from .engine import PipelineEngine
+from .runtime import InFlight
+from .weight_versions import StageSlots, StashedVersions
+
+
+class PipeDreamStashEngine(PipelineEngine):
+    """This rank's stage runs the no-flush PipeDream lists on stashed weight versions."""
+
+    def __init__(self, model, mesh, *, steps: int, eval_every: int, checkpoint_every: int, vertical_sync: bool,
+                 batches_for_step: Callable[[int], list[dict]],
+                 samples_for_step: Callable[[int], list[list[int]]] | None = None, strategy=None, **kwargs):
+        # the base pipeline (partition, stages, eval lists) is 1F1B's; the training lists are built here
+        super().__init__(model, mesh, num_microbatches=1, strategy=dataclasses.replace(strategy, schedule="1f1b"),
+                         **kwargs)
+        self.steps, self.vertical_sync = steps, vertical_sync
+        self.flush_after = flush_steps(steps, eval_every=eval_every, checkpoint_every=checkpoint_every)
+        self.batches_for_step, self.samples_for_step = batches_for_step, samples_for_step
+        params = {}
+        for name, p in self.module.named_parameters():
+            params.setdefault(name, p)
+        self.versions = StashedVersions(params)
+        index_of = {id(p): i for i, p in enumerate(params.values())}
+        self.slots = {s: StageSlots(stage, index_of) for s, stage in self.stages.items()}
+        self.carry = InFlight()
+        self.calls: dict[int, list] = {}  # step -> this rank's lowered actions (built at the first step)
+        self.runs: dict[int, tuple[int, int]] = {}
+        self.loaded: dict[int, dict] = {}  # step -> this replica's micro-batch, loaded ahead for stage 0
+        self.peak_storages = 0
+
+    def banner_lines(self) -> list[str]:
+        held = "up to pp" if self.vertical_sync else f"up to pp - s = {self.pp - self.pp_rank}"
+        return super().banner_lines() + [
+            f"pipedream: weight stashing, no flush between steps (drains before eval, checkpoints and the end); "
+            f"one micro-batch per replica per optimizer step; {held} weight versions on this rank "
+            f"({self.versions.nbytes() / 2**20:.2f} MiB each){'; vertical sync' if self.vertical_sync else ''}"]
+
+    def run_info(self) -> dict:
+        return {"weight_version_bytes_rank0": self.versions.nbytes(), "vertical_sync": self.vertical_sync}
+
+    def stages_of_parameters(self) -> dict[str, list[int]]:
+        """Parameter name -> the stages that read it (a tied one: several): what the oracle needs."""
+        out: dict[str, list[int]] = {}
+        for s, spec in enumerate(self.partition.specs):
+            for name in spec.params:
+                out.setdefault(name, []).append(s)
+        return out
+
+    def _plan(self, first: int) -> None:
+        steps = range(first, self.steps)
+        self.runs = runs_of(steps, self.flush_after)
+        lowered = lower_calls(stash_lists(pp=self.pp, steps=steps, flush_after=self.flush_after), pp=self.pp,
+                              flush_after=self.flush_after)
+        self.calls = {t: lowered[t][self.pp_rank] for t in steps}
+
+    def _version(self, microbatch: int, stage: int) -> int:
+        return stash_version(microbatch, stage, pp=self.pp, run_start=self.runs[microbatch][0],
+                             vertical_sync=self.vertical_sync)
+
+    def _batch(self, step: int) -> dict:
+        if step not in self.loaded:
+            (self.loaded[step],) = self.batches_for_step(step)
+        return self.loaded[step]
+
+    def forward_backward(self, batches: list[dict], loss_fn: Callable[[Any, dict], torch.Tensor]) -> torch.Tensor:
+        scope = active_scope()
+        if scope is None:
+            raise RuntimeError("pipedream: forward_backward runs inside the trainer's step scope (dropout_step)")
+        t = scope.step
+        if not self.calls:
+            self._plan(t)
+        if t not in self.calls:
+            raise RuntimeError(f"pipedream: step {t} is outside the planned steps {min(self.calls)}..{max(self.calls)}")
+        start, _ = self.runs[t]
+        if t == start:
+            self.versions.start(t)
+        self.module.train()
+        self.loaded[t] = batches[0]
+        actions = self.calls[t]
+        by_id = {a.microbatch: self._batch(a.microbatch) for a in actions if a.op.is_compute}
+        for batch in by_id.values():  # on every pp rank: an error, never a hang
+            self.pipe.first_stage_inputs(batch)
+        step = self.runtime.run(actions, by_id, loss_fn=loss_fn, record=True, forward_scope=self._scope(t),
+                                carry=self.carry)
+        if t == self.runs[t][1] and not self.carry.empty():
+            raise RuntimeError(f"pipedream: the pipeline did not drain at step {t + 1} on pipeline rank {self.pp_rank}")
+        self.last_step = step
+        self.peak_storages = max(self.peak_storages, len(self.versions.storages()))
+        self.versions.gradients_to_parameters(t)
+        self.sync.finish()  # copies into the dp buckets and sums them over replicas
+        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
+            torch.distributed.all_reduce(param.grad, group=group)
+        self.versions.advance(self._needed_after(t))
+        for j in [j for j in self.loaded if j <= t]:
+            self.loaded.pop(j)
+        return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)
+
+    def _needed_after(self, t: int) -> set[int]:
+        """Versions this rank's forwards after step t still ask for (within the current run)."""
+        _, end = self.runs[t]
+        done = max((a.microbatch for u in range(self.runs[t][0], t + 1) for a in self.calls[u]
+                    if a.op.is_compute), default=t)
+        return {self._version(j, s) for s in self.stages for j in range(done + 1, end + 1)}
+
+    def _scope(self, t: int) -> Callable[[int, int], contextlib.AbstractContextManager]:
+        @contextlib.contextmanager
+        def scope(stage: int, microbatch: int) -> Iterator[None]:
+            leaves = self.versions.leaves(microbatch, self._version(microbatch, stage))
+            with self.slots[stage].running_on(leaves), self._dropout(t, microbatch):
+                yield
+        return scope
+
+    def _dropout(self, t: int, j: int) -> contextlib.AbstractContextManager:
+        """Micro-batch j (step j's only one) draws the masks one process draws for it."""
+        scope = active_scope()
+        if j == t or scope is None:
+            return micro_batch(0)
+        if self.samples_for_step is None:
+            raise RuntimeError("pipedream look-ahead forwards need the later steps' sample indices (samples_for_step)")
+        stack = contextlib.ExitStack()
+        stack.enter_context(dropout_step(scope.seed, j, self.samples_for_step(j)))
+        stack.enter_context(micro_batch(0))
+        return stack
+
+    @torch.no_grad()
+    def eval_sums(self, batches, eval_loss):
+        if not self.carry.empty():
+            raise RuntimeError("pipedream: eval with micro-batches in flight; the pipeline must drain first")
+        return super().eval_sums(batches, eval_loss)
+
+    def before_checkpoint(self) -> None:
+        if not self.carry.empty():
+            raise RuntimeError("pipedream: checkpoint with micro-batches in flight; the pipeline must drain first")
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        return {**super().step_stats(elapsed, peak_bytes), "weight_storages": self.peak_storages}
