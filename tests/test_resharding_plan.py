@@ -214,9 +214,9 @@ def _execute_every_method():
     try:
         for _ in range(2):  # twice, all in flight at once: the tags keep repeated transfers apart
             pending = []
-            for p, tensor in zip(plans, full):
+            for i, (p, tensor) in enumerate(zip(plans, full)):
                 local = tensor[_index(p.src, me, p.shape)].clone() if me in p.src.ranks else None
-                pending.append(resharder.start(plans.index(p), local))
+                pending.append(resharder.start(i, local))
             for p, tensor, work in zip(plans, full, pending):
                 got = work.wait()
                 if me in p.dst.ranks:
