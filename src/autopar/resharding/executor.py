@@ -54,14 +54,16 @@ class PendingReshard:
         gathered = [torch.empty_like(contribution) for _ in group_ranks]
         dist.all_gather(gathered, contribution, group=group)
         by_needer = {rank: gathered[i] for i, rank in enumerate(group_ranks)}
+        mine = self._plan.dst.box_of(dist.get_rank(), self._plan.shape)
         offset = 0
         for tile in tiles:
-            parts = []
-            for j, needer in enumerate(tile.needers):
+            target = self._out[local_slices(tile.box, mine)]  # a gathered tile lies inside every needer's piece
+            flat = target.view(-1) if target.is_contiguous() else torch.empty(tile.numel, dtype=target.dtype)
+            for j, needer in enumerate(tile.needers):  # straight into place when the region is contiguous
                 lo, hi = tile.part_range(j)
-                parts.append(by_needer[needer][offset:offset + hi - lo])
-            flat = torch.cat(parts)
-            _place(self._out, self._plan, flat.view(shape_of(tile.box)), tile.box)
+                flat[lo:hi] = by_needer[needer][offset:offset + hi - lo]
+            if not target.is_contiguous():
+                target.copy_(flat.view(shape_of(tile.box)))
             offset += tile.part_numel
 
 
@@ -128,7 +130,7 @@ class Resharder:
         gathered = [t for t in plan.tiles if t.senders] if plan.gather_ranks else []
         contribution = None
         if plan.gather_ranks and me in plan.gather_ranks:
-            contribution = torch.zeros(sum(t.part_numel for t in gathered), dtype=plan.dtype)
+            contribution = torch.empty(sum(t.part_numel for t in gathered), dtype=plan.dtype)  # padding never read
         works, kept, copies = [], [], []
         offset = 0
         for index, tile in enumerate(plan.tiles):
