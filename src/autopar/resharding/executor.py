@@ -40,12 +40,16 @@ class PendingReshard:
         """This rank's piece under the destination layout (None when the rank is not in it)."""
         if self._done:
             return self._out
-        for work in self._works:
-            work.wait()
-        for buffer, box in self._copies:  # received (or local) tiles into this rank's piece
-            _place(self._out, self._plan, buffer, box)
-        if self._gather is not None:
-            self._all_gather(*self._gather)
+        try:
+            for work in self._works:
+                work.wait()
+            for buffer, box in self._copies:  # received (or local) tiles into this rank's piece
+                _place(self._out, self._plan, buffer, box)
+            if self._gather is not None:
+                self._all_gather(*self._gather)
+        except RuntimeError as exc:  # a peer died or timed out: say which transfer, on which rank
+            raise DistributedError(f"rank {dist.get_rank()}: resharding failed ({self._plan.describe()}): "
+                                   f"{exc}") from exc
         self._works, self._kept, self._copies, self._done = [], [], [], True
         return self._out
 
@@ -58,7 +62,7 @@ class PendingReshard:
         offset = 0
         for tile in tiles:
             target = self._out[local_slices(tile.box, mine)]  # a gathered tile lies inside every needer's piece
-            flat = target.view(-1) if target.is_contiguous() else torch.empty(tile.numel, dtype=target.dtype)
+            flat = target.view(-1) if target.is_contiguous() else target.new_empty(tile.numel)
             for j, needer in enumerate(tile.needers):  # straight into place when the region is contiguous
                 lo, hi = tile.part_range(j)
                 flat[lo:hi] = by_needer[needer][offset:offset + hi - lo]
@@ -78,8 +82,10 @@ def _place(out: torch.Tensor, plan: ReshardPlan, buffer: torch.Tensor, box) -> N
 class Resharder:
     """Executes a fixed list of resharding plans; see the module docstring for the calling rules."""
 
-    def __init__(self, plans: Sequence[ReshardPlan], timeout_s: float):
+    def __init__(self, plans: Sequence[ReshardPlan], timeout_s: float, device: torch.device | str = "cpu"):
+        """device: where receive buffers and pieces are allocated (tested on CPU with gloo only)."""
         self.plans = tuple(plans)
+        self.device = torch.device(device)
         for i, plan in enumerate(self.plans):
             if not isinstance(plan, ReshardPlan):
                 raise ConfigError(f"Resharder: plans[{i}] must be a ReshardPlan (from plan_resharding), got {plan!r}")
@@ -116,7 +122,8 @@ class Resharder:
 
     def start(self, plan_index: int, local: torch.Tensor | None) -> PendingReshard:
         """Post this rank's sends and receives for plans[plan_index]; `local` is its source piece (None
-        when the rank is not in the source layout)."""
+        when the rank is not in the source layout). Sends may read `local` until `wait()` returns, so
+        every rank, senders too, calls `wait()`, and nobody writes `local` in between."""
         if not 0 <= plan_index < len(self.plans):
             raise ConfigError(f"Resharder.start: plan_index {plan_index} is out of range; "
                               f"{len(self.plans)} plan(s) were given")
@@ -125,12 +132,13 @@ class Resharder:
         seq = self._seq[plan_index]
         self._seq[plan_index] += 1
         src_box = plan.src.box_of(me, plan.shape) if me in plan.src.ranks else None
-        out = torch.empty(shape_of(plan.dst.box_of(me, plan.shape)), dtype=plan.dtype) \
+        out = torch.empty(shape_of(plan.dst.box_of(me, plan.shape)), dtype=plan.dtype, device=self.device) \
             if me in plan.dst.ranks else None
         gathered = [t for t in plan.tiles if t.senders] if plan.gather_ranks else []
         contribution = None
         if plan.gather_ranks and me in plan.gather_ranks:
-            contribution = torch.empty(sum(t.part_numel for t in gathered), dtype=plan.dtype)  # padding never read
+            contribution = torch.empty(sum(t.part_numel for t in gathered), dtype=plan.dtype,
+                                       device=self.device)  # its padding is sent but never read
         works, kept, copies = [], [], []
         offset = 0
         for index, tile in enumerate(plan.tiles):
@@ -167,7 +175,7 @@ class Resharder:
                         buffer = local[local_slices(tile.box, src_box)].contiguous()
                         kept.append(buffer)
                     else:
-                        buffer = torch.empty(shape_of(tile.box), dtype=plan.dtype)
+                        buffer = torch.empty(shape_of(tile.box), dtype=plan.dtype, device=self.device)
                         copies.append((buffer, tile.box))
                     works.append(dist.broadcast(buffer, src=sender, group=group, async_op=True))
                     position = members.index(me)
@@ -184,7 +192,7 @@ class Resharder:
                         self._count(r, buffer.numel() * plan.itemsize)
             for s, r in pairs:
                 if r == me:
-                    buffer = torch.empty(shape_of(tile.box), dtype=plan.dtype)
+                    buffer = torch.empty(shape_of(tile.box), dtype=plan.dtype, device=self.device)
                     works.append(dist.irecv(buffer, s, group=self._p2p_group, tag=tag))
                     copies.append((buffer, tile.box))
         gather = None
@@ -204,10 +212,12 @@ class Resharder:
                                   f"{list(plan.src.ranks)} but was given a tensor; pass None")
             return None
         want = shape_of(plan.src.box_of(me, plan.shape))
-        if not isinstance(local, torch.Tensor) or tuple(local.shape) != want or local.dtype != plan.dtype:
-            seen = f"{tuple(local.shape)} {local.dtype}" if isinstance(local, torch.Tensor) else repr(local)
-            raise ConfigError(f"Resharder.start: rank {me} must pass its source piece of shape {want} and dtype "
-                              f"{plan.dtype}, got {seen}; {plan.describe()}")
+        if not isinstance(local, torch.Tensor) or tuple(local.shape) != want or local.dtype != plan.dtype \
+                or local.device != self.device:
+            seen = f"{tuple(local.shape)} {local.dtype} on {local.device}" if isinstance(local, torch.Tensor) \
+                else repr(local)
+            raise ConfigError(f"Resharder.start: rank {me} must pass its source piece of shape {want}, dtype "
+                              f"{plan.dtype}, on {self.device}, got {seen}; {plan.describe()}")
         return local.detach()
 
     def close(self) -> None:
