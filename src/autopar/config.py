@@ -40,7 +40,7 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 
 # Valid choices, named once: the help texts below, the checks and the packages that implement
 # them (pipeline/schedules.py, partition/plan.py, gossip/) all read these.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1", "zbv")
 # No-flush schedules with stale weights (pipeline/async_schedules.py): not synchronous SGD, so
 # never candidates of the strategy search, which reads SCHEDULES only.
 ASYNC_SCHEDULES = ("pipedream-2bw",)
