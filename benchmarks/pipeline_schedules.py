@@ -129,9 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model_args = {"n_layer": args.layers, **({"d_model": args.d_model} if args.d_model else {})}
     args.parts = {f"part{p.strip()}" for p in args.parts.split(",") if p.strip()}
     args.pp5 = [int(p) for p in args.pp5.split(",") if p.strip()]
-    if "part5" in args.parts and any(2 * p > args.layers + 2 for p in args.pp5):
-        parser.error(f"part 5 runs 2 chunks per rank: --layers must be at least 2*pp-2 (got {args.layers} "
-                     f"for pp {max(args.pp5)}); use --layers {2 * max(args.pp5) - 2}")
+    if any(p < 2 for p in args.pp5):
+        parser.error(f"--pp5 takes pipeline sizes >= 2, got {args.pp5}; use e.g. --pp5 2,4")
     if args.m < PP or args.m % PP:
         parser.error(f"--m must be a positive multiple of {PP} (interleaved-1f1b runs micro-batches in groups of pp)")
     if min(args.steps, args.steps3, args.steps4) < 1 or args.warmup < 0:

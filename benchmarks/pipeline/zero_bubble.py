@@ -17,6 +17,7 @@ Weights are not updated (gradients zeroed between steps): step time does not dep
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import tempfile
@@ -211,7 +212,10 @@ def predicted(pp: int, m: int) -> dict:
 
 
 def part5(args) -> dict:
-    result = {"split": split_timing(args), "pp": {}}
+    """2pp stages need 2pp blocks: the model gets at least 2pp-2 layers (the others parts' size when enough)."""
+    args = copy.copy(args)
+    args.model_args = {**args.model_args, "n_layer": max(args.model_args["n_layer"], 2 * max(args.pp5) - 2)}
+    result = {"split": split_timing(args), "pp": {}, "n_layer": args.model_args["n_layer"]}
     for pp in args.pp5:
         with tempfile.TemporaryDirectory() as out:
             mp.start_processes(_worker, args=(free_port(), pp, args, out), nprocs=pp, join=True,
@@ -226,7 +230,8 @@ def report_part5(result: dict, args) -> str:
     i, w = s["I, W"]
     i2, w2 = s["I, W (two passes)"]
     lines = ["== 5. zero bubble: the I/W split, and zero-bubble schedules against torch's ==",
-             f"5a. one stage (second of 2, gpt-mini), one process, medians of 15:",
+             f"gpt-mini with n_layer={result['n_layer']} (2pp stages need 2pp blocks)",
+             f"5a. one stage (second of 2), one process, medians of 15:",
              f"  B (fused backward)            {s['B'] * 1e3:8.2f} ms",
              f"  I + W (split_backward)        {(i + w) * 1e3:8.2f} ms  (I {i * 1e3:.2f} + W {w * 1e3:.2f})  "
              f"ratio to B {(i + w) / s['B']:.3f}",

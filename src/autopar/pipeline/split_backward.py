@@ -81,11 +81,10 @@ def backward_input(outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor 
                 queue.append(child)
     chain = _reached(users, [_node_of(x) for x in inputs], stop=set())
     groups = _groups(users, params, chain, seen)
-    root_set = {r for r in roots if r is not None}
-    for group in groups:  # outputs made without the inputs (chain-free) seed W directly with their gradients
+    loose = [(o, g, r) for o, g, r in zip(outputs, grad_outputs, roots) if r is not None and r not in chain]
+    for group in groups if loose else ():  # outputs made without the inputs seed W directly with their gradients
         reach = _reached(users, [_node_of(p) for p in group.params], stop=chain)
-        group.seeds = [(get_gradient_edge(o), g) for o, g, r in zip(outputs, grad_outputs, roots)
-                       if r in root_set and r not in chain and r in reach]
+        group.seeds = [(get_gradient_edge(o), g) for o, g, r in loose if r in reach]
     handles = []
     for group in groups:
         for index, node in enumerate(group.boundaries):
