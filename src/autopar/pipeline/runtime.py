@@ -15,7 +15,8 @@ Recomputation: on a stage listed in `recompute`, F runs without keeping the auto
 graph (only the inputs are kept) and the R action re-runs it with grad before backward.
 Zero-bubble I/W (split_backward.py): I computes input gradients and keeps the gradients arriving
 at the operations that read weights; W computes only the weight gradients from them, without
-running the activation chain again, so I + W costs about one fused B.
+running the activation chain again: I + W does the arithmetic of one fused B, plus one autograd
+call per weight group (measured in benchmarks/pipeline/zero_bubble.py).
 """
 
 from __future__ import annotations
