@@ -18,9 +18,14 @@ One command, four parts, all on the same model, the same 2-stage partition and t
                      fed into autopar.pipeline.simulate.simulate: predicted makespan against
                      the measured step time, for gpipe, 1f1b, eager-1f1b, zb-h1, scp and
                      interleaved-1f1b (chunks=2, 4-stage partition).
+  5. zero bubble     the I/W split (B against I + W in one process, bytes held between them), then
+                     at pp 2 and 4 (own worlds of pp ranks): our 1f1b, zb-h1 and zbv against torch's
+                     Schedule1F1B, ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble on the
+                     same StageModules, with bubble fractions and the simulator's prediction.
 
     python benchmarks/pipeline_schedules.py            # default run (~1.5 min on 2 idle cores, ~3 when busy)
     python benchmarks/pipeline_schedules.py --quick    # smoke test (< 45 s)
+    python benchmarks/pipeline_schedules.py --parts 5  # the zero-bubble study alone
 
 Each study lives in benchmarks/pipeline/ (ours_vs_torch, memory, recomputation, simulator; common
 holds what they share); this file parses the options, starts the processes and prints the report.
@@ -49,6 +54,7 @@ from pipeline.memory import memory_run, report_part2
 from pipeline.ours_vs_torch import part1, report_part1
 from pipeline.recomputation import part3, report_part3
 from pipeline.simulator import part4, report_part4
+from pipeline.zero_bubble import part5, report_part5
 
 
 # ----------------------------------------------------------------------------- processes
@@ -110,15 +116,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps3", type=int, default=20, help="timed steps per variant in part 3 (default 20)")
     parser.add_argument("--steps4", type=int, default=15, help="timed steps per schedule in part 4 (default 15)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps in parts 1 and 3 (default 3)")
-    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run (default 1,2,3,4)")
+    parser.add_argument("--parts", default="1,2,3,4,5", help="which parts to run (default 1,2,3,4,5)")
+    parser.add_argument("--steps5", type=int, default=10, help="timed steps per variant in part 5 (default 10)")
+    parser.add_argument("--pp5", default="2,4", help="pipeline sizes of part 5 (default 2,4)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     args = parser.parse_args(argv)
     args.vocab, args.warmup4, args.mem_steps = 320, 2, 2
     if args.quick:
         args.layers, args.d_model, args.mb, args.seq, args.m = 2, 64, 2, 32, 4
         args.steps, args.steps3, args.steps4, args.warmup, args.warmup4, args.mem_steps = 4, 3, 3, 1, 1, 1
+        args.steps5 = 3
     args.model_args = {"n_layer": args.layers, **({"d_model": args.d_model} if args.d_model else {})}
     args.parts = {f"part{p.strip()}" for p in args.parts.split(",") if p.strip()}
+    args.pp5 = [int(p) for p in args.pp5.split(",") if p.strip()]
+    if any(p < 2 for p in args.pp5):
+        parser.error(f"--pp5 takes pipeline sizes >= 2, got {args.pp5}; use e.g. --pp5 2,4")
     if args.m < PP or args.m % PP:
         parser.error(f"--m must be a positive multiple of {PP} (interleaved-1f1b runs micro-batches in groups of pp)")
     if min(args.steps, args.steps3, args.steps4) < 1 or args.warmup < 0:
@@ -143,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"$ python {' '.join(['benchmarks/pipeline_schedules.py', *(sys.argv[1:] if argv is None else argv)])}")
     begin = time.perf_counter()
     multiprocessing.set_forkserver_preload(PRELOAD)
-    main_result = launch(args, "main")
+    main_result = launch(args, "main") if args.parts - {"part5"} else {"params": 0, "partition": "", "partition4": ""}
     memory = {}
     if "part2" in args.parts:
         labels = MEMORY if not args.quick else ["baseline", "ours 1f1b", "torch 1f1b", "scp, no R + plan"]
@@ -163,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if "part4" in main_result:
         print(report_part4(main_result["part4"], args, main_result))
         ok &= main_result["part4"]["ok"]
+    if "part5" in args.parts:
+        print(report_part5(part5(args), args))
     print(f"total wall time {time.perf_counter() - begin:.0f} s")
     return 0 if ok else 1
 

@@ -11,7 +11,7 @@ import pytest
 from autopar.errors import ConfigError
 from autopar.pipeline.actions import Action, Op, stage_to_rank
 from autopar.pipeline.schedules import (SCHEDULES, add_communication, build_schedule, generate,
-                                        minimum_microbatches, recomputed_stages)
+                                        minimum_microbatches, placement, recomputed_stages)
 from autopar.pipeline.comm_steps import batch_communication
 from autopar.pipeline.simulate import check, simulate, step_mismatches
 
@@ -38,7 +38,7 @@ def order(schedule, rank):
 
 def cases():
     for name in SCHEDULES:
-        chunks = 2 if name == "interleaved-1f1b" else 1
+        chunks = 2 if name in ("interleaved-1f1b", "zbv") else 1
         for pp in (1, 2, 4):
             low = minimum_microbatches(name, pp, chunks)
             for m in sorted({low, low + 1, 2 * pp, 3 * pp + 1, 8}):
@@ -49,14 +49,14 @@ def cases():
 
 @pytest.mark.parametrize("name,pp,chunks,m", list(cases()))
 def test_every_schedule_is_complete_checked_and_runs(name, pp, chunks, m):
-    num_stages = pp * chunks
+    num_stages, style = pp * chunks, placement(name)
     for recompute in (frozenset(), frozenset(range(num_stages))):
         compute_only = generate(name, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
-        lowered = add_communication(compute_only, pp=pp, num_stages=num_stages)
-        prefetched = add_communication(compute_only, pp=pp, num_stages=num_stages, prefetch=True)
-        batched = batch_communication(compute_only, pp=pp, num_stages=num_stages, num_microbatches=m)
+        lowered = add_communication(compute_only, pp=pp, num_stages=num_stages, style=style)
+        prefetched = add_communication(compute_only, pp=pp, num_stages=num_stages, prefetch=True, style=style)
+        batched = batch_communication(compute_only, pp=pp, num_stages=num_stages, num_microbatches=m, style=style)
         for schedule in (compute_only, lowered, prefetched, batched):
-            check(schedule, pp=pp, num_stages=num_stages, num_microbatches=m)
+            check(schedule, pp=pp, num_stages=num_stages, num_microbatches=m, style=style)
         assert all(a.step is not None for acts in batched.values() for a in acts if a.op.is_comm)
         assert [[a for a in acts if a.op.is_compute] for acts in batched.values()] == list(compute_only.values())
         assert all(a.op.is_compute for acts in compute_only.values() for a in acts)
@@ -66,7 +66,7 @@ def test_every_schedule_is_complete_checked_and_runs(name, pp, chunks, m):
             for mb in range(m):
                 assert (s, F, mb) in seen
                 assert ((s, B, mb) in seen) != ((s, I, mb) in seen and (s, W, mb) in seen)
-        timeline = simulate(lowered, pp=pp, num_stages=num_stages, num_microbatches=m)
+        timeline = simulate(lowered, pp=pp, num_stages=num_stages, num_microbatches=m, style=style)
         assert len(timeline.compute_events()) == len(seen)
         assert timeline.makespan > 0
 
@@ -114,6 +114,44 @@ def test_zb_h1_beats_1f1b_without_more_live_activations():
                 if pp > 1:
                     assert all(zb.bubble[r] < ofob.bubble[r] for r in range(pp))
                 assert all(zb.peak_activations[s] <= ofob.peak_activations[s] for s in range(pp))
+
+
+def _torch_check(schedule, pp, num_stages, m, style):
+    """torch.distributed.pipelining's own checks on our compute lists: its validator (every F, I, W once,
+    in a valid order per stage) and its communication lowering and dry run (raises on a deadlock)."""
+    from torch.distributed.pipelining import schedules as ts
+    kind = {F: ts.FORWARD, B: ts.FULL_BACKWARD, I: ts.BACKWARD_INPUT, W: ts.BACKWARD_WEIGHT}
+    theirs = {r: [ts._Action(a.stage, kind[a.op], a.microbatch) for a in acts] for r, acts in schedule.items()}
+    ts._validate_schedule(theirs, pp, num_stages, m)
+    to_rank = lambda s: stage_to_rank(s, pp, num_stages, style)
+    ts._simulate_comms_compute(ts._add_send_recv(theirs, to_rank, num_stages), to_rank, num_stages)
+
+
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 2), (2, 8), (4, 4), (4, 8), (4, 13), (8, 16)])
+def test_zbv_is_a_v_that_beats_zb_h1_within_1f1b_memory(pp, m):
+    """zbv against the same model run as one stage per rank (its chunk costs doubled):
+    faster than zb-h1 and 1f1b, at most 2pp chunk activations (1F1B's first rank) on each rank."""
+    schedule, t = run("zbv", pp, m, chunks=2, cost=costs(F=1, I=1, W=1))
+    _torch_check(schedule, pp, 2 * pp, m, "v")
+    for r, acts in schedule.items():
+        assert {a.stage for a in acts} == {r, 2 * pp - 1 - r}  # the V: rank 0 holds the first and the last stage
+        alive = peak = 0
+        for a in acts:  # activations live from F to W whatever the timing: the list order bounds them
+            alive += {F: 1, W: -1}.get(a.op, 0)
+            peak = max(peak, alive)
+        assert peak <= 2 * pp
+    _, zb = run("zb-h1", pp, m, cost=costs(F=2, I=2, W=2, B=4))
+    _, ofob = run("1f1b", pp, m, cost=costs(F=2, B=4))
+    assert t.makespan <= zb.makespan <= ofob.makespan
+    if pp > 1 and m >= 2 * pp:
+        assert t.makespan < zb.makespan and t.makespan <= 6 * m + 3 * pp  # little more than the work itself
+    with pytest.raises(ConfigError, match="chunks=2"):
+        generate("zbv", pp=pp, num_microbatches=m)
+
+
+def test_existing_schedules_pass_torchs_validator():
+    for name, chunks in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("gpipe", 1)):
+        _torch_check(generate(name, pp=4, num_microbatches=8, chunks=chunks), 4, 4 * chunks, 8, "loop")
 
 
 # --- live activations -------------------------------------------------------------------------
@@ -323,7 +361,7 @@ def test_bad_input_raises_config_errors():
         generate("scp", pp=4, num_microbatches=4, recompute={4})
     with pytest.raises(ConfigError, match="unknown pipeline schedule"):
         minimum_microbatches("nope", 2)
-    assert [minimum_microbatches(n, 4, 2 if n == "interleaved-1f1b" else 1) for n in SCHEDULES] == [1, 1, 4, 1, 1, 1]
+    assert [minimum_microbatches(n, 4, 2 if n in ("interleaved-1f1b", "zbv") else 1) for n in SCHEDULES] == [1, 1, 4, 1, 1, 1, 1]
 
 
 # --- exports ----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 
 # Valid choices, named once: the help texts below, the checks and the packages that implement
 # them (pipeline/schedules.py, partition/plan.py, gossip/) all read these.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1", "zbv")
 # No-flush schedules with stale weights (pipeline/async_schedules.py): not synchronous SGD, so
 # never candidates of the strategy search, which reads SCHEDULES only.
 ASYNC_SCHEDULES = ("pipedream-2bw", "pipedream")
@@ -72,7 +72,7 @@ class Strategy:
     schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
     vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
                                     "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
-    chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2)")
+    chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2, zbv exactly 2)")
     partition: str = _f("time", f"how to cut the model into stages: {'|'.join(PARTITION_METHODS)}")
     recompute: str = _f("none", f"whole-stage recomputation scheduled by the pipeline: {'|'.join(RECOMPUTE_MODES)}")
     memory_budget_mb: float | None = _f(None, "per-rank memory budget (MiB): recompute the fewest blocks of each "

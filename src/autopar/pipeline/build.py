@@ -26,14 +26,13 @@ from .actions import Action, Op, Schedule, stage_to_rank
 from .p2p import P2P
 from .recompute import RecomputePlan, plan_pipeline_recompute, stage_example_inputs
 from .runtime import PipelineRuntime
-from .schedules import build_schedule, recomputed_stages
+from .schedules import build_schedule, placement, recomputed_stages
 
 if TYPE_CHECKING:
     from ..partition.plan import Partition
     from ..tensor_parallel.apply import TensorParallel
     from ..trace.graph import ModelGraph
 
-PLACEMENT = "loop"  # stage s on pipeline rank s mod pp (interleaved chunks loop over the ranks)
 
 
 @dataclass
@@ -102,7 +101,8 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
     elif partition.num_stages != num_stages:
         raise ValueError(f"the given partition has {partition.num_stages} stages, not pp x chunks = {num_stages}")
     graph = partition.graph
-    mine = [s for s in range(num_stages) if stage_to_rank(s, pp, num_stages, PLACEMENT) == pp_rank]
+    style = placement(schedule)  # 'loop' (stage s on rank s mod pp), or 'v' for zbv (rank r: stages r, 2pp-1-r)
+    mine = [s for s in range(num_stages) if stage_to_rank(s, pp, num_stages, style) == pp_rank]
     stages = on_every_rank(lambda: {s: partition.materialize_stage(s, model, device, seed=seed)
                                     for s in mine})  # an uninitialised weight is found by its stage's rank
     tensor_parallel = None
@@ -122,10 +122,10 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
     first_input = lambda batch: _first_stage_inputs(graph, batch)
     runtime = PipelineRuntime(stages=stages, num_stages=num_stages, pp=pp, pp_rank=pp_rank,
                               p2p=p2p if p2p is not None else P2P(pp_group, device, num_stages, num_microbatches),
-                              recompute=recomputed, autocast=autocast, placement=PLACEMENT, first_input=first_input)
+                              recompute=recomputed, autocast=autocast, placement=style, first_input=first_input)
     pipe = LocalPipeline(
         graph=graph, partition=partition, stages=stages, pp=pp, pp_rank=pp_rank, num_stages=num_stages,
-        placement=PLACEMENT, schedule=steps, actions=actions,
+        placement=style, schedule=steps, actions=actions,
         eval_actions=[a for a in actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)],
         runtime=runtime, recompute=recomputed, tensor_parallel=tensor_parallel)
     if memory_budget_bytes is not None:

@@ -13,9 +13,10 @@ Conventions with the other ranks:
 
 Recomputation: on a stage listed in `recompute`, F runs without keeping the autograd
 graph (only the inputs are kept) and the R action re-runs it with grad before backward.
-Zero-bubble I/W: I computes input gradients (keeping the graph), W then computes only the
-weight gradients; both traverse the stage's graph, which costs more compute than a fused
-backward but lets the schedule move W into bubbles.
+Zero-bubble I/W (split_backward.py): I computes input gradients and keeps the gradients arriving
+at the operations that read weights; W computes only the weight gradients from them, without
+running the activation chain again: I + W does the arithmetic of one fused B, plus one autograd
+call per weight group (measured in benchmarks/pipeline/zero_bubble.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..dropout import micro_batch
 from ..timing import Clock
 from .actions import Action, Op, stage_to_rank
 from .p2p import P2P, Pending
+from .split_backward import backward_input, backward_weight
 
 FORWARD_MSG, GRAD_MSG = 0, 1
 
@@ -63,7 +65,7 @@ class InFlight:
     pending: dict[tuple[str, int, int], Pending] = field(default_factory=dict)  # posted receives
     local: dict = field(default_factory=dict)  # same-rank handoffs
     grads_out: dict = field(default_factory=dict)
-    split: dict = field(default_factory=dict)  # after I: (outputs, grads) for W
+    split: dict = field(default_factory=dict)  # after I: the WeightWork W finishes
 
     def empty(self) -> bool:
         return not any((self.inputs, self.outputs, self.pending, self.local, self.grads_out, self.split))
@@ -196,9 +198,8 @@ class PipelineRuntime:
                     got = [v.grad for v in wanted]
                     inputs.pop((s, mb))
                 else:
-                    got = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                                   retain_graph=True, allow_unused=True)) if wanted else []
-                    split[(s, mb)] = pairs
+                    got, split[(s, mb)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], wanted,
+                                                         self._trained_params(s))
                 if s > 0:
                     by_input = dict(zip([id(v) for v in wanted], got))
                     message = tuple(by_input.get(id(v)) if by_input.get(id(v)) is not None else torch.zeros_like(v)
@@ -208,10 +209,9 @@ class PipelineRuntime:
                     else:
                         grads_out[(s, mb)] = message
             elif op == Op.BACKWARD_WEIGHT:
-                pairs = split.pop((s, mb))
-                params = [p for p in self.stages[s].parameters() if p.requires_grad]
+                work = split.pop((s, mb))
                 with sync_context(index == last_backward):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
+                    backward_weight(work)
                 inputs.pop((s, mb))
             if record:
                 events.append((began, now(), action))
@@ -222,6 +222,9 @@ class PipelineRuntime:
         if loss is None:
             loss = torch.zeros((), device=self.p2p.device)
         return StepRecord(loss=loss, marks=events, clock=clock)
+
+    def _trained_params(self, stage: int) -> list[nn.Parameter]:
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def _forward(self, stage: int, x: tuple, batch: dict, loss_fn: Callable[[Any, dict], torch.Tensor]) -> tuple:
         with self.autocast():

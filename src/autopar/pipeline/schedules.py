@@ -28,6 +28,11 @@ def minimum_microbatches(name: str, pp: int, chunks: int = 1) -> int:
     return pp if name in ("interleaved-1f1b", *ASYNC_SCHEDULES) else 1
 
 
+def placement(name: str) -> str:
+    """How `name` places stages on ranks: 'v' for zbv (rank r holds stages r and 2pp-1-r), else 'loop'."""
+    return "v" if name == "zbv" else "loop"
+
+
 def build_schedule(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
                    recompute: frozenset[int] | set[int] = frozenset(), prefetch: bool = False,
                    batched: bool = False) -> Schedule:
@@ -38,10 +43,12 @@ def build_schedule(name: str, *, pp: int, num_microbatches: int, chunks: int = 1
     effect (receives are already posted as early as the simulated timeline allows).
     """
     schedule = generate(name, pp=pp, num_microbatches=num_microbatches, chunks=chunks, recompute=recompute)
+    style = placement(name)
     if batched:
         from autopar.pipeline.comm_steps import batch_communication  # it simulates; simulate imports nothing here
-        return batch_communication(schedule, pp=pp, num_stages=pp * chunks, num_microbatches=num_microbatches)
-    return add_communication(schedule, pp=pp, num_stages=pp * chunks, prefetch=prefetch)
+        return batch_communication(schedule, pp=pp, num_stages=pp * chunks, num_microbatches=num_microbatches,
+                                   style=style)
+    return add_communication(schedule, pp=pp, num_stages=pp * chunks, prefetch=prefetch, style=style)
 
 
 def generate(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
@@ -56,7 +63,9 @@ def generate(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
     for label, value in (("pp", pp), ("chunks", chunks)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{label} must be a positive integer, got {value!r}; use e.g. {label}=1")
-    if chunks > 1 and name != "interleaved-1f1b":
+    if name == "zbv" and chunks != 2:
+        raise ConfigError(f"schedule 'zbv' runs two chunks per rank placed as a V, got chunks={chunks}; use chunks=2")
+    if chunks > 1 and name not in ("interleaved-1f1b", "zbv"):
         raise ConfigError(f"schedule {name!r} runs one stage per rank, got chunks={chunks}; "
                           "use chunks=1, or schedule 'interleaved-1f1b' for several chunks per rank")
     minimum = minimum_microbatches(name, pp, chunks)
@@ -75,6 +84,8 @@ def generate(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
     if name == "interleaved-1f1b":
         schedule = {r: _interleaved(r, pp, chunks, m) for r in range(pp)}
         return {r: _recompute_before_backward(acts, recompute) for r, acts in schedule.items()}
+    if name == "zbv":
+        return {r: _recompute_before_backward(acts, recompute) for r, acts in _zbv(pp, m).items()}
     if name == "zb-h1":
         return {s: _recompute_before_backward(_zb_h1(s, pp, m), recompute) for s in range(pp)}
     if name == "scp":
@@ -174,6 +185,64 @@ def _zb_h1(stage: int, pp: int, m: int) -> list[Action]:
         order += [Action(stage, I, mb), Action(stage, W, mb)]
         if mb + depth < m:
             order.append(Action(stage, F, mb + depth))
+    return order
+
+
+def _zbv(pp: int, m: int) -> Schedule:
+    """ZB-V: two chunks per rank as a V (stages r and 2pp-1-r), the backward split into I and W.
+
+    A micro-batch goes down the ranks on chunk 0 and back up on chunk 1, so the loss and the
+    first stage share rank 0 and every rank turns a micro-batch around after the same
+    number of hops as its chunk-0 depth. The order is a rule played on unit costs (F = I = W):
+    at each moment a rank runs its first ready action by priority I, then F, then W (oldest
+    micro-batch first, the later stage first), and starts a new micro-batch (a chunk-0 F)
+    only while its two chunk activations (each alive from F to W) fit beside those alive and
+    those promised to micro-batches already started: at most 2pp chunk activations per
+    rank, 1F1B's first-rank memory, on every rank. W's fill what would be waits, so only the first micro-batch's hops
+    remain as bubble. The lists are fixed orders, so they run under any real timing (the
+    simulator and torch's validator check them).
+    """
+    num_stages, cap = 2 * pp, 2 * pp
+    rank_of = {s: stage_to_rank(s, pp, num_stages, "v") for s in range(num_stages)}
+    done: dict[tuple[int, Op, int], int] = {}  # (stage, op, mb) -> round it ran
+    todo = {r: [(s, mb) for mb in range(m) for s in range(num_stages) if rank_of[s] == r] for r in range(pp)}
+    order: Schedule = {r: [] for r in range(pp)}
+    alive = {r: 0 for r in range(pp)}  # chunk activations from F to W
+    reserved = {r: 0 for r in range(pp)}  # chunk-1 activations of micro-batches started here, still to come
+    pending_w: dict[int, list[tuple[int, int]]] = {r: [] for r in range(pp)}
+    t = 0
+    while any(todo.values()) or any(pending_w.values()):
+        picks = {}
+        for r in range(pp):
+            def ready(s, op, mb):
+                if op == F:
+                    return s == 0 or done.get((s - 1, F, mb), t) < t
+                return (s, F, mb) in done and (s == num_stages - 1 or done.get((s + 1, I, mb), t) < t)
+            forwards = sorted(((mb, -s) for s, mb in todo[r] if (s, F, mb) not in done and ready(s, F, mb)
+                               and (s >= pp or alive[r] + reserved[r] + 2 <= cap)))
+            inputs = sorted(((mb, -s) for s, mb in todo[r] if (s, F, mb) in done and ready(s, I, mb)))
+            if inputs:
+                mb, s = inputs[0]
+                picks[r] = Action(-s, I, mb)
+            elif forwards:
+                mb, s = forwards[0]
+                picks[r] = Action(-s, F, mb)
+            elif pending_w[r]:
+                picks[r] = Action(*_stage_mb(pending_w[r].pop(0), W))
+        for r, a in picks.items():
+            done[(a.stage, a.op, a.microbatch)] = t
+            order[r].append(a)
+            if a.op == F:
+                alive[r] += 1
+                reserved[r] += 1 if a.stage < pp else -1
+            elif a.op == I:
+                todo[r].remove((a.stage, a.microbatch))
+                pending_w[r].append((a.stage, a.microbatch))
+            else:
+                alive[r] -= 1
+        if not picks:
+            raise RuntimeError(f"zbv rule stalled at round {t} (pp={pp}, m={m}): a bug in the rule")
+        t += 1
     return order
 
 

@@ -38,7 +38,7 @@ class SearchSpace:
     """What may vary; defaults are the full space."""
 
     nproc: int
-    schedules: tuple[str, ...] = tuple(s for s in SCHEDULES if s != "scp")
+    schedules: tuple[str, ...] = tuple(s for s in SCHEDULES if s not in ("scp", "zbv"))  # zbv: V placement, not modelled
     chunks: tuple[int, ...] = (1, 2)
     recompute: tuple[str, ...] = RECOMPUTE
     partitions: tuple[str, ...] = PARTITIONS
@@ -61,7 +61,7 @@ def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int)
         return False
     if pp == 1:
         return schedule == "1f1b" and chunks == 1  # no pipeline: every schedule is the same loop
-    if (chunks > 1) != (schedule == "interleaved-1f1b"):
+    if schedule == "zbv" or (chunks > 1) != (schedule == "interleaved-1f1b"):  # the cost model places stages as a loop
         return False
     if m < minimum_microbatches(schedule, pp, chunks):
         return False

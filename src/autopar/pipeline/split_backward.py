@@ -1,0 +1,174 @@
+"""Zero-bubble backward split: I computes the input gradients, W only the weight gradients.
+
+Why not two backward passes: I = autograd.grad to the inputs, then W = a backward to the
+parameters, runs the activation chain (every node between the outputs and the inputs) twice,
+so I + W costs about B + I and a zero-bubble schedule gains less than it adds.
+
+How: the autograd graph of a stage splits into the *chain* (nodes that depend on the stage's
+inputs: autograd.grad to the inputs runs exactly these) and *weight branches* (nodes that lead
+only to parameters, e.g. the weight side of a matmul or a layer norm's affine). A weight branch
+hangs off the chain at *boundary* nodes (the matmul, the layer norm). During I a pre-hook on each
+boundary node keeps the gradient arriving at it; W then starts the backward at those boundary
+nodes with the kept gradients, asking only for that branch's parameters, so autograd runs the
+boundary node's parameter half and the branch, never the chain. Parameters sharing a boundary
+(a layer norm's weight and bias) or reached from several boundaries (a weight tied within the
+stage) form one group, run together. Such a weight, read at two places of the chain, is the one case
+where W re-runs chain nodes: those between its two uses (autograd runs every path to a requested
+parameter). An output made without the inputs (a stage's weights-only output) seeds W directly.
+
+What is held between I and W: the graph (I keeps it, as the weight branches need the saved
+activations) plus one gradient per boundary-node output (`WeightWork.held_bytes`).
+The same idea as torch.distributed.pipelining's stage_backward_input/stage_backward_weight; our
+own code.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass(eq=False)  # compared by identity (fields hold tensors)
+class _Group:
+    """Parameters whose weight branches meet the chain at the same boundary nodes."""
+
+    params: list[torch.Tensor]
+    boundaries: list[Node]  # chain nodes whose gradients feed the branch (captured during I)
+    seeds: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)  # off-chain outputs' own grads
+    grads: dict[int, tuple] = field(default_factory=dict)  # boundary index -> gradients at that node's outputs
+
+
+@dataclass
+class WeightWork:
+    """What I leaves for W: one entry per parameter group (empty when nothing needs a weight gradient)."""
+
+    groups: list[_Group]
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the gradients kept at boundary nodes (the graph's saved activations come on top)."""
+        return sum(g.numel() * g.element_size() for group in self.groups for grads in group.grads.values()
+                   for g in grads if g is not None)
+
+
+def _node_of(t: torch.Tensor) -> Node | None:
+    """A tensor's autograd node: its grad_fn, or for a leaf its gradient accumulator."""
+    return get_gradient_edge(t).node if t.requires_grad else None
+
+
+def backward_input(outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor | None],
+                   inputs: list[torch.Tensor], params: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """Gradients of `inputs` (None where unused), and the work W needs for the parameters' gradients.
+
+    `grad_outputs[i]` None means ones (a loss). The graph is kept for W.
+    """
+    grad_outputs = [torch.ones_like(o) if g is None else g for o, g in zip(outputs, grad_outputs)]
+    roots = [_node_of(o) for o in outputs]
+    users: dict[Node, list[Node]] = defaultdict(list)  # node -> the nodes whose backward feeds it
+    seen, queue = set(roots), deque(r for r in roots if r is not None)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            users[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    chain = _reached(users, [_node_of(x) for x in inputs], stop=set())
+    groups = _groups(users, params, chain, seen)
+    loose = [(o, g, r) for o, g, r in zip(outputs, grad_outputs, roots) if r is not None and r not in chain]
+    for group in groups if loose else ():  # outputs made without the inputs seed W directly with their gradients
+        reach = _reached(users, [_node_of(p) for p in group.params], stop=chain)
+        group.seeds = [(get_gradient_edge(o), g) for o, g, r in loose if r in reach]
+    handles = []
+    for group in groups:
+        for index, node in enumerate(group.boundaries):
+            def keep(grads, group=group, index=index):
+                group.grads[index] = tuple(grads)
+            handles.append(node.register_prehook(keep))
+    try:
+        wanted = [x for x in inputs if x.requires_grad]
+        chained = [(o, g) for o, g, r in zip(outputs, grad_outputs, roots) if r in chain]
+        got = torch.autograd.grad([o for o, _ in chained], wanted, [g for _, g in chained], retain_graph=True,
+                                  allow_unused=True) if wanted and chained else [None] * len(wanted)
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = dict(zip(map(id, wanted), got))
+    return [by_id.get(id(x)) for x in inputs], WeightWork(groups)
+
+
+def backward_weight(work: WeightWork) -> None:
+    """Accumulate the parameters' gradients into .grad (post-accumulate hooks fire, as in a full backward)."""
+    for group in work.groups:
+        edges, grads = [], []
+        for index, node in enumerate(group.boundaries):
+            for k, g in enumerate(group.grads.get(index, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, k))
+                    grads.append(g)
+        for edge, g in group.seeds:
+            edges.append(edge)
+            grads.append(g)
+        handles = []
+        if len(group.boundaries) > 1:  # one boundary may feed another along the chain: pin each to what I saw
+            handles = [node.register_prehook(lambda _, kept=group.grads.get(i): kept)
+                       for i, node in enumerate(group.boundaries) if i in group.grads]
+        try:
+            if edges:  # retain: groups may share weight-side nodes; the graph goes with `work`
+                torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        group.grads.clear()
+    work.groups.clear()
+
+
+def _reached(users: dict[Node, list[Node]], starts: list[Node | None], stop: set[Node]) -> set[Node]:
+    """Nodes whose backward feeds any of `starts` (them included), not walking through `stop` nodes."""
+    found = {s for s in starts if s is not None}
+    queue = deque(found)
+    while queue:
+        for user in users.get(queue.popleft(), ()):
+            if user not in found and user not in stop:
+                found.add(user)
+                queue.append(user)
+    return found
+
+
+def _groups(users: dict[Node, list[Node]], params: list[torch.Tensor], chain: set[Node],
+            graph: set[Node]) -> list[_Group]:
+    """Parameter groups: each parameter's branch, walked up to the chain; groups sharing a boundary merge."""
+    boundary_of: dict[Node, _Group] = {}
+    groups: list[_Group] = []
+    for p in params:
+        node = _node_of(p)
+        if node is None or node not in graph:
+            continue  # not used by this stage's forward
+        hit: list[Node] = []
+        seen, queue = {node}, deque([node])
+        while queue:
+            for user in users.get(queue.popleft(), ()):
+                if user in chain:
+                    if user not in hit:
+                        hit.append(user)
+                elif user not in seen:
+                    seen.add(user)
+                    queue.append(user)
+        group = _Group([p], hit)
+        joined = {id(boundary_of[b]): boundary_of[b] for b in hit if b in boundary_of}
+        if not hit:  # reaches no chain node (stage 0, or an output made without the inputs): one group for all
+            joined = {id(g): g for g in groups if not g.boundaries}
+        for other in joined.values():
+            group.params += [q for q in other.params if all(q is not r for r in group.params)]
+            group.boundaries += [b for b in other.boundaries if b not in group.boundaries]
+            groups.remove(other)
+        for b in group.boundaries:
+            boundary_of[b] = group
+        groups.append(group)
+    return groups
