@@ -65,9 +65,10 @@ class Cluster:
     allreduce_table: dict[int, Link] = field(default_factory=dict)
     """Measured all-reduce per group size (latency per step, bus bandwidth), overriding the ring model."""
     memory_headroom: float = 1.1  # predicted peak is multiplied by this (allocator slack, fragmentation)
-    cores_per_node: int = 0
+    cores_per_node: float = 0
     """CPU only: cores the ranks of one node share (0: every device computes on its own). When a node runs
-    more ranks than cores they time-share, and the step cost model charges their summed work / cores."""
+    more ranks than cores they time-share, and the step cost model charges their summed work / cores.
+    Fractional when measured as the cores this job really gets on a shared machine (measure_profile.py)."""
 
     # ---------------------------------------------------------------- geometry
 
@@ -191,7 +192,7 @@ def cluster_from_dict(data: dict) -> Cluster:
         allreduce_table=table,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
-        cores_per_node=int(_number(data, "cores_per_node", "", strict=False, integer=True)) if "cores_per_node" in data else 0)
+        cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0)
 
 
 def load_cluster(path: str | Path) -> Cluster:

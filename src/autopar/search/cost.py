@@ -8,7 +8,8 @@
     pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
                  (only what outlasts it, or the last bucket, shows), the tied-weight gradient sum
-                 between first and last stage, and the optimizer step (memory-bandwidth bound)
+                 between first and last stage, and the update: gradient norm, clip and optimizer step
+                 (measured per block with a measured profile, else memory-bandwidth bound)
     time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
                  ranks' summed work (compute, optimizer, exposed all-reduce) / cores bounds the step
                  from below; the step is the larger of that and the timeline above
@@ -162,6 +163,15 @@ class StepModel:
         # whole-stage recomputation (R) reruns the stage's forward
         return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back))
 
+    def update_time(self, spans: list[tuple[int, int]], param_elements: float) -> float:
+        """Seconds of the step after the backward on one rank's parameters: gradient norm, clip, optimizer.
+
+        Measured per block where the profile is measured (per-tensor overhead dominates small models);
+        otherwise the AdamW step's memory traffic at the device's bandwidth."""
+        if self.profile.measured is not None:
+            return sum(m.update_s for a, b in spans for m in self.profile.measured[a:b])
+        return param_elements * ADAM_BYTES_PER_PARAM / self.cluster.memory_bandwidth_bytes_per_s
+
     # ------------------------------------------------------------------ one candidate
 
     def evaluate(self, c: Candidate) -> Estimate:
@@ -235,21 +245,24 @@ class StepModel:
             tied = 0.0
             if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
                 tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)
-            optimizer = sum(local_params[s] for s in mine) * ADAM_BYTES_PER_PARAM / cl.memory_bandwidth_bytes_per_s
+            optimizer = self.update_time([spans[s] for s in mine], sum(local_params[s] for s in mine))
             finish_all.append(times.finish[r] + exposed + tied + optimizer)
             dp_exposed.append(exposed)
             opt_time.append(optimizer)
             tp_time = 2 * c.num_microbatches * sum(sum(tp_comm[a:b]) for s, (a, b) in enumerate(spans) if s in mine)
             comm.append(tp_time + exposed + tied)
         step = max(max(finish_all), times.makespan)
+        timeline_step, shared = step, 0.0
         cores, per_node = cl.cores_per_node, min(cl.devices_per_node, c.dp * c.tp * c.pp)
         if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their work / cores
             work = sum(times.busy[r] + opt_time[r] + dp_exposed[r] for r in range(c.pp)) * c.dp * c.tp
-            step = max(step, work / (cores * (c.dp * c.tp * c.pp) // per_node))
+            shared = work / (cores * ((c.dp * c.tp * c.pp) // per_node))
+            step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,
                         memory_per_stage=memory, memory_per_rank=per_rank, bubble=times.bubble,
                         comm_share=max(comm) / step if step > 0 else 0.0, bounds=tuple(bounds),
                         recompute_blocks=blocks,
                         parts={"pipeline_s": times.makespan, "dp_exposed_s": max(dp_exposed),
-                               "optimizer_s": max(opt_time)})
+                               "optimizer_s": max(opt_time), "busy_s": max(times.busy),
+                               "timeline_step_s": timeline_step, "time_shared_s": shared})

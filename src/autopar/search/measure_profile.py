@@ -11,10 +11,14 @@ partition does, partition/measure.py) and run for real, at two micro-batch sizes
     transient bytes         the most bytes alive at once during the block's forward+backward
                             beyond its inputs and saved tensors (output gradients, temporaries;
                             the loss and its softmax for the last block), per sequence
+    update time             the per-parameter work after the backward (gradient norm, clip,
+                            foreach AdamW step) on the block's parameters
 
 Measured at tp = 1. A tensor-parallel degree scales the per-sequence time of a block by its
 share of FLOPs left on one rank (the fixed part stays: a split layer runs as many ops), and its
-saved and transient bytes by the profile's activation share; stated approximations.
+saved and transient bytes by the profile's activation share; the update time is kept whole
+(it is per-tensor overhead on these sizes, and a split layer has as many tensors); stated
+approximations.
 """
 
 from __future__ import annotations
@@ -47,6 +51,38 @@ class BlockCosts:
     saved_per_seq: float
     transient_fixed: float
     transient_per_seq: float
+    update_s: float = 0.0  # the step's work on this block's parameters: gradient-norm terms, clip, AdamW step
+
+
+def _update_seconds(stage, repeats: int) -> float:
+    """Median seconds of what a training step does per parameter after the backward, on this block's own:
+    the gradient norm's squares and the clip scale per tensor (as the engines do, one tensor at a time), then
+    a foreach AdamW step (train/optim.py). On small models this per-tensor work is milliseconds per step,
+    far above its bytes / memory bandwidth."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-9, foreach=True)
+
+    def update() -> None:
+        squares = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            squares += p.grad.double().square().sum()
+        scale = 1.0 / (1.0 + float(squares.sqrt()))
+        for p in params:
+            p.grad.mul_(scale)
+        optimizer.step()
+
+    update()  # allocates the optimizer states
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        update()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
 
 
 def _loss(out) -> torch.Tensor:
@@ -115,9 +151,10 @@ def _run_block(stage, inputs: tuple, counter: LiveTensorPeak | None = None) -> t
     return forward, backward
 
 
-def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int]]]:
+def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int],
+                                                             list[float]]]:
     """Per chain (one per micro-batch size): median forward and backward seconds, saved and transient bytes
-    of every block. The chains' blocks are timed in turn, round after round, so load drift on a shared
+    of every block, and its parameter update's seconds (the same in every chain). The chains' blocks are timed in turn, round after round, so load drift on a shared
     machine hits both micro-batch sizes alike (the fit of fixed and per-sequence time depends on both)."""
     from ..pipeline.recompute import measure_saved_bytes
     prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
@@ -129,6 +166,7 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
                 if repeat:
                     times[c][i][0].append(forward)
                     times[c][i][1].append(backward)
+    updates = [_update_seconds(stage, repeats) for stage in prepared[0][0]]
     results = []
     for c, (stages, inputs) in enumerate(prepared):
         saved, transient = [], []
@@ -139,7 +177,7 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
             transient.append(max(0, counter.peak - saved[i]))
             stage.zero_grad(set_to_none=True)
         results.append(([statistics.median(f) for f, _ in times[c]], [statistics.median(b) for _, b in times[c]],
-                        saved, transient))
+                        saved, transient, updates))
     return results
 
 
@@ -161,7 +199,7 @@ def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = N
         runs = _measure_chains(chains, repeats)
     finally:
         torch.set_num_threads(threads)
-    (f1, b1, s1, t1), (f2, b2, s2, t2) = runs
+    (f1, b1, s1, t1, updates), (f2, b2, s2, t2, _) = runs
     lo, hi = micro_batches
 
     def fit(small: float, large: float) -> tuple[float, float]:
@@ -172,7 +210,8 @@ def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = N
     for i in range(len(f1)):
         (ff, fs), (bf, bs), (tf, ts) = fit(f1[i], f2[i]), fit(b1[i], b2[i]), fit(t1[i], t2[i])
         out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
-                              saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts))
+                              saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
+                              update_s=updates[i]))
     return out
 
 
