@@ -144,9 +144,36 @@ def run_world(model_name: str, world: int, cluster, args) -> dict:
     return block
 
 
+def effective_cores(rounds: int = 5) -> float:
+    """ranks x (seconds of a fixed small workload on rank 0 alone) / (the same on every rank at once), alternated
+    `rounds` times and the medians taken, so load drift on a shared machine hits both alike."""
+    import torch
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+
+    def work() -> float:  # small matmuls and elementwise ops, as the blocks run: ~20 ms on a free core
+        began = time.perf_counter()
+        for _ in range(60):
+            torch.relu(a @ b + a).sum()
+        return time.perf_counter() - began
+
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            alone.append(work())
+        dist.barrier()
+        mine = torch.tensor([work()], dtype=torch.float64)
+        dist.all_reduce(mine)
+        together.append(float(mine) / world)
+    return min(float(world), max(1.0, world * statistics.median(alone) / statistics.median(together))) \
+        if rank == 0 else 0.0
+
+
 def search_in_ranks(spec: dict) -> dict:
-    """Measure the blocks twice, on rank 0 alone (the others wait in a barrier, idle) and on every rank at
-    once; the ratio is the share of the cores this job gets now: effective cores = ranks x alone / together
+    """Measure the blocks on rank 0 (the others wait in a barrier, idle), then a small workload on rank 0 alone
+    and on every rank at once; the ratio is the share of the cores this job gets now: effective cores = ranks x alone / together
     (2 for 4 ranks on a quiet 2-core machine; near the rank count when other jobs hold the cores, since then
     every process gets the same slice whether or not our other ranks run). Rank 0 then profiles the model,
     searches with the measured blocks and those cores, and picks the configurations to run."""
@@ -162,20 +189,12 @@ def search_in_ranks(spec: dict) -> dict:
     cluster = load_cluster(spec["cluster"])
     margs = spec["model_args"]
 
-    def total(blocks) -> float:  # forward + backward seconds of the whole model at micro-batch 4
-        return sum(b.forward_fixed_s + b.backward_fixed_s + 4 * (b.forward_per_seq_s + b.backward_per_seq_s)
-                   for b in blocks)
-
     alone, began = None, time.perf_counter()
     if spec["measure"]:
         dist.barrier()
         if rank == 0:
             alone = measure_blocks(spec["model"], seq_len=SEQ_LEN, model_args=margs)
-        dist.barrier()
-        together = measure_blocks(spec["model"], seq_len=SEQ_LEN, model_args=margs)
-        totals = [None] * world
-        dist.all_gather_object(totals, total(together))
-        cores = min(float(world), max(1.0, world * total(alone) / statistics.median(totals))) if rank == 0 else 0
+        cores = effective_cores()
     measured_s = time.perf_counter() - began
     block = None
     if rank == 0:
@@ -230,8 +249,8 @@ def summarise(block: dict) -> dict:
 
 
 def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
-    print(f"\n== {block['model']} at {block['world']} ranks: blocks measured (rank 0 alone, then every rank at "
-          f"once) in {block['blocks_measured_s']:.1f} s, this job's effective cores "
+    print(f"\n== {block['model']} at {block['world']} ranks: blocks measured on rank 0 and cores probed (alone vs "
+          f"every rank at once) in {block['blocks_measured_s']:.1f} s, this job's effective cores "
           f"{block['effective_cores'] or 0:.2f}; search scored {block['evaluated']} configurations "
           f"({block['fitting']} distinct fitting) in {block['search_s']:.2f} s; measured {summary['n']} in "
           f"{block['measure_s']:.0f} s (load average {block['load_average'][0]:.1f} -> {block['load_average'][1]:.1f})")

@@ -274,7 +274,7 @@ def _cpu_local() -> Cluster:
                    devices_per_node=max(8, cores), memory_per_device_gb=4.0,
                    flops_per_s={"fp32": 2e10, "bf16": 1e10}, compute_efficiency=1.0,
                    memory_bandwidth_bytes_per_s=5 * _GB, intra_node=Link(50e-6, 1 * _GB), inter_node=Link(100e-6, 0.1 * _GB),
-                   per_action_overhead_s=200e-6, memory_headroom=1.1)
+                   per_action_overhead_s=200e-6, memory_headroom=1.1, cores_per_node=cores)
 
 
 PRESET_NAMES = ("v100-16gb-nvlink", "v100-32gb-nvlink", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090-24gb-pcie", "cpu-local")

@@ -189,13 +189,18 @@ def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = N
     from ..models import build_model
     if vocab_size is None:
         vocab_size = padded_vocab_size(build_tokenizer("byte").vocab_size)
+    model, _ = build_model(model_name, dict(model_args or {}), vocab_size=vocab_size, device="meta")
+    return measure_module_blocks(model, seq_len=seq_len, micro_batches=micro_batches, repeats=repeats, seed=seed)
+
+
+def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tuple[int, int] = MICRO_BATCHES,
+                          repeats: int = 5, seed: int = 0) -> list[BlockCosts]:
+    """Measure every block of `model` (called on token ids of shape (batch, seq_len); meta or real weights,
+    left untouched: a materialised copy is measured) at two micro-batch sizes, one thread, and fit the costs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (launch.py)
     try:
-        chains = []
-        for b in micro_batches:
-            model, _ = build_model(model_name, dict(model_args or {}), vocab_size=vocab_size, device="meta")
-            chains.append(_one_block_stages(model, b, seq_len, seed))
+        chains = [_one_block_stages(model, b, seq_len, seed) for b in micro_batches]
         runs = _measure_chains(chains, repeats)
     finally:
         torch.set_num_threads(threads)
@@ -240,3 +245,51 @@ def with_measured_blocks(profile: ModelProfile, blocks: list[BlockCosts]) -> Mod
         share = [mine / whole if whole else 1.0 for mine, whole in zip(p.saved_bytes, profile.saved_bytes)]
         tps[t] = dataclasses.replace(p, saved_bytes=tuple(s * r for s, r in zip(saved, share)))
     return dataclasses.replace(profile, saved_bytes=saved, tp=tps, measured=tuple(blocks))
+
+
+MEASURE_MEMORY_SHARE = 0.25  # measure a model only if its weights, gradients and AdamW states fit this share of RAM
+
+
+def measurable_here(cluster, num_params: int) -> str | None:
+    """Why the blocks cannot be measured for `cluster` on this machine (None: they can).
+
+    Measuring is right only where the cluster is this machine (the cpu-local preset or a file written by
+    `autopar calibrate`, which sets cores_per_node) and the model runs here: weights, gradients and two
+    AdamW moments in fp32 within a quarter of this machine's RAM. GPU presets keep the analytic model."""
+    import os
+    if cluster.name != "cpu-local" and not cluster.cores_per_node:
+        return f"cluster {cluster.name} is not this machine (a preset or file without cores_per_node)"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
+    need = 16 * num_params
+    if need > MEASURE_MEMORY_SHARE * ram:
+        return (f"{num_params:,} parameters need {need / 2**30:.1f} GiB to train, more than "
+                f"{MEASURE_MEMORY_SHARE:.0%} of this machine's {ram / 2**30:.1f} GiB")
+    return None
+
+
+COST_MODELS = ("auto", "measured", "flops")
+
+
+def with_cost_model(profile: ModelProfile, cluster, cost_model: str, measure) -> tuple[ModelProfile, str]:
+    """The profile the search should score with, and one sentence saying which and why.
+
+    auto: measured block costs (`measure()`) where measurable_here allows, else the traced FLOPs at the
+    cluster's rate; measured: the same, refused with the reason where it cannot; flops: never measure."""
+    from ..errors import ConfigError, choices
+    if cost_model not in COST_MODELS:
+        raise ConfigError(f"cost model must be one of {choices(COST_MODELS)}, got {cost_model!r}")
+    if cost_model == "flops":
+        return profile, "block times from traced FLOPs at the cluster's rate (--cost-model flops)"
+    reason = measurable_here(cluster, profile.num_params)
+    if reason is None:
+        try:
+            blocks = measure()
+        except ConfigError as exc:
+            reason = str(exc)
+        else:
+            return (with_measured_blocks(profile, blocks),
+                    f"block times and activation bytes measured on this machine ({len(blocks)} blocks, one thread; "
+                    f"--cost-model flops to skip)")
+    if cost_model == "measured":
+        raise ConfigError(f"--cost-model measured: cannot measure the blocks here: {reason}; use --cost-model flops")
+    return profile, f"block times from traced FLOPs at the cluster's rate (not measured: {reason})"
