@@ -255,8 +255,13 @@ def measurable_here(cluster, num_params: int) -> str | None:
 
     Measuring is right only where the cluster is this machine (the cpu-local preset or a file written by
     `autopar calibrate`, which sets cores_per_node) and the model runs here: weights, gradients and two
-    AdamW moments in fp32 within a quarter of this machine's RAM. GPU presets keep the analytic model."""
+    AdamW moments in fp32 within a quarter of this machine's RAM. GPU presets keep the analytic model. Not
+    inside ranks: every rank would measure different times and could pick a different plan."""
     import os
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        return ("each rank would search on its own, and measured times differ between processes (plans must agree); "
+                "search before the ranks start (autopar train --strategy auto, autopar.plan_auto) to measure")
     if cluster.name != "cpu-local" and not cluster.cores_per_node:
         return f"cluster {cluster.name} is not this machine (a preset or file without cores_per_node)"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
