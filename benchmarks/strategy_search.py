@@ -121,45 +121,106 @@ def calibrated_cluster(path: str | None, world: int):
     return calibrate(world)
 
 
-def run_world(model_name: str, world: int, cluster, blocks, args) -> dict:
+def run_world(model_name: str, world: int, cluster, args) -> dict:
+    """One launch: the ranks measure the blocks and this job's share of the cores, rank 0 searches, then every
+    rank runs the chosen configurations (so the profile and the runs see the same load on a shared machine)."""
     from autopar.launch import launch
-    from autopar.search.cost import StepModel
-    from autopar.search.measure_profile import with_measured_blocks
-    from autopar.search.profile import profile_model
-    from autopar.search.search import SearchSpace, exhaustive
-
-    margs = MODELS[model_name]
-    began = time.perf_counter()
-    profile = profile_model(model_name, seq_len=SEQ_LEN, tp_degrees=tuple(d for d in (1, 2, 4, 8) if world % d == 0),
-                            model_args=margs)
-    if args.measure:
-        profile = with_measured_blocks(profile, blocks)
-    step_model = StepModel(profile, cluster.replace(memory_headroom=1.0), global_batch_size=GLOBAL_BATCH)
-    # the `time` cut is left out of the space here: the runtime measures block times for it, so its cut would
-    # follow the noise of that measurement rather than the model's (uniform and parameters cut identically)
-    result = exhaustive(step_model, SearchSpace(nproc=world, partitions=("uniform", "parameters")))
-    search_s = time.perf_counter() - began
-    chosen = pick_configs(result.ranked, args.configs or (QUICK_CONFIGS if args.quick else MAX_CONFIGS))
-    pick = result.ranked[0]
-    configs = [{"strategy": strategy_of(e.candidate), "micro_batch_size": e.candidate.micro_batch_size,
-                "describe": e.candidate.describe(), "predicted_s": e.step_time_s,
-                "predicted_bytes_per_pp_rank": e.memory_per_rank, "bounds": list(e.bounds)} for e in chosen]
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "measured.json"
-        spec.write_text(json.dumps({"model": model_name, "model_args": margs, "configs": configs,
+        cluster_file = Path(tmp) / "cluster.toml"
+        cluster_file.write_text(cluster.to_toml())
+        spec.write_text(json.dumps({"model": model_name, "model_args": MODELS[model_name], "world": world,
+                                    "cluster": str(cluster_file), "measure": args.measure,
+                                    "limit": args.configs or (QUICK_CONFIGS if args.quick else MAX_CONFIGS),
                                     "repeats": args.repeats, "runs": str(Path(tmp) / "runs"), "out": str(out)}))
         launched, load = time.perf_counter(), os.getloadavg()[0]
         code = launch([sys.executable, __file__, "--worker", str(spec)], world)
         if code != 0 or not out.exists():
             raise SystemExit(f"{model_name} at {world} ranks: the measuring ranks failed (exit code {code})")
-        measured = json.loads(out.read_text())
-        run_s = time.perf_counter() - launched
-    for c, m in zip(configs, measured):
-        c.update(m)
-    return {"model": model_name, "world": world, "search_s": search_s, "evaluated": result.evaluated,
-            "fitting": len(result.ranked), "pick": pick.candidate.describe(), "pick_runnable": runnable(pick),
-            "measure_s": run_s, "load_average": [load, os.getloadavg()[0]], "configs": configs}
+        block = json.loads(out.read_text())
+        block.update(model=model_name, world=world, measure_s=time.perf_counter() - launched,
+                     load_average=[load, os.getloadavg()[0]])
+    return block
+
+
+def effective_cores(rounds: int = 5) -> float:
+    """ranks x (seconds of a fixed small workload on rank 0 alone) / (the same on every rank at once), alternated
+    `rounds` times and the medians taken, so load drift on a shared machine hits both alike."""
+    import torch
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+
+    def work() -> float:  # small matmuls and elementwise ops, as the blocks run: ~20 ms on a free core
+        began = time.perf_counter()
+        for _ in range(60):
+            torch.relu(a @ b + a).sum()
+        return time.perf_counter() - began
+
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            alone.append(work())
+        dist.barrier()
+        mine = torch.tensor([work()], dtype=torch.float64)
+        dist.all_reduce(mine)
+        together.append(float(mine) / world)
+    return min(float(world), max(1.0, world * statistics.median(alone) / statistics.median(together))) \
+        if rank == 0 else 0.0
+
+
+def search_in_ranks(spec: dict) -> dict:
+    """Measure the blocks on rank 0 (the others wait in a barrier, idle), then a small workload on rank 0 alone
+    and on every rank at once; the ratio is the share of the cores this job gets now: effective cores = ranks x alone / together
+    (2 for 4 ranks on a quiet 2-core machine; near the rank count when other jobs hold the cores, since then
+    every process gets the same slice whether or not our other ranks run). Rank 0 then profiles the model,
+    searches with the measured blocks and those cores, and picks the configurations to run."""
+    import torch.distributed as dist
+
+    from autopar.search.cluster import load_cluster
+    from autopar.search.cost import StepModel
+    from autopar.search.measure_profile import measure_blocks, with_measured_blocks
+    from autopar.search.profile import profile_model
+    from autopar.search.search import SearchSpace, exhaustive
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cluster = load_cluster(spec["cluster"])
+    margs = spec["model_args"]
+
+    alone, began = None, time.perf_counter()
+    if spec["measure"]:
+        dist.barrier()
+        if rank == 0:
+            alone = measure_blocks(spec["model"], seq_len=SEQ_LEN, model_args=margs)
+        cores = effective_cores()
+    measured_s = time.perf_counter() - began
+    block = None
+    if rank == 0:
+        began = time.perf_counter()
+        profile = profile_model(spec["model"], seq_len=SEQ_LEN, model_args=margs,
+                                tp_degrees=tuple(d for d in (1, 2, 4, 8) if world % d == 0))
+        if spec["measure"]:
+            profile = with_measured_blocks(profile, alone)
+            cluster = cluster.replace(cores_per_node=cores)
+        step_model = StepModel(profile, cluster.replace(memory_headroom=1.0), global_batch_size=GLOBAL_BATCH)
+        # the `time` cut is left out of the space here: the runtime measures block times for it, so its cut would
+        # follow the noise of that measurement rather than the model's (uniform and parameters cut identically)
+        result = exhaustive(step_model, SearchSpace(nproc=world, partitions=("uniform", "parameters")))
+        search_s = time.perf_counter() - began
+        chosen = pick_configs(result.ranked, spec["limit"])
+        pick = result.ranked[0]
+        block = {"search_s": search_s, "evaluated": result.evaluated, "fitting": len(result.ranked),
+                 "pick": pick.candidate.describe(), "pick_runnable": runnable(pick), "blocks_measured_s": measured_s,
+                 "effective_cores": cluster.cores_per_node, "cluster_source": cluster.source,
+                 "configs": [{"strategy": strategy_of(e.candidate), "micro_batch_size": e.candidate.micro_batch_size,
+                              "describe": e.candidate.describe(), "predicted_s": e.step_time_s,
+                              "predicted_bytes_per_pp_rank": e.memory_per_rank, "bounds": list(e.bounds),
+                              "parts": e.parts} for e in chosen]}
+    box = [block]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def summarise(block: dict) -> dict:
@@ -187,8 +248,10 @@ def summarise(block: dict) -> dict:
             "median_memory_error": statistics.median(abs(e) for e in mem_err)}
 
 
-def print_block(block: dict, summary: dict) -> None:
-    print(f"\n== {block['model']} at {block['world']} ranks: search scored {block['evaluated']} configurations "
+def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
+    print(f"\n== {block['model']} at {block['world']} ranks: blocks measured on rank 0 and cores probed (alone vs "
+          f"every rank at once) in {block['blocks_measured_s']:.1f} s, this job's effective cores "
+          f"{block['effective_cores'] or 0:.2f}; search scored {block['evaluated']} configurations "
           f"({block['fitting']} distinct fitting) in {block['search_s']:.2f} s; measured {summary['n']} in "
           f"{block['measure_s']:.0f} s (load average {block['load_average'][0]:.1f} -> {block['load_average'][1]:.1f})")
     print(f"{'predicted ms':>12} {'measured ms':>11} {'err':>6}  {'pred MiB/pp rank':<22} {'measured MiB/rank':<40} config")
@@ -201,6 +264,14 @@ def print_block(block: dict, summary: dict) -> None:
         err = (c["predicted_s"] - c["measured_s"]) / c["measured_s"]
         print(f"{c['predicted_s'] * 1e3:12.1f} {c['measured_s'] * 1e3:11.1f} {err:+6.0%}  {pm:<22} {mm:<40} "
               f"{c['describe']}")
+        if args_terms:
+            p, m = c["parts"], c["measured_terms_s"]
+            print(f"{'':12}   terms ms, predicted / measured (slowest rank): pipeline busy {p['busy_s'] * 1e3:.1f} / "
+                  f"{m['busy'] * 1e3:.1f}; pipeline {p['pipeline_s'] * 1e3:.1f} (+dp {p['dp_exposed_s'] * 1e3:.1f})"
+                  f" / forward_backward {m['forward_backward'] * 1e3:.1f}; optimizer {p['optimizer_s'] * 1e3:.1f}"
+                  f" / {m['optimizer'] * 1e3:.1f}; clip {m['clip_gradients'] * 1e3:.1f}, zero_grad "
+                  f"{m['zero_grad'] * 1e3:.1f}; timeline {p['timeline_step_s'] * 1e3:.1f}, time-shared bound "
+                  f"{p['time_shared_s'] * 1e3:.1f}")
     setup = [c["setup_s"] for c in block["configs"] if "setup_s" in c]
     print(f"set-up (trace, partition, 2 steps) per configuration: median {statistics.median(setup):.1f} s")
     print(f"Spearman {summary['spearman']:.3f} (target >= 0.8); pick / measured best {summary['pick_over_best']:.3f} "
@@ -237,18 +308,11 @@ def main() -> None:
               "global_batch": GLOBAL_BATCH, "repeats": args.repeats, "quick": args.quick, "blocks": []}
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores; "
           f"seq_len {SEQ_LEN}, global batch {GLOBAL_BATCH}; memory = peak live tensor bytes per rank")
-    from autopar.search.measure_profile import measure_blocks
-    measured = {}
-    for model_name in args.models.split(","):
-        if args.measure:
-            t0 = time.perf_counter()
-            measured[model_name] = measure_blocks(model_name, seq_len=SEQ_LEN, model_args=MODELS[model_name])
-            print(f"{model_name}: blocks measured in {time.perf_counter() - t0:.1f} s (one thread, micro-batch 1 and 4)")
     for world in worlds:
         cluster = calibrated_cluster(args.cluster, world)
         print(f"cluster for {world} ranks: {cluster.source}; {cluster.cores_per_node or 'a core per rank'} cores")
         for model_name in args.models.split(","):
-            block = run_world(model_name, world, cluster, measured.get(model_name), args)
+            block = run_world(model_name, world, cluster, args)
             block["summary"] = summarise(block)
             if block["summary"]["n"]:
                 print_block(block, block["summary"])
@@ -266,6 +330,32 @@ def main() -> None:
 # ------------------------------------------------------------------------------ the ranks
 
 
+TERMS = ("step", "forward_backward", "busy", "clip_gradients", "optimizer", "zero_grad")
+
+
+def time_phases(trainer) -> dict[str, float]:
+    """Wrap the step's phases (engine forward+backward, gradient clipping, optimizer step, zero_grad) with
+    timers on this trainer's objects only; returns the dict each step's seconds are written into."""
+    seconds: dict[str, float] = {}
+
+    def timed(owner, attr: str, name: str) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapper(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - began
+        setattr(owner, attr, wrapper)
+
+    timed(trainer.engine, "forward_backward", "forward_backward")
+    timed(trainer.engine, "clip_gradients", "clip_gradients")
+    timed(trainer.engine, "zero_grad", "zero_grad")
+    timed(trainer.optimizer, "step", "optimizer")
+    return seconds
+
+
 def worker(spec_path: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -279,6 +369,8 @@ def worker(spec_path: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    block = search_in_ranks(spec)
+    spec["configs"] = block["configs"]
     corpus = load_corpus("stdlib")
     tokenizer = build_tokenizer("byte")
     vocab = padded_vocab_size(tokenizer.vocab_size)
@@ -305,21 +397,36 @@ def worker(spec_path: Path) -> None:
             record["error"] = f"{type(exc).__name__}: {exc}"
         results.append(record)
     samples: dict[int, list[float]] = {i: [] for i, _ in trainers}
+    phases: dict[int, list[list[float]]] = {i: [] for i, _ in trainers}
+    for i, trainer in trainers:
+        trainer._phase_seconds = time_phases(trainer)
     for r in range(spec["repeats"]):
         for i, trainer in trainers:
             dist.barrier()
+            trainer._phase_seconds.clear()
             began = time.perf_counter()
             trainer.train_step(2 + r)
-            elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[i].append(float(elapsed))
+            elapsed = time.perf_counter() - began
+            seconds = trainer._phase_seconds
+            busy = sum(end - start for start, end, action in getattr(trainer.engine, "last_events", [])
+                       if action.op.is_compute)
+            mine = torch.tensor([elapsed, seconds.get("forward_backward", 0.0), busy,
+                                 seconds.get("clip_gradients", 0.0), seconds.get("optimizer", 0.0),
+                                 seconds.get("zero_grad", 0.0)], dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # each term: the slowest rank's
+            samples[i].append(float(mine[0]))
+            phases[i].append(mine.tolist())
     for i, times in samples.items():
         results[i]["measured_s"] = statistics.median(times)
         results[i]["samples_s"] = times
+        results[i]["measured_terms_s"] = {name: statistics.median(p[k] for p in phases[i])
+                                          for k, name in enumerate(TERMS)}
     for _, trainer in trainers:
         trainer.engine.close()
     if rank == 0:
-        Path(spec["out"]).write_text(json.dumps(results))
+        for c, m in zip(block["configs"], results):
+            c.update(m)
+        Path(spec["out"]).write_text(json.dumps(block))
     dist.barrier()
     dist.destroy_process_group()
 

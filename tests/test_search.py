@@ -222,6 +222,7 @@ def test_plan_auto_json_is_a_strategy(capsys):
     assert train["global_batch_size"] == strategy.dp * train["micro_batch_size"] * train["micro_batches"]
     assert plan["prediction"]["step_time_s"] > 0 and len(plan["alternatives"]) == 1
     assert math.isfinite(plan["prediction"]["bubble_fraction"])
+    assert plan["search"]["costs"].startswith("block times and activation bytes measured")  # cpu-local: measured
 
 
 def test_profile_scaled_from_two_layers_equals_a_full_trace():
@@ -242,3 +243,25 @@ def test_calibrate_measures_gloo_links_on_two_ranks():
     links = measure_links(2)
     assert links["p2p"]["bandwidth_bytes_per_s"] > 0 and links["p2p"]["latency_s"] >= 0
     assert set(links["allreduce"]) == {"2"} and links["allreduce"]["2"]["bandwidth_bytes_per_s"] > 0
+
+
+def test_cost_model_measures_this_machine_only():
+    """plan --auto measures block costs where the cluster is this machine; a GPU preset keeps the FLOP model and
+    --cost-model measured is refused there with the reason; an unknown cost model is refused."""
+    from autopar.errors import ConfigError
+    from autopar.search.cluster import resolve_cluster
+    from autopar.search.measure_profile import with_cost_model
+    from autopar.search.profile import profile_model
+    profile = profile_model("gpt-tiny", seq_len=32)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        raise AssertionError("not measured on a GPU preset")
+    same, why = with_cost_model(profile, resolve_cluster("a100-80gb"), "auto", measure)
+    assert same is profile and "FLOPs" in why and "a100-80gb" in why and not calls
+    with pytest.raises(ConfigError, match="cost-model measured.*a100-80gb"):
+        with_cost_model(profile, resolve_cluster("a100-80gb"), "measured", measure)
+    with pytest.raises(ConfigError, match="cost model must be one of"):
+        with_cost_model(profile, resolve_cluster("cpu-local"), "exact", measure)
+    assert with_cost_model(profile, resolve_cluster("cpu-local"), "flops", measure)[0] is profile

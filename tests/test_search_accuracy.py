@@ -113,3 +113,23 @@ def test_measured_block_costs_replace_flops_and_scale_with_tp():
     assert forward == pytest.approx([1e-3 + 4 * 2e-3] * 4) and backward == pytest.approx([3e-3 + 4 * 4e-3] * 4)
     forward2, _, _ = model.block_times(2, 4)  # blocks b and c hold half their FLOPs at tp=2: fixed part stays
     assert forward2 == pytest.approx([9e-3, 1e-3 + 4e-3, 1e-3 + 4e-3, 9e-3])
+
+
+def test_measured_update_time_and_fractional_cores():
+    """The update after the backward (gradient norm, clip, optimizer) is the measured per-block seconds summed
+    over a rank's blocks; a measured fractional core count divides the summed work exactly."""
+    from autopar.search.measure_profile import BlockCosts
+    blocks = tuple(BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=0.0, backward_fixed_s=2e-3,
+                              backward_per_seq_s=0.0, saved_per_seq=1e4, transient_fixed=0.0, transient_per_seq=0.0,
+                              update_s=u) for u in (1e-3, 2e-3, 3e-3, 4e-3))
+    profile, cluster = _toy(measured=blocks)
+    pipeline = StepModel(profile, cluster, global_batch_size=8).evaluate(
+        Candidate(dp=1, tp=1, pp=2, micro_batch_size=8, num_microbatches=1, partition="uniform"))
+    assert pipeline.bounds == (0, 2, 4)
+    assert pipeline.parts["optimizer_s"] == pytest.approx(3e-3 + 4e-3)  # the slower rank: blocks c and d
+    c = Candidate(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    alone = StepModel(profile, cluster, global_batch_size=8).evaluate(c)
+    assert alone.parts["optimizer_s"] == pytest.approx(10e-3)
+    shared = StepModel(profile, cluster.replace(cores_per_node=2.5), global_batch_size=8).evaluate(c)
+    # 4 replicas of (forward + backward + update) on 2.5 cores; rel 1e-3: stage costs rounded (timeline.normalised)
+    assert shared.step_time_s == pytest.approx(4 * (alone.parts["pipeline_s"] + 10e-3) / 2.5, rel=1e-3)

@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "v100-16gb-nvlink|a100-40gb|a100-80gb|h100-80gb|rtx3090-24gb-pcie|cpu-local (default)")
     auto.add_argument("--memory-per-device-gb", type=float, default=None, help="override the cluster's memory")
     auto.add_argument("--top", type=int, default=5, help="plans to show")
+    auto.add_argument("--cost-model", default="auto", choices=["auto", "measured", "flops"],
+                      help="block times: measured on this machine (auto: when the cluster is this machine and the "
+                           "model fits its memory) or traced FLOPs at the cluster's rate (flops)")
     auto.add_argument("--global-batch-size", type=int, default=32, help="sequences per optimizer step")
     auto.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training precision")
     auto.add_argument("--mcmc-steps", type=int, default=0, help="then refine the winner by an MCMC walk over "

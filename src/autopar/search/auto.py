@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from .cluster import resolve_cluster
 from .command import plan_dict
 from .cost import Candidate, StepModel
+from .measure_profile import measure_module_blocks, with_cost_model
 from .profile import profile_graph
 from .search import SearchSpace, divisors, enumerate_candidates, exhaustive, require_fit, why
 
@@ -248,12 +249,14 @@ def _matches(c: Candidate, fixed: dict[str, Any]) -> bool:
 def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_size: int, name: str | None = None,
               cluster: str | None = None, memory_per_device_gb: float | None = None, dtype: str = "fp32",
               fixed: dict[str, Any] | None = None, accept: Callable[[Strategy, TrainConfig], None] | None = None,
-              config: TrainConfig | None = None, top: int = TOP_K) -> Plan:
+              config: TrainConfig | None = None, top: int = TOP_K, cost_model: str = "auto") -> Plan:
     """Search the strategies for `model` on `nproc` devices and return the best as a Plan.
 
     `example()` gives the traced call of one sample; `fixed` holds fields the user chose (they
     stay); `accept(strategy, config)` raises for a configuration the runtime refuses (the
-    strategy table's checks), so only runnable plans are returned.
+    strategy table's checks), so only runnable plans are returned. `cost_model`: "auto" measures the
+    blocks on this machine where the cluster is this machine and the model fits (measure_profile.py),
+    "flops" scores traced FLOPs at the cluster's rate, "measured" insists on measuring.
     """
     from ..trace import trace
     fixed = dict(fixed or {})
@@ -265,6 +268,7 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     if "tp" in fixed:
         tps = tuple(sorted({1, fixed["tp"]}))
     profile = profile_graph(trace(model, args, kwargs), name=name, seq_len=seq_len, tp_degrees=tps)
+    profile, costs = with_cost_model(profile, cl, cost_model, lambda: _measure(model, args, kwargs, seq_len))
     if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
         raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
     step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype)
@@ -304,8 +308,17 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
                   alternatives=[r for _, r in chosen[1:]],
                   search={"evaluated": result.evaluated, "pruned_memory": result.pruned,
                           "refused_by_runtime": len(refusals), "fixed": fixed, "cluster_source": cl.source,
+                          "costs": costs,
                           "memory_per_device_gb": cl.memory_per_device_gb})
     return Plan(record, source="the search")
+
+
+def _measure(model: nn.Module, args: tuple, kwargs: dict, seq_len: int):
+    """Measured block costs where the model is called on token ids alone (the blocks are run on those)."""
+    if kwargs or len(args) != 1 or args[0].dim() != 2 or args[0].is_floating_point():
+        raise ConfigError("the model is not called on one (batch, sequence) tensor of token ids, which is what "
+                          "the block measurement feeds it")
+    return measure_module_blocks(model, seq_len=seq_len)
 
 
 def resolve_choice(strategy: Strategy, config: TrainConfig, world: int, *, model: nn.Module | None = None,

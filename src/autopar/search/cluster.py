@@ -65,9 +65,10 @@ class Cluster:
     allreduce_table: dict[int, Link] = field(default_factory=dict)
     """Measured all-reduce per group size (latency per step, bus bandwidth), overriding the ring model."""
     memory_headroom: float = 1.1  # predicted peak is multiplied by this (allocator slack, fragmentation)
-    cores_per_node: int = 0
+    cores_per_node: float = 0
     """CPU only: cores the ranks of one node share (0: every device computes on its own). When a node runs
-    more ranks than cores they time-share, and the step cost model charges their summed work / cores."""
+    more ranks than cores they time-share, and the step cost model charges their summed work / cores.
+    Fractional when measured as the cores this job really gets on a shared machine (measure_profile.py)."""
 
     # ---------------------------------------------------------------- geometry
 
@@ -191,7 +192,7 @@ def cluster_from_dict(data: dict) -> Cluster:
         allreduce_table=table,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
-        cores_per_node=int(_number(data, "cores_per_node", "", strict=False, integer=True)) if "cores_per_node" in data else 0)
+        cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0)
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -273,7 +274,7 @@ def _cpu_local() -> Cluster:
                    devices_per_node=max(8, cores), memory_per_device_gb=4.0,
                    flops_per_s={"fp32": 2e10, "bf16": 1e10}, compute_efficiency=1.0,
                    memory_bandwidth_bytes_per_s=5 * _GB, intra_node=Link(50e-6, 1 * _GB), inter_node=Link(100e-6, 0.1 * _GB),
-                   per_action_overhead_s=200e-6, memory_headroom=1.1)
+                   per_action_overhead_s=200e-6, memory_headroom=1.1, cores_per_node=cores)
 
 
 PRESET_NAMES = ("v100-16gb-nvlink", "v100-32gb-nvlink", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090-24gb-pcie", "cpu-local")

@@ -13,6 +13,7 @@ import time
 from ..errors import ConfigError
 from .cluster import resolve_cluster
 from .cost import Estimate, StepModel
+from .measure_profile import measure_blocks, with_cost_model
 from .profile import profile_model
 from .search import SearchSpace, divisors, exhaustive, mcmc, require_fit, why
 
@@ -48,6 +49,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     began = time.perf_counter()
     tps = tuple(d for d in divisors(ns.nproc) if d <= cluster.devices_per_node)
     profile = profile_model(ns.model, seq_len=ns.seq_len, tp_degrees=tps, model_args=model_args)
+    profile, costs = with_cost_model(profile, cluster, getattr(ns, "cost_model", "auto"),
+                                     lambda: measure_blocks(ns.model, seq_len=ns.seq_len, model_args=model_args))
     model = StepModel(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype)
     result = exhaustive(model, SearchSpace(nproc=ns.nproc))
     require_fit(result, model)
@@ -64,11 +67,12 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
         print(json.dumps({**plan_dict(top[0], model), "why": sentence,
                           "alternatives": [plan_dict(e, model) for e in top[1:]],
                           "search": {"evaluated": result.evaluated, "pruned_memory": result.pruned,
-                                     "mcmc_states": walked, "seconds": elapsed}}, indent=2))
+                                     "mcmc_states": walked, "seconds": elapsed, "costs": costs}}, indent=2))
         return 0
     print(f"{profile.name}: {profile.num_params:,} parameters, seq_len {profile.seq_len}, global batch "
           f"{ns.global_batch_size}; cluster {cluster.name}: {cluster.num_devices} devices, "
           f"{cluster.memory_per_device_gb:g} GiB each ({cluster.source})")
+    print(f"costs: {costs}")
     print(f"searched {result.evaluated} configurations in {elapsed:.1f} s ({result.pruned} over memory"
           + (f", MCMC scored {walked} more" if walked else "") + ")")
     print(f"{'#':>2} {'step':>10} {'tokens/s':>11} {'bubble':>7} {'comm':>6} {'peak/rank':>10}  configuration")

@@ -9,7 +9,8 @@
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
                  (only what outlasts it, or the last bucket, shows), or the ZeRO level's reduce-scatter
                  and all-gathers (zero_cost.py), the tied-weight gradient sum between first and last
-                 stage, and the optimizer step (memory-bandwidth bound; over the shard under ZeRO)
+                 stage, and the update: gradient norm, clip and optimizer step (measured per block with a
+                 measured profile, else memory-bandwidth bound; over the shard under ZeRO)
     time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
                  ranks' summed work (compute, optimizer, exposed all-reduce) / cores bounds the step
                  from below; the step is the larger of that and the timeline above
@@ -167,6 +168,20 @@ class StepModel:
         # whole-stage recomputation (R) reruns the stage's forward
         return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back))
 
+    def update_time(self, spans: list[tuple[int, int]], param_elements: float, *, zero: int = 0, dp: int = 1) -> float:
+        """Seconds of the step after the backward on one rank's parameters: gradient norm, clip, optimizer.
+
+        Measured per block where the profile is measured (per-tensor overhead dominates small models);
+        otherwise the AdamW step's memory traffic at the device's bandwidth. Under ZeRO the update runs on
+        this replica's 1/dp shard, then the gathered parameters are copied back in (zero_cost.py)."""
+        shard = dp if zero else 1
+        copy = param_elements * copy_bytes_per_param(zero, 2.0 if self.bf16_master else 4.0)
+        if self.profile.measured is not None:
+            return sum(m.update_s for a, b in spans for m in self.profile.measured[a:b]) / shard + \
+                copy / self.cluster.memory_bandwidth_bytes_per_s
+        return param_elements * (ADAM_BYTES_PER_PARAM / shard) / self.cluster.memory_bandwidth_bytes_per_s + \
+            copy / self.cluster.memory_bandwidth_bytes_per_s
+
     # ------------------------------------------------------------------ one candidate
 
     def evaluate(self, c: Candidate) -> Estimate:
@@ -245,23 +260,25 @@ class StepModel:
             tied = 0.0
             if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
                 tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)
-            shard = c.dp if c.zero else 1  # ZeRO steps only this replica's shard, then copies the gathered one in
-            moved = ADAM_BYTES_PER_PARAM / shard + copy_bytes_per_param(c.zero, 2.0 if self.bf16_master else 4.0)
-            optimizer = elements * moved / cl.memory_bandwidth_bytes_per_s
+            optimizer = self.update_time([spans[s] for s in mine], sum(local_params[s] for s in mine), zero=c.zero,
+                                         dp=c.dp)
             finish_all.append(times.finish[r] + exposed + tied + optimizer)
             dp_exposed.append(exposed)
             opt_time.append(optimizer)
             tp_time = 2 * c.num_microbatches * sum(sum(tp_comm[a:b]) for s, (a, b) in enumerate(spans) if s in mine)
             comm.append(tp_time + exposed + tied)
         step = max(max(finish_all), times.makespan)
+        timeline_step, shared = step, 0.0
         cores, per_node = cl.cores_per_node, min(cl.devices_per_node, c.dp * c.tp * c.pp)
         if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their work / cores
             work = sum(times.busy[r] + opt_time[r] + dp_exposed[r] for r in range(c.pp)) * c.dp * c.tp
-            step = max(step, work / (cores * (c.dp * c.tp * c.pp) // per_node))
+            shared = work / (cores * ((c.dp * c.tp * c.pp) // per_node))
+            step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,
                         memory_per_stage=memory, memory_per_rank=per_rank, bubble=times.bubble,
                         comm_share=max(comm) / step if step > 0 else 0.0, bounds=tuple(bounds),
                         recompute_blocks=blocks,
                         parts={"pipeline_s": times.makespan, "dp_exposed_s": max(dp_exposed),
-                               "optimizer_s": max(opt_time)})
+                               "optimizer_s": max(opt_time), "busy_s": max(times.busy),
+                               "timeline_step_s": timeline_step, "time_shared_s": shared})

@@ -11,10 +11,14 @@ partition does, partition/measure.py) and run for real, at two micro-batch sizes
     transient bytes         the most bytes alive at once during the block's forward+backward
                             beyond its inputs and saved tensors (output gradients, temporaries;
                             the loss and its softmax for the last block), per sequence
+    update time             the per-parameter work after the backward (gradient norm, clip,
+                            foreach AdamW step) on the block's parameters
 
 Measured at tp = 1. A tensor-parallel degree scales the per-sequence time of a block by its
 share of FLOPs left on one rank (the fixed part stays: a split layer runs as many ops), and its
-saved and transient bytes by the profile's activation share; stated approximations.
+saved and transient bytes by the profile's activation share; the update time is kept whole
+(it is per-tensor overhead on these sizes, and a split layer has as many tensors); stated
+approximations.
 """
 
 from __future__ import annotations
@@ -47,6 +51,38 @@ class BlockCosts:
     saved_per_seq: float
     transient_fixed: float
     transient_per_seq: float
+    update_s: float = 0.0  # the step's work on this block's parameters: gradient-norm terms, clip, AdamW step
+
+
+def _update_seconds(stage, repeats: int) -> float:
+    """Median seconds of what a training step does per parameter after the backward, on this block's own:
+    the gradient norm's squares and the clip scale per tensor (as the engines do, one tensor at a time), then
+    a foreach AdamW step (train/optim.py). On small models this per-tensor work is milliseconds per step,
+    far above its bytes / memory bandwidth."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-9, foreach=True)
+
+    def update() -> None:
+        squares = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            squares += p.grad.double().square().sum()
+        scale = 1.0 / (1.0 + float(squares.sqrt()))
+        for p in params:
+            p.grad.mul_(scale)
+        optimizer.step()
+
+    update()  # allocates the optimizer states
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        update()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
 
 
 def _loss(out) -> torch.Tensor:
@@ -115,9 +151,10 @@ def _run_block(stage, inputs: tuple, counter: LiveTensorPeak | None = None) -> t
     return forward, backward
 
 
-def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int]]]:
+def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int],
+                                                             list[float]]]:
     """Per chain (one per micro-batch size): median forward and backward seconds, saved and transient bytes
-    of every block. The chains' blocks are timed in turn, round after round, so load drift on a shared
+    of every block, and its parameter update's seconds (the same in every chain). The chains' blocks are timed in turn, round after round, so load drift on a shared
     machine hits both micro-batch sizes alike (the fit of fixed and per-sequence time depends on both)."""
     from ..pipeline.recompute import measure_saved_bytes
     prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
@@ -129,6 +166,7 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
                 if repeat:
                     times[c][i][0].append(forward)
                     times[c][i][1].append(backward)
+    updates = [_update_seconds(stage, repeats) for stage in prepared[0][0]]
     results = []
     for c, (stages, inputs) in enumerate(prepared):
         saved, transient = [], []
@@ -139,7 +177,7 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
             transient.append(max(0, counter.peak - saved[i]))
             stage.zero_grad(set_to_none=True)
         results.append(([statistics.median(f) for f, _ in times[c]], [statistics.median(b) for _, b in times[c]],
-                        saved, transient))
+                        saved, transient, updates))
     return results
 
 
@@ -151,17 +189,22 @@ def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = N
     from ..models import build_model
     if vocab_size is None:
         vocab_size = padded_vocab_size(build_tokenizer("byte").vocab_size)
+    model, _ = build_model(model_name, dict(model_args or {}), vocab_size=vocab_size, device="meta")
+    return measure_module_blocks(model, seq_len=seq_len, micro_batches=micro_batches, repeats=repeats, seed=seed)
+
+
+def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tuple[int, int] = MICRO_BATCHES,
+                          repeats: int = 5, seed: int = 0) -> list[BlockCosts]:
+    """Measure every block of `model` (called on token ids of shape (batch, seq_len); meta or real weights,
+    left untouched: a materialised copy is measured) at two micro-batch sizes, one thread, and fit the costs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (launch.py)
     try:
-        chains = []
-        for b in micro_batches:
-            model, _ = build_model(model_name, dict(model_args or {}), vocab_size=vocab_size, device="meta")
-            chains.append(_one_block_stages(model, b, seq_len, seed))
+        chains = [_one_block_stages(model, b, seq_len, seed) for b in micro_batches]
         runs = _measure_chains(chains, repeats)
     finally:
         torch.set_num_threads(threads)
-    (f1, b1, s1, t1), (f2, b2, s2, t2) = runs
+    (f1, b1, s1, t1, updates), (f2, b2, s2, t2, _) = runs
     lo, hi = micro_batches
 
     def fit(small: float, large: float) -> tuple[float, float]:
@@ -172,7 +215,8 @@ def measure_blocks(model_name: str, *, seq_len: int, model_args: dict | None = N
     for i in range(len(f1)):
         (ff, fs), (bf, bs), (tf, ts) = fit(f1[i], f2[i]), fit(b1[i], b2[i]), fit(t1[i], t2[i])
         out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
-                              saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts))
+                              saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
+                              update_s=updates[i]))
     return out
 
 
@@ -201,3 +245,56 @@ def with_measured_blocks(profile: ModelProfile, blocks: list[BlockCosts]) -> Mod
         share = [mine / whole if whole else 1.0 for mine, whole in zip(p.saved_bytes, profile.saved_bytes)]
         tps[t] = dataclasses.replace(p, saved_bytes=tuple(s * r for s, r in zip(saved, share)))
     return dataclasses.replace(profile, saved_bytes=saved, tp=tps, measured=tuple(blocks))
+
+
+MEASURE_MEMORY_SHARE = 0.25  # measure a model only if its weights, gradients and AdamW states fit this share of RAM
+
+
+def measurable_here(cluster, num_params: int) -> str | None:
+    """Why the blocks cannot be measured for `cluster` on this machine (None: they can).
+
+    Measuring is right only where the cluster is this machine (the cpu-local preset or a file written by
+    `autopar calibrate`, which sets cores_per_node) and the model runs here: weights, gradients and two
+    AdamW moments in fp32 within a quarter of this machine's RAM. GPU presets keep the analytic model. Not
+    inside ranks: every rank would measure different times and could pick a different plan."""
+    import os
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        return ("each rank would search on its own, and measured times differ between processes (plans must agree); "
+                "search before the ranks start (autopar train --strategy auto, autopar.plan_auto) to measure")
+    if cluster.name != "cpu-local" and not cluster.cores_per_node:
+        return f"cluster {cluster.name} is not this machine (a preset or file without cores_per_node)"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
+    need = 16 * num_params
+    if need > MEASURE_MEMORY_SHARE * ram:
+        return (f"{num_params:,} parameters need {need / 2**30:.1f} GiB to train, more than "
+                f"{MEASURE_MEMORY_SHARE:.0%} of this machine's {ram / 2**30:.1f} GiB")
+    return None
+
+
+COST_MODELS = ("auto", "measured", "flops")
+
+
+def with_cost_model(profile: ModelProfile, cluster, cost_model: str, measure) -> tuple[ModelProfile, str]:
+    """The profile the search should score with, and one sentence saying which and why.
+
+    auto: measured block costs (`measure()`) where measurable_here allows, else the traced FLOPs at the
+    cluster's rate; measured: the same, refused with the reason where it cannot; flops: never measure."""
+    from ..errors import ConfigError, choices
+    if cost_model not in COST_MODELS:
+        raise ConfigError(f"cost model must be one of {choices(COST_MODELS)}, got {cost_model!r}")
+    if cost_model == "flops":
+        return profile, "block times from traced FLOPs at the cluster's rate (--cost-model flops)"
+    reason = measurable_here(cluster, profile.num_params)
+    if reason is None:
+        try:
+            blocks = measure()
+        except ConfigError as exc:
+            reason = str(exc)
+        else:
+            return (with_measured_blocks(profile, blocks),
+                    f"block times and activation bytes measured on this machine ({len(blocks)} blocks, one thread; "
+                    f"--cost-model flops to skip)")
+    if cost_model == "measured":
+        raise ConfigError(f"--cost-model measured: cannot measure the blocks here: {reason}; use --cost-model flops")
+    return profile, f"block times from traced FLOPs at the cluster's rate (not measured: {reason})"
