@@ -119,7 +119,9 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         job, argv = choose_before_launch(job, argv)
     if not env.launched and (job.launch.nproc > 1 or job.launch.max_restarts > 0):
         from .strategies import resolve
-        resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process
+        resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
+        if resolved.strategy.stage_tps is not None:
+            _check_stage_tp_model(job, resolved.strategy.stage_tps)
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         command = [sys.executable, "-m", "autopar", *argv, "--out", out]
@@ -127,6 +129,22 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     from .job import run_job
     run_job(job)
     return 0
+
+
+def _check_stage_tp_model(job, degrees: tuple[int, ...]) -> None:
+    """--stage-tp: every degree is planned on the model (heads, width, vocabulary) before ranks start."""
+    from .job import build_job
+    from .tensor_parallel import plan_tensor_parallel
+    from .trace import trace
+    from .train.fields import example_call
+    parts = build_job(job)
+    graph = trace(parts.model, *example_call(parts.model, parts.train_data))
+    for t in sorted(set(degrees)):
+        if t > 1:
+            try:
+                plan_tensor_parallel(graph, t)
+            except ConfigError as exc:
+                raise ConfigError(f"--stage-tp {job.strategy.stage_tp}: stage degree {t}: {exc}") from None
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
