@@ -12,6 +12,7 @@ import pytest
 
 import autopar
 from autopar.errors import ConfigError
+from autopar.cli import main
 from helpers import max_relative_difference, train_builtin
 
 STEPS = 2
@@ -57,3 +58,60 @@ def test_stage_tp_matches_single_process(rank_pool, tmp_path, tmp_path_factory, 
     results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
                                    strategy=strategy, global_batch_size=GLOBAL_BATCH, micro_batch_size=1)
     assert_matches(expected, results)
+
+
+def whole_checkpoint(run_dir: str) -> dict:
+    """The run's last checkpoint as whole tensors by name."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    folder = sorted((Path(run_dir) / "checkpoints").glob("step_*"))[-1]
+    dcp_to_torch_save(folder, folder.parent / "whole.pt")
+    return torch.load(folder.parent / "whole.pt", weights_only=False)["model"]
+
+
+def test_stage_tp_checkpoint_holds_whole_tensors(rank_pool, tmp_path, tmp_path_factory):
+    """2 -> 4 with dp=1: the saved checkpoint is the single-process layout (slices of both widths gathered)."""
+    reference(rank_pool, tmp_path_factory, "gpt-tiny")
+    rank_pool(6).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODELS["gpt-tiny"], steps=STEPS,
+                     strategy={"stage_tp": "2,4"}, global_batch_size=GLOBAL_BATCH, micro_batch_size=1)
+    got = whole_checkpoint(str(tmp_path))
+    expected = _references["gpt-tiny"]["params"]
+    assert got.keys() == expected.keys()
+    for name, value in got.items():
+        assert value.shape == expected[name].shape, name
+        assert (value - expected[name]).abs().max() < 1e-5, name
+
+
+@pytest.mark.parametrize("fields,world,message", [
+    ({"stage_tp": "1,2"}, 4, "needs dp * 3 processes (one pipeline is 1+2 = 3 ranks), but nproc is 4"),
+    ({"stage_tp": "1,2", "pp": 3}, 3, "lists 2 stages but --pp is 3"),
+    ({"stage_tp": "1,2", "tp": 2}, 3, "--tp 2 beside it is ambiguous"),
+    ({"stage_tp": "1,2", "chunks": 2, "schedule": "interleaved-1f1b"}, 3, "cannot be combined with --chunks 2"),
+    ({"stage_tp": "1,2", "schedule": "zb-h1"}, 3, "cannot be combined with --schedule zb-h1"),
+    ({"stage_tp": "1,2", "dp": 2}, 3, "with dp=2"),
+    ({"stage_tp": "2,x"}, 3, "must list positive tp degrees"),
+    ({"stage_tp": "0,2"}, 2, "must list positive tp degrees"),
+])
+def test_stage_tp_bad_layouts_are_refused(fields, world, message):
+    with pytest.raises(ConfigError, match=None) as caught:
+        autopar.Strategy(**fields).resolved(world)
+    assert message in str(caught.value), str(caught.value)
+
+
+def test_stage_tp_resolves_dp_and_uniform_degrees_to_plain_tp():
+    hetero = autopar.Strategy(stage_tp="2,4").resolved(12)
+    assert (hetero.dp, hetero.pp, hetero.stage_tps) == (2, 2, (2, 4))
+    uniform = autopar.Strategy(stage_tp=(2, 2)).resolved(8)  # all equal: the --tp code path
+    assert (uniform.dp, uniform.tp, uniform.pp, uniform.stage_tp) == (2, 2, 2, None)
+
+
+def test_plan_shows_stage_degrees_ranks_and_boundaries(capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--stage-tp", "2,4", "--nproc", "12", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0: tp=2, ranks [[0, 1], [2, 3]]" in out and "stage 1: tp=4, ranks [[4, 5, 6, 7], [8, 9, 10, 11]]" in out
+    assert "boundary 0 -> 1: activations tp 2 -> tp 4" in out and "0->0, 1->1, 0->2, 1->3" in out
+    assert "(2 sender rank(s) idle)" in out  # gradients 4 -> 2
+    assert main(["plan", "--model", "gpt-tiny", "--stage-tp", "1,3", "--seq-len", "16"]) != 0
+    assert "tp=3 does not divide the 4 heads" in capsys.readouterr().err

@@ -258,8 +258,8 @@ def _plan_stage_tp(ns: argparse.Namespace, graph, info, cap) -> int:
                    "backward": boundary_routes(degrees[s + 1], degrees[s])} for s in range(len(degrees) - 1)]
     if ns.json:
         print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len], "dp": dp,
-                          "stage_tp": list(degrees), "stages": stages, "boundaries": boundaries,
-                          **result.to_dict()}, indent=2))
+                          **result.to_dict(), "stage_tp": list(degrees), "stage_layouts": stages,
+                          "boundary_transfers": boundaries}, indent=2))
         return 0
     print(f"{info.name}: {info.num_params:,} parameters, {len(graph.blocks)} blocks, micro-batch "
           f"{ns.micro_batch_size} x {ns.seq_len}; --stage-tp {strategy.stage_tp or ns.stage_tp}: "
