@@ -26,6 +26,7 @@ def reference(rank_pool, tmp_path_factory, model: str) -> dict:
         out = str(tmp_path_factory.mktemp("reference"))
         _references[model] = rank_pool(1).run(train_builtin, model, out, model_args=MODELS[model], steps=STEPS,
                                                global_batch_size=GLOBAL_BATCH, micro_batch_size=GLOBAL_BATCH)[0]
+        _references[model]["run_dir"] = out
     return _references[model]
 
 
@@ -71,17 +72,19 @@ def whole_checkpoint(run_dir: str) -> dict:
     return torch.load(folder.parent / "whole.pt", weights_only=False)["model"]
 
 
-def test_stage_tp_checkpoint_holds_whole_tensors(rank_pool, tmp_path, tmp_path_factory):
-    """2 -> 4 with dp=1: the saved checkpoint is the single-process layout (slices of both widths gathered)."""
-    reference(rank_pool, tmp_path_factory, "gpt-tiny")
-    rank_pool(6).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODELS["gpt-tiny"], steps=STEPS,
-                     strategy={"stage_tp": "2,4"}, global_batch_size=GLOBAL_BATCH, micro_batch_size=1)
-    got = whole_checkpoint(str(tmp_path))
-    expected = _references["gpt-tiny"]["params"]
-    assert got.keys() == expected.keys()
+def test_stage_tp_with_dp_matches_and_checkpoints_whole_tensors(rank_pool, tmp_path, tmp_path_factory):
+    """1 -> 2 replicated twice (dp=2, 6 ranks) trains as one process, and its checkpoint is the
+    single-process checkpoint (same names, whole tensors; the tp=2 stage's slices gathered)."""
+    expected = reference(rank_pool, tmp_path_factory, "gpt-tiny")
+    results = rank_pool(6).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODELS["gpt-tiny"], steps=STEPS,
+                               strategy={"stage_tp": "1,2", "dp": 2}, global_batch_size=GLOBAL_BATCH,
+                               micro_batch_size=1)
+    assert_matches(expected, results)
+    got, single = whole_checkpoint(str(tmp_path)), whole_checkpoint(expected["run_dir"])
+    assert got.keys() == single.keys()
     for name, value in got.items():
-        assert value.shape == expected[name].shape, name
-        assert (value - expected[name]).abs().max() < 1e-5, name
+        assert value.shape == single[name].shape, name
+        assert (value - single[name]).abs().max() < 1e-5, name
 
 
 @pytest.mark.parametrize("fields,world,message", [

@@ -56,9 +56,6 @@ class HeteroBoundary:
         """The global rank of `from_stage` whose copy this rank takes: its tp rank (my tp rank mod its degree)."""
         return self.table[from_stage][self.dp_index][self.tp_index % self.degree(from_stage)]
 
-    def describe(self, from_stage: int, to_stage: int) -> str:
-        return boundary_routes(len(self.table[from_stage][self.dp_index]), len(self.table[to_stage][self.dp_index]))
-
     # -- the P2P interface the runtime calls (peers are pipeline ranks = stage indices)
 
     def exchange(self, sends: list[tuple[tuple[torch.Tensor, ...], int, int, int, int]],
