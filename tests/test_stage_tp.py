@@ -12,7 +12,7 @@ import pytest
 
 import autopar
 from autopar.errors import ConfigError
-from autopar.cli import main
+from autopar.cli import build_parser, cmd_plan, main
 from helpers import max_relative_difference, train_builtin
 
 STEPS = 2
@@ -116,5 +116,6 @@ def test_plan_shows_stage_degrees_ranks_and_boundaries(capsys):
     assert "stage 0: tp=2, ranks [[0, 1], [2, 3]]" in out and "stage 1: tp=4, ranks [[4, 5, 6, 7], [8, 9, 10, 11]]" in out
     assert "boundary 0 -> 1: activations tp 2 -> tp 4" in out and "0->0, 1->1, 0->2, 1->3" in out
     assert "(2 sender rank(s) idle)" in out  # gradients 4 -> 2
-    assert main(["plan", "--model", "gpt-tiny", "--stage-tp", "1,3", "--seq-len", "16"]) != 0
-    assert "tp=3 does not divide the 4 heads" in capsys.readouterr().err
+    ns = build_parser().parse_args(["plan", "--model", "gpt-tiny", "--stage-tp", "1,3", "--seq-len", "16"])
+    with pytest.raises(ConfigError, match="tp=3 does not divide the 4 heads"):  # main() would exit the process
+        cmd_plan(ns)
