@@ -119,9 +119,11 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         job, argv = choose_before_launch(job, argv)
     if not env.launched and (job.launch.nproc > 1 or job.launch.max_restarts > 0):
         from .strategies import resolve
-        resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before starting any process
+        resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
         from .preflight import check_before_launch
         check_before_launch(job)  # the resume folder and the model, once, here
+        if resolved.strategy.stage_tps is not None:
+            _check_stage_tp_model(job, resolved.strategy.stage_tps)
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         command = [sys.executable, "-m", "autopar", *argv, "--out", out]
@@ -129,6 +131,22 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     from .job import run_job
     run_job(job)
     return 0
+
+
+def _check_stage_tp_model(job, degrees: tuple[int, ...]) -> None:
+    """--stage-tp: every degree is planned on the model (heads, width, vocabulary) before ranks start."""
+    from .job import build_job
+    from .tensor_parallel import plan_tensor_parallel
+    from .trace import trace
+    from .train.fields import example_call
+    parts = build_job(job)
+    graph = trace(parts.model, *example_call(parts.model, parts.train_data))
+    for t in sorted(set(degrees)):
+        if t > 1:
+            try:
+                plan_tensor_parallel(graph, t)
+            except ConfigError as exc:
+                raise ConfigError(f"--stage-tp {job.strategy.stage_tp}: stage degree {t}: {exc}") from None
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
@@ -196,6 +214,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.measure:
         measure_block_times(graph, model)
     cap = ns.memory_cap_mb * 2**20 if ns.memory_cap_mb else None
+    if ns.stage_tp is not None:
+        return _plan_stage_tp(ns, graph, info, cap)
+    ns.pp = 2 if ns.pp is None else ns.pp
     result = partition(graph, ns.pp, method=ns.method, memory_cap_bytes=cap)
     tp_plan = None
     if ns.tp != 1:
@@ -212,6 +233,45 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         if tp_plan is not None:
             print()
             print(tp_plan.table())
+    return 0
+
+
+def _plan_stage_tp(ns: argparse.Namespace, graph, info, cap) -> int:
+    """`autopar plan --stage-tp 2,4`: the cut, each stage's tp degree and ranks, each boundary's transfer."""
+    import json
+
+    from .config import Strategy
+    from .mesh import stage_rank_table
+    from .partition import partition
+    from .pipeline.hetero_boundary import boundary_routes
+    from .tensor_parallel import plan_tensor_parallel
+    degrees = Strategy(stage_tp=ns.stage_tp).stage_tps
+    if ns.pp is not None and ns.pp != len(degrees):
+        raise ConfigError(f"--stage-tp {ns.stage_tp} lists {len(degrees)} stages but --pp is {ns.pp}; drop "
+                          f"--pp (it is the list's length)")
+    dp = 1 if ns.nproc is None else ns.nproc // sum(degrees)
+    strategy = Strategy(stage_tp=ns.stage_tp, dp=None).resolved(ns.nproc or sum(degrees))  # the train-time checks
+    plans = {t: plan_tensor_parallel(graph, t) for t in sorted(set(degrees)) if t > 1}  # heads / width checks
+    result = partition(graph, len(degrees), method=ns.method, memory_cap_bytes=cap)
+    table = stage_rank_table(degrees, dp)
+    stages = [{"stage": s, "tp": t, "ranks": table[s], "tp_split": plans[t].summary() if t > 1 else "whole"}
+              for s, t in enumerate(degrees)]
+    boundaries = [{"from": s, "to": s + 1, "forward": boundary_routes(degrees[s], degrees[s + 1]),
+                   "backward": boundary_routes(degrees[s + 1], degrees[s])} for s in range(len(degrees) - 1)]
+    if ns.json:
+        print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len], "dp": dp,
+                          **result.to_dict(), "stage_tp": list(degrees), "stage_layouts": stages,
+                          "boundary_transfers": boundaries}, indent=2))
+        return 0
+    print(f"{info.name}: {info.num_params:,} parameters, {len(graph.blocks)} blocks, micro-batch "
+          f"{ns.micro_batch_size} x {ns.seq_len}; --stage-tp {strategy.stage_tp or ns.stage_tp}: "
+          f"{dp} x {sum(degrees)} = {dp * sum(degrees)} ranks")
+    print(result.table())
+    print()
+    for stage in stages:
+        print(f"stage {stage['stage']}: tp={stage['tp']}, ranks {stage['ranks']} ([dp][tp rank]); {stage['tp_split']}")
+    for b in boundaries:
+        print(f"boundary {b['from']} -> {b['to']}: activations {b['forward']}; gradients {b['backward']}")
     return 0
 
 
@@ -253,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     plan.add_argument("--model", default="gpt-mini", help="model name (see `autopar models`)")
     plan.add_argument("--model-arg", action="append", metavar="KEY=VALUE", help="model argument (repeatable)")
-    plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
+    plan.add_argument("--pp", type=int, default=None, help="number of pipeline stages (default 2)")
+    plan.add_argument("--stage-tp", default=None, help="per-stage tp degrees, e.g. 2,4: show each stage's degree "
+                      "and ranks and each boundary's transfer (pp is the list's length)")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: show which layers are split how, "
                       "and which stay replicated and why")
     plan.add_argument("--method", default="time", choices=PARTITION_METHODS,

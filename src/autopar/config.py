@@ -69,6 +69,8 @@ class Strategy:
     dp: int | None = _f(None, "data-parallel degree (replicas); default: nproc / (tp * pp)")
     tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
     pp: int = _f(1, "pipeline-parallel degree (stages)")
+    stage_tp: str | None = _f(None, "per-stage tensor-parallel degrees, e.g. 2,4 (stage 0 tp=2, stage 1 tp=4): pp is "
+                                    "the list's length and nproc = dp * their sum; all equal is the same as --tp")
     schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
     vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
                                     "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
@@ -117,8 +119,15 @@ class Strategy:
         given and the rest are searched: `Trainer(model, data, strategy=Strategy.auto(pp=2))`."""
         return cls(search="auto", cluster=cluster, memory_per_device_gb=memory_per_device_gb, **fixed)
 
+    @property
+    def stage_tps(self) -> tuple[int, ...] | None:
+        """The per-stage tp degrees when they differ (after resolved()); None for a uniform tp."""
+        return parse_stage_tp(self.stage_tp) if self.stage_tp is not None else None
+
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
+        if self.stage_tp is not None:
+            return self._resolved_stage_tp(world_size)
         for name in ("tp", "pp"):
             _check_positive_int(f"strategy.{name}", getattr(self, name))
         if self.dp is not None:
@@ -164,6 +173,60 @@ class Strategy:
                 f"or change --nproc"
             )
         return dataclasses.replace(self, dp=dp)
+
+    def _resolved_stage_tp(self, world_size: int) -> Strategy:
+        """--stage-tp: pp from the list, dp from nproc / sum; all-equal degrees become the uniform --tp."""
+        degrees = parse_stage_tp(self.stage_tp)
+        given = f"--stage-tp {','.join(map(str, degrees))}"
+        if self.pp != 1 and self.pp != len(degrees):
+            raise ConfigError(f"{given} lists {len(degrees)} stages but --pp is {self.pp}; drop --pp (it is the "
+                              f"list's length) or list {self.pp} degrees")
+        if self.tp != 1:
+            raise ConfigError(f"{given} gives every stage its tp degree; --tp {self.tp} beside it is ambiguous: "
+                              f"drop --tp (or drop --stage-tp and use --tp {self.tp})")
+        if len(set(degrees)) == 1:  # uniform: exactly the --tp code path
+            return dataclasses.replace(self, stage_tp=None, tp=degrees[0], pp=len(degrees)).resolved(world_size)
+        ranks = sum(degrees)
+        dp = self.dp if self.dp is not None else world_size // ranks
+        if dp < 1 or dp * ranks != world_size:
+            raise ConfigError(f"{given} needs dp * {ranks} processes (one pipeline is {'+'.join(map(str, degrees))} "
+                              f"= {ranks} ranks), but nproc is {world_size}"
+                              f"{f' with dp={self.dp}' if self.dp is not None else ''}; use --nproc "
+                              f"{max(1, dp) * ranks} (dp={max(1, dp)}) or change the degrees")
+        refusals = [
+            (self.chunks > 1, f"--chunks {self.chunks} (interleaving puts several stages, so several tp degrees, "
+             f"on one rank); use --chunks 1"),
+            (self.schedule not in STAGE_TP_SCHEDULES, f"--schedule {self.schedule}; use one of "
+             f"{choices(STAGE_TP_SCHEDULES)}"),
+            (self.tp_subbatches > 1, f"--tp-subbatches {self.tp_subbatches}; use 1"),
+            (self.zero != 0, f"--zero {self.zero} (not tested across stages of different degrees yet); use --zero 0"),
+            (self.dp_mode != "allreduce", f"--dp-mode {self.dp_mode}; use --dp-mode allreduce"),
+            (self.sparse_embeddings != "dense", f"--sparse-embeddings {self.sparse_embeddings}; use dense"),
+            (self.search != "manual" or self.plan is not None, "--strategy auto / --plan (the search does not "
+             "choose per-stage degrees yet); give the degrees by hand"),
+            (self.memory_budget_mb is not None, "--memory-budget-mb; use --recompute instead"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ConfigError(f"{given} (stages of different tp degrees) cannot be combined with {why}")
+        checked = dataclasses.replace(self, stage_tp=None, tp=1, pp=len(degrees), dp=None).resolved(len(degrees))
+        return dataclasses.replace(checked, stage_tp=",".join(map(str, degrees)), dp=dp)
+
+
+STAGE_TP_SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+
+
+def parse_stage_tp(value: Any) -> tuple[int, ...]:
+    """'2,4' (CLI, TOML) or a sequence of ints (Python) -> (2, 4); anything else is refused clearly."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        degrees = tuple(int(str(v).strip()) for v in items)
+    except (TypeError, ValueError):
+        degrees = ()
+    if len(degrees) < 1 or any(d < 1 for d in degrees):
+        raise ConfigError(f"strategy.stage_tp (--stage-tp) must list positive tp degrees, one per pipeline stage, "
+                          f"e.g. 2,4; got {value!r}")
+    return degrees
 
 
 @dataclass(kw_only=True)

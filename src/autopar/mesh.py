@@ -32,6 +32,8 @@ class ProcessMesh:
     def build(cls, strategy: Strategy, *, device: str = "cpu", timeout_s: float = 300.0) -> ProcessMesh:
         world = dist.get_world_size()
         strategy = strategy.resolved(world)
+        if strategy.stage_tps is not None:
+            return StageMesh.build(strategy, device=device, timeout_s=timeout_s)
         shape = (strategy.pp, strategy.dp, strategy.tp)
         backend = backend_for(device)
         override = {name: (backend, group_options(backend, timeout_s)) for name in DIM_NAMES}
@@ -66,6 +68,106 @@ class ProcessMesh:
     def dp_size(self) -> int:
         return self.size("dp")
 
+    @property
+    def tp_group_index(self) -> int:
+        """Which tensor-parallel group this rank is in (a seed stream shared by its group)."""
+        return self.rank // self.size("tp")
+
     def describe(self) -> str:
         coords = ", ".join(f"{n}={self.local_rank(n)}/{self.size(n)}" for n in DIM_NAMES)
         return f"rank {self.rank}: {coords}"
+
+
+def stage_rank_table(stage_tp: tuple[int, ...], dp: int) -> list[list[list[int]]]:
+    """Global ranks of pipelines whose stages have their own tp degrees: [stage][dp][tp rank].
+
+    Stage-major, then dp, then tp (innermost, adjacent ranks), as the uniform mesh orders
+    pp x dp x tp: stage s starts after dp * sum(stage_tp[:s]) ranks. All equal degrees give
+    exactly the uniform mesh's numbering.
+    """
+    table, start = [], 0
+    for t in stage_tp:
+        table.append([[start + d * t + j for j in range(t)] for d in range(dp)])
+        start += dp * t
+    return table
+
+
+@dataclass
+class StageMesh:
+    """This rank's view of a pipeline whose stages have different tp degrees (--stage-tp 2,4).
+
+    The same lookups as ProcessMesh: "tp" is this stage's tp group (its size is this stage's
+    degree), "dp" the replicas of this (stage, tp rank), "pp" this rank's stage index. There is
+    no single pp group (stages differ in rank count): "replica" groups every rank of one dp
+    index, and the boundary transfers (pipeline/hetero_boundary.py) address global ranks.
+    """
+
+    strategy: Strategy
+    device_type: str
+    table: list[list[list[int]]]  # [stage][dp][tp] -> global rank
+    stage: int
+    dp_index: int
+    tp_index: int
+    groups: dict[str, dist.ProcessGroup]
+
+    @classmethod
+    def build(cls, strategy: Strategy, *, device: str = "cpu", timeout_s: float = 300.0) -> StageMesh:
+        """Collective over the world: every rank creates every group, in one order."""
+        degrees, dp = strategy.stage_tps, strategy.dp
+        table = stage_rank_table(degrees, dp)
+        backend = backend_for(device)
+        options = group_options(backend, timeout_s)
+        me = dist.get_rank()
+        where = {r: (s, d, j) for s, rows in enumerate(table) for d, row in enumerate(rows) for j, r in enumerate(row)}
+        stage, dp_index, tp_index = where[me]
+        groups: dict[str, dist.ProcessGroup] = {}
+        candidates = {
+            "tp": [row for rows in table for row in rows],
+            "dp": [[rows[d][j] for d in range(dp)] for rows in table for j in range(len(rows[0]))],
+            "replica": [[r for rows in table for r in rows[d]] for d in range(dp)],
+        }
+        for name, lists in candidates.items():
+            for ranks in lists:
+                group = dist.new_group(ranks, backend=backend, pg_options=options)
+                if me in ranks:
+                    groups[name] = group
+        return cls(strategy=strategy, device_type=device, table=table, stage=stage, dp_index=dp_index,
+                   tp_index=tp_index, groups=groups)
+
+    @property
+    def stage_tp(self) -> tuple[int, ...]:
+        return tuple(len(rows[0]) for rows in self.table)
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        if name not in self.groups:
+            raise ConfigError(f"mesh group {name!r} does not exist with --stage-tp (stages differ in rank "
+                              f"count); valid: {choices(sorted(self.groups))}")
+        return self.groups[name]
+
+    def size(self, name: str) -> int:
+        return {"pp": len(self.table), "dp": self.strategy.dp, "tp": len(self.table[self.stage][0]),
+                "replica": sum(self.stage_tp)}[name]
+
+    def local_rank(self, name: str) -> int:
+        return {"pp": self.stage, "dp": self.dp_index, "tp": self.tp_index,
+                "replica": dist.get_rank(self.groups["replica"])}[name]
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_index
+
+    @property
+    def dp_size(self) -> int:
+        return self.strategy.dp
+
+    @property
+    def tp_group_index(self) -> int:
+        return self.stage * self.strategy.dp + self.dp_index
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: stage={self.stage}/{len(self.table)} dp={self.dp_index}/{self.strategy.dp} "
+                f"tp={self.tp_index}/{self.size('tp')}")

@@ -142,7 +142,7 @@ class Trainer:
             self._load_pretrained()
         # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout
         # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
-        torch.manual_seed(cfg.seed + 1 + dist.get_rank() // self.strategy.tp)
+        torch.manual_seed(cfg.seed + 1 + self.mesh.tp_group_index)
         self.optimizer = self.engine.build_optimizer(cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.is_main = dist.get_rank() == 0
@@ -469,7 +469,7 @@ class Trainer:
     def _banner(self, start: int) -> str:
         params = self.engine.num_parameters()
         lines = [f"autopar {__version__}: {dist.get_world_size()} process(es), strategy dp={self.strategy.dp} "
-                 f"tp={self.strategy.tp} pp={self.strategy.pp}, {params:,} parameters, "
+                 f"tp={self.strategy.stage_tp or self.strategy.tp} pp={self.strategy.pp}, {params:,} parameters, "
                  f"{self.accumulation} micro-batch(es) of {self.config.micro_batch_size} per replica per step",
                  f"run folder: {self.run_dir}"]
         lines += [f"{k}: {v}" for k, v in self.run_info.items() if k in ("corpus", "model", "data", "tokenizer", "pretrained")]

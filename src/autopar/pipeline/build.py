@@ -71,13 +71,15 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                          partition_method: str = "time", recompute: str | frozenset[int] = "none",
                          memory_budget_bytes: float | None = None, tp: int = 1, tp_group=None, tp_subbatches: int = 1,
                          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                         partition=None, p2p: P2P | None = None) -> LocalPipeline:
+                         partition=None, p2p: P2P | None = None,
+                         stage_tp: tuple[int, ...] | None = None) -> LocalPipeline:
     """This rank's pipeline of `model` (on meta, or built for real on every rank: then rank 0's weights win).
 
     Collective over the world (errors one rank finds are raised on all) and over `pp_group`.
     `partition`: one made earlier of this same model and stage count, reused instead of tracing
     again (a benchmark building many pipelines). `p2p`: a transport to use instead of a fresh
-    P2P on `pp_group`. With `memory_budget_bytes`, every stage's recomputed blocks are chosen to
+    P2P on `pp_group`. `stage_tp`: each stage's own tp degree (--stage-tp); `tp` and `tp_group` are then
+    this rank's stage's, and `p2p` must be given (pipeline/hetero_boundary.py). With `memory_budget_bytes`, every stage's recomputed blocks are chosen to
     fit it (pipeline/recompute.py) and every rank agrees that they fit.
     """
     from ..partition import partition as make_partition
@@ -106,7 +108,15 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
     stages = on_every_rank(lambda: {s: partition.materialize_stage(s, model, device, seed=seed)
                                     for s in mine})  # an uninitialised weight is found by its stage's rank
     tensor_parallel = None
-    if tp > 1:
+    if stage_tp is not None:  # every rank plans every degree: a degree that does not fit fails on all ranks
+        from ..tensor_parallel import plan_tensor_parallel
+        plans = {t: plan_tensor_parallel(graph, t) for t in sorted(set(stage_tp)) if t > 1}
+        if tp > 1:
+            from ..tensor_parallel import TensorParallel
+            tensor_parallel = TensorParallel(plans[tp], tp_group)
+            for stage in stages.values():
+                tensor_parallel.parallelize(stage)
+    elif tp > 1:
         from ..tensor_parallel import TensorParallel, plan_tensor_parallel
         tensor_parallel = TensorParallel(plan_tensor_parallel(graph, tp), tp_group)
         for stage in stages.values():

@@ -26,6 +26,7 @@ from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
+from .hetero_boundary import HeteroBoundary
 from .schedules import generate
 from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, token_loss_sum
@@ -89,13 +90,20 @@ class PipelineEngine(EngineBase):
                  strategy=None, param_dtype: torch.dtype = torch.float32):
         strategy = strategy if strategy is not None else mesh.strategy  # the strategy table passes it explicitly
         self.mesh, self.autocast = mesh, autocast
+        self.stage_tp = strategy.stage_tps  # None: every stage has strategy.tp
+        tp, boundary = strategy.tp, None
+        if self.stage_tp is not None:  # stages of different tp degrees (mesh.StageMesh)
+            tp = mesh.size("tp")
+            boundary = HeteroBoundary(mesh.table, stage=mesh.stage, dp_index=mesh.dp_index, tp_index=mesh.tp_index,
+                                      device=device, num_microbatches=num_microbatches)
         self.pipe = build_local_pipeline(
-            model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"), pp_group=mesh.group("pp"), device=device, seed=seed,
+            model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"), pp_group=None if boundary else mesh.group("pp"),
+            device=device, seed=seed,
             example_batch=example_batch, num_microbatches=num_microbatches, schedule=strategy.schedule,
             chunks=strategy.chunks, partition_method=strategy.partition, recompute=strategy.recompute,
             memory_budget_bytes=None if strategy.memory_budget_mb is None else strategy.memory_budget_mb * 2**20,
-            tp=strategy.tp, tp_group=mesh.group("tp") if strategy.tp > 1 else None,
-            tp_subbatches=strategy.tp_subbatches, autocast=autocast)
+            tp=tp, tp_group=mesh.group("tp") if tp > 1 else None,
+            tp_subbatches=strategy.tp_subbatches, autocast=autocast, p2p=boundary, stage_tp=self.stage_tp)
         pipe = self.pipe
         self.pp, self.pp_rank, self.num_stages = pipe.pp, pipe.pp_rank, pipe.num_stages
         self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime
@@ -103,6 +111,7 @@ class PipelineEngine(EngineBase):
         self.tensor_parallel = pipe.tensor_parallel
         self.tp_rank = mesh.local_rank("tp")
         self.recompute_plan, self.recompute_report = pipe.recompute_plan, pipe.recompute_report
+        self._tied_names: dict[int, str] = {}  # --stage-tp: tied parameters summed as whole tensors
         if strategy.zero == 3:  # parameters sharded over this stage's dp group by FSDP2 (zero/fully_sharded.py)
             self.sync = FullyShardedStages(list(self.stages.values()), mesh.device_mesh["dp"], mesh.group("dp"),
                                            param_dtype=param_dtype)
@@ -149,6 +158,8 @@ class PipelineEngine(EngineBase):
     def _shared_groups(self, device: torch.device, placement: str,
                        timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
         """One group per tied parameter whose owning stages sit on different pp ranks."""
+        if self.stage_tp is not None:
+            return self._shared_groups_by_stage(device, timeout_s)
         coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
         backend = backend_for(device.type)
         result = []
@@ -168,6 +179,31 @@ class PipelineEngine(EngineBase):
                 result.append((self.module.get_parameter(fqn), mine, first_owner))
         return result
 
+    def _shared_groups_by_stage(self, device: torch.device, timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
+        """--stage-tp: per tied parameter, one group per replica joining every rank of its owning stages.
+
+        The owners may hold slices of different widths (a vocabulary split 2 ways on stage 0 and 4 ways
+        on the last), so `_reduce_tied` sums whole gradients: each stage gathers its slices, its tp
+        rank 0 contributes the whole tensor (the others zeros, adding nothing), every rank keeps its slice.
+        """
+        table, backend = self.mesh.table, backend_for(device.type)
+        result, self._tied_names = [], {}
+        for fqn, owner_stages in sorted(self.partition.shared.items()):
+            owners = sorted(set(owner_stages))
+            if len(owners) < 2:
+                continue
+            mine = None
+            for d in range(self.mesh.dp_size):
+                ranks = [r for s in owners for r in table[s][d]]
+                group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, timeout_s))
+                if dist.get_rank() in ranks:
+                    mine = group
+            if mine is not None:
+                param = self.module.get_parameter(fqn)
+                result.append((param, mine, min(owners) == self.pp_rank))
+                self._tied_names[id(param)] = fqn
+        return result
+
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         self.module.train()
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
@@ -184,7 +220,20 @@ class PipelineEngine(EngineBase):
 
     def _reduce_tied(self) -> None:
         for param, group, _ in self._shared:  # tied weights: sum the stages' gradients (zero 3: equal shards)
+            if id(param) in self._tied_names:  # --stage-tp: slices of different widths
+                param.grad.copy_(self._summed_whole_grad(self._tied_names[id(param)], param.grad, group))
+                continue
             dist.all_reduce(local_tensor(param.grad), group=group)
+
+    def _summed_whole_grad(self, fqn: str, grad: torch.Tensor, group) -> torch.Tensor:
+        """This rank's slice of the tied gradient summed over its stages (see _shared_groups_by_stage)."""
+        tp = self.tensor_parallel
+        whole = tp.gather(fqn, grad) if tp is not None else grad
+        whole = whole.clone() if whole is grad else whole
+        if self.tp_rank != 0:
+            whole.zero_()
+        dist.all_reduce(whole, group=group)
+        return tp.shard(fqn, whole) if tp is not None else whole
 
     def clip_gradients(self, max_norm: float) -> float:
         """Global norm: tied copies counted once, tensor-parallel slices summed over the tp group
@@ -203,7 +252,11 @@ class PipelineEngine(EngineBase):
         if self.tensor_parallel is not None:
             dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
         squares = squares.sum()
-        dist.all_reduce(squares, group=self.mesh.group("pp"))
+        if self.stage_tp is None:
+            dist.all_reduce(squares, group=self.mesh.group("pp"))
+        else:  # stages of different widths: each stage's total once (its tp rank 0), over the replica's ranks
+            squares = squares if self.tp_rank == 0 else torch.zeros_like(squares)
+            dist.all_reduce(squares, group=self.mesh.group("replica"))
         norm = math.sqrt(float(squares))
         if norm > max_norm and math.isfinite(max_norm) and isinstance(self.sync, SHARDED):
             self.sync.scale_gradients(max_norm / (norm + 1e-6))
@@ -242,16 +295,18 @@ class PipelineEngine(EngineBase):
         One host read for both: each replica's (bubble, peak) in its own slot of one summed tensor.
         """
         busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
-        replicas = dist.get_world_size() // self.pp
+        dp = self.mesh.size("dp")
+        degrees = self.stage_tp or (dist.get_world_size() // (self.pp * dp),) * self.pp  # tp per stage
+        replicas = dp * max(degrees)  # slots per stage; stage s fills dp * degrees[s] of them
         slots = torch.zeros(2, self.pp, replicas, dtype=torch.float64)  # [bubble | peak] x pp rank x replica
-        replica = self.mesh.local_rank("dp") * (replicas // self.mesh.size("dp")) + self.tp_rank  # (dp, tp) slot
+        replica = self.mesh.local_rank("dp") * max(degrees) + self.tp_rank  # (dp, tp) slot
         slots[0, self.pp_rank, replica] = max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
         slots[1, self.pp_rank, replica] = peak_bytes
         device = next(self.module.parameters()).device
         slots = slots.to(device)
         dist.all_reduce(slots)
         bubble, peak = slots.cpu().unbind(0)  # the host read (on steps that write metrics only)
-        per_rank = (bubble.sum(1) / replicas).tolist()
+        per_rank = [float(bubble[s].sum()) / (dp * degrees[s]) for s in range(self.pp)]
         return {"bubble_fraction": sum(per_rank) / self.pp, "bubble_per_stage": per_rank,
                 "peak_mem_bytes_per_stage": [int(v) for v in peak.amax(1).tolist()]}
 
