@@ -60,13 +60,13 @@ def train_stash(model_name: str, out: str, **kwargs) -> dict:
 
 
 def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, vertical_sync: bool, **kwargs) -> dict:
-    """The one-process rule (train/stash_oracle.py) through the ordinary Trainer: the strategy table's
+    """The one-process rule (pipeline/stash_oracle.py) through the ordinary Trainer: the strategy table's
     data-parallel entry is swapped for one that builds the oracle engine, in this worker only."""
     import dataclasses
 
     import autopar.strategies as strategies
     from autopar.pipeline.async_schedules import flush_steps
-    from autopar.train.stash_oracle import StashOracleEngine
+    from autopar.pipeline.stash_oracle import StashOracleEngine
 
     def build(ctx):
         cfg = ctx.config

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..dropout import active_scope
-from ..pipeline.async_schedules import runs_of, stash_version
-from .engine import DataParallelEngine, accumulate_gradients
+from .async_schedules import runs_of, stash_version
+from ..train.engine import DataParallelEngine, accumulate_gradients
 
 
 class StashOracleEngine(DataParallelEngine):
