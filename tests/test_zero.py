@@ -167,18 +167,33 @@ def test_bf16_master_weights_track_fp32_over_50_steps(rank_pool, tmp_path):
         assert torch.equal(master.to(torch.bfloat16), bf16["params"][name]), name
 
 
-def test_bf16_dp2_zero1_matches_single_process_bf16(rank_pool, tmp_path):
-    """dp 2 with ZeRO-1 in bf16 against one bf16 process, both with fp32 masters: the bf16 gradients are summed
-    in another order (per replica, then over replicas), so losses agree to 1e-4 relative (measured 2e-5) and
+BF16_LAYOUTS = [(2, {"zero": 1}), (4, {"dp": 2, "pp": 2, "zero": 1}), (4, {"dp": 2, "tp": 2, "zero": 2}),
+                (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 1})]
+_bf16_reference: dict = {}
+
+
+@pytest.mark.parametrize("world,strategy", BF16_LAYOUTS)
+def test_bf16_master_weights_match_single_process_bf16(rank_pool, tmp_path_factory, world, strategy):
+    """bf16 master weights under dp, dp x pp, dp x tp and 3D against one bf16 process, both with fp32 masters:
+    the bf16 gradients are summed in another order (per replica, then over replicas), so losses agree to 1e-4 relative (measured 2e-5) and
     the fp32 masters to one learning rate (1e-3) per step: Adam normalises each step, so on gradients that are
     rounding noise (key biases, whose true gradient is zero) the two runs may step apart by up to lr."""
     kwargs = dict(steps=STEPS, global_batch_size=8, dtype="bf16")
-    one = rank_pool(1).run(train_zero, str(tmp_path / "one"), micro_batch_size=8, **kwargs)[0]
-    results = rank_pool(2).run(train_zero, str(tmp_path / "dp2"), micro_batch_size=2, strategy={"zero": 1}, **kwargs)
-    for got in results:
+    if "one" not in _bf16_reference:
+        out = str(tmp_path_factory.mktemp("bf16-one"))
+        _bf16_reference["one"] = rank_pool(1).run(train_zero, out, micro_batch_size=8, **kwargs)[0]
+    one = _bf16_reference["one"]
+    out = str(tmp_path_factory.mktemp("bf16-layout"))
+    results = rank_pool(world).run(train_zero, out, micro_batch_size=2, strategy=strategy, **kwargs)
+    tp = strategy.get("tp", 1)
+    for rank, got in enumerate(results):
         assert max_relative_difference(one["losses"], got["losses"]) < 1e-4, (one["losses"], got["losses"])
         for name, master in got["masters"].items():
-            assert (master - one["masters"][name]).abs().max() <= STEPS * 1e-3 + 1e-6, name
+            expected = one["masters"][name]
+            split = [d for d, (a, b) in enumerate(zip(master.shape, expected.shape)) if a != b]
+            if split:  # a tensor-parallel slice: tp is the innermost mesh dimension, so this rank's is rank % tp
+                expected = expected.chunk(tp, dim=split[0])[rank % tp]
+            assert (master - expected).abs().max() <= STEPS * 1e-3 + 1e-6, name
 
 
 def _step2(run: str) -> str:
