@@ -5,8 +5,8 @@ from __future__ import annotations
 from helpers import train_builtin
 
 
-def train_2bw(model_name: str, out: str, **kwargs) -> dict:
-    """train_builtin, with the parameters only (not the 2BW older versions) and the engine's storage count."""
+def _train_keeping_engine(model_name: str, out: str, **kwargs) -> tuple[dict, object]:
+    """train_builtin, and the engine the Trainer built (read after training)."""
     import autopar.trainer as trainer_module
 
     seen = {}
@@ -23,7 +23,12 @@ def train_2bw(model_name: str, out: str, **kwargs) -> dict:
         result = train_builtin(model_name, out, **kwargs)
     finally:
         trainer_module.Trainer.train = original
-    engine = seen["engine"]
+    return result, seen["engine"]
+
+
+def train_2bw(model_name: str, out: str, **kwargs) -> dict:
+    """train_builtin, with the parameters only (not the 2BW older versions) and the engine's storage count."""
+    result, engine = _train_keeping_engine(model_name, out, **kwargs)
     versions = getattr(engine, "versions", None)
     result["params"] = {k: v for k, v in result["params"].items() if not k.startswith("pipedream_2bw.")}
     if versions is not None:
@@ -35,23 +40,7 @@ def train_2bw(model_name: str, out: str, **kwargs) -> dict:
 
 def train_stash(model_name: str, out: str, **kwargs) -> dict:
     """train_2bw for --schedule pipedream, with each parameter's reading stages (for the oracle)."""
-    import autopar.trainer as trainer_module
-
-    seen = {}
-    original = trainer_module.Trainer.train
-
-    def train(self):
-        try:
-            return original(self)
-        finally:
-            seen["engine"] = self.engine
-
-    trainer_module.Trainer.train = train
-    try:
-        result = train_builtin(model_name, out, **kwargs)
-    finally:
-        trainer_module.Trainer.train = original
-    engine = seen["engine"]
+    result, engine = _train_keeping_engine(model_name, out, **kwargs)
     result["stages_of"] = engine.stages_of_parameters()
     result["peak_storages"] = engine.peak_storages
     result["num_params"] = len(engine.versions.names)

@@ -53,8 +53,31 @@ def check_two_version_checkpoint(path: Path) -> None:
                           f"too); resume it with its own schedule, or start a new 2BW run")
 
 
-class PipeDream2BWEngine(PipelineEngine):
+class NoFlushPipelineEngine(PipelineEngine):
+    """What the no-flush engines (2BW, weight stashing) share: the pipe must have drained before an eval or a
+    checkpoint (the trainer flushes first; micro-batches still in flight here would be a bug), and the metrics
+    report how many weight storages were alive at the peak."""
+
+    label = "no-flush pipeline"  # named in the errors
+
+    @torch.no_grad()
+    def eval_sums(self, batches, eval_loss):
+        if not self.carry.empty():
+            raise RuntimeError(f"{self.label}: eval with micro-batches in flight; the pipeline must drain first")
+        return super().eval_sums(batches, eval_loss)
+
+    def before_checkpoint(self) -> None:
+        if not self.carry.empty():
+            raise RuntimeError(f"{self.label}: checkpoint with micro-batches in flight; the pipeline must drain first")
+
+    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
+        return {**super().step_stats(elapsed, peak_bytes), "weight_storages": self.peak_storages}
+
+
+class PipeDream2BWEngine(NoFlushPipelineEngine):
     """This rank's stages run by the no-flush 2BW lists; see the module docstring."""
+
+    label = "2BW"
 
     def __init__(self, model, mesh, *, num_microbatches: int, steps: int, eval_every: int, checkpoint_every: int,
                  batches_for_step: Callable[[int], list[dict]],
@@ -138,16 +161,3 @@ class PipeDream2BWEngine(PipelineEngine):
         stack.enter_context(dropout_step(scope.seed, batch_step, self.samples_for_step(batch_step)))
         stack.enter_context(micro_batch(j))
         return stack
-
-    @torch.no_grad()
-    def eval_sums(self, batches, eval_loss):
-        if not self.carry.empty():
-            raise RuntimeError("2BW: eval with micro-batches in flight; the pipeline must drain first")
-        return super().eval_sums(batches, eval_loss)
-
-    def before_checkpoint(self) -> None:
-        if not self.carry.empty():
-            raise RuntimeError("2BW: checkpoint with micro-batches in flight; the pipeline must drain first")
-
-    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
-        return {**super().step_stats(elapsed, peak_bytes), "weight_storages": self.peak_storages}

@@ -32,13 +32,15 @@ import torch
 from ..dropout import active_scope, dropout_step, micro_batch
 from .async_lowering import lower_calls
 from .async_schedules import flush_steps, runs_of, stash_lists, stash_version
-from .engine import PipelineEngine
+from .async_engine import NoFlushPipelineEngine
 from .runtime import InFlight
 from .weight_versions import StageSlots, StashedVersions
 
 
-class PipeDreamStashEngine(PipelineEngine):
+class PipeDreamStashEngine(NoFlushPipelineEngine):
     """This rank's stage runs the no-flush PipeDream lists on stashed weight versions."""
+
+    label = "pipedream"
 
     def __init__(self, model, mesh, *, steps: int, eval_every: int, checkpoint_every: int, vertical_sync: bool,
                  batches_for_step: Callable[[int], list[dict]],
@@ -154,16 +156,3 @@ class PipeDreamStashEngine(PipelineEngine):
         stack.enter_context(dropout_step(scope.seed, j, self.samples_for_step(j)))
         stack.enter_context(micro_batch(0))
         return stack
-
-    @torch.no_grad()
-    def eval_sums(self, batches, eval_loss):
-        if not self.carry.empty():
-            raise RuntimeError("pipedream: eval with micro-batches in flight; the pipeline must drain first")
-        return super().eval_sums(batches, eval_loss)
-
-    def before_checkpoint(self) -> None:
-        if not self.carry.empty():
-            raise RuntimeError("pipedream: checkpoint with micro-batches in flight; the pipeline must drain first")
-
-    def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
-        return {**super().step_stats(elapsed, peak_bytes), "weight_storages": self.peak_storages}
