@@ -47,14 +47,20 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 def _drop_subgroups(dist) -> None:
-    """Destroy the process groups a task created (a Trainer's dp/tp/pp groups). Each idle gloo group keeps a
-    TCP loop thread that costs a little CPU; hundreds of tests' groups left alive in long-lived workers made
-    later tests measurably slower (2 cores)."""
+    """Destroy the process groups a task created (pipeline tied-weight groups, sparse exchanges, ...). Each idle
+    gloo group keeps a TCP loop thread that costs a little CPU; hundreds of tests' groups left alive in
+    long-lived workers made later tests measurably slower (2 cores).
+
+    DeviceMesh groups (`mesh_*`: the Trainer's pp/dp/tp mesh) stay: DTensor caches sharding and redistribution
+    plans keyed by DeviceMesh, which compares equal across meshes of the same shape, so a later task's FSDP2
+    DTensors would be handed an earlier task's (destroyed) groups ("Could not resolve the process group")."""
     from torch.distributed import distributed_c10d as c10d
     if not dist.is_initialized():  # a task that tore the default group down: the pool restarts anyway
         return
     default = c10d._get_default_group()
     for group in [g for g in list(c10d._world.pg_map) if g is not default]:
+        if str(getattr(group, "group_desc", "")).startswith("mesh"):
+            continue
         try:
             dist.destroy_process_group(group)
         except Exception:  # a group the task already destroyed or broke: the next task starts clean anyway
