@@ -181,7 +181,7 @@ def _addmm(node: Node, g: torch.Tensor, wanted: list[int]) -> dict[int, torch.Te
     if 1 in wanted:
         out[1] = g @ node._saved_mat2.mH
     if 2 in wanted:
-        out[2] = node._saved_mat1.mH @ g
+        out[2] = _weight_grad(node._saved_mat1, g, node._saved_mat2)
     return {k: (v if k == 0 or alpha == 1 else v * alpha) for k, v in out.items()}
 
 
@@ -191,8 +191,16 @@ def _mm(node: Node, g: torch.Tensor, wanted: list[int]) -> dict[int, torch.Tenso
     if 0 in wanted:
         out[0] = g @ node._saved_mat2.mH
     if 1 in wanted:
-        out[1] = node._saved_self.mH @ g
+        out[1] = _weight_grad(node._saved_self, g, node._saved_mat2)
     return out
+
+
+def _weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x^T g laid out like `weight`: nn.Linear multiplies by W.t(), so computing (g^T x).t() hands
+    AccumulateGrad a gradient with W's own strides (no copy there), as autograd's matmul backward does."""
+    if weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) != 1:
+        return (g.mH @ x).mH
+    return x.mH @ g
 
 
 def _layer_norm(node: Node, g: torch.Tensor, wanted: list[int]) -> dict[int, torch.Tensor]:
