@@ -10,11 +10,15 @@ only to parameters, e.g. the weight side of a matmul or a layer norm's affine). 
 hangs off the chain at *boundary* nodes (the matmul, the layer norm). During I a pre-hook on each
 boundary node keeps the gradient arriving at it; W then starts the backward at those boundary
 nodes with the kept gradients, asking only for that branch's parameters, so autograd runs the
-boundary node's parameter half and the branch, never the chain. Parameters sharing a boundary
-(a layer norm's weight and bias) or reached from several boundaries (a weight tied within the
-stage) form one group, run together. Such a weight, read at two places of the chain, is the one case
-where W re-runs chain nodes: those between its two uses (autograd runs every path to a requested
-parameter). An output made without the inputs (a stage's weights-only output) seeds W directly.
+boundary node's parameter half and the branch, never the chain. Matmuls and layer norms (nn.Linear,
+nn.LayerNorm: nearly every boundary) go faster: W computes their parameter half itself from the node's
+saved tensors (grad_w = x^T g) and feeds it to the weight branch, all such groups in one autograd call,
+so W costs those kernels plus one small traversal instead of one autograd call per group.
+Parameters sharing a boundary (a layer norm's weight and bias) or reached from several boundaries (a
+weight tied within the stage) form one group, run together. For other boundary kinds, such a weight,
+read at two places of the chain, is the one case where W re-runs chain nodes: those between its two
+uses (autograd runs every path to a requested parameter). An output made without the inputs (a
+stage's weights-only output) seeds W directly.
 
 What is held between I and W: the graph (I keeps it, as the weight branches need the saved
 activations) plus one gradient per boundary-node output (`WeightWork.held_bytes`).
