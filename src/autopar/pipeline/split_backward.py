@@ -111,7 +111,7 @@ def backward_input(outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor 
 def backward_weight(work: WeightWork) -> None:
     """Accumulate the parameters' gradients into .grad (post-accumulate hooks fire, as in a full backward).
 
-    Groups whose boundaries are all matmuls or layer norms (`_weight_side_grads`) get their
+    Groups whose boundaries are all matmuls or layer norms (`_WEIGHT_SIDE_RULES`) get their
     boundary's weight-side gradients computed here from the saved inputs, and every such group then
     runs in ONE autograd call rooted at those weight-side edges (off the chain, so only the weight
     branches run: each autograd call walks the graph below its roots, so one call instead of one per
