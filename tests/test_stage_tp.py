@@ -49,11 +49,15 @@ LAYOUTS = [
     ("gpt-tiny", 6, {"stage_tp": "4,2"}),
     ("gpt-tiny", 4, {"stage_tp": "1,2,1"}),
     ("hf:llama", 3, {"stage_tp": "2,1"}),
+    # planned boundaries (resharding/ through HeteroBoundary): both directions, 2 -> 4 and 4 -> 2
+    ("gpt-tiny", 6, {"stage_tp": "2,4", "boundary": "scatter_gather"}),
+    ("gpt-tiny", 6, {"stage_tp": "4,2", "boundary": "broadcast", "schedule": "eager-1f1b"}),
 ]
 
 
 @pytest.mark.parametrize("model,world,strategy", LAYOUTS,
-                         ids=[f"{m}-tp{s['stage_tp'].replace(',', '_')}-{s.get('schedule', '1f1b')}" for m, _, s in LAYOUTS])
+                         ids=[f"{m}-tp{s['stage_tp'].replace(',', '_')}-{s.get('schedule', '1f1b')}-{s.get('boundary', 'direct')}"
+                              for m, _, s in LAYOUTS])
 def test_stage_tp_matches_single_process(rank_pool, tmp_path, tmp_path_factory, model, world, strategy):
     expected = reference(rank_pool, tmp_path_factory, model)
     results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
