@@ -3,7 +3,8 @@
 Same reference as the other equivalence tests: a world of one on the whole global batch; losses
 and eval loss within 1e-5 relative, gradient norms (tied embedding/head counted once, slices summed
 over each stage's tp ranks) within 1e-4, whole parameters within 1e-5. One pool per world size,
-2 steps each. The boundary transfer is pipeline/hetero_boundary.py's (whole tensor, modular routing).
+2 steps each. The boundary transfer is pipeline/hetero_boundary.py's: whole tensor, modular routing, or
+(--boundary) planned resharding, run for 2 -> 4 scatter-gather and 4 -> 2 broadcast.
 """
 
 from __future__ import annotations
