@@ -16,6 +16,13 @@ tensors are checked bitwise against the source every time.
 
 The predicted column is the planner's cost model on a nominal link (--latency-us, --bandwidth-gbs),
 a prediction, not a measurement.
+
+    python benchmarks/resharding.py --end-to-end       # a --stage-tp 1,2 gpt-mini pipeline: direct vs planned
+
+--end-to-end trains the same pipeline twice side by side in one run (every rank holds both trainers,
+steps alternate between them, the first --warmup steps untimed): boundaries `direct` (whole tensor
+per receiver) against `--boundary scatter_gather` (or --e2e-boundary); the step time is the slowest
+rank's; the table gives medians, their ratio and both runs' losses (which must agree).
 """
 
 from __future__ import annotations
@@ -117,6 +124,71 @@ def report(rows, args) -> None:
               f"{predicted * 1e3:>8.2f} {sender / nb:>10.2f} {per_rank / nr:>10.2f} {seconds / nt:>10.2f}")
 
 
+def e2e_worker(rank: int, world: int, port: int, args, queue) -> None:
+    """Both trainers on this rank; alternate their steps; rank 0 reports the slowest rank's times."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    import autopar
+    from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
+    from autopar.models import build_model
+    train_data, _ = build_datasets(load_corpus("stdlib"), build_tokenizer("byte"), seq_len=args.seq_len,
+                                   task="causal-lm", seed=0)
+    boundaries = ("direct", args.e2e_boundary)
+    trainers = {}
+    for boundary in boundaries:
+        model, _ = build_model("gpt-mini", {"n_layer": args.layers, "d_model": args.d_model},
+                               vocab_size=padded_vocab_size(258), device="meta")
+        config = autopar.TrainConfig(steps=args.steps + args.warmup, global_batch_size=args.micro * args.microbatches,
+                                     micro_batch_size=args.micro, out=tempfile.mkdtemp(), progress=False,
+                                     timeout_s=300, warmup_steps=1)
+        strategy = autopar.Strategy(stage_tp=args.stage_tp, schedule=args.schedule, boundary=boundary)
+        trainers[boundary] = autopar.Trainer(model, train_data, strategy=strategy, config=config)
+        trainers[boundary]._setup()
+    times = {b: [] for b in boundaries}
+    losses = {b: [] for b in boundaries}
+    for step in range(args.warmup + args.steps):
+        for boundary in (boundaries if step % 2 == 0 else boundaries[::-1]):
+            dist.barrier()
+            began = time.perf_counter()
+            loss = trainers[boundary].train_step(step).loss
+            elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            losses[boundary].append(loss)
+            if step >= args.warmup:
+                times[boundary].append(float(elapsed))
+    if rank == 0:
+        queue.put({"times": times, "losses": losses})
+    dist.destroy_process_group()
+
+
+def end_to_end(args) -> None:
+    import torch.multiprocessing as mp
+
+    from autopar.launch import free_port
+    world = sum(int(t) for t in args.stage_tp.split(","))
+    print(f"end to end: gpt-mini d{args.d_model} L{args.layers}, --stage-tp {args.stage_tp} ({world} gloo ranks, "
+          f"1 thread each, {os.cpu_count()} cores), --schedule {args.schedule}, {args.microbatches} micro-batches of "
+          f"{args.micro} x {args.seq_len}; {args.warmup} warm-up + {args.steps} timed steps each; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    began = time.perf_counter()
+    mp.start_processes(e2e_worker, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn")
+    out = queue.get()
+    direct = statistics.median(out["times"]["direct"])
+    print(f"{'boundary':>16} {'median step (s)':>16} {'vs direct':>10} {'min':>8} {'max':>8}  losses (rank 0)")
+    for boundary, t in out["times"].items():
+        print(f"{boundary:>16} {statistics.median(t):>16.4f} {statistics.median(t) / direct:>10.3f} {min(t):>8.4f} "
+              f"{max(t):>8.4f}  {', '.join(f'{x:.6f}' for x in out['losses'][boundary])}")
+    print(f"wall {time.perf_counter() - began:.0f} s, load average after {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64K,1M,16M,64M", help="boundary sizes (bytes, K/M suffixes)")
@@ -126,7 +198,21 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="64K,1M,4M; receivers 1,2,4; 2 reps")
     parser.add_argument("--latency-us", type=float, default=50.0)
     parser.add_argument("--bandwidth-gbs", type=float, default=1.0)
+    e2e = parser.add_argument_group("end to end (--end-to-end)")
+    e2e.add_argument("--end-to-end", action="store_true", help="time a --stage-tp pipeline: direct vs planned")
+    e2e.add_argument("--stage-tp", default="1,2")
+    e2e.add_argument("--e2e-boundary", default="scatter_gather", help="the planned --boundary to compare")
+    e2e.add_argument("--schedule", default="1f1b")
+    e2e.add_argument("--layers", type=int, default=2)
+    e2e.add_argument("--d-model", type=int, default=256)
+    e2e.add_argument("--seq-len", type=int, default=128)
+    e2e.add_argument("--micro", type=int, default=4, help="micro-batch size")
+    e2e.add_argument("--microbatches", type=int, default=4)
+    e2e.add_argument("--steps", type=int, default=6)
+    e2e.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.end_to_end:
+        return end_to_end(args)
     if args.quick:
         args.sizes, args.receivers, args.reps = "64K,1M,4M", "1,2,4", 2
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]

@@ -3,7 +3,8 @@
 Same reference as the other equivalence tests: a world of one on the whole global batch; losses
 and eval loss within 1e-5 relative, gradient norms (tied embedding/head counted once, slices summed
 over each stage's tp ranks) within 1e-4, whole parameters within 1e-5. One pool per world size,
-2 steps each. The boundary transfer is pipeline/hetero_boundary.py's (whole tensor, modular routing).
+2 steps each. The boundary transfer is pipeline/hetero_boundary.py's: whole tensor, modular routing, or
+(--boundary) planned resharding, run for 2 -> 4 scatter-gather and 4 -> 2 broadcast.
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ LAYOUTS = [
     ("gpt-tiny", 6, {"stage_tp": "4,2"}),
     ("gpt-tiny", 4, {"stage_tp": "1,2,1"}),
     ("hf:llama", 3, {"stage_tp": "2,1"}),
+    # planned boundaries (resharding/ through HeteroBoundary): both directions, 2 -> 4 and 4 -> 2
+    ("gpt-tiny", 6, {"stage_tp": "2,4", "boundary": "scatter_gather"}),
+    ("gpt-tiny", 6, {"stage_tp": "4,2", "boundary": "broadcast", "schedule": "eager-1f1b"}),
 ]
 
 
 @pytest.mark.parametrize("model,world,strategy", LAYOUTS,
-                         ids=[f"{m}-tp{s['stage_tp'].replace(',', '_')}-{s.get('schedule', '1f1b')}" for m, _, s in LAYOUTS])
+                         ids=[f"{m}-tp{s['stage_tp'].replace(',', '_')}-{s.get('schedule', '1f1b')}-{s.get('boundary', 'direct')}"
+                              for m, _, s in LAYOUTS])
 def test_stage_tp_matches_single_process(rank_pool, tmp_path, tmp_path_factory, model, world, strategy):
     expected = reference(rank_pool, tmp_path_factory, model)
     results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
@@ -96,6 +101,8 @@ def test_stage_tp_with_dp_matches_and_checkpoints_whole_tensors(rank_pool, tmp_p
     ({"stage_tp": "1,2", "dp": 2}, 3, "with dp=2"),
     ({"stage_tp": "2,x"}, 3, "must list positive tp degrees"),
     ({"stage_tp": "0,2"}, 2, "must list positive tp degrees"),
+    ({"stage_tp": "1,2", "boundary": "scatter"}, 3, "strategy.boundary (--boundary) must be one of"),
+    ({"tp": 2, "pp": 2, "boundary": "scatter_gather"}, 4, "needs --stage-tp with unequal degrees"),
 ])
 def test_stage_tp_bad_layouts_are_refused(fields, world, message):
     with pytest.raises(ConfigError, match=None) as caught:
@@ -116,6 +123,15 @@ def test_plan_shows_stage_degrees_ranks_and_boundaries(capsys):
     assert "stage 0: tp=2, ranks [[0, 1], [2, 3]]" in out and "stage 1: tp=4, ranks [[4, 5, 6, 7], [8, 9, 10, 11]]" in out
     assert "boundary 0 -> 1: activations tp 2 -> tp 4" in out and "0->0, 1->1, 0->2, 1->3" in out
     assert "(2 sender rank(s) idle)" in out  # gradients 4 -> 2
+    assert main(["plan", "--model", "gpt-tiny", "--stage-tp", "2,4", "--seq-len", "16", "--micro-batch-size", "2",
+                 "--boundary", "scatter_gather"]) == 0
+    # one plan per direction: [2, 16, 64] fp32 is 8 KiB; its busiest link is a receiver's all-gather ring
+    # hop (3 parts of 2 KiB), sender links carry 1/4 each
+    out = capsys.readouterr().out
+    assert "activation add_2: reshard [2, 16, 64] x4 B (8.0 KiB) tp2 [0, 1] replicated -> tp4 [2, 3, 4, 5] " \
+           "replicated: scatter_gather, 1 tile(s), max 6.0 KiB per link, predicted" in out, out
+    assert "gradient   add_2: reshard [2, 16, 64] x4 B (8.0 KiB) tp4 [2, 3, 4, 5] replicated -> tp2 [0, 1]" in out
+    assert "times are cost-model predictions" in out
     ns = build_parser().parse_args(["plan", "--model", "gpt-tiny", "--stage-tp", "1,3", "--seq-len", "16"])
     with pytest.raises(ConfigError, match="tp=3 does not divide the 4 heads"):  # main() would exit the process
         cmd_plan(ns)

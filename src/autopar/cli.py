@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from .config import PARTITION_METHODS, SECTION_TYPES, JobConfig, coerce, load_toml, merge
+from .config import BOUNDARY_TRANSFERS, PARTITION_METHODS, SECTION_TYPES, JobConfig, coerce, load_toml, merge
 from .distributed import DistEnv
 from .errors import AutoparError, ConfigError, Preempted
 
@@ -258,6 +258,9 @@ def _plan_stage_tp(ns: argparse.Namespace, graph, info, cap) -> int:
               for s, t in enumerate(degrees)]
     boundaries = [{"from": s, "to": s + 1, "forward": boundary_routes(degrees[s], degrees[s + 1]),
                    "backward": boundary_routes(degrees[s + 1], degrees[s])} for s in range(len(degrees) - 1)]
+    if ns.boundary != "direct":  # the planned transfers --boundary would run (replica 0's ranks)
+        for b in boundaries:
+            b["forward"], b["backward"] = _boundary_plans(ns.boundary, table, b["from"], result.boundaries[b["from"]])
     if ns.json:
         print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len], "dp": dp,
                           **result.to_dict(), "stage_tp": list(degrees), "stage_layouts": stages,
@@ -271,8 +274,33 @@ def _plan_stage_tp(ns: argparse.Namespace, graph, info, cap) -> int:
     for stage in stages:
         print(f"stage {stage['stage']}: tp={stage['tp']}, ranks {stage['ranks']} ([dp][tp rank]); {stage['tp_split']}")
     for b in boundaries:
-        print(f"boundary {b['from']} -> {b['to']}: activations {b['forward']}; gradients {b['backward']}")
+        if ns.boundary == "direct":
+            print(f"boundary {b['from']} -> {b['to']}: activations {b['forward']}; gradients {b['backward']}")
+            continue
+        print(f"boundary {b['from']} -> {b['to']} (--boundary {ns.boundary}; times are cost-model predictions):")
+        for line in b["forward"]:
+            print(f"  activation {line}")
+        for line in b["backward"]:
+            print(f"  gradient   {line}")
     return 0
+
+
+def _boundary_plans(method: str, table, sender: int, values) -> tuple[list[str], list[str]]:
+    """The resharding plans (ReshardPlan.describe()) for one boundary's values: activations, then gradients."""
+    import torch
+
+    from .resharding import Layout, plan_resharding
+    ahead, back = Layout(ranks=tuple(table[sender][0])), Layout(ranks=tuple(table[sender + 1][0]))
+    forward, backward = [], []
+    for value in values:
+        dtype = getattr(torch, str(value.dtype).removeprefix("torch."))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        forward.append(f"{value.name}: " + plan_resharding(value.shape, itemsize, ahead, back, method,
+                                                          dtype=dtype).describe())
+        if value.needs_grad:
+            backward.append(f"{value.name}: " + plan_resharding(value.shape, itemsize, back, ahead, method,
+                                                               dtype=dtype).describe())
+    return forward, backward
 
 
 def cmd_reproduce(ns: argparse.Namespace) -> int:
@@ -316,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pp", type=int, default=None, help="number of pipeline stages (default 2)")
     plan.add_argument("--stage-tp", default=None, help="per-stage tp degrees, e.g. 2,4: show each stage's degree "
                       "and ranks and each boundary's transfer (pp is the list's length)")
+    plan.add_argument("--boundary", default="direct", choices=BOUNDARY_TRANSFERS, help="with --stage-tp: the "
+                      "boundary transfer to show, as train's --boundary (direct: whole-tensor routes; the others: "
+                      "the resharding plan of each boundary tensor, activation and gradient; auto: the cheapest "
+                      "predicted)")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: show which layers are split how, "
                       "and which stay replicated and why")
     plan.add_argument("--method", default="time", choices=PARTITION_METHODS,

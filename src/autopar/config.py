@@ -56,6 +56,8 @@ DEFAULT_CHECKPOINT_EVERY = 100  # steps; a restart or a preemption loses at most
 SEARCH_MODES = ("manual", "auto")
 ZERO_LEVELS = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "bf16-autocast")
+# How --stage-tp boundary tensors move (pipeline/hetero_boundary.py; the methods are resharding/planner.py's).
+BOUNDARY_TRANSFERS = ("direct", "send_recv", "scatter_gather", "broadcast", "auto")
 
 
 @dataclass(kw_only=True)
@@ -71,6 +73,9 @@ class Strategy:
     pp: int = _f(1, "pipeline-parallel degree (stages)")
     stage_tp: str | None = _f(None, "per-stage tensor-parallel degrees, e.g. 2,4 (stage 0 tp=2, stage 1 tp=4): pp is "
                                     "the list's length and nproc = dp * their sum; all equal is the same as --tp")
+    boundary: str = _f("direct", f"--stage-tp boundary transfers: {'|'.join(BOUNDARY_TRANSFERS)} (direct: whole tensor "
+                                 "from one sender per receiver; the others are planned resharding, auto the cheapest "
+                                 "predicted)")
     schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
     vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
                                     "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
@@ -126,8 +131,15 @@ class Strategy:
 
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
+        if self.boundary not in BOUNDARY_TRANSFERS:
+            raise ConfigError(f"strategy.boundary (--boundary) must be one of {choices(BOUNDARY_TRANSFERS)}, "
+                              f"got {self.boundary!r}")
         if self.stage_tp is not None:
             return self._resolved_stage_tp(world_size)
+        if self.boundary != "direct":
+            raise ConfigError(f"--boundary {self.boundary} plans the transfers between stages of different tp "
+                              f"degrees and needs --stage-tp with unequal degrees (e.g. 2,4); got "
+                              f"tp={self.tp} pp={self.pp} without it: use --boundary direct")
         for name in ("tp", "pp"):
             _check_positive_int(f"strategy.{name}", getattr(self, name))
         if self.dp is not None:
@@ -209,8 +221,9 @@ class Strategy:
         for refused, why in refusals:
             if refused:
                 raise ConfigError(f"{given} (stages of different tp degrees) cannot be combined with {why}")
-        checked = dataclasses.replace(self, stage_tp=None, tp=1, pp=len(degrees), dp=None).resolved(len(degrees))
-        return dataclasses.replace(checked, stage_tp=",".join(map(str, degrees)), dp=dp)
+        checked = dataclasses.replace(self, stage_tp=None, tp=1, pp=len(degrees), dp=None,
+                                      boundary="direct").resolved(len(degrees))
+        return dataclasses.replace(checked, stage_tp=",".join(map(str, degrees)), dp=dp, boundary=self.boundary)
 
 
 STAGE_TP_SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")

@@ -95,7 +95,8 @@ class PipelineEngine(EngineBase):
         if self.stage_tp is not None:  # stages of different tp degrees (mesh.StageMesh)
             tp = mesh.size("tp")
             boundary = HeteroBoundary(mesh.table, stage=mesh.stage, dp_index=mesh.dp_index, tp_index=mesh.tp_index,
-                                      device=device, num_microbatches=num_microbatches)
+                                      device=device, num_microbatches=num_microbatches, method=strategy.boundary,
+                                      timeout_s=timeout_s)
         self.pipe = build_local_pipeline(
             model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"), pp_group=None if boundary else mesh.group("pp"),
             device=device, seed=seed,

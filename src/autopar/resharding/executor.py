@@ -204,6 +204,21 @@ class Resharder:
             gather = (group, dist.get_process_group_ranks(group), contribution, gathered)
         return PendingReshard(plan, out, works, kept, copies, gather)
 
+    def replan(self, plan_index: int, plan: ReshardPlan) -> None:
+        """Put `plan` in slot plan_index: the same ranks and method as the plan there, another shape or dtype.
+
+        Not collective (it creates no group), so a caller that learns a tensor's shape only when it first
+        moves (the pipeline's boundaries) builds the Resharder at set-up on stand-in plans and swaps the
+        real ones in later; the ranks of one slot must swap before their first `start` on it."""
+        old = self.plans[plan_index]
+        if (plan.src, plan.dst, plan.method) != (old.src, old.dst, old.method) or len(plan.tiles) > self._tiles_stride:
+            raise ConfigError(f"Resharder.replan: plans[{plan_index}] may only change shape or dtype (same layouts, "
+                              f"method and at most {self._tiles_stride} tiles); was {old.describe()}, got "
+                              f"{plan.describe()}")
+        plans = list(self.plans)
+        plans[plan_index] = plan
+        self.plans = tuple(plans)
+
     def _check_local(self, plan: ReshardPlan, local: torch.Tensor | None) -> torch.Tensor | None:
         me = self.rank
         if me not in plan.src.ranks:
