@@ -231,7 +231,7 @@ def report_part5(result: dict, args) -> str:
     i2, w2 = s["I, W (two passes)"]
     lines = ["== 5. zero bubble: the I/W split, and zero-bubble schedules against torch's ==",
              f"gpt-mini with n_layer={result['n_layer']} (2pp stages need 2pp blocks)",
-             f"5a. one stage (second of 2), one process, medians of 15:",
+             "5a. one stage (second of 2), one process, medians of 15:",
              f"  B (fused backward)            {s['B'] * 1e3:8.2f} ms",
              f"  I + W (split_backward)        {(i + w) * 1e3:8.2f} ms  (I {i * 1e3:.2f} + W {w * 1e3:.2f})  "
              f"ratio to B {(i + w) / s['B']:.3f}",

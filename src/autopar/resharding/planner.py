@@ -30,7 +30,7 @@ import torch
 
 from ..errors import ConfigError, choices
 from .cost import link_model, phase_seconds
-from .layout import Box, Layout, contains, intersect, numel, shape_of
+from .layout import Box, Layout, contains, intersect, numel
 
 METHODS = ("naive", "send_recv", "scatter_gather", "broadcast")
 _AUTO_ORDER = ("send_recv", "scatter_gather", "broadcast", "naive")  # ties go to the simplest
