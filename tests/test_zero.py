@@ -204,11 +204,15 @@ def _step2(run: str) -> str:
 
 
 @pytest.mark.parametrize("saved,resumed_as", [({"zero": 1}, {"dp": 2, "tp": 2}),
-                                               ({"dp": 2, "pp": 2, "zero": 3}, {"dp": 2, "tp": 2, "zero": 3})],
-                         ids=["zero1-to-tp2", "zero3-pp2-to-zero3-tp2"])
+                                               ({"dp": 2, "pp": 2, "zero": 3}, {"dp": 2, "tp": 2, "zero": 3}),
+                                               ({"dp": 2, "tp": 2, "zero": 2}, {"zero": 3}),
+                                               ({"zero": 3}, {"dp": 2, "pp": 2, "zero": 1})],
+                         ids=["zero1-to-tp2", "zero3-pp2-to-zero3-tp2", "zero2-tp2-to-zero3", "zero3-to-zero1-pp2"])
 def test_zero_checkpoint_resumes_under_another_layout(rank_pool, tmp_path, saved, resumed_as):
     """Checkpoints hold whole tensors: a dp 4 ZeRO-1 run's shards, gathered at save, resume at dp 2 x tp 2;
-    a ZeRO-3 pipeline's stage shards (DTensors) resume as ZeRO-3 shards of tensor-parallel slices."""
+    a ZeRO-3 pipeline's stage shards (DTensors) resume as ZeRO-3 shards of tensor-parallel slices; ZeRO-2 shards
+    of tp slices resume as dp 4 FSDP2 shards, and those as ZeRO-1 shards of pipeline stages. With the plain run
+    resumed under ZeRO-2 and -3 below, every level is saved and resumed under another level and layout."""
     kwargs = dict(steps=4, checkpoint_every=2, micro_batch_size=2, model_args=MODEL_ARGS)
     full = rank_pool(4).run(train_builtin, "gpt-tiny", str(tmp_path / "zero"), strategy=saved, **kwargs)[0]
     resumed = rank_pool(4).run(train_builtin, "gpt-tiny", str(tmp_path / "tp"), strategy=resumed_as,
