@@ -82,16 +82,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0 or not (dist.is_available() and dist.is_initialized()):
+    made_here = not (args.model and args.tokenizer and args.data)  # some input is the example's own
+    if made_here and (rank == 0 or not (dist.is_available() and dist.is_initialized())):
         make_inputs(Path(args.workdir))
-    if dist.is_available() and dist.is_initialized():
+    if made_here and dist.is_available() and dist.is_initialized():
         dist.barrier()  # rank 0 wrote the inputs
     inputs = (Path(args.workdir) / "pretrained", Path(args.workdir) / "tokenizer.json",
               Path(args.workdir) / "pairs.jsonl")
     trainer = make_trainer(job_for(args, *inputs))
     result = trainer.train()
     return {"losses": result.losses, "eval_loss": result.eval_loss, "export": str(Path(args.workdir) / "exported"),
-            "bytes_read": trainer.pretrained_bytes_read, "pretrained": str(inputs[0])}
+            "bytes_read": trainer.pretrained_bytes_read, "pretrained": str(args.model or inputs[0])}
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """Pretrained Hugging Face folders in, fine-tuned under parallel layouts, exported back (issue 19).
 
-A small random model of each family is saved with `save_pretrained` (no network), fine-tuned on
-prompt/response pairs (loss on the response only) with a BPE tokenizer trained on the embedded corpus,
-under a parallel layout and on one process. Equivalence: losses within 1e-5 relative and exported
+A small random model of each family (gpt2, qwen2, and llama: the example's sharded folder) is saved with
+`save_pretrained` (no network), fine-tuned on prompt/response pairs (loss on the response only) with a BPE
+tokenizer trained on the embedded corpus, under a parallel layout (each family once in 3D, dp2 x tp2 x pp2,
+under another zero level each) and on one process. Equivalence: losses within 1e-5 relative and exported
 weights within 5e-5 absolute of the single-process run (AdamW divides each update by the gradient's
 own scale, so an element whose gradient is near zero can move by a fraction of lr = 1e-3 differently
 when the layout reorders float sums; the losses are the tight check). Round trip: `from_pretrained` of
 the export gives the logits of autopar's final model (one process: same weights, same code, 1e-6
-absolute; a parallel run's export: 1e-4 relative). Each rank reads only its part of the weights.
-The third family (llama, sharded safetensors, tp2) is examples/finetune_hf.py itself.
+absolute; a parallel run's export: 1e-4 relative of the one-process export, so of autopar's final model).
+Each rank reads only its part of the weights. examples/finetune_hf.py itself runs llama under tp2.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def inputs(tmp_path_factory):
     sys.path.insert(0, str(EXAMPLES))
     import finetune_hf
     workdir = tmp_path_factory.mktemp("inputs")
-    _, tokenizer, pairs = finetune_hf.make_inputs(workdir)
-    return {"tokenizer": str(tokenizer), "pairs": str(pairs), "cache": str(workdir / "cache")}
+    llama, tokenizer, pairs = finetune_hf.make_inputs(workdir)  # llama: the example's sharded folder
+    return {"tokenizer": str(tokenizer), "pairs": str(pairs), "cache": str(workdir / "cache"), "llama": llama}
 
 
 def finetune(folder: str, inputs: dict, out: str, strategy: dict, micro_batch_size: int) -> dict:
@@ -114,30 +115,128 @@ def assert_same_fine_tune(one: dict, many: list[dict], one_dir: Path, many_dir: 
     return ref_logits
 
 
-# (family, world, strategy, micro-batch size); under ZeRO-3 each rank reads only its dp rows of its stage
-LAYOUTS = [("gpt2", 4, {"dp": 2, "pp": 2}, 2), ("qwen2", 2, {"tp": 2}, 4),
-           ("gpt2", 4, {"dp": 2, "pp": 2, "zero": 3}, 2), ("qwen2", 4, {"dp": 2, "tp": 2, "zero": 2}, 2),
-           ("gpt2", 2, {"zero": 3}, 4)]
+# (family, world, strategy, micro-batch size); under ZeRO-3 each rank reads only its dp rows of its stage. Each
+# family is trained 3D (dp2 x tp2 x pp2) once, under another zero level each; tp2 alone is the example's test.
+LAYOUTS = [("gpt2", 4, {"dp": 2, "pp": 2}, 2), ("gpt2", 2, {"zero": 3}, 4),
+           ("gpt2", 8, {"dp": 2, "tp": 2, "pp": 2, "zero": 3}, 2),
+           ("qwen2", 8, {"dp": 2, "tp": 2, "pp": 2, "zero": 2}, 2),
+           ("llama", 8, {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2)]
 _one_process: dict = {}  # family -> (pretrained folder, one-process result, its run folder): one run per family
+
+
+def one_process(rank_pool, tmp_path_factory, inputs, family: str):
+    """The family's pretrained folder (llama: the example's sharded one), its one-process fine-tune and run folder."""
+    if family not in _one_process:
+        base = tmp_path_factory.mktemp(f"one-{family}")
+        folder = inputs["llama"] if family == "llama" else save_pretrained(family, base / "pretrained")
+        _one_process[family] = folder, rank_pool(1).run(finetune, str(folder), inputs, str(base / "one"), {}, 8)[0], \
+            base / "one"
+    return _one_process[family]
 
 
 @pytest.mark.parametrize("family,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
 def test_finetune_layout_matches_one_process_and_exports(rank_pool, tmp_path, tmp_path_factory, inputs, family,
                                                          world, strategy, micro):
-    if family not in _one_process:
-        base = tmp_path_factory.mktemp(f"one-{family}")
-        folder = save_pretrained(family, base / "pretrained")
-        _one_process[family] = folder, rank_pool(1).run(finetune, str(folder), inputs, str(base / "one"), {}, 8)[0], \
-            base / "one"
-    folder, one, one_dir = _one_process[family]
+    folder, one, one_dir = one_process(rank_pool, tmp_path_factory, inputs, family)
     many = rank_pool(world).run(finetune, str(folder), inputs, str(tmp_path / "many"), strategy, micro)
     assert one["kind"] == "instruction"
     ref_logits = assert_same_fine_tune(one, many, one_dir, tmp_path / "many", folder)
     # from_pretrained of the export runs autopar's final weights through the same HF code
     assert (ref_logits - one["logits"]).abs().max() < 1e-6
-    if strategy.get("zero") == 3:  # half of the model's rows per rank (dp 2), of a stage's rows with pp 2
-        whole, share = tensor_bytes(folder), 0.45 if strategy.get("pp", 1) > 1 else 0.55
+    # each rank reads its stage's tp slices (a quarter at tp2 x pp2: measured 0.25), under ZeRO-3 only its dp rows
+    # of them (dp 2: half the model; 0.17 in 3D, not 0.125: norms and biases are whole in each tp slice)
+    pp, tp, zero3 = strategy.get("pp", 1), strategy.get("tp", 1), strategy.get("zero") == 3
+    share = {(1, 1, True): 0.55, (2, 2, True): 0.2, (2, 2, False): 0.3}.get((pp, tp, zero3))
+    if share is not None:
+        whole = tensor_bytes(folder)
         assert all(got["bytes_read"] < share * whole for got in many), ([g["bytes_read"] for g in many], whole)
+
+
+def test_export_command_line_writes_the_trained_weights_sharded(rank_pool, tmp_path, tmp_path_factory, inputs,
+                                                                capsys):
+    """`autopar export RUN --to hf OUT --max-shard-mb M` (no ranks) on the one-process gpt2 run: several shards and
+    an index, the very tensors --export-hf wrote at the end of training (bitwise: the same checkpoint values), the
+    tied head once, the run's tokenizer; from_pretrained gives autopar's final logits (1e-6, as above)."""
+    from autopar.cli import build_parser, cmd_export
+    from autopar.errors import ConfigError
+    from autopar.models.pretrained import INDEX_FILE
+    from autopar.train.hf_export import export_hf
+    _, one, one_dir = one_process(rank_pool, tmp_path_factory, inputs, "gpt2")
+    ns = build_parser().parse_args(["export", str(one_dir), "--to", "hf", str(tmp_path / "exported"),
+                                    "--max-shard-mb", "0.05"])
+    assert cmd_export(ns) == 0
+    assert "from_pretrained" in capsys.readouterr().out
+    shards = sorted((tmp_path / "exported").glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "exported" / INDEX_FILE).is_file()
+    assert (tmp_path / "exported" / "tokenizer.json").read_text() == Path(inputs["tokenizer"]).read_text()
+    weights, logits = exported(tmp_path)
+    at_end, _ = exported(one_dir)
+    assert weights.keys() == at_end.keys() and "lm_head.weight" not in weights  # tied: stored once
+    assert all(torch.equal(weights[n], at_end[n]) for n in weights)
+    assert (logits - one["logits"]).abs().max() < 1e-6
+    for rank in (1, 0):  # two writers, each its own shards (as the ranks do at the end of training): the same files
+        export_hf(one_dir, tmp_path / "by-two", max_shard_bytes=int(0.05 * 2**20), rank=rank, world=2)
+    files = sorted(p.name for p in (tmp_path / "exported").iterdir())
+    assert sorted(p.name for p in (tmp_path / "by-two").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "by-two" / name).read_bytes() == (tmp_path / "exported" / name).read_bytes(), name
+    with pytest.raises(ConfigError, match="the only format is hf"):
+        cmd_export(build_parser().parse_args(["export", str(one_dir), "--to", "gguf", str(tmp_path / "x")]))
+
+
+def test_bpe_tokenizer_is_reused_on_resume(tmp_path):
+    """--tokenizer bpe learns from the training text and is saved with the run; a resumed run (given the run folder
+    or one of its checkpoints) reads it back instead of learning again, even when the data file changed since."""
+    from autopar.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+    from autopar.job import TOKENIZER_FILE, build_job_tokenizer, data_files
+
+    def job(resume=None):
+        return JobConfig(model=ModelConfig(name="gpt-tiny"),
+                         data=DataConfig(tokenizer="bpe", vocab_size=300, data=str(docs), data_cache=str(tmp_path)),
+                         train=TrainConfig(out=str(tmp_path / "run"), resume=resume))
+
+    def learned(resume=None):
+        j = job(resume)
+        return build_job_tokenizer(j, None, data_files(j)).to_json()
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"alpha beta gamma {k} " * 8}) + "\n" for k in range(20)))
+    first = learned()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    (tmp_path / "run" / TOKENIZER_FILE).write_text(first)
+    docs.write_text("".join(json.dumps({"text": f"delta epsilon zeta {k} " * 8}) + "\n" for k in range(20)))
+    assert learned() != first  # learning again on the changed file gives another tokenizer
+    assert learned(str(tmp_path / "run")) == first
+    assert learned(str(checkpoint)) == first
+
+
+def test_right_padding_needs_no_attention_mask():
+    """Instruction samples are right-padded and given to the model without an attention_mask: attention is causal,
+    so no real position attends to the padding after it, and positions count from 0 either way. The loss of a
+    padded sample equals that of the unpadded record, and an attention_mask changes nothing it sees (gpt2: learned
+    positions; llama: rotary). Tolerance 1e-5 relative: the shorter call runs other kernel shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autopar.data.files import instruction_tensors
+    from autopar.train.loss import token_loss_sum
+    prompt, response = [5, 17, 33, 8, 90, 41], [7, 7, 120, 64, 3]
+    inputs, labels = instruction_tensors([prompt], [response], seq_len=24, eos_id=1, pad_id=0)
+    n = len(prompt) + len(response)  # real inputs; the rest is padding
+    assert (inputs[0, n:] == 0).all() and (labels[0, n:] == -100).all() and (labels[0, :n] != -100).sum() == 6
+    batch = {"input_ids": inputs.long(), "labels": labels.long()}
+    alone = {"input_ids": inputs[:, :n].long(), "labels": labels[:, :n].long()}
+    mask = (torch.arange(24) < n).long()[None]
+    for family in ("gpt2", "llama"):
+        config = AutoConfig.for_model(family, vocab_size=VOCAB, use_cache=False, pad_token_id=0, **FAMILIES[family])
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            padded = token_loss_sum(model(batch["input_ids"]), batch)
+            unpadded = token_loss_sum(model(alone["input_ids"]), alone)
+            masked = token_loss_sum(model(batch["input_ids"], attention_mask=mask), batch)
+        assert abs(padded - unpadded) < 1e-5 * unpadded, (family, padded, unpadded)
+        assert abs(padded - masked) < 1e-5 * unpadded, (family, padded, masked)
 
 
 def test_tp_slice_read_equals_slice_of_whole(tmp_path):
@@ -182,13 +281,16 @@ def test_zero3_rows_of_a_tp_slice_are_read_straight_from_the_file(tmp_path):
     assert torch.equal(weights._read_rows(fused, None, (32, 32)), whole[32:64])
 
 
-def test_example_llama_sharded_tp2_matches_one_process(rank_pool, tmp_path):
-    """examples/finetune_hf.py: a sharded Llama folder fine-tuned under tp2 and on one process."""
-    one = rank_pool(1).run(run_example, "finetune_hf", ["--workdir", str(tmp_path / "one"), "--micro-batch-size", "8"])[0]
-    many = rank_pool(2).run(run_example, "finetune_hf", ["--workdir", str(tmp_path / "many"), "--tp", "2"])
-    pretrained = Path(one["pretrained"])
-    assert (pretrained / "model.safetensors.index.json").is_file()
-    assert_same_fine_tune(one, many, Path(one["export"]).parent, Path(many[0]["export"]).parent, pretrained)
+def test_example_llama_sharded_tp2_matches_one_process(rank_pool, tmp_path, tmp_path_factory, inputs):
+    """examples/finetune_hf.py under tp2 on the inputs it made itself (a sharded Llama folder, a BPE, pairs), against
+    the one-process fine-tune of the same inputs (the same settings as the example's)."""
+    folder, one, one_dir = one_process(rank_pool, tmp_path_factory, inputs, "llama")
+    argv = ["--workdir", str(tmp_path / "many"), "--tp", "2", "--model", str(folder), "--tokenizer",
+            inputs["tokenizer"], "--data", inputs["pairs"]]
+    many = rank_pool(2).run(run_example, "finetune_hf", argv)
+    assert (Path(folder) / "model.safetensors.index.json").is_file()
+    assert Path(many[0]["pretrained"]) == Path(folder)
+    assert_same_fine_tune(one, many, one_dir, Path(many[0]["export"]).parent, Path(folder))
     assert (Path(many[0]["export"]) / "tokenizer.json").is_file()
 
 
@@ -221,6 +323,12 @@ def test_bad_inputs_are_refused_with_what_and_why(tmp_path):
     with pytest.raises(AutoparError, match=r"transformer.wpe.weight: the file holds \[128, 64\], the model expects "
                                            r"\[64, 64\]"):
         PretrainedWeights(bare, model)
+    for layers, message in ((3, r"lack 12 parameter\(s\) of the model: transformer.h.2"),
+                            (1, r"hold 12 tensor\(s\) the model does not have: transformer.h.1")):
+        (bare / "config.json").write_text(json.dumps({**config, "n_layer": layers}))
+        model, _ = build_model(f"hf:{bare}", device="meta")
+        with pytest.raises(AutoparError, match=message):
+            PretrainedWeights(bare, model)
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"body": "some words " * 20}) + "\n" for _ in range(8)))
     with pytest.raises(AutoparError, match=r"no field 'text'.*its fields are \['body'\]"):

@@ -106,7 +106,7 @@ def _kind(records, files: DataFiles, path: str) -> str:
 
 def training_text(files: DataFiles) -> str:
     """The training file's text (what a BPE tokenizer learns): documents, or prompts and responses."""
-    records = read_records(files.path)
+    records = read_records(files.path, str(_cache_root(files) / "datasets"))
     kind = _kind(records, files, files.path)
     if kind == "text":
         return "\n".join(str(t) for t in records[files.text_field])
@@ -115,7 +115,11 @@ def training_text(files: DataFiles) -> str:
 
 class InstructionSamples(Dataset):
     """One sample per prompt/response record: labels are the next tokens of the response (and its end), -100
-    on the prompt and on padding; too long records are cut at seq_len."""
+    on the prompt and on padding; too long records are cut at seq_len.
+
+    No attention_mask: the padding is on the right and causal attention never lets a real position see a later
+    one, and positions count from 0 either way, so every logit the loss reads is the unpadded record's
+    (tests/test_hf_io.py). A mask would be one more field to trace and carry through every pipeline stage."""
 
     def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor):
         self.input_ids, self.labels = input_ids, labels
