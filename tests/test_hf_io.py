@@ -355,6 +355,14 @@ def test_any_causal_lm_type_builds_small_by_name():
     assert model.config.num_hidden_layers == 1 and model.config.hidden_size == 64
 
 
+def test_models_hf_lists_the_causal_lm_types(capsys):
+    """`autopar models --hf`: every causal-LM type transformers knows, as --model hf:<type>; no encoder-decoder."""
+    from autopar.cli import build_parser, cmd_models
+    assert cmd_models(build_parser().parse_args(["models", "--hf"])) == 0
+    listed = {line.strip() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert {"hf:gpt2", "hf:llama", "hf:qwen2", "hf:mistral"} <= listed and "hf:t5" not in listed
+
+
 def test_data_files_every_format_gives_the_same_tokens_once(tmp_path):
     """jsonl, parquet, csv and a save_to_disk folder of the same documents pack into the same windows; a second
     read comes from the fingerprint cache; an eval file is used as given; a .txt file is one document."""
