@@ -21,6 +21,14 @@ pipeline engine reduce-scatters once per step (its schedules interleave micro-ba
 backward into input and weight halves) and releases the full buffers after it.
 
 Gradients are SUMMED over the group (the loss is pre-scaled, as in grad_sync.py).
+
+On gloo, level 1's fp32 buckets are reduced by an all-reduce of the full bucket, from which each
+replica copies its shard: gloo's reduce-scatter costs about twice its all-reduce of the same
+buffer (3.3M floats, 2 ranks: 47 ms against 25 ms; 4 ranks: 65 against 36; /tmp microbenchmark,
+2026-11-25, loaded 2-core machine), so the collective meant to move half the bytes is the slower
+one there. Level 1 keeps the full buffer anyway, so no memory is added. Level 2 and bf16 buckets
+keep the reduce-scatter (their landing buffer is part of the memory formula in
+search/zero_memory.py); NCCL and other backends reduce-scatter everywhere.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ class ShardedGradients:
         # how the buckets are split: over the replicas, or (level 0) one whole copy on each
         self.world, self.rank = (self.dp, dist.get_rank(group)) if level >= 1 else (1, 0)
         self.per_micro_batch = per_micro_batch and level >= 2
+        self.reduce_by_all_reduce = level == 1 and dist.get_backend(group) == "gloo"
         unique: dict[int, nn.Parameter] = {}
         for p in params:
             if p.requires_grad:
@@ -194,6 +203,9 @@ class ShardedGradients:
         if self.world == 1:  # level 0: all-reduce the whole bucket (nothing when dp is 1)
             bucket.work = dist.all_reduce(bucket.full, group=self.group, async_op=True) if self.dp > 1 else None
             out = bucket.full
+        elif self.reduce_by_all_reduce and bucket.dtype == torch.float32:
+            bucket.work = dist.all_reduce(bucket.full, group=self.group, async_op=True)
+            out = bucket.full
         else:
             if bucket.dtype == torch.float32 and not self.per_micro_batch:
                 out = bucket.shard_grad  # once per step, fp32: land straight in the shard
@@ -210,8 +222,14 @@ class ShardedGradients:
             bucket.work.wait()
             bucket.work = None
         out = bucket.pending_out
-        if out is not bucket.shard_grad:
-            bucket.shard_grad.add_(out[:bucket.shard] if self.world == 1 else out)
+        if out is bucket.full:  # level 0, or an all-reduce on gloo: this replica's part of the whole sum
+            piece = out[self.rank * bucket.shard:(self.rank + 1) * bucket.shard]
+            if self.world > 1:
+                bucket.shard_grad.copy_(piece)  # what the reduce-scatter straight into the shard would leave
+            else:
+                bucket.shard_grad.add_(piece)
+        elif out is not bucket.shard_grad:
+            bucket.shard_grad.add_(out)
         bucket.pending_out = None
 
     def _launch_ready(self) -> None:
