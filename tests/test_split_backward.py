@@ -81,7 +81,7 @@ def test_input_then_weight_equals_one_backward_without_rerunning_the_chain(input
     assert (work.held_bytes > 0) == input_needs_grad  # gradients kept at the weight-reading nodes
     nodes = _graph([o.grad_fn for o in outs])
     chain = {n for n in nodes if input_needs_grad and x.view_as(x).grad_fn.next_functions[0][0] in _graph([n])}
-    boundaries = {b for g in work.groups for b in g.boundaries}
+    boundaries = set(work.boundaries)
     ran = []
     hooks = [n.register_prehook(lambda g, n=n: ran.append(n)) for n in nodes]
     backward_weight(work)
@@ -119,7 +119,7 @@ def test_direct_weight_halves_match_autograd_and_fire_accumulate_hooks():
     x = x0.clone().requires_grad_()
     out = model(x)
     got, work = backward_input([out], [grad], [x], params)
-    kinds = {type(b).__name__ for g in work.groups for b in g.boundaries}
+    kinds = {type(b).__name__ for b in work.boundaries}
     assert kinds == {"AddmmBackward0", "MmBackward0", "NativeLayerNormBackward0"}  # all three direct rules
     assert not fired
     backward_weight(work)

@@ -34,33 +34,72 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from .split_plan import SplitPlanCache, analyse, node_of, structure_key, walk
+from .split_plan import GroupPlan, SplitPlan, SplitPlanCache, analyse, node_of, structure_key, walk
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A SplitPlan laid out for the two calls (built once per graph structure, cached with it): what
+    I asks autograd for besides the inputs, and what W does with each answer. Numbers are node
+    numbers of split_plan.walk and positions in the parameter and output lists."""
+
+    chained: tuple[bool, ...]  # per output: does it depend on the inputs
+    boundaries: tuple[int, ...]  # every boundary node
+    captures: tuple[tuple[int, int, tuple], ...]  # (node, slot or -1 for all its inputs, what it is for):
+    # ("item", i): item i's gradient; ("early", 0): a weight-side gradient W roots at as it is;
+    # ("fallback", g, b): boundary b of fallback group g
+    items: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (boundary, its W edges (k, target, slot))
+    params: tuple[int, ...]  # the parameters of W's one call
+    seeds: tuple[int, ...]  # outputs made without the inputs seeding that call (each once)
+    fallback: tuple[GroupPlan, ...]  # groups with a custom autograd.Function boundary
+
+
+def _layout(plan: SplitPlan, order: list[Node]) -> _Layout:
+    captures, items, params, seeds, fallback = [], [], [], [], []
+    for group in plan.groups:
+        if group.fallback:
+            captures += [(b, -1, ("fallback", len(fallback), i)) for i, b in enumerate(group.boundaries)]
+            fallback.append(group)
+            continue
+        for b, edges in zip(group.boundaries, group.wanted):
+            if edges:
+                first_only = type(order[b]).__name__ in _WEIGHT_SIDE_RULES  # a rule reads input 0's gradient
+                captures.append((b, 0 if first_only else -1, ("item", len(items))))
+                items.append((b, edges))
+        captures += [(j, slot, ("early", 0)) for j, slot in group.early]
+        params += group.params
+        seeds += [k for k in group.seeds if k not in seeds]
+    return _Layout(plan.chained, tuple(b for g in plan.groups for b in g.boundaries), tuple(captures),
+                   tuple(items), tuple(params), tuple(seeds), tuple(fallback))
 
 
 @dataclass(eq=False)  # compared by identity (fields hold tensors)
-class _Group:
-    """Parameters whose weight branches meet the chain at the same boundary nodes."""
+class _Fallback:
+    """A group W runs through autograd from its boundary nodes (a custom autograd.Function among them)."""
 
     params: list[torch.Tensor]
-    boundaries: list[Node]  # chain nodes whose gradients feed the branch (captured during I)
-    wanted: list[list[tuple[int, GradientEdge]]]  # per boundary: (its edge, that edge) for W to compute
-    fallback: bool  # W runs this group through autograd from its boundary nodes (see backward_weight)
-    seeds: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)  # off-chain outputs' own grads
-    grads: dict[int, tuple] = field(default_factory=dict)  # boundary index -> gradients at that node's inputs
-    early: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)  # weight-side grads I computed
+    boundaries: list[Node]
+    seeds: list[tuple[GradientEdge, torch.Tensor]]
+    grads: dict[int, tuple] = field(default_factory=dict)  # boundary index -> gradients at its inputs
 
 
-@dataclass
+@dataclass(eq=False)
 class WeightWork:
-    """What I leaves for W: one entry per parameter group (empty when nothing needs a weight gradient)."""
+    """What I leaves for W (empty lists when nothing needs a weight gradient)."""
 
-    groups: list[_Group]
+    nodes: list[Node]  # the graph's nodes in walk order (W's edges name them by number)
+    items: list[tuple[Node, tuple, tuple]]  # (boundary, its W edges, the gradients I kept at its inputs)
+    early: list[tuple[GradientEdge, torch.Tensor]]  # weight-side gradients I computed, with their edges
+    seeds: list[tuple[GradientEdge, torch.Tensor]]  # outputs made without the inputs, with their gradients
+    params: list[torch.Tensor]  # what W's one call accumulates
+    fallback: list[_Fallback]
+    boundaries: list[Node]  # every boundary node (what the split found; for tests and reports)
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the gradients kept for W (the graph's saved activations come on top)."""
-        kept = [g for group in self.groups for grads in group.grads.values() for g in grads]
-        kept += [g for group in self.groups for _, g in group.early]
+        kept = [g for _, _, grads in self.items for g in grads] + [g for _, g in self.early]
+        kept += [g for group in self.fallback for grads in group.grads.values() for g in grads]
         return sum(g.numel() * g.element_size() for g in kept if g is not None)
 
 
@@ -79,75 +118,75 @@ def backward_input(outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor 
     roots = [node_of(o) for o in outputs]
     order, index, shape = walk(roots)
     key = structure_key(shape, order, index, roots, inputs, params) if cache is not None else None
-    plan = cache.get(key) if cache is not None else None
-    if plan is None:
-        plan = analyse(order, index, roots, inputs, params, _EARLY_EDGES)
+    layout = cache.get(key) if cache is not None else None
+    if layout is None:
+        layout = _layout(analyse(order, index, roots, inputs, params, _EARLY_EDGES), order)
         if cache is not None:
-            cache.put(key, plan)
-    groups, captures, where = [], [], []  # where: (group, boundary index or -1 for early, slot)
-    for g in plan.groups:
-        group = _Group([params[k] for k in g.params], [order[b] for b in g.boundaries],
-                       [[(k, GradientEdge(order[j], slot)) for k, j, slot in edges] for edges in g.wanted],
-                       g.fallback, [(get_gradient_edge(outputs[k]), grad_outputs[k]) for k in g.seeds])
-        for i, (node, edges) in enumerate(zip(group.boundaries, group.wanted)):
-            if g.fallback or type(node).__name__ not in _WEIGHT_SIDE_RULES:
-                inputs_of = len(node._input_metadata)  # the node itself runs in W: all its input gradients
-            else:
-                inputs_of = 1 if edges else 0  # a rule reads the gradient of the node's first input only
-            for slot in range(inputs_of):
-                captures.append(GradientEdge(node, slot))
-                where.append((group, i, slot))
-        for j, slot in g.early:
-            captures.append(GradientEdge(order[j], slot))
-            where.append((group, -1, slot))
-        groups.append(group)
+            cache.put(key, layout)
+    edges, purposes = [], []
+    for j, slot, purpose in layout.captures:
+        node = order[j]
+        slots = (slot,) if slot >= 0 else range(len(node._input_metadata))
+        edges += [GradientEdge(node, s) for s in slots]
+        purposes += [purpose] * len(slots)
     wanted = [x for x in inputs if x.requires_grad]
-    chained = [(o, g) for o, g, c in zip(outputs, grad_outputs, plan.chained) if c]
-    got = torch.autograd.grad([o for o, _ in chained], wanted + captures, [g for _, g in chained],
-                              retain_graph=True, allow_unused=True) if chained and (wanted or captures) else ()
-    got = list(got) or [None] * (len(wanted) + len(captures))
-    kept: dict[tuple[int, int], list] = {}
-    for (group, i, slot), edge, g in zip(where, captures, got[len(wanted):]):
-        if i < 0:
+    chained = [(o, g) for o, g, c in zip(outputs, grad_outputs, layout.chained) if c]
+    got = torch.autograd.grad([o for o, _ in chained], wanted + edges, [g for _, g in chained],
+                              retain_graph=True, allow_unused=True) if chained and (wanted or edges) else ()
+    got = list(got) or [None] * (len(wanted) + len(edges))
+    kept: list[list] = [[] for _ in layout.items]
+    early: list[tuple[GradientEdge, torch.Tensor]] = []
+    fallback = [_Fallback([params[k] for k in g.params], [order[b] for b in g.boundaries],
+                          [(get_gradient_edge(outputs[k]), grad_outputs[k]) for k in g.seeds])
+                for g in layout.fallback]
+    for edge, purpose, g in zip(edges, purposes, got[len(wanted):]):
+        if purpose[0] == "item":
+            kept[purpose[1]].append(g)
+        elif purpose[0] == "early":
             if g is not None:
-                group.early.append((edge, g))
+                early.append((edge, g))
         else:
-            kept.setdefault((id(group), i), [group, i]).append(g)
-    for group, i, *grads in kept.values():
-        group.grads[i] = tuple(grads)
+            group = fallback[purpose[1]]
+            group.grads[purpose[2]] = group.grads.get(purpose[2], ()) + (g,)
+    work = WeightWork(order, [(order[b], w, tuple(k)) for (b, w), k in zip(layout.items, kept)], early,
+                      [(get_gradient_edge(outputs[k]), grad_outputs[k]) for k in layout.seeds],
+                      [params[k] for k in layout.params], fallback, [order[b] for b in layout.boundaries])
     by_id = dict(zip(map(id, wanted), got))
-    return [by_id.get(id(x)) for x in inputs], WeightWork(groups)
+    return [by_id.get(id(x)) for x in inputs], work
 
 
 def backward_weight(work: WeightWork) -> None:
     """Accumulate the parameters' gradients into .grad (post-accumulate hooks fire, as in a full backward).
 
-    Each boundary's weight-side gradients are computed here from what I kept (matmuls and layer
-    norms by `_WEIGHT_SIDE_RULES`, other built-in ops by calling their node), and every group then
-    runs in ONE autograd call rooted at those weight-side edges and at the ones I computed (off the
-    chain, so only the weight branches run: each autograd call walks the graph below its roots, so
-    one call instead of one per group is most of the saving). A group with a custom autograd.Function
-    at a boundary takes a backward from its boundary nodes instead, a call of its own.
+    Each boundary's weight-side gradients are computed here from what I kept (weight matmuls and,
+    where I could not take them early, bias and norm halves by `_WEIGHT_SIDE_RULES`; other built-in
+    ops by calling their node), and all of them, with the halves I computed, then run in ONE autograd
+    call rooted at those weight-side edges (off the chain, so only the weight branches run: each
+    autograd call walks the graph below its roots, so one call instead of one per group is most of
+    the saving). A group with a custom autograd.Function at a boundary takes a backward from its
+    boundary nodes instead, a call of its own.
     """
-    edges, grads, params, seeded = [], [], [], set()
-    for group in work.groups:
-        if group.fallback:
-            _through_autograd(group)
-            continue
-        for edge, g in _weight_side(group) + group.early:
-            edges.append(edge)
-            grads.append(g)
-        for edge, g in group.seeds:  # an output reaching several groups' weights is seeded once
-            if (edge.node, edge.output_nr) not in seeded:
-                seeded.add((edge.node, edge.output_nr))
-                edges.append(edge)
-                grads.append(g)
-        params += group.params
-        group.grads.clear()
-        group.early.clear()
-    if edges:  # retain: the graph goes with `work`, as above
-        _run_backward(edges, grads, params)
-    work.groups.clear()
+    for group in work.fallback:
+        _through_autograd(group)
+    edges, grads = [], []
+    for node, wanted, kept in work.items:
+        if not kept or all(g is None for g in kept):
+            continue  # no gradient reached it during I: none flows to its weights
+        rule = _WEIGHT_SIDE_RULES.get(type(node).__name__)
+        ks = [k for k, _, _ in wanted]
+        got = rule(node, kept[0], ks) if rule is not None else _call_node(node, kept, ks)
+        for k, j, slot in wanted:
+            if got[k] is not None:
+                edges.append(GradientEdge(work.nodes[j], slot))
+                grads.append(got[k])
+    for edge, g in work.early + work.seeds:
+        edges.append(edge)
+        grads.append(g)
+    if edges:  # retain: the graph goes with `work`, which the caller drops
+        _run_backward(edges, grads, work.params)
+    work.items.clear()
+    work.early.clear()
+    work.fallback.clear()
 
 
 def _run_backward(edges: list[GradientEdge], grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
@@ -161,7 +200,7 @@ def _run_backward(edges: list[GradientEdge], grads: list[torch.Tensor], params: 
         run(tuple(edges), tuple(grads), True, False, tuple(params), allow_unreachable=True, accumulate_grad=True)
 
 
-def _through_autograd(group: _Group) -> None:
+def _through_autograd(group: _Fallback) -> None:
     """A backward from the group's boundary nodes with the kept gradients, asking for its parameters only."""
     edges, grads = [], []
     for index, node in enumerate(group.boundaries):
@@ -183,23 +222,6 @@ def _through_autograd(group: _Group) -> None:
         for handle in handles:
             handle.remove()
     group.grads.clear()
-
-
-def _weight_side(group: _Group) -> list[tuple[GradientEdge, torch.Tensor]]:
-    """(weight-side edge, its gradient) for every boundary of `group` W computes."""
-    pairs = []
-    for index, node in enumerate(group.boundaries):
-        edges = group.wanted[index]
-        kept = group.grads.get(index)
-        if not edges or kept is None or all(g is None for g in kept):
-            continue  # nothing left for W, or no gradient reached it during I: none flows to its weights
-        rule = _WEIGHT_SIDE_RULES.get(type(node).__name__)
-        if rule is not None and kept[0] is None:
-            continue
-        wanted = [k for k, _ in edges]
-        got = rule(node, kept[0], wanted) if rule is not None else _call_node(node, kept, wanted)
-        pairs += [(edge, got[k]) for k, edge in edges if got[k] is not None]
-    return pairs
 
 
 def _call_node(node: Node, kept: tuple, wanted: list[int]) -> dict[int, torch.Tensor | None]:
