@@ -243,7 +243,8 @@ def report_part5(result: dict, args) -> str:
              f"  I + W (two passes, before)    {(i2 + w2) * 1e3:8.2f} ms  (I {i2 * 1e3:.2f} + W {w2 * 1e3:.2f})  "
              f"ratio to B {(i2 + w2) / s['B']:.3f}",
              f"  held between I and W: {s['held_bytes'] / 2**20:.2f} MiB of gradients at weight-reading nodes "
-             f"(stage input activations {s['activation_bytes'] / 2**20:.2f} MiB; the retained graph is the same as B's)"]
+             f"(stage input activations {s['activation_bytes'] / 2**20:.2f} MiB; "
+             "the retained graph is the same as B's)"]
     for pp, rows in result["pp"].items():
         base = rows["ours 1f1b"]["step"]
         lines.append(f"5b. pp={pp}, m={args.m}, {args.steps5} timed steps (medians of the slowest rank), "

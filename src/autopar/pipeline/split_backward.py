@@ -55,6 +55,7 @@ class _Layout:
 
 
 def _layout(plan: SplitPlan, order: list[Node]) -> _Layout:
+    """The plan's groups flattened: fallback groups apart, every other group's W work in one list."""
     captures, items, params, seeds, fallback = [], [], [], [], []
     for group in plan.groups:
         if group.fallback:
