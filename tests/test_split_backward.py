@@ -8,13 +8,29 @@ import torch
 from torch import nn
 
 from autopar.pipeline.split_backward import backward_input, backward_weight
+from autopar.pipeline.split_plan import SplitPlanCache
+
+
+class _Scale(torch.autograd.Function):
+    """x * s as a custom autograd.Function: a boundary W cannot compute alone (its node is Python)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return g * s, (g * x).sum_to_size(s.shape)
 
 
 class Block(nn.Module):
     """A pre-norm attention + MLP block (optionally one norm read twice) and an output made without the input."""
 
-    def __init__(self, d: int = 16, shared_norm: bool = False):
+    def __init__(self, d: int = 16, shared_norm: bool = False, custom: bool = False):
         super().__init__()
+        self.custom = custom
         self.norm, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         if shared_norm:
             self.norm2 = self.norm
@@ -26,7 +42,8 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
         x = x + self.proj(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
         x = x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
-        return x * self.scale, self.scale.exp().sum() * self.proj.bias  # second output: weights only
+        scaled = _Scale.apply(x, self.scale) if self.custom else x * self.scale
+        return scaled, self.scale.exp().sum() * self.proj.bias  # second output: weights only
 
 
 def _graph(roots):
@@ -39,11 +56,13 @@ def _graph(roots):
     return nodes
 
 
-@pytest.mark.parametrize("input_needs_grad,shared_norm", [(True, False), (False, False), (True, True)])
-def test_input_then_weight_equals_one_backward_without_rerunning_the_chain(input_needs_grad, shared_norm):
-    """False input_needs_grad: a first stage (token ids). shared_norm: a weight read at two places."""
+@pytest.mark.parametrize("input_needs_grad,shared_norm,custom",
+                         [(True, False, False), (False, False, False), (True, True, False), (True, False, True)])
+def test_input_then_weight_equals_one_backward_without_rerunning_the_chain(input_needs_grad, shared_norm, custom):
+    """False input_needs_grad: a first stage (token ids). shared_norm: a weight read at two places.
+    custom: `x * scale` as a custom autograd.Function, the one boundary kind W hands back to autograd."""
     torch.manual_seed(0)
-    block = Block(shared_norm=shared_norm)
+    block = Block(shared_norm=shared_norm, custom=custom)
     x0 = torch.randn(2, 5, 16)
     grads = [torch.randn(2, 5, 16), torch.randn(16)]
     params = list(block.parameters())
@@ -62,7 +81,7 @@ def test_input_then_weight_equals_one_backward_without_rerunning_the_chain(input
     assert (work.held_bytes > 0) == input_needs_grad  # gradients kept at the weight-reading nodes
     nodes = _graph([o.grad_fn for o in outs])
     chain = {n for n in nodes if input_needs_grad and x.view_as(x).grad_fn.next_functions[0][0] in _graph([n])}
-    boundaries = {b for g in work.groups for b in g.boundaries}
+    boundaries = set(work.boundaries)
     ran = []
     hooks = [n.register_prehook(lambda g, n=n: ran.append(n)) for n in nodes]
     backward_weight(work)
@@ -73,15 +92,14 @@ def test_input_then_weight_equals_one_backward_without_rerunning_the_chain(input
     # may differ (a shared norm's two uses), hence a tolerance rather than bitwise
     for a, b in zip(fused, split):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
-    # matmul and layer-norm boundaries get their weight halves computed by W itself (no autograd node
-    # of the chain runs); any other boundary (here `x * scale`, a MulBackward0) runs its node in W
-    direct = {b for b in boundaries if type(b).__name__ in ("AddmmBackward0", "MmBackward0", "NativeLayerNormBackward0")}
+    # every built-in boundary gets its weight half computed by W itself (matmul and layer norm from
+    # saved tensors, `x * scale` by calling its node), so no autograd node of the chain runs in W;
+    # a custom Function's node (the fallback) is the only one run through autograd
     rerun = [type(n).__name__ for n in ran if n in chain and n not in boundaries]
     assert not rerun, f"W ran activation-chain nodes again: {rerun}"  # a shared norm included: both uses direct
     if input_needs_grad:
-        assert direct and len(boundaries) < len(chain)
-        assert {n for n in ran if n in chain} == boundaries - direct == {b for b in boundaries if type(b).__name__ == "MulBackward0"}
-
+        assert len(boundaries) < len(chain)
+        assert {type(n).__name__ for n in ran if n in chain} == ({"_ScaleBackward"} if custom else set())
 
 def test_direct_weight_halves_match_autograd_and_fire_accumulate_hooks():
     """W's own matmul (addmm with bias, mm without) and layer-norm weight gradients equal autograd's and
@@ -101,7 +119,7 @@ def test_direct_weight_halves_match_autograd_and_fire_accumulate_hooks():
     x = x0.clone().requires_grad_()
     out = model(x)
     got, work = backward_input([out], [grad], [x], params)
-    kinds = {type(b).__name__ for g in work.groups for b in g.boundaries}
+    kinds = {type(b).__name__ for b in work.boundaries}
     assert kinds == {"AddmmBackward0", "MmBackward0", "NativeLayerNormBackward0"}  # all three direct rules
     assert not fired
     backward_weight(work)
@@ -112,3 +130,32 @@ def test_direct_weight_halves_match_autograd_and_fire_accumulate_hooks():
         # the same kernels on the same operands, but the weight matmul may be issued transposed
         # (g^T x)^T against autograd's choice, so a tolerance rather than bitwise
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_plan_cache_serves_only_graphs_of_the_same_structure():
+    """The boundary analysis is kept per graph structure: a repeat is served from the cache; the same ops
+    wired to the other weights (two linears swapped: a stale plan would swap their gradients), a weight
+    left unused or another op are analysed afresh. Every run's gradients equal a fused backward's."""
+    torch.manual_seed(0)
+    a, b, norm = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+    params = [*a.parameters(), *b.parameters(), *norm.parameters()]
+    cache = SplitPlanCache()
+    x0, grad = torch.randn(3, 8), torch.randn(3, 8)
+    runs = [(lambda x: b(a(norm(x))), 0), (lambda x: b(a(norm(x))), 1), (lambda x: a(b(norm(x))), 1),
+            (lambda x: a(norm(x)), 1), (lambda x: b(a(norm(x)) * 2), 1), (lambda x: a(b(norm(x))), 2)]
+    for forward, hits in runs:
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        forward(x).backward(grad)
+        fused = [x.grad, *(None if p.grad is None else p.grad.clone() for p in params)]
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        got, work = backward_input([forward(x)], [grad], [x], params, cache)
+        backward_weight(work)
+        assert cache.hits == hits
+        for want, have in zip(fused, [*got, *(p.grad for p in params)]):
+            assert (want is None) == (have is None)
+            assert want is None or torch.allclose(want, have, rtol=1e-5, atol=1e-7)
+    assert cache.misses == 4 and len(cache) == 4

@@ -1,8 +1,9 @@
 """Study 5: zero-bubble schedules at pp 2 and 4 against torch.distributed.pipelining's, and the I/W split.
 
   5a. split       one process, the second stage of a 2-stage gpt-mini: a fused backward (B) against
-                  I then W (pipeline/split_backward.py), medians; and the bytes I keeps for W (the
-                  gradients at weight-reading nodes; the graph's saved activations come on top in both).
+                  I then W (pipeline/split_backward.py, with a plan cache as the runtime keeps), medians;
+                  and the bytes I keeps for W (the gradients at weight-reading nodes; the graph's saved
+                  activations come on top in both).
   5b. schedules   pp ranks (gloo, CPU, one thread each) on the same partitions (pp stages for
                   1-chunk schedules, 2pp for 2-chunk ones) and the same data: our 1f1b, zb-h1, zbv
                   (build_local_pipeline) against torch's Schedule1F1B, ScheduleInterleavedZeroBubble
@@ -37,6 +38,7 @@ from autopar.pipeline.build import build_local_pipeline
 from autopar.pipeline.schedules import generate, placement
 from autopar.pipeline.simulate import simulate
 from autopar.pipeline.split_backward import backward_input, backward_weight
+from autopar.pipeline.split_plan import SplitPlanCache
 
 from pipeline.common import TIMEOUT, Setup
 
@@ -69,10 +71,12 @@ def split_timing(args, repeats: int = 15) -> dict:
         loss.backward()
         return time.perf_counter() - begin, 0
 
+    plans = SplitPlanCache()  # as the runtime keeps it: the boundary walk is analysed once per graph shape
+
     def split():
         xs, loss = forward()
         begin = time.perf_counter()
-        _, work = backward_input([loss], [None], [x for x in xs if x.requires_grad], params)
+        _, work = backward_input([loss], [None], [x for x in xs if x.requires_grad], params, plans)
         middle, held = time.perf_counter(), work.held_bytes
         backward_weight(work)
         return (middle - begin, time.perf_counter() - middle), held
@@ -95,7 +99,8 @@ def split_timing(args, repeats: int = 15) -> dict:
             held = max(held, h)
             if i >= 2:
                 runs[name].append(t)
-    out = {"B": statistics.median(runs["B"]), "held_bytes": held}
+    out = {"B": statistics.median(runs["B"]), "held_bytes": held, "plan_hits": plans.hits,
+           "plan_misses": plans.misses}
     for name in ("I, W", "I, W (two passes)"):
         out[name] = [statistics.median(t[0] for t in runs[name]), statistics.median(t[1] for t in runs[name])]
     out["activation_bytes"] = sum(a.numel() * a.element_size() for a in acts if a.is_floating_point())
@@ -234,11 +239,12 @@ def report_part5(result: dict, args) -> str:
              "5a. one stage (second of 2), one process, medians of 15:",
              f"  B (fused backward)            {s['B'] * 1e3:8.2f} ms",
              f"  I + W (split_backward)        {(i + w) * 1e3:8.2f} ms  (I {i * 1e3:.2f} + W {w * 1e3:.2f})  "
-             f"ratio to B {(i + w) / s['B']:.3f}",
+             f"ratio to B {(i + w) / s['B']:.3f}  (plan cache: {s['plan_misses']} miss, {s['plan_hits']} hits)",
              f"  I + W (two passes, before)    {(i2 + w2) * 1e3:8.2f} ms  (I {i2 * 1e3:.2f} + W {w2 * 1e3:.2f})  "
              f"ratio to B {(i2 + w2) / s['B']:.3f}",
              f"  held between I and W: {s['held_bytes'] / 2**20:.2f} MiB of gradients at weight-reading nodes "
-             f"(stage input activations {s['activation_bytes'] / 2**20:.2f} MiB; the retained graph is the same as B's)"]
+             f"(stage input activations {s['activation_bytes'] / 2**20:.2f} MiB; "
+             "the retained graph is the same as B's)"]
     for pp, rows in result["pp"].items():
         base = rows["ours 1f1b"]["step"]
         lines.append(f"5b. pp={pp}, m={args.m}, {args.steps5} timed steps (medians of the slowest rank), "

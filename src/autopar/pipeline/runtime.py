@@ -16,7 +16,9 @@ graph (only the inputs are kept) and the R action re-runs it with grad before ba
 Zero-bubble I/W (split_backward.py): I computes input gradients and keeps the gradients arriving
 at the operations that read weights; W computes only the weight gradients from them, without
 running the activation chain again: I + W does the arithmetic of one fused B, plus one autograd
-call per weight group (measured in benchmarks/pipeline/zero_bubble.py).
+call for all weight branches (measured in benchmarks/pipeline/zero_bubble.py). The runtime keeps
+the split's boundary analysis per graph structure (SplitPlanCache), so micro-batches of one shape
+pay one graph walk each.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..timing import Clock
 from .actions import Action, Op, stage_to_rank
 from .p2p import P2P, Pending
 from .split_backward import backward_input, backward_weight
+from .split_plan import SplitPlanCache
 
 FORWARD_MSG, GRAD_MSG = 0, 1
 
@@ -85,6 +88,7 @@ class PipelineRuntime:
         self.p2p, self.recompute, self.autocast = p2p, recompute, autocast
         self.placement = placement
         self.clock = Clock(p2p.device)  # CUDA events on GPU: timing without host waits
+        self.split_plans = SplitPlanCache()  # the I/W split's analysis, per stage graph structure
 
     def _rank(self, stage: int) -> int:
         return stage_to_rank(stage, self.pp, self.num_stages, self.placement)
@@ -199,7 +203,7 @@ class PipelineRuntime:
                     inputs.pop((s, mb))
                 else:
                     got, split[(s, mb)] = backward_input([o for o, _ in pairs], [g for _, g in pairs], wanted,
-                                                         self._trained_params(s))
+                                                         self._trained_params(s), self.split_plans)
                 if s > 0:
                     by_input = dict(zip([id(v) for v in wanted], got))
                     message = tuple(by_input.get(id(v)) if by_input.get(id(v)) is not None else torch.zeros_like(v)
