@@ -61,10 +61,10 @@ def main() -> None:
         times[size] = _time(ping) / 2  # one way
     result["p2p"] = _fit(times[SMALL], times[LARGE], 1, 1)
     for size in (SMALL, LARGE):
-        out, inn = torch.zeros(size // 4), torch.zeros(size // 4)
+        outgoing, incoming = torch.zeros(size // 4), torch.zeros(size // 4)
 
         def shift() -> None:  # every rank at once: to the next, from the previous
-            works = [dist.isend(out, (rank + 1) % world), dist.irecv(inn, (rank - 1) % world)]
+            works = [dist.isend(outgoing, (rank + 1) % world), dist.irecv(incoming, (rank - 1) % world)]
             for work in works:
                 work.wait()
 
