@@ -35,7 +35,8 @@ _STAND_IN_SHAPE = (240,)  # divisible by every small receiver count: the set-up 
 
 
 class HeteroBoundary:
-    """Point-to-point messages between stages of one pipeline replica whose tp degrees differ.
+    """Point-to-point messages between stages of one pipeline replica whose tp degrees differ (or, with a
+    planned `method`, between equal-degree stages too: the uniform mesh's numbering is the same table).
 
     table: [stage][dp][tp rank] -> global rank (mesh.stage_rank_table); this rank is
     table[stage][dp_index][tp_index]. Messages travel over the world group (stages differ in
