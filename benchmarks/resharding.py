@@ -186,9 +186,6 @@ def e2e_worker(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def end_to_end(args) -> None:
-    import torch.multiprocessing as mp
-
-    from autopar.launch import free_port
     degrees = [int(t) for t in args.stage_tp.split(",")]
     world = sum(degrees)
     print(f"end to end: gpt-mini d{args.d_model} L{args.layers}, --stage-tp {args.stage_tp} ({world} gloo ranks, "
@@ -201,17 +198,37 @@ def end_to_end(args) -> None:
         args.links = links
         if links is not None:
             print(links.describe())
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
         began = time.perf_counter()
-        mp.start_processes(e2e_worker, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn")
-        out = queue.get()
+        out = run_ranks(e2e_worker, world, args)
     direct = statistics.median(out["times"]["direct"])
     print(f"{'boundary':>16} {'median step (s)':>16} {'vs direct':>10} {'min':>8} {'max':>8}  losses (rank 0)")
     for boundary, t in out["times"].items():
         print(f"{boundary:>16} {statistics.median(t):>16.4f} {statistics.median(t) / direct:>10.3f} {min(t):>8.4f} "
               f"{max(t):>8.4f}  {', '.join(f'{x:.6f}' for x in out['losses'][boundary])}")
     print(f"wall {time.perf_counter() - began:.0f} s, load average after {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def run_ranks(fn, world: int, args):
+    """Spawn `world` ranks of fn(rank, world, port, args, queue) and return what rank 0 queued; if this
+    process is stopped (an error, Ctrl-C, SIGTERM under --emulate-links), the ranks are stopped too, so
+    the namespaces they sit in can go."""
+    import torch.multiprocessing as mp
+
+    from autopar.launch import free_port
+    queue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(fn, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn",
+                               join=False)
+    try:
+        while not ranks.join():
+            pass
+    except BaseException:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in ranks.processes:
+            process.join(10)
+        raise
+    return queue.get()
 
 
 def _links(args, world: int, groups: list[list[int]]):
@@ -276,20 +293,12 @@ def main(argv=None) -> None:
     if any(s < 4096 or s % 4096 for s in args.sizes):
         parser.error(f"--sizes must be multiples of 4 KiB (rows of 1024 fp32), got {args.sizes}")
     args.load = os.getloadavg()
-
-    import torch.multiprocessing as mp
-
-    from autopar.launch import free_port
-
     world = args.sender_tp + max(args.receivers)
     groups = [list(range(args.sender_tp)), list(range(args.sender_tp, world))]
     with _links(args, world, groups) as links:
         args.links = links
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
         began = time.perf_counter()
-        mp.start_processes(worker, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn")
-        rows = queue.get()
+        rows = run_ranks(worker, world, args)
     report(rows, args)
     print(f"wall {time.perf_counter() - began:.0f} s, world {world} gloo ranks on {os.cpu_count()} cores")
 
