@@ -22,7 +22,18 @@ a prediction, not a measurement.
 --end-to-end trains the same pipeline twice side by side in one run (every rank holds both trainers,
 steps alternate between them, the first --warmup steps untimed): boundaries `direct` (whole tensor
 per receiver) against `--boundary scatter_gather` (or --e2e-boundary); the step time is the slowest
-rank's; the table gives medians, their ratio and both runs' losses (which must agree).
+rank's; the table gives medians, their ratio and both runs' losses (which must agree). Equal degrees
+(--stage-tp 2,2) are the uniform tp=2 pipeline, where scatter-gather is Megatron's trick.
+
+    python benchmarks/resharding.py --emulate-links                 # each rank its own 1 Gbit/s link
+    python benchmarks/resharding.py --emulate-links --intra-gbit 10 # and 10 Gbit/s inside each stage
+    python benchmarks/resharding.py --end-to-end --stage-tp 2,2 --emulate-links --link-gbit 0.25 --intra-gbit 10
+
+--emulate-links (root, iproute2) puts every rank in its own network namespace behind a veth shaped
+by tc to --link-gbit each way (benchmarks/emulated_links.py): each rank gets a link of its own, as
+between hosts, on this one host. --intra-gbit gives ranks of one stage (senders; receivers) a faster
+link among themselves, as NVLink inside a node. The namespaces are removed at the end, on an error,
+and on SIGTERM.
 """
 
 from __future__ import annotations
@@ -65,6 +76,8 @@ def cases(args):
 
 def worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.links is not None:
+        args.links.enter(rank)  # its own namespace and link; MASTER_ADDR becomes rank 0's address
     import torch
     import torch.distributed as dist
 
@@ -115,6 +128,9 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
 def report(rows, args) -> None:
     print(f"sender tp {args.sender_tp} (replicated) -> receivers replicated; fp32; median of {args.reps} reps; "
           f"load average at start {args.load[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
+    print(args.links.describe() if args.links is not None else
+          f"shared host: {args.sender_tp + max(args.receivers)} ranks on loopback, one memory bus, "
+          f"{os.cpu_count()} cores")
     print(f"{'size':>8} {'recv':>4} {'method':>14} {'B/sender link':>14} {'B/sender rank':>14} {'total B':>11} "
           f"{'ms':>9} {'pred ms':>8} {'link/naive':>10} {'rank/naive':>10} {'time/naive':>10}")
     naive = {(s, m): (b, r, t) for s, m, meth, b, r, _, t, _ in rows if meth == "naive"}
@@ -133,6 +149,8 @@ def e2e_worker(rank: int, world: int, port: int, args, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    if args.links is not None:
+        args.links.enter(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     import autopar
     from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
@@ -168,25 +186,59 @@ def e2e_worker(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def end_to_end(args) -> None:
-    import torch.multiprocessing as mp
-
-    from autopar.launch import free_port
-    world = sum(int(t) for t in args.stage_tp.split(","))
+    degrees = [int(t) for t in args.stage_tp.split(",")]
+    world = sum(degrees)
     print(f"end to end: gpt-mini d{args.d_model} L{args.layers}, --stage-tp {args.stage_tp} ({world} gloo ranks, "
           f"1 thread each, {os.cpu_count()} cores), --schedule {args.schedule}, {args.microbatches} micro-batches of "
           f"{args.micro} x {args.seq_len}; {args.warmup} warm-up + {args.steps} timed steps each; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    began = time.perf_counter()
-    mp.start_processes(e2e_worker, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn")
-    out = queue.get()
+    starts = [sum(degrees[:s]) for s in range(len(degrees))]
+    groups = [list(range(a, a + t)) for a, t in zip(starts, degrees)]  # one stage, one "node"
+    with _links(args, world, groups) as links:
+        args.links = links
+        if links is not None:
+            print(links.describe())
+        began = time.perf_counter()
+        out = run_ranks(e2e_worker, world, args)
     direct = statistics.median(out["times"]["direct"])
     print(f"{'boundary':>16} {'median step (s)':>16} {'vs direct':>10} {'min':>8} {'max':>8}  losses (rank 0)")
     for boundary, t in out["times"].items():
         print(f"{boundary:>16} {statistics.median(t):>16.4f} {statistics.median(t) / direct:>10.3f} {min(t):>8.4f} "
               f"{max(t):>8.4f}  {', '.join(f'{x:.6f}' for x in out['losses'][boundary])}")
     print(f"wall {time.perf_counter() - began:.0f} s, load average after {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def run_ranks(fn, world: int, args):
+    """Spawn `world` ranks of fn(rank, world, port, args, queue) and return what rank 0 queued; if this
+    process is stopped (an error, Ctrl-C, SIGTERM under --emulate-links), the ranks are stopped too, so
+    the namespaces they sit in can go."""
+    import torch.multiprocessing as mp
+
+    from autopar.launch import free_port
+    queue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(fn, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn",
+                               join=False)
+    try:
+        while not ranks.join():
+            pass
+    except BaseException:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in ranks.processes:
+            process.join(10)
+        raise
+    return queue.get()
+
+
+def _links(args, world: int, groups: list[list[int]]):
+    """The emulated links as a context (set up, torn down), or a context holding None without --emulate-links."""
+    import contextlib
+
+    if not args.emulate_links:
+        return contextlib.nullcontext(None)
+    from emulated_links import EmulatedLinks
+    return EmulatedLinks(world, args.link_gbit, intra_gbit=args.intra_gbit, groups=groups)
 
 
 def main(argv=None) -> None:
@@ -197,7 +249,14 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="64K,1M,4M; receivers 1,2,4; 2 reps")
     parser.add_argument("--latency-us", type=float, default=50.0)
-    parser.add_argument("--bandwidth-gbs", type=float, default=1.0)
+    parser.add_argument("--bandwidth-gbs", type=float, default=None,
+                        help="the prediction's link (GB/s); default 1, or --link-gbit / 8 with --emulate-links")
+    emulate = parser.add_argument_group("emulated links (root; benchmarks/emulated_links.py)")
+    emulate.add_argument("--emulate-links", action="store_true", help="every rank in its own network namespace "
+                         "behind a tc-shaped veth: a link of its own per rank, as between hosts")
+    emulate.add_argument("--link-gbit", type=float, default=1.0, help="each rank's link, each way (Gbit/s)")
+    emulate.add_argument("--intra-gbit", type=float, default=None, help="a faster link between ranks of one "
+                         "stage (senders; receivers), as NVLink inside a node (Gbit/s); default: none")
     e2e = parser.add_argument_group("end to end (--end-to-end)")
     e2e.add_argument("--end-to-end", action="store_true", help="time a --stage-tp pipeline: direct vs planned")
     e2e.add_argument("--stage-tp", default="1,2")
@@ -211,6 +270,17 @@ def main(argv=None) -> None:
     e2e.add_argument("--steps", type=int, default=6)
     e2e.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
+    args.links = None
+    if args.bandwidth_gbs is None:
+        args.bandwidth_gbs = args.link_gbit / 8 if args.emulate_links else 1.0
+    if args.emulate_links:
+        from emulated_links import EmulatedLinks, EmulatedLinksError
+        try:
+            EmulatedLinks.check()
+        except EmulatedLinksError as exc:
+            parser.error(str(exc))
+        if not args.link_gbit > 0 or (args.intra_gbit is not None and not args.intra_gbit > 0):
+            parser.error(f"--link-gbit and --intra-gbit must be > 0, got {args.link_gbit} and {args.intra_gbit}")
     if args.end_to_end:
         return end_to_end(args)
     if args.quick:
@@ -223,17 +293,12 @@ def main(argv=None) -> None:
     if any(s < 4096 or s % 4096 for s in args.sizes):
         parser.error(f"--sizes must be multiples of 4 KiB (rows of 1024 fp32), got {args.sizes}")
     args.load = os.getloadavg()
-
-    import torch.multiprocessing as mp
-
-    from autopar.launch import free_port
-
     world = args.sender_tp + max(args.receivers)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    began = time.perf_counter()
-    mp.start_processes(worker, args=(world, free_port(), args, queue), nprocs=world, start_method="spawn")
-    rows = queue.get()
+    groups = [list(range(args.sender_tp)), list(range(args.sender_tp, world))]
+    with _links(args, world, groups) as links:
+        args.links = links
+        began = time.perf_counter()
+        rows = run_ranks(worker, world, args)
     report(rows, args)
     print(f"wall {time.perf_counter() - began:.0f} s, world {world} gloo ranks on {os.cpu_count()} cores")
 

@@ -35,7 +35,10 @@ def train_builtin(model_name: str, out: str, *, model_args: dict | None = None, 
                               eval_data=eval_data)
     result = trainer.train()
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    planned = getattr(getattr(getattr(trainer.engine, "runtime", None), "p2p", None), "planned", None)
     return {"losses": result.losses, "eval_loss": result.eval_loss, "first_step": result.first_step,
+            "boundary_plans": [] if planned is None else  # --boundary: what this rank's channels moved
+            [(plan.method, plan.max_link_bytes(), plan.nbytes, plan.src.tp, plan.dst.tp) for plan in planned.plans()],
             "grad_norms": [r["grad_norm"] for r in records if r["step"] >= result.first_step],
             "params": whole_parameters(trainer),
             "local_numel": sum(p.numel() for p in trainer.model.parameters())}

@@ -169,6 +169,36 @@ def test_auto_picks_the_cheapest_prediction_and_the_search_can_price_a_boundary(
     assert boundary_cost((8, 512, 1024), 2, 2, 2, cluster) < boundary_cost((8, 512, 1024), 2, 2, 2, preset("v100-32gb-nvlink").replace(devices_per_node=2))
 
 
+def test_auto_keeps_to_send_recv_on_one_cpu_host_and_spreads_the_bytes_across_links():
+    """One host: every transfer crosses one memory bus (cpu-local's node_bandwidth_bytes_per_s), so methods
+    that move the same total cannot be faster and auto keeps the cheapest in messages, send/recv (measured
+    0.7-1.0x naive there; scatter-gather 1.1-4.7x). The same figures with a link per rank (no shared cap,
+    as between hosts or under benchmarks/emulated_links.py) make scatter-gather or broadcast cheapest."""
+    from autopar.search.cluster import cluster_for_ranks, cluster_from_dict, preset
+
+    host = cluster_for_ranks(None, 12)  # cpu-local stretched to one node of 12 ranks
+    assert (host.devices_per_node, host.node_bandwidth_bytes_per_s) == (12, 1e9)
+    assert cluster_from_dict(host.to_dict()).node_bandwidth_bytes_per_s == 1e9  # the TOML form keeps it
+    apart = host.replace(node_bandwidth_bytes_per_s=0)
+    for mib in (1, 16, 64):
+        shape = (mib * 256, 1024)  # fp32 rows of 4 KiB
+        for m in (2, 3, 4):
+            src, dst = Layout((0, 1)), Layout(tuple(range(2, 2 + m)))
+            shared = plan_resharding(shape, 4, src, dst, "auto", host)
+            assert shared.method == "send_recv", (mib, m, shared.describe())
+            costs = dict(shared.alternatives)
+            assert costs["naive"] >= costs["send_recv"] and costs["scatter_gather"] > costs["send_recv"]
+            # the cap is what changed: at least the node's total bytes over its bandwidth
+            assert costs["naive"] >= m * shape[0] * 4096 / 1e9
+            own = plan_resharding(shape, 4, src, dst, "auto", apart)  # two senders: one copy each suffices for m=2
+            assert own.method in ("scatter_gather", "broadcast") or m == 2, (mib, m, own.describe())
+            assert own.predicted_s < dict(own.alternatives)["naive"] / 1.5
+    # a GPU preset has no shared cap: across nodes (sender ranks 0-1, receivers 8-11) it keeps spreading
+    gpu = plan_resharding((4096, 1024), 4, Layout((0, 1)), Layout((8, 9, 10, 11)), "auto", preset("a100-80gb"))
+    assert gpu.method in ("scatter_gather", "broadcast")
+    assert preset("a100-80gb").node_bandwidth_bytes_per_s == 0
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda: Layout((0, 1, 2), 0).check((4, 4)), "3 ranks cannot split evenly"),
     (lambda: plan_resharding((4, 4), 4, Layout((0, 1, 2), 1), Layout((3,))), "size 4, which 3 ranks"),
@@ -251,3 +281,27 @@ def test_every_method_moves_the_exact_bytes_on_four_gloo_ranks(rank_pool):
                 expected[link] += 2 * nbytes
     assert +counted == +expected
     assert all("must pass its source piece of shape (6, 8), dtype torch.float32, on cpu, got (2, 2)" in error for _, error in results[:2])
+
+
+def test_the_emulated_links_benchmark_refuses_clearly_without_root_or_iproute2(monkeypatch):
+    """benchmarks/emulated_links.py checks before it makes anything (its set-up itself is run by hand:
+    docs/benchmarks/resharding.md)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "emulated_links.py"
+    spec = importlib.util.spec_from_file_location("emulated_links", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module.os, "geteuid", lambda: 1000)
+    with pytest.raises(module.EmulatedLinksError, match="needs root .* uid 1000"):
+        module.EmulatedLinks.check()
+    monkeypatch.setattr(module.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(module.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/ip")
+    with pytest.raises(module.EmulatedLinksError, match="iproute2's tc"):
+        module.EmulatedLinks.check()
+    with pytest.raises(module.EmulatedLinksError, match="rates must be > 0"):
+        module.EmulatedLinks(4, 0.0)
+    links = module.EmulatedLinks(6, 1.0, intra_gbit=10.0, groups=[[0, 1], [2, 3, 4, 5]])
+    assert all(len(name) <= 15 for r in range(6) for name in (links.netns(r), links.interface(r)))
+    assert links.address(0).startswith("10.") and links.address(5).endswith(".6")

@@ -243,6 +243,7 @@ def test_calibrate_measures_gloo_links_on_two_ranks():
     links = measure_links(2)
     assert links["p2p"]["bandwidth_bytes_per_s"] > 0 and links["p2p"]["latency_s"] >= 0
     assert set(links["allreduce"]) == {"2"} and links["allreduce"]["2"]["bandwidth_bytes_per_s"] > 0
+    assert links["aggregate"]["bandwidth_bytes_per_s"] > 0  # both ranks sending at once: the node's total
 
 
 def test_cost_model_measures_this_machine_only():

@@ -4,7 +4,8 @@ Same reference as the other equivalence tests: a world of one on the whole globa
 and eval loss within 1e-5 relative, gradient norms (tied embedding/head counted once, slices summed
 over each stage's tp ranks) within 1e-4, whole parameters within 1e-5. One pool per world size,
 2 steps each. The boundary transfer is pipeline/hetero_boundary.py's: whole tensor, modular routing, or
-(--boundary) planned resharding, run for 2 -> 4 scatter-gather and 4 -> 2 broadcast.
+(--boundary) planned resharding, run for 2 -> 4 scatter-gather, 4 -> 2 broadcast and the uniform
+2 -> 2 scatter-gather (Megatron's trick, through the same transport in place of P2P).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ LAYOUTS = [
     # planned boundaries (resharding/ through HeteroBoundary): both directions, 2 -> 4 and 4 -> 2
     ("gpt-tiny", 6, {"stage_tp": "2,4", "boundary": "scatter_gather"}),
     ("gpt-tiny", 6, {"stage_tp": "4,2", "boundary": "broadcast", "schedule": "eager-1f1b"}),
+    # equal degrees are the uniform --tp 2 --pp 2 pipeline; planned boundaries move 1/2 per link (Megatron)
+    ("gpt-tiny", 4, {"stage_tp": "2,2", "boundary": "scatter_gather"}),
 ]
 
 
@@ -64,6 +67,15 @@ def test_stage_tp_matches_single_process(rank_pool, tmp_path, tmp_path_factory, 
     results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
                                    strategy=strategy, global_batch_size=GLOBAL_BATCH, micro_batch_size=1)
     assert_matches(expected, results)
+    method = strategy.get("boundary", "direct")
+    for rank, got in enumerate(results):  # the planned transfers really ran (and only with --boundary)
+        assert bool(got["boundary_plans"]) == (method != "direct"), (rank, got["boundary_plans"])
+        for used, max_link, nbytes, src_tp, dst_tp in got["boundary_plans"]:
+            assert used == method, (rank, used)
+            if method == "scatter_gather":  # 1/t of the tensor on each link (sender links and the ring hops)
+                assert max_link * dst_tp <= nbytes * max(1, dst_tp - 1), (rank, max_link, nbytes, dst_tp)
+                if src_tp == dst_tp:
+                    assert max_link * dst_tp == nbytes, (rank, max_link, nbytes)
 
 
 def whole_checkpoint(run_dir: str) -> dict:
@@ -102,7 +114,9 @@ def test_stage_tp_with_dp_matches_and_checkpoints_whole_tensors(rank_pool, tmp_p
     ({"stage_tp": "2,x"}, 3, "must list positive tp degrees"),
     ({"stage_tp": "0,2"}, 2, "must list positive tp degrees"),
     ({"stage_tp": "1,2", "boundary": "scatter"}, 3, "strategy.boundary (--boundary) must be one of"),
-    ({"tp": 2, "pp": 2, "boundary": "scatter_gather"}, 4, "needs --stage-tp with unequal degrees"),
+    ({"tp": 2, "boundary": "scatter_gather"}, 2, "needs a pipeline, got pp=1"),
+    ({"pp": 2, "chunks": 2, "schedule": "interleaved-1f1b", "boundary": "auto"}, 2, "cannot be combined with --chunks 2"),
+    ({"tp": 2, "pp": 2, "schedule": "zb-h1", "boundary": "broadcast"}, 4, "cannot be combined with --schedule zb-h1"),
 ])
 def test_stage_tp_bad_layouts_are_refused(fields, world, message):
     with pytest.raises(ConfigError, match=None) as caught:
@@ -115,6 +129,8 @@ def test_stage_tp_resolves_dp_and_uniform_degrees_to_plain_tp():
     assert (hetero.dp, hetero.pp, hetero.stage_tps) == (2, 2, (2, 4))
     uniform = autopar.Strategy(stage_tp=(2, 2)).resolved(8)  # all equal: the --tp code path
     assert (uniform.dp, uniform.tp, uniform.pp, uniform.stage_tp) == (2, 2, 2, None)
+    planned = autopar.Strategy(stage_tp="2,2", boundary="scatter_gather").resolved(4)  # keeps its planned boundary
+    assert (planned.tp, planned.pp, planned.stage_tp, planned.boundary) == (2, 2, None, "scatter_gather")
 
 
 def test_plan_shows_stage_degrees_ranks_and_boundaries(capsys):

@@ -244,6 +244,7 @@ def _plan_stage_tp(ns: argparse.Namespace, graph, info, cap) -> int:
     from .mesh import stage_rank_table
     from .partition import partition
     from .pipeline.hetero_boundary import boundary_routes
+    from .search.cluster import cluster_for_ranks
     from .tensor_parallel import plan_tensor_parallel
     degrees = Strategy(stage_tp=ns.stage_tp).stage_tps
     if ns.pp is not None and ns.pp != len(degrees):
@@ -260,7 +261,8 @@ def _plan_stage_tp(ns: argparse.Namespace, graph, info, cap) -> int:
                    "backward": boundary_routes(degrees[s + 1], degrees[s])} for s in range(len(degrees) - 1)]
     if ns.boundary != "direct":  # the planned transfers --boundary would run (replica 0's ranks)
         for b in boundaries:
-            b["forward"], b["backward"] = _boundary_plans(ns.boundary, table, b["from"], result.boundaries[b["from"]])
+            b["forward"], b["backward"] = _boundary_plans(ns.boundary, table, b["from"], result.boundaries[b["from"]],
+                                                          cluster_for_ranks(ns.cluster, dp * sum(degrees)))
     if ns.json:
         print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len], "dp": dp,
                           **result.to_dict(), "stage_tp": list(degrees), "stage_layouts": stages,
@@ -285,8 +287,9 @@ def _plan_stage_tp(ns: argparse.Namespace, graph, info, cap) -> int:
     return 0
 
 
-def _boundary_plans(method: str, table, sender: int, values) -> tuple[list[str], list[str]]:
-    """The resharding plans (ReshardPlan.describe()) for one boundary's values: activations, then gradients."""
+def _boundary_plans(method: str, table, sender: int, values, cluster) -> tuple[list[str], list[str]]:
+    """The resharding plans (ReshardPlan.describe()) for one boundary's values: activations, then gradients,
+    priced on `cluster` as train's --boundary auto prices them."""
     import torch
 
     from .resharding import Layout, plan_resharding
@@ -295,10 +298,10 @@ def _boundary_plans(method: str, table, sender: int, values) -> tuple[list[str],
     for value in values:
         dtype = getattr(torch, str(value.dtype).removeprefix("torch."))
         itemsize = torch.empty((), dtype=dtype).element_size()
-        forward.append(f"{value.name}: " + plan_resharding(value.shape, itemsize, ahead, back, method,
+        forward.append(f"{value.name}: " + plan_resharding(value.shape, itemsize, ahead, back, method, cluster,
                                                           dtype=dtype).describe())
         if value.needs_grad:
-            backward.append(f"{value.name}: " + plan_resharding(value.shape, itemsize, back, ahead, method,
+            backward.append(f"{value.name}: " + plan_resharding(value.shape, itemsize, back, ahead, method, cluster,
                                                                dtype=dtype).describe())
     return forward, backward
 
@@ -347,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--boundary", default="direct", choices=BOUNDARY_TRANSFERS, help="with --stage-tp: the "
                       "boundary transfer to show, as train's --boundary (direct: whole-tensor routes; the others: "
                       "the resharding plan of each boundary tensor, activation and gradient; auto: the cheapest "
-                      "predicted)")
+                      "predicted on --cluster); equal degrees (e.g. 2,2) show Megatron's scatter-gather too")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: show which layers are split how, "
                       "and which stay replicated and why")
     plan.add_argument("--method", default="time", choices=PARTITION_METHODS,

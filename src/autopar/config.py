@@ -56,7 +56,7 @@ DEFAULT_CHECKPOINT_EVERY = 100  # steps; a restart or a preemption loses at most
 SEARCH_MODES = ("manual", "auto")
 ZERO_LEVELS = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "bf16-autocast")
-# How --stage-tp boundary tensors move (pipeline/hetero_boundary.py; the methods are resharding/planner.py's).
+# How pipeline boundary tensors move (pipeline/hetero_boundary.py; the methods are resharding/planner.py's).
 BOUNDARY_TRANSFERS = ("direct", "send_recv", "scatter_gather", "broadcast", "auto")
 
 
@@ -73,9 +73,9 @@ class Strategy:
     pp: int = _f(1, "pipeline-parallel degree (stages)")
     stage_tp: str | None = _f(None, "per-stage tensor-parallel degrees, e.g. 2,4 (stage 0 tp=2, stage 1 tp=4): pp is "
                                     "the list's length and nproc = dp * their sum; all equal is the same as --tp")
-    boundary: str = _f("direct", f"--stage-tp boundary transfers: {'|'.join(BOUNDARY_TRANSFERS)} (direct: whole tensor "
-                                 "from one sender per receiver; the others are planned resharding, auto the cheapest "
-                                 "predicted)")
+    boundary: str = _f("direct", f"pipeline boundary transfers: {'|'.join(BOUNDARY_TRANSFERS)} (direct: whole tensor "
+                                 "from one sender per receiver; the others are planned resharding, between --stage-tp "
+                                 "stages or equal tp stages alike, auto the cheapest predicted on --cluster)")
     schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
     vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
                                     "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
@@ -113,7 +113,8 @@ class Strategy:
                      flag="--strategy")
     plan: str | None = _f(None, "a saved plan (plan.json of a run folder, or `autopar plan --auto --json` output) to "
                                 "run as it is; flags that contradict it are refused")
-    cluster: str | None = _f(None, "--strategy auto: cluster TOML (autopar calibrate) or preset name; default cpu-local")
+    cluster: str | None = _f(None, "--strategy auto and --boundary auto: cluster TOML (autopar calibrate) or preset "
+                                   "name; default cpu-local")
     memory_per_device_gb: float | None = _f(None, "--strategy auto: memory per device to plan for (GiB); default: "
                                                   "the cluster's")
     confirm: int = _f(0, "--strategy auto: run the top K plans for a few steps each and keep the fastest measured")
@@ -136,16 +137,14 @@ class Strategy:
                               f"got {self.boundary!r}")
         if self.stage_tp is not None:
             return self._resolved_stage_tp(world_size)
-        if self.boundary != "direct":
-            raise ConfigError(f"--boundary {self.boundary} plans the transfers between stages of different tp "
-                              f"degrees and needs --stage-tp with unequal degrees (e.g. 2,4); got "
-                              f"tp={self.tp} pp={self.pp} without it: use --boundary direct")
         for name in ("tp", "pp"):
             _check_positive_int(f"strategy.{name}", getattr(self, name))
         if self.dp is not None:
             _check_positive_int("strategy.dp", self.dp)
         _check_positive_int("strategy.chunks", self.chunks)
         _check_positive_int("strategy.tp_subbatches", self.tp_subbatches)
+        if self.boundary != "direct":
+            self._check_planned_boundary()
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.dp_mode not in DP_MODES:
@@ -185,6 +184,20 @@ class Strategy:
                 f"or change --nproc"
             )
         return dataclasses.replace(self, dp=dp)
+
+    def _check_planned_boundary(self) -> None:
+        """--boundary other than direct on a uniform pipeline (Megatron's scatter-gather between equal
+        layouts): the planned transport (pipeline/hetero_boundary.py) runs one stage per rank."""
+        given = f"--boundary {self.boundary} (planned transfers between pipeline stages)"
+        if self.pp < 2:
+            raise ConfigError(f"{given} needs a pipeline, got pp={self.pp}; use --pp 2 or more (or --stage-tp), "
+                              f"or --boundary direct")
+        if self.chunks != 1:
+            raise ConfigError(f"{given} cannot be combined with --chunks {self.chunks} (it moves one stage per "
+                              f"rank); use --chunks 1 or --boundary direct")
+        if self.schedule not in STAGE_TP_SCHEDULES:
+            raise ConfigError(f"{given} cannot be combined with --schedule {self.schedule}; use one of "
+                              f"{choices(STAGE_TP_SCHEDULES)} or --boundary direct")
 
     def _resolved_stage_tp(self, world_size: int) -> Strategy:
         """--stage-tp: pp from the list, dp from nproc / sum; all-equal degrees become the uniform --tp."""

@@ -29,6 +29,7 @@ from .pipeline.async_stash_engine import PipeDreamStashEngine
 from .pipeline.async_schedules import check_no_flush
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
 from .search.auto import Example, Plan, resolve_choice
+from .search.cluster import cluster_for_ranks
 from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_setup
 from .tensor_parallel.subpipeline import check_tp_subbatches
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
@@ -82,6 +83,7 @@ def _synchronous_check(request: Request) -> tuple[TrainConfig, int]:
     accumulation = config.accumulation_steps(strategy.dp)
     check_tp_subbatches(strategy, config.micro_batch_size)
     check_pipeline_strategy(strategy, accumulation)
+    _boundary_cluster(strategy)  # a --cluster file that is missing or wrong fails here, before any rank starts
     if (strategy.pp > 1 or strategy.tp > 1) and request.custom_forward:
         raise ConfigError(f"a custom forward_fn cannot be used with pp={strategy.pp} tp={strategy.tp}: the model "
                           f"is traced as the default forward calls it (main input 'input_ids' or 'inputs', "
@@ -172,7 +174,15 @@ def _build_pipeline(ctx: EngineContext) -> Engine:
     """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1)."""
     return PipelineEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, example_batch=ctx.example_batch(),
                           num_microbatches=ctx.accumulation, autocast=ctx.autocast, timeout_s=ctx.timeout_s,
-                          strategy=ctx.strategy, param_dtype=ctx.param_dtype)
+                          strategy=ctx.strategy, param_dtype=ctx.param_dtype, boundary_link=_boundary_cluster(ctx.strategy))
+
+
+def _boundary_cluster(strategy: Strategy):
+    """The cluster --boundary auto prices its choice on (--cluster; cpu-local, this host, by default)."""
+    if strategy.boundary != "auto":
+        return None
+    ranks = sum(strategy.stage_tps) if strategy.stage_tps is not None else strategy.tp * strategy.pp
+    return cluster_for_ranks(strategy.cluster, strategy.dp * ranks)
 
 
 def _build_pipedream(ctx: EngineContext) -> Engine:

@@ -21,7 +21,7 @@ from ..config import PARTITION_METHODS
 from ..data.datasets import IGNORE_INDEX
 from ..distributed import backend_for, group_options
 from ..errors import ConfigError
-from ..mesh import ProcessMesh
+from ..mesh import ProcessMesh, stage_rank_table
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
 from .actions import Action, stage_to_rank
@@ -87,7 +87,8 @@ class PipelineEngine(EngineBase):
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float,
-                 strategy=None, param_dtype: torch.dtype = torch.float32):
+                 strategy=None, param_dtype: torch.dtype = torch.float32, boundary_link=None):
+        """boundary_link: what --boundary auto costs its choice on (a search.cluster.Cluster; None: nominal)."""
         strategy = strategy if strategy is not None else mesh.strategy  # the strategy table passes it explicitly
         self.mesh, self.autocast = mesh, autocast
         self.stage_tp = strategy.stage_tps  # None: every stage has strategy.tp
@@ -96,9 +97,15 @@ class PipelineEngine(EngineBase):
             tp = mesh.size("tp")
             boundary = HeteroBoundary(mesh.table, stage=mesh.stage, dp_index=mesh.dp_index, tp_index=mesh.tp_index,
                                       device=device, num_microbatches=num_microbatches, method=strategy.boundary,
-                                      timeout_s=timeout_s)
+                                      timeout_s=timeout_s, link=boundary_link)
+        elif strategy.boundary != "direct":  # equal tp stages, boundaries planned (scatter-gather: 1/tp per link)
+            table = stage_rank_table((strategy.tp,) * strategy.pp, strategy.dp)  # the (pp, dp, tp) mesh's numbering
+            boundary = HeteroBoundary(table, stage=mesh.local_rank("pp"), dp_index=mesh.local_rank("dp"),
+                                      tp_index=mesh.local_rank("tp"), device=device, num_microbatches=num_microbatches,
+                                      method=strategy.boundary, timeout_s=timeout_s, link=boundary_link)
         self.pipe = build_local_pipeline(
-            model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"), pp_group=None if boundary else mesh.group("pp"),
+            model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"),
+            pp_group=None if self.stage_tp is not None else mesh.group("pp"),
             device=device, seed=seed,
             example_batch=example_batch, num_microbatches=num_microbatches, schedule=strategy.schedule,
             chunks=strategy.chunks, partition_method=strategy.partition, recompute=strategy.recompute,

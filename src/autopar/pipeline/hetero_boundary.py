@@ -1,7 +1,9 @@
-"""Boundary transfers between pipeline stages of different tensor-parallel degrees (--stage-tp).
+"""Boundary transfers between pipeline stages of different tensor-parallel degrees (--stage-tp), and
+planned boundary transfers (--boundary) between any stages, equal degrees included.
 
 Every transfer between stages that differ in rank count goes through `HeteroBoundary`, and only
-through it: the runtime (runtime.py) calls it exactly as it calls `P2P` (same `exchange`, `send`,
+through it (a uniform pipeline with --boundary other than direct also uses it, in place of P2P on
+the pp group, so that Megatron's scatter-gather can move 1/tp of each tensor per link): the runtime (runtime.py) calls it exactly as it calls `P2P` (same `exchange`, `send`,
 `recv`, `wait_sends`), with peers named by *pipeline rank* (the stage index: --stage-tp has one
 stage per rank, no interleaving). This class turns each message into the global-rank messages
 of one replica; a planned resharding (another transfer per boundary) replaces `receivers` and
@@ -33,7 +35,8 @@ _STAND_IN_SHAPE = (240,)  # divisible by every small receiver count: the set-up 
 
 
 class HeteroBoundary:
-    """Point-to-point messages between stages of one pipeline replica whose tp degrees differ.
+    """Point-to-point messages between stages of one pipeline replica whose tp degrees differ (or, with a
+    planned `method`, between equal-degree stages too: the uniform mesh's numbering is the same table).
 
     table: [stage][dp][tp rank] -> global rank (mesh.stage_rank_table); this rank is
     table[stage][dp_index][tp_index]. Messages travel over the world group (stages differ in
@@ -42,14 +45,15 @@ class HeteroBoundary:
     """
 
     def __init__(self, table: list[list[list[int]]], *, stage: int, dp_index: int, tp_index: int,
-                 device: torch.device, num_microbatches: int, method: str = "direct", timeout_s: float = 300.0):
+                 device: torch.device, num_microbatches: int, method: str = "direct", timeout_s: float = 300.0,
+                 link=None):
         self.table, self.stage, self.dp_index, self.tp_index = table, stage, dp_index, tp_index
         self.device = device
         self.inner = P2P(dist.group.WORLD, device, len(table), num_microbatches)
         dist.all_reduce(torch.zeros(1, device=device))
         self.inner._joined = True  # the all-reduce above was the world group's joining call
         self.method = method
-        self.planned = None if method == "direct" else PlannedBoundary(self, method, timeout_s)
+        self.planned = None if method == "direct" else PlannedBoundary(self, method, timeout_s, link)
 
     def degree(self, stage: int) -> int:
         return len(self.table[stage][self.dp_index])
@@ -122,11 +126,12 @@ class PlannedBoundary:
     on the receiving stage's ranks, which all wait their receives in the same order.
     """
 
-    def __init__(self, boundary: HeteroBoundary, method: str, timeout_s: float):
+    def __init__(self, boundary: HeteroBoundary, method: str, timeout_s: float, link=None):
+        """link: what method "auto" prices on (resharding.plan_resharding's `link`: a cluster; None: nominal)."""
         if method not in (*PLANNED_METHODS, "auto"):
             raise ConfigError(f"boundary transfer {method!r} is unknown; use direct or one of "
                               f"{', '.join((*PLANNED_METHODS, 'auto'))}")
-        self.boundary, self.method = boundary, method
+        self.boundary, self.method, self.link = boundary, method, link
         self.methods = PLANNED_METHODS if method == "auto" else (method,)
         table = boundary.table
         self.slots: dict[tuple, int] = {}
@@ -158,7 +163,7 @@ class PlannedBoundary:
         planned = []
         for index, (shape, dtype) in enumerate(metas):
             itemsize = torch.empty((), dtype=dtype).element_size()
-            plan = plan_resharding(tuple(shape), itemsize, src, dst, self.method, dtype=dtype)
+            plan = plan_resharding(tuple(shape), itemsize, src, dst, self.method, self.link, dtype=dtype)
             slot = self.slots[(b.dp_index, kind, sender, index, plan.method)]
             self.resharder.replan(slot, plan)
             planned.append((slot, plan))
@@ -184,9 +189,12 @@ class PlannedBoundary:
             self._known[channel] = self._channel(kind, peer, decode_meta(meta.cpu()))
         return _PlannedReceive([self.resharder.start(slot, None) for slot, _ in self._known[channel]])
 
+    def plans(self) -> list:
+        """The ReshardPlans in use on this rank's channels, one per channel tensor (after the first step)."""
+        return [plan for planned in self._known.values() for _, plan in planned]
+
     def describe(self) -> list[str]:
-        """The plans in use, one line per channel tensor (after the first step)."""
-        return [plan.describe() for planned in self._known.values() for _, plan in planned]
+        return [plan.describe() for plan in self.plans()]
 
     def wait_sends(self) -> None:
         for work in self._sends:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, choices
-from .cost import link_model, phase_seconds
+from .cost import link_model, node_seconds, phase_seconds
 from .layout import Box, Layout, contains, intersect, numel
 
 METHODS = ("naive", "send_recv", "scatter_gather", "broadcast")
@@ -245,8 +245,10 @@ def _plan(shape, itemsize, dtype, src: Layout, dst: Layout, method: str, link) -
     model, all_gather = link_model(link, involved)
     seconds = phase_seconds(p2p, chains, model)
     if gather_ranks:
-        _, gather_cost = link_model(link, tuple(sorted(gather_ranks)))
-        seconds += gather_cost(gather_total, len(gather_ranks))
+        gather_model, gather_cost = link_model(link, tuple(sorted(gather_ranks)))
+        n = len(gather_ranks)
+        ring = [(r, gather_ranks[(i + 1) % n], (n - 1) * gather_total // n) for i, r in enumerate(gather_ranks)]
+        seconds += max(gather_cost(gather_total, n), node_seconds(ring, gather_model, (n - 1) * gather_model.latency_s))
     return ReshardPlan(shape=shape, itemsize=itemsize, dtype=dtype, src=src, dst=dst, method=method,
                        tiles=tuple(built), gather_ranks=gather_ranks,
                        link_bytes=tuple(sorted(link_bytes.items())), predicted_s=seconds, link_source=model.source)

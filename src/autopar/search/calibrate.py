@@ -8,7 +8,8 @@ Measured, each in a few seconds (under 2 minutes in all):
   and autograd bookkeeping beyond its FLOPs);
 - memory bandwidth of a large copy (bounds the optimizer step);
 - gloo point-to-point and all-reduce per group size 2..N, on N ranks started by the
-  project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth.
+  project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth; and what the N
+  ranks move together (node_bandwidth_bytes_per_s, the resharding cost model's shared cap).
 Memory per device is this machine's RAM divided by N.
 """
 
@@ -95,7 +96,8 @@ def calibrate(nproc: int) -> Cluster:
                    memory_per_device_gb=round(ram / nproc / 2**30, 2), flops_per_s={"fp32": fp32, "bf16": bf16},
                    compute_efficiency=1.0, memory_bandwidth_bytes_per_s=bandwidth, intra_node=p2p,
                    inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1,
-                   cores_per_node=os.cpu_count() or 1)
+                   cores_per_node=os.cpu_count() or 1,
+                   node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0))
 
 
 def cmd_calibrate(ns) -> int:

@@ -2,7 +2,9 @@
 
 Started on N local ranks by the project's launcher (launch.py). Times each operation at a
 small and a large size and fits latency plus bandwidth (alpha-beta) to the two points:
-point-to-point t = a + S / B; ring all-reduce over n ranks t = 2(n-1) a + 2(n-1)/n S / B.
+point-to-point t = a + S / B; ring all-reduce over n ranks t = 2(n-1) a + 2(n-1)/n S / B; and the
+node's aggregate: every rank sends S to the next at once, t = a + N S / B_node (what all ranks of
+this host move together; on one host it is near one pair's rate, not N times it).
 Rank 0 writes the fits as JSON to the path given as the only argument.
 """
 
@@ -58,6 +60,16 @@ def main() -> None:
 
         times[size] = _time(ping) / 2  # one way
     result["p2p"] = _fit(times[SMALL], times[LARGE], 1, 1)
+    for size in (SMALL, LARGE):
+        outgoing, incoming = torch.zeros(size // 4), torch.zeros(size // 4)
+
+        def shift() -> None:  # every rank at once: to the next, from the previous
+            works = [dist.isend(outgoing, (rank + 1) % world), dist.irecv(incoming, (rank - 1) % world)]
+            for work in works:
+                work.wait()
+
+        times[size] = _time(shift)
+    result["aggregate"] = _fit(times[SMALL], times[LARGE], 1, world)
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
         times = {}

@@ -10,6 +10,9 @@ bandwidth (the alpha-beta model), from which the collectives are costed as ring 
     point-to-point  alpha + bytes / beta
 
 A group whose ranks all sit in one node uses the intra-node link, otherwise the slower one.
+`node_bandwidth_bytes_per_s`, when set, caps what all ranks of a node move together (a CPU host,
+where every loopback transfer crosses one memory bus); the resharding cost model (resharding/cost.py)
+uses it, so that on one host fewer bytes per link no longer look faster when the total is the same.
 The presets' figures come from vendors' published datasheets and say so in `source`;
 latencies and the sustained fraction of peak are typical values, not datasheet figures, and
 are labelled as such. `autopar calibrate` measures this machine instead (calibrate.py).
@@ -69,6 +72,10 @@ class Cluster:
     """CPU only: cores the ranks of one node share (0: every device computes on its own). When a node runs
     more ranks than cores they time-share, and the step cost model charges their summed work / cores.
     Fractional when measured as the cores this job really gets on a shared machine (measure_profile.py)."""
+    node_bandwidth_bytes_per_s: float = 0
+    """Bytes per second all ranks of one node move between ranks together (0: no shared cap, each rank's
+    link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
+    transfers together move about as fast as one pair's (docs/benchmarks/resharding.md)."""
 
     # ---------------------------------------------------------------- geometry
 
@@ -192,7 +199,9 @@ def cluster_from_dict(data: dict) -> Cluster:
         allreduce_table=table,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
-        cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0)
+        cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0,
+        node_bandwidth_bytes_per_s=_number(data, "node_bandwidth_bytes_per_s", "", strict=False)
+        if "node_bandwidth_bytes_per_s" in data else 0)
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -274,7 +283,8 @@ def _cpu_local() -> Cluster:
                    devices_per_node=max(8, cores), memory_per_device_gb=4.0,
                    flops_per_s={"fp32": 2e10, "bf16": 1e10}, compute_efficiency=1.0,
                    memory_bandwidth_bytes_per_s=5 * _GB, intra_node=Link(50e-6, 1 * _GB), inter_node=Link(100e-6, 0.1 * _GB),
-                   per_action_overhead_s=200e-6, memory_headroom=1.1, cores_per_node=cores)
+                   per_action_overhead_s=200e-6, memory_headroom=1.1, cores_per_node=cores,
+                   node_bandwidth_bytes_per_s=1 * _GB)  # one shared memory bus: no faster than one pair
 
 
 PRESET_NAMES = ("v100-16gb-nvlink", "v100-32gb-nvlink", "a100-40gb", "a100-80gb", "h100-80gb", "rtx3090-24gb-pcie", "cpu-local")
@@ -303,4 +313,13 @@ def resolve_cluster(spec: str | None, *, nproc: int | None = None, memory_per_de
             raise ConfigError(f"--nproc {nproc} is not a whole number of {cluster.name} nodes of "
                               f"{cluster.devices_per_node} devices; use a multiple of {cluster.devices_per_node}")
         cluster = cluster.replace(num_devices=nproc, devices_per_node=per_node)
+    return cluster
+
+
+def cluster_for_ranks(spec: str | None, world: int) -> Cluster:
+    """The cluster a running job of `world` ranks prices its boundary transfers on (--boundary auto): the
+    preset or file as given; cpu-local, being this one machine, as one node that holds all `world` ranks."""
+    cluster = resolve_cluster(spec)
+    if cluster.name == "cpu-local" and world > cluster.devices_per_node:
+        cluster = cluster.replace(num_devices=world, devices_per_node=world)
     return cluster
