@@ -3,6 +3,16 @@
 Started on N local ranks by the project's launcher (launch.py). Times each operation at a
 small and a large size and fits latency plus bandwidth (alpha-beta) to the two points:
 point-to-point t = a + S / B; ring all-reduce over n ranks t = 2(n-1) a + 2(n-1)/n S / B.
+Beside the wall time it fits the same form to the CPU seconds the operation costs, summed
+over the ranks taking part (every thread of each process: gloo copies and wakes in its own
+threads): where ranks time-share cores, that CPU is taken from the compute (cost.py's
+time-shared bound), whether or not the wall time overlaps.
+
+It also measures how well the ranks share the cores (`sharing_probe`): a fixed workload on
+rank 0 alone, then on every rank at once, timed from a common start to the last rank's end;
+effective cores = ranks x alone / together (about 1.8 for 4-8 ranks on a quiet 2-core
+machine: the ideal 2, less what switching between processes costs; more when other jobs hold
+the cores, since then each process gets its slice whether or not our other ranks run).
 Rank 0 writes the fits as JSON to the path given as the only argument.
 """
 
@@ -21,15 +31,24 @@ SMALL, LARGE = 1024, 4 * 2**20  # bytes
 REPEATS = 8
 
 
-def _time(fn, group=None) -> float:
+def _time(fn, group=None) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (this process, all threads) of `fn`, after a warm-up."""
     fn()  # warm-up
-    samples = []
+    samples, cpu = [], []
     for _ in range(REPEATS):
         dist.barrier(group=group)
-        began = time.perf_counter()
+        began, used = time.perf_counter(), time.process_time()
         fn()
         samples.append(time.perf_counter() - began)
-    return statistics.median(samples)
+        cpu.append(time.process_time() - used)
+    return statistics.median(samples), statistics.median(cpu)
+
+
+def _summed(value: float, group=None) -> float:
+    """`value` summed over the ranks of `group`."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t)
 
 
 def _fit(t_small: float, t_large: float, steps: float, volume: float) -> dict:
@@ -39,12 +58,52 @@ def _fit(t_small: float, t_large: float, steps: float, volume: float) -> dict:
     return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / per_byte}
 
 
+def sharing_probe(rounds: int = 5, repeats: int = 12) -> float:
+    """Effective cores this job's ranks get: ranks x (CPU seconds of a fixed workload run on rank 0 alone) / (wall
+    seconds from a common start until every rank has run it once at the same time), alternated `rounds` times,
+    medians kept. In units of one process's CPU time alone, so it also charges what switching between the ranks
+    costs; CPU time, not wall, for the alone run, so that other jobs on the machine count once (in the together
+    run), as they slow the real step.
+
+    The workload is matmuls and elementwise ops on tensors of a few hundred KiB, like the blocks of the small models
+    (~20 ms on a free core). Timing from the FIRST rank's start to the LAST rank's end (time.monotonic, one clock for
+    the machine) matters: a rank that waits for a core starts late, so per-rank times would hide the sharing; and no
+    collective sits inside the span (on a loaded machine a barrier's wake-ups take longer than the work). Every rank
+    returns the same value."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(512, 128), torch.randn(128, 512)
+
+    def work() -> None:
+        for _ in range(repeats):
+            y = torch.relu(a @ b)
+            (y * y + y).sum()
+
+    work()
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            began = time.thread_time()
+            work()
+            alone.append(time.thread_time() - began)
+        dist.barrier()
+        span = torch.tensor([-time.monotonic(), 0.0], dtype=torch.float64)  # the machine-wide clock
+        work()
+        span[1] = time.monotonic()
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)  # the first start, the last end
+        together.append(float(span[0] + span[1]))
+    value = torch.tensor([world * statistics.median(alone) / statistics.median(together) if rank == 0 else 0.0],
+                         dtype=torch.float64)
+    dist.broadcast(value, 0)
+    return min(float(world), max(0.01, float(value)))
+
+
 def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"allreduce": {}}
-    times = {}
+    result: dict = {"allreduce": {}, "allreduce_cpu": {}}
+    times, cpus = {}, {}
     for size in (SMALL, LARGE):
         buf = torch.zeros(size // 4)
 
@@ -56,18 +115,25 @@ def main() -> None:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        times[size] = _time(ping) / 2  # one way
+        wall, cpu = _time(ping)
+        times[size] = wall / 2  # one way
+        cpus[size] = _summed(cpu / 2 if rank < 2 else 0.0)  # sender's and receiver's CPU of one transfer
     result["p2p"] = _fit(times[SMALL], times[LARGE], 1, 1)
+    result["p2p_cpu"] = _fit(cpus[SMALL], cpus[LARGE], 1, 1)
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
-        times = {}
+        times, cpus = {}, {}
         for size in (SMALL, LARGE):
             buf = torch.zeros(size // 4)
+            wall = cpu = 0.0
             if rank < n:
-                times[size] = _time(lambda: dist.all_reduce(buf, group=group), group)
+                wall, cpu = _time(lambda: dist.all_reduce(buf, group=group), group)
+            times[size], cpus[size] = wall, _summed(cpu)
             dist.barrier()
         if rank == 0:
             result["allreduce"][str(n)] = _fit(times[SMALL], times[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
+            result["allreduce_cpu"][str(n)] = _fit(cpus[SMALL], cpus[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
+    result["effective_cores"] = sharing_probe()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
