@@ -11,7 +11,8 @@ Measured, each in a few seconds (under 2 minutes in all):
   project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth, in wall time
   and in the CPU seconds they take (what time-sharing ranks pay out of their compute);
 - the cores the N ranks really get when all run at once (calibrate_ranks.sharing_probe):
-  the node's `cores_per_node`, which the step model divides the ranks' summed work by.
+  the node's `cores_per_node`, which the step model divides the ranks' summed work by, and the
+  CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`).
 Memory per device is this machine's RAM divided by N.
 """
 
@@ -100,7 +101,7 @@ def calibrate(nproc: int) -> Cluster:
                    compute_efficiency=1.0, memory_bandwidth_bytes_per_s=bandwidth, intra_node=p2p,
                    inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1,
                    cores_per_node=min(float(os.cpu_count() or 1), round(links["effective_cores"], 3)),
-                   allreduce_cpu_table=cpu_table, p2p_cpu=Link(**links["p2p_cpu"]))
+                   allreduce_cpu_table=cpu_table, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"])
 
 
 def cmd_calibrate(ns) -> int:
@@ -110,5 +111,6 @@ def cmd_calibrate(ns) -> int:
     print(f"wrote {ns.out} in {time.perf_counter() - began:.0f} s: matmul {cluster.flops_per_s['fp32'] / 1e9:.1f} "
           f"GFLOP/s fp32 per thread, overhead {cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
           f"{cluster.intra_node.latency_s * 1e6:.0f} us + {cluster.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-          f"{ns.nproc} ranks get {cluster.cores_per_node:.2f} effective cores")
+          f"{ns.nproc} ranks get {cluster.cores_per_node:.2f} effective cores and pay "
+          f"{cluster.sync_cpu_s * 1e6:.0f} us of CPU per blocking wait")
     return 0

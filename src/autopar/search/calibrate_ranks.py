@@ -13,6 +13,8 @@ rank 0 alone, then on every rank at once, timed from a common start to the last 
 effective cores = ranks x alone / together (about 1.8 for 4-8 ranks on a quiet 2-core
 machine: the ideal 2, less what switching between processes costs; more when other jobs hold
 the cores, since then each process gets its slice whether or not our other ranks run).
+And what each blocking synchronisation costs a rank's CPU beyond that, once the ranks time-share the
+cores (`sync_cost`: context switches, caches refilled after the wait).
 Rank 0 writes the fits as JSON to the path given as the only argument.
 """
 
@@ -58,7 +60,7 @@ def _fit(t_small: float, t_large: float, steps: float, volume: float) -> dict:
     return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / per_byte}
 
 
-def sharing_probe(rounds: int = 5, repeats: int = 12) -> float:
+def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
     """Effective cores this job's ranks get: ranks x (CPU seconds of a fixed workload run on rank 0 alone) / (wall
     seconds from a common start until every rank has run it once at the same time), alternated `rounds` times,
     medians kept. In units of one process's CPU time alone, so it also charges what switching between the ranks
@@ -66,8 +68,8 @@ def sharing_probe(rounds: int = 5, repeats: int = 12) -> float:
     run), as they slow the real step.
 
     The workload is matmuls and elementwise ops on tensors of a few hundred KiB, like the blocks of the small models
-    (~20 ms on a free core). Timing from the FIRST rank's start to the LAST rank's end (time.monotonic, one clock for
-    the machine) matters: a rank that waits for a core starts late, so per-rank times would hide the sharing; and no
+    (~150 ms on a free core: long beside the wake-ups at its edges on a loaded machine). Timing from the FIRST rank's
+    start to the LAST rank's end (time.monotonic, one clock for the machine) matters: a rank that waits for a core starts late, so per-rank times would hide the sharing; and no
     collective sits inside the span (on a loaded machine a barrier's wake-ups take longer than the work). Every rank
     returns the same value."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -96,6 +98,51 @@ def sharing_probe(rounds: int = 5, repeats: int = 12) -> float:
                          dtype=torch.float64)
     dist.broadcast(value, 0)
     return min(float(world), max(0.01, float(value)))
+
+
+def sync_cost(rounds: int = 3, pieces: int = 24, repeats: int = 48) -> float:
+    """CPU seconds one rank pays per blocking synchronisation when the ranks time-share the cores, beyond the
+    collective's own cost in a tight loop: every rank runs the probe's workload in `pieces` parts, once straight
+    through and once with a 4-byte all-reduce with its neighbour (ranks 2k and 2k+1) between parts. The waits make
+    the ranks give up their cores and come back to cold caches; the CPU difference per wait, less the tight-loop
+    all-reduce's own CPU, is what every TP all-reduce, pipeline receive and per-step sync adds (cost.py).
+    0 with fewer than 2 ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    a, b = torch.randn(512, 128), torch.randn(128, 512)
+    flag = torch.zeros(1)
+
+    def run(sync: bool) -> float:
+        began = time.process_time()
+        for i in range(repeats):
+            y = torch.relu(a @ b)
+            (y * y + y).sum()
+            if sync and mine is not None and i % (repeats // pieces) == 0:
+                dist.all_reduce(flag, group=mine)
+        return time.process_time() - began
+
+    def tight() -> float:
+        began = time.process_time()
+        for _ in range(pieces):
+            dist.all_reduce(flag, group=mine)
+        return time.process_time() - began
+
+    plain, synced, loop = [], [], []
+    run(False), run(True)
+    for _ in range(rounds):
+        dist.barrier()
+        plain.append(run(False))
+        dist.barrier()
+        synced.append(run(True))
+        dist.barrier()
+        if mine is not None:
+            loop.append(tight())
+    extra = (statistics.median(synced) - statistics.median(plain) - (statistics.median(loop) if loop else 0.0))
+    value = torch.tensor([max(0.0, extra / pieces) if mine is not None else 0.0, float(mine is not None)],
+                         dtype=torch.float64)
+    dist.all_reduce(value)
+    return float(value[0] / value[1]) if value[1] else 0.0
 
 
 def main() -> None:
@@ -134,6 +181,7 @@ def main() -> None:
             result["allreduce"][str(n)] = _fit(times[SMALL], times[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
             result["allreduce_cpu"][str(n)] = _fit(cpus[SMALL], cpus[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
     result["effective_cores"] = sharing_probe()
+    result["sync_cpu_s"] = sync_cost() if world >= 2 else 0.0
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

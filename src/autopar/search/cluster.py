@@ -75,6 +75,10 @@ class Cluster:
     (calibrate_ranks.py). Time-sharing ranks pay it out of the cores the compute needs."""
     p2p_cpu: Link | None = None
     """CPU only: CPU seconds of one point-to-point transfer, sender's and receiver's together."""
+    sync_cpu_s: float = 0.0
+    """CPU only: CPU seconds a rank pays per blocking wait (a TP all-reduce, a pipeline receive, a per-step sync)
+    when ranks time-share the cores, beyond the collective itself: it gives up its core and comes back to cold
+    caches (calibrate_ranks.sync_cost)."""
 
     # ---------------------------------------------------------------- geometry
 
@@ -219,6 +223,7 @@ def cluster_from_dict(data: dict) -> Cluster:
         "per_action_overhead_s" in data else 0.0,
         allreduce_table=group_table("allreduce_table"), allreduce_cpu_table=group_table("allreduce_cpu_table"),
         p2p_cpu=_link(data, "p2p_cpu") if "p2p_cpu" in data else None,
+        sync_cpu_s=_number(data, "sync_cpu_s", "", strict=False) if "sync_cpu_s" in data else 0.0,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
         cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0)

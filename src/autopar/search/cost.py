@@ -142,7 +142,8 @@ class StepModel:
         (trainer.py, pipeline/engine.py): the target count over each dp group, the loss-and-flags and the peak
         memory over every rank, the gradient norm's squares over each pp group (a pipeline) and each tp group,
         and, when a pipeline splits tied weights, their gradient sum between the two stages that hold them.
-        A few bytes each, but on gloo each costs a latency per ring step in every rank's CPU."""
+        A few bytes each, but on gloo each costs a latency per ring step in every rank's CPU, and every rank
+        waits in it (Cluster.sync_cpu_s), as it does once more for the data-parallel gradients' last bucket."""
         cl, world = self.cluster, c.dp * c.tp * c.pp
         tiny = 16.0
         total = 2 * cl.all_reduce_cpu(tiny, world) + c.pp * c.tp * cl.all_reduce_cpu(tiny, c.dp)
@@ -153,7 +154,8 @@ class StepModel:
                 total += c.dp * c.tp * cl.all_reduce_cpu(self.profile.shared_params / c.tp * 4.0, 2)
         if c.tp > 1:
             total += c.dp * c.pp * cl.all_reduce_cpu(tiny, c.tp)
-        return total
+        waits = 2 + (c.dp > 1) + (c.pp > 1) + (c.tp > 1) + (c.dp > 1)  # per rank; the last: gradients' final wait
+        return total + world * waits * cl.sync_cpu_s
 
     def step_cpu(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...], times: PipelineTimes,
                  rank_of: list[int], update: list[float], local_params: list[float]) -> float:
@@ -162,10 +164,12 @@ class StepModel:
         Compute: each pipeline rank's busy time less the wall its TP all-reduces take inside the actions (their
         CPU is counted apart). Per micro-batch and stage, the TP all-reduces run once forward, once backward and
         once more in a recomputed forward; every boundary sends one activation and one gradient (each tp rank
-        its own copy). Then the update and the data-parallel collectives (zero_cost.data_parallel_cpu_s)."""
+        its own copy). Then the update and the data-parallel collectives (zero_cost.data_parallel_cpu_s). Each
+        TP all-reduce and each received transfer is also a blocking wait (Cluster.sync_cpu_s per rank)."""
         cl, m, mbs = self.cluster, c.num_microbatches, c.micro_batch_size
         _, _, tp_comm = self.block_times(c.tp, mbs)
         tp_cpu = self.block_tp_cpu(c.tp, mbs)
+        counts = self.profile.at_tp(c.tp).allreduce_count
         whole = c.recompute == "all"
         measured = self.profile.measured
         cpu_per_wall = measured[0].cpu_per_wall if measured else 1.0  # blocks timed while others held the core
@@ -176,9 +180,12 @@ class StepModel:
             cpu = m * (passes * sum(tp_cpu[a:b]) + sum(tp_cpu[a:a + k]))
             total -= wall * c.dp * c.tp * cpu_per_wall
             total += cpu * c.dp
-            if b < self.profile.num_blocks:  # this stage's output forward, its gradient back
+            if c.tp > 1:  # every rank of the group waits in each all-reduce
+                count = sum(counts[a:b])
+                total += m * (passes * count + sum(counts[a:a + k])) * c.tp * c.dp * cl.sync_cpu_s
+            if b < self.profile.num_blocks:  # this stage's output forward, its gradient back; each received waits
                 nbytes = self.profile.boundary_bytes[b - 1] * mbs * self.act_scale
-                total += 2 * m * cl.p2p_cpu_s(nbytes) * c.dp * c.tp
+                total += 2 * m * (cl.p2p_cpu_s(nbytes) + cl.sync_cpu_s) * c.dp * c.tp
         total += self.host_sync_cpu(c, spans)
         element = 2.0 if self.bf16_master else 4.0
         for r in range(c.pp):
