@@ -163,17 +163,18 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
     from ..pipeline.recompute import measure_saved_bytes
     prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
     times = [[([], []) for _ in stages] for stages, _ in prepared]
-    wall = cpu = 0.0
+    shares = []  # per timed run: its thread's CPU seconds per wall second
     for repeat in range(repeats + 1):  # round 0 warms up
         for c, (stages, inputs) in enumerate(prepared):
             for i, stage in enumerate(stages):
                 began, used = time.perf_counter(), time.thread_time()
                 forward, backward = _run_block(stage, inputs[i])
                 if repeat:
-                    wall, cpu = wall + time.perf_counter() - began, cpu + time.thread_time() - used
+                    shares.append((time.thread_time() - used) / max(time.perf_counter() - began, 1e-9))
                     times[c][i][0].append(forward)
                     times[c][i][1].append(backward)
-    cpu_per_wall = min(1.0, cpu / wall) if wall > 0 else 1.0
+    # the median run's share, as the times kept are medians (a sum would be ruled by the runs preempted longest)
+    cpu_per_wall = min(1.0, statistics.median(shares)) if shares else 1.0
     updates = [_update_seconds(stage, repeats) for stage in prepared[0][0]]
     results = []
     for c, (stages, inputs) in enumerate(prepared):
