@@ -67,12 +67,12 @@ def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
     costs; CPU time, not wall, for the alone run, so that other jobs on the machine count once (in the together
     run), as they slow the real step.
 
-    The workload is matmuls and elementwise ops on tensors of a few hundred KiB, like the blocks of the small models
-    (48 matmuls of 512x128x512: 45-150 ms of one thread here, as this VM's speed varies; long beside the
-    wake-ups at its edges on a loaded machine). Timing from the FIRST rank's
-    start to the LAST rank's end (time.monotonic, one clock for the machine) matters: a rank that waits for a core starts late, so per-rank times would hide the sharing; and no
-    collective sits inside the span (on a loaded machine a barrier's wake-ups take longer than the work). Every rank
-    returns the same value."""
+    The workload is matmuls and elementwise ops on tensors of a few hundred KiB, like the blocks of the small
+    models (48 matmuls of 512x128x512: 45-150 ms of one thread here, as this VM's speed varies; long beside the
+    wake-ups at its edges on a loaded machine). Timing from the FIRST rank's start to the LAST rank's end
+    (time.monotonic, one clock for the machine) matters: a rank that waits for a core starts late, so per-rank
+    times would hide the sharing; and no collective sits inside the span (on a loaded machine a barrier's
+    wake-ups take longer than the work). Every rank returns the same value."""
     rank, world = dist.get_rank(), dist.get_world_size()
     a, b = torch.randn(512, 128), torch.randn(128, 512)
 
