@@ -29,8 +29,8 @@ def cpu_blocks(name: str) -> list:
     blocks = measure_blocks(name, seq_len=SEQ_LEN, model_args=MODELS[name])
     share = blocks[0].cpu_per_wall
     print(f"{name}: blocks measured at {share:.2f} CPU seconds per wall second")
-    return [dataclasses.replace(b, forward_fixed_s=b.forward_fixed_s * share, forward_per_seq_s=b.forward_per_seq_s * share,
-                                backward_fixed_s=b.backward_fixed_s * share,
+    return [dataclasses.replace(b, forward_fixed_s=b.forward_fixed_s * share,
+                                forward_per_seq_s=b.forward_per_seq_s * share, backward_fixed_s=b.backward_fixed_s * share,
                                 backward_per_seq_s=b.backward_per_seq_s * share, update_s=b.update_s * share,
                                 cpu_per_wall=1.0) for b in blocks]
 
@@ -78,11 +78,11 @@ def main() -> None:
                       f"{estimate.candidate.describe()}")
         errors = [(p - m) / m for p, m in zip(pred, meas)]
         scale = statistics.geometric_mean([m / p for p, m in zip(pred, meas)])
+        shape = statistics.median(abs(p * scale - m) / m for p, m in zip(pred, meas))
         pick = meas[min(range(len(pred)), key=pred.__getitem__)] / min(meas)
         print(f"{name} at {world} ranks, {len(pred)} configurations: Spearman {spearman(pred, meas):.3f}, pick / best "
               f"{pick:.3f}, median |time error| {statistics.median(abs(e) for e in errors):.1%} (signed "
-              f"{statistics.median(errors):+.1%}); {statistics.median(abs(p * scale - m) / m for p, m in zip(pred, meas)):.1%}"
-              f" after one fitted factor x{scale:.2f}")
+              f"{statistics.median(errors):+.1%}); {shape:.1%} after one fitted factor x{scale:.2f}")
 
 
 if __name__ == "__main__":
