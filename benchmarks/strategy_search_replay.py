@@ -30,7 +30,8 @@ def cpu_blocks(name: str) -> list:
     share = blocks[0].cpu_per_wall
     print(f"{name}: blocks measured at {share:.2f} CPU seconds per wall second")
     return [dataclasses.replace(b, forward_fixed_s=b.forward_fixed_s * share,
-                                forward_per_seq_s=b.forward_per_seq_s * share, backward_fixed_s=b.backward_fixed_s * share,
+                                forward_per_seq_s=b.forward_per_seq_s * share,
+                                backward_fixed_s=b.backward_fixed_s * share,
                                 backward_per_seq_s=b.backward_per_seq_s * share, update_s=b.update_s * share,
                                 cpu_per_wall=1.0) for b in blocks]
 
