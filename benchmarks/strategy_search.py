@@ -110,7 +110,8 @@ def pick_configs(ranked: list, limit: int) -> list:
 
 def strategy_of(c) -> dict:
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "schedule": c.schedule, "chunks": c.chunks,
-            "partition": c.partition if c.pp > 1 else "uniform", "recompute": "all" if c.recompute == "all" else "none"}
+            "partition": c.partition if c.pp > 1 else "uniform", "recompute": "all" if c.recompute == "all" else "none",
+            "zero": c.zero}
 
 
 def calibrated_cluster(path: str | None, world: int):
@@ -144,41 +145,16 @@ def run_world(model_name: str, world: int, cluster, args) -> dict:
     return block
 
 
-def effective_cores(rounds: int = 5) -> float:
-    """ranks x (seconds of a fixed small workload on rank 0 alone) / (the same on every rank at once), alternated
-    `rounds` times and the medians taken, so load drift on a shared machine hits both alike."""
-    import torch
-    import torch.distributed as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-
-    def work() -> float:  # small matmuls and elementwise ops, as the blocks run: ~20 ms on a free core
-        began = time.perf_counter()
-        for _ in range(60):
-            torch.relu(a @ b + a).sum()
-        return time.perf_counter() - began
-
-    alone, together = [], []
-    for _ in range(rounds):
-        dist.barrier()
-        if rank == 0:
-            alone.append(work())
-        dist.barrier()
-        mine = torch.tensor([work()], dtype=torch.float64)
-        dist.all_reduce(mine)
-        together.append(float(mine) / world)
-    return min(float(world), max(1.0, world * statistics.median(alone) / statistics.median(together))) \
-        if rank == 0 else 0.0
-
-
 def search_in_ranks(spec: dict) -> dict:
-    """Measure the blocks on rank 0 (the others wait in a barrier, idle), then a small workload on rank 0 alone
-    and on every rank at once; the ratio is the share of the cores this job gets now: effective cores = ranks x alone / together
-    (2 for 4 ranks on a quiet 2-core machine; near the rank count when other jobs hold the cores, since then
-    every process gets the same slice whether or not our other ranks run). Rank 0 then profiles the model,
+    """Measure the blocks on rank 0 (the others wait in a barrier, idle), then the cores this job gets now, as
+    `autopar calibrate` does (calibrate_ranks.sharing_probe: a workload on rank 0 alone, then on every rank at
+    once, timed to the last rank's end; about 1.8 for 4-8 ranks on a quiet 2-core machine, near the rank count
+    when other jobs hold the cores, since then every process gets the same slice whether or not our other ranks
+    run), so that the profile and the runs see the same load. Rank 0 then profiles the model,
     searches with the measured blocks and those cores, and picks the configurations to run."""
     import torch.distributed as dist
 
+    from autopar.search.calibrate_ranks import sharing_probe
     from autopar.search.cluster import load_cluster
     from autopar.search.cost import StepModel
     from autopar.search.measure_profile import measure_blocks, with_measured_blocks
@@ -194,7 +170,7 @@ def search_in_ranks(spec: dict) -> dict:
         dist.barrier()
         if rank == 0:
             alone = measure_blocks(spec["model"], seq_len=SEQ_LEN, model_args=margs)
-        cores = effective_cores()
+        cores = sharing_probe()
     measured_s = time.perf_counter() - began
     block = None
     if rank == 0:
@@ -271,7 +247,8 @@ def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
                   f" / forward_backward {m['forward_backward'] * 1e3:.1f}; optimizer {p['optimizer_s'] * 1e3:.1f}"
                   f" / {m['optimizer'] * 1e3:.1f}; clip {m['clip_gradients'] * 1e3:.1f}, zero_grad "
                   f"{m['zero_grad'] * 1e3:.1f}; timeline {p['timeline_step_s'] * 1e3:.1f}, time-shared bound "
-                  f"{p['time_shared_s'] * 1e3:.1f}")
+                  f"{p['time_shared_s'] * 1e3:.1f}; CPU summed over ranks {p.get('cpu_s', 0) * 1e3:.0f} / "
+                  f"{m.get('cpu', 0) * 1e3:.0f}")
     setup = [c["setup_s"] for c in block["configs"] if "setup_s" in c]
     print(f"set-up (trace, partition, 2 steps) per configuration: median {statistics.median(setup):.1f} s")
     print(f"Spearman {summary['spearman']:.3f} (target >= 0.8); pick / measured best {summary['pick_over_best']:.3f} "
@@ -330,7 +307,7 @@ def main() -> None:
 # ------------------------------------------------------------------------------ the ranks
 
 
-TERMS = ("step", "forward_backward", "busy", "clip_gradients", "optimizer", "zero_grad")
+TERMS = ("step", "forward_backward", "busy", "clip_gradients", "optimizer", "zero_grad", "cpu")
 
 
 def time_phases(trainer) -> dict[str, float]:
@@ -404,9 +381,9 @@ def worker(spec_path: Path) -> None:
         for i, trainer in trainers:
             dist.barrier()
             trainer._phase_seconds.clear()
-            began = time.perf_counter()
+            began, used = time.perf_counter(), time.process_time()
             trainer.train_step(2 + r)
-            elapsed = time.perf_counter() - began
+            elapsed, cpu = time.perf_counter() - began, time.process_time() - used
             seconds = trainer._phase_seconds
             busy = sum(end - start for start, end, action in getattr(trainer.engine, "last_events", [])
                        if action.op.is_compute)
@@ -414,8 +391,10 @@ def worker(spec_path: Path) -> None:
                                  seconds.get("clip_gradients", 0.0), seconds.get("optimizer", 0.0),
                                  seconds.get("zero_grad", 0.0)], dtype=torch.float64)
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # each term: the slowest rank's
+            summed = torch.tensor([cpu], dtype=torch.float64)
+            dist.all_reduce(summed)  # CPU seconds of the step (every thread), summed over the ranks
             samples[i].append(float(mine[0]))
-            phases[i].append(mine.tolist())
+            phases[i].append(mine.tolist() + [float(summed)])
     for i, times in samples.items():
         results[i]["measured_s"] = statistics.median(times)
         results[i]["samples_s"] = times

@@ -133,3 +133,36 @@ def test_measured_update_time_and_fractional_cores():
     shared = StepModel(profile, cluster.replace(cores_per_node=2.5), global_batch_size=8).evaluate(c)
     # 4 replicas of (forward + backward + update) on 2.5 cores; rel 1e-3: stage costs rounded (timeline.normalised)
     assert shared.step_time_s == pytest.approx(4 * (alone.parts["pipeline_s"] + 10e-3) / 2.5, rel=1e-3)
+
+
+def test_time_shared_bound_counts_every_ranks_cpu_with_collectives():
+    """Hand-computed: dp=2 x pp=2 on one core. The bound is the CPU of all four ranks: forward and backward
+    (FLOPs at the rate), the update (AdamW bytes at the bandwidth), each boundary's activation and gradient
+    (p2p CPU), each stage's gradient all-reduce over dp, and the step's small syncs (loss and peak over all 4
+    ranks, target count over each dp group, gradient norm over each pp group), at the calibrated CPU costs."""
+    from autopar.search.cluster import Link, cluster_from_dict
+    from autopar.search.cost import ADAM_BYTES_PER_PARAM
+    profile, cluster = _toy()
+    table = {2: Link(1e-3, 1e9), 4: Link(2e-3, 1e9)}
+    cluster = cluster.replace(allreduce_cpu_table=table, p2p_cpu=Link(2e-4, 1e9), cores_per_node=1)
+    assert cluster_from_dict(cluster.to_dict()) == cluster  # the new fields survive the TOML form
+
+    def ar(nbytes: float, n: int) -> float:
+        return 2 * (n - 1) * table[n].latency_s + 2 * (n - 1) / n * nbytes / table[n].bandwidth_bytes_per_s
+
+    c = Candidate(dp=2, tp=1, pp=2, micro_batch_size=1, num_microbatches=4, schedule="1f1b", partition="uniform")
+    estimate = StepModel(profile, cluster, global_batch_size=8).evaluate(c)
+    a, cut, b = estimate.bounds
+    flops, params = profile.flops, profile.params
+    compute = sum(4 * 3 * f / 1e9 for f in flops)  # 4 micro-batches, forward + backward (2x), both stages
+    update = sum(p * ADAM_BYTES_PER_PARAM / 1e10 for p in params)
+    p2p = 2 * 4 * (2e-4 + profile.boundary_bytes[cut - 1] / 1e9)  # one activation and one gradient per micro-batch
+    grads = ar(sum(params[a:cut]) * 4.0, 2) + ar(sum(params[cut:b]) * 4.0, 2)
+    syncs = 2 * ar(16, 4) + 2 * ar(16, 2) + 2 * ar(16, 2)
+    # both replicas compute, update and send; each stage's all-reduce CPU is already summed over its dp group
+    want = 2 * (compute + update + p2p) + grads + syncs
+    assert estimate.parts["cpu_s"] == pytest.approx(want, rel=1e-3)
+    assert estimate.step_time_s == pytest.approx(max(estimate.parts["cpu_s"] / 1, estimate.parts["timeline_step_s"]))
+    # a group larger than any calibrated one costs what the largest does, per rank; nothing without a table
+    assert cluster.all_reduce_cpu(1e6, 8) == pytest.approx(ar(1e6, 4) * 2)
+    assert cluster.replace(allreduce_cpu_table={}).all_reduce_cpu(1e6, 2) == 0.0

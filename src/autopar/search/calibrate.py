@@ -8,8 +8,12 @@ Measured, each in a few seconds (under 2 minutes in all):
   and autograd bookkeeping beyond its FLOPs);
 - memory bandwidth of a large copy (bounds the optimizer step);
 - gloo point-to-point and all-reduce per group size 2..N, on N ranks started by the
-  project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth; and what the N
-  ranks move together (node_bandwidth_bytes_per_s, the resharding cost model's shared cap).
+  project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth, in wall time
+  and in the CPU seconds they take (what time-sharing ranks pay out of their compute); and what
+  the N ranks move together (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
+- the cores the N ranks really get when all run at once (calibrate_ranks.sharing_probe):
+  the node's `cores_per_node`, which the step model divides the ranks' summed work by, and the
+  CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`).
 Memory per device is this machine's RAM divided by N.
 """
 
@@ -89,6 +93,7 @@ def calibrate(nproc: int) -> Cluster:
     links = measure_links(nproc)
     p2p = Link(**links["p2p"])
     table = {int(n): Link(**fit) for n, fit in links["allreduce"].items()}
+    cpu_table = {int(n): Link(**fit) for n, fit in links["allreduce_cpu"].items()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return Cluster(name="calibrated", source=f"measured by autopar calibrate on {socket.gethostname()} at {stamp} "
@@ -96,7 +101,8 @@ def calibrate(nproc: int) -> Cluster:
                    memory_per_device_gb=round(ram / nproc / 2**30, 2), flops_per_s={"fp32": fp32, "bf16": bf16},
                    compute_efficiency=1.0, memory_bandwidth_bytes_per_s=bandwidth, intra_node=p2p,
                    inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1,
-                   cores_per_node=os.cpu_count() or 1,
+                   cores_per_node=min(float(os.cpu_count() or 1), round(links["effective_cores"], 3)),
+                   allreduce_cpu_table=cpu_table, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
                    node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0))
 
 
@@ -106,5 +112,7 @@ def cmd_calibrate(ns) -> int:
     Path(ns.out).write_text(cluster.to_toml())
     print(f"wrote {ns.out} in {time.perf_counter() - began:.0f} s: matmul {cluster.flops_per_s['fp32'] / 1e9:.1f} "
           f"GFLOP/s fp32 per thread, overhead {cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
-          f"{cluster.intra_node.latency_s * 1e6:.0f} us + {cluster.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+          f"{cluster.intra_node.latency_s * 1e6:.0f} us + {cluster.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+          f"{ns.nproc} ranks get {cluster.cores_per_node:.2f} effective cores and pay "
+          f"{cluster.sync_cpu_s * 1e6:.0f} us of CPU per blocking wait")
     return 0

@@ -5,6 +5,18 @@ small and a large size and fits latency plus bandwidth (alpha-beta) to the two p
 point-to-point t = a + S / B; ring all-reduce over n ranks t = 2(n-1) a + 2(n-1)/n S / B; and the
 node's aggregate: every rank sends S to the next at once, t = a + N S / B_node (what all ranks of
 this host move together; on one host it is near one pair's rate, not N times it).
+Beside the wall time it fits the same form to the CPU seconds the operation costs, summed
+over the ranks taking part (every thread of each process: gloo copies and wakes in its own
+threads): where ranks time-share cores, that CPU is taken from the compute (cost.py's
+time-shared bound), whether or not the wall time overlaps.
+
+It also measures how well the ranks share the cores (`sharing_probe`): a fixed workload on
+rank 0 alone, then on every rank at once, timed from a common start to the last rank's end;
+effective cores = ranks x alone / together (about 1.8 for 4-8 ranks on a quiet 2-core
+machine: the ideal 2, less what switching between processes costs; more when other jobs hold
+the cores, since then each process gets its slice whether or not our other ranks run).
+And what each blocking synchronisation costs a rank's CPU beyond that, once the ranks time-share the
+cores (`sync_cost`: context switches, caches refilled after the wait).
 Rank 0 writes the fits as JSON to the path given as the only argument.
 """
 
@@ -23,15 +35,24 @@ SMALL, LARGE = 1024, 4 * 2**20  # bytes
 REPEATS = 8
 
 
-def _time(fn, group=None) -> float:
+def _time(fn, group=None) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (this process, all threads) of `fn`, after a warm-up."""
     fn()  # warm-up
-    samples = []
+    samples, cpu = [], []
     for _ in range(REPEATS):
         dist.barrier(group=group)
-        began = time.perf_counter()
+        began, used = time.perf_counter(), time.process_time()
         fn()
         samples.append(time.perf_counter() - began)
-    return statistics.median(samples)
+        cpu.append(time.process_time() - used)
+    return statistics.median(samples), statistics.median(cpu)
+
+
+def _summed(value: float, group=None) -> float:
+    """`value` summed over the ranks of `group`."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t)
 
 
 def _fit(t_small: float, t_large: float, steps: float, volume: float) -> dict:
@@ -41,12 +62,98 @@ def _fit(t_small: float, t_large: float, steps: float, volume: float) -> dict:
     return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / per_byte}
 
 
+def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
+    """Effective cores this job's ranks get: ranks x (CPU seconds of a fixed workload run on rank 0 alone) / (wall
+    seconds from a common start until every rank has run it once at the same time), alternated `rounds` times,
+    medians kept. In units of one process's CPU time alone, so it also charges what switching between the ranks
+    costs; CPU time, not wall, for the alone run, so that other jobs on the machine count once (in the together
+    run), as they slow the real step.
+
+    The workload is matmuls and elementwise ops on tensors of a few hundred KiB, like the blocks of the small
+    models (48 matmuls of 512x128x512: 45-150 ms of one thread here, as this VM's speed varies; long beside the
+    wake-ups at its edges on a loaded machine). Timing from the FIRST rank's start to the LAST rank's end
+    (time.monotonic, one clock for the machine) matters: a rank that waits for a core starts late, so per-rank
+    times would hide the sharing; and no collective sits inside the span (on a loaded machine a barrier's
+    wake-ups take longer than the work). Every rank returns the same value."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(512, 128), torch.randn(128, 512)
+
+    def work() -> None:
+        for _ in range(repeats):
+            y = torch.relu(a @ b)
+            (y * y + y).sum()
+
+    work()
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            began = time.thread_time()
+            work()
+            alone.append(time.thread_time() - began)
+        dist.barrier()
+        span = torch.tensor([-time.monotonic(), 0.0], dtype=torch.float64)  # the machine-wide clock
+        work()
+        span[1] = time.monotonic()
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)  # the first start, the last end
+        together.append(float(span[0] + span[1]))
+    value = torch.tensor([world * statistics.median(alone) / statistics.median(together) if rank == 0 else 0.0],
+                         dtype=torch.float64)
+    dist.broadcast(value, 0)
+    return min(float(world), max(0.01, float(value)))
+
+
+def sync_cost(rounds: int = 3, pieces: int = 24, repeats: int = 48) -> float:
+    """CPU seconds one rank pays per blocking synchronisation when the ranks time-share the cores, beyond the
+    collective's own cost in a tight loop: every rank runs the probe's workload in `pieces` parts, once straight
+    through and once with a 4-byte all-reduce with its neighbour (ranks 2k and 2k+1) between parts. The waits make
+    the ranks give up their cores and come back to cold caches; the CPU difference per wait, less the tight-loop
+    all-reduce's own CPU, is what every TP all-reduce, pipeline receive and per-step sync adds (cost.py).
+    0 with fewer than 2 ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    a, b = torch.randn(512, 128), torch.randn(128, 512)
+    flag = torch.zeros(1)
+
+    def run(sync: bool) -> float:
+        began = time.process_time()
+        for i in range(repeats):
+            y = torch.relu(a @ b)
+            (y * y + y).sum()
+            if sync and mine is not None and i % (repeats // pieces) == 0:
+                dist.all_reduce(flag, group=mine)
+        return time.process_time() - began
+
+    def tight() -> float:
+        began = time.process_time()
+        for _ in range(pieces):
+            dist.all_reduce(flag, group=mine)
+        return time.process_time() - began
+
+    plain, synced, loop = [], [], []
+    run(False), run(True)
+    for _ in range(rounds):
+        dist.barrier()
+        plain.append(run(False))
+        dist.barrier()
+        synced.append(run(True))
+        dist.barrier()
+        if mine is not None:
+            loop.append(tight())
+    extra = (statistics.median(synced) - statistics.median(plain) - (statistics.median(loop) if loop else 0.0))
+    value = torch.tensor([max(0.0, extra / pieces) if mine is not None else 0.0, float(mine is not None)],
+                         dtype=torch.float64)
+    dist.all_reduce(value)
+    return float(value[0] / value[1]) if value[1] else 0.0
+
+
 def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"allreduce": {}}
-    times = {}
+    result: dict = {"allreduce": {}, "allreduce_cpu": {}}
+    times, cpus = {}, {}
     for size in (SMALL, LARGE):
         buf = torch.zeros(size // 4)
 
@@ -58,8 +165,11 @@ def main() -> None:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        times[size] = _time(ping) / 2  # one way
+        wall, cpu = _time(ping)
+        times[size] = wall / 2  # one way
+        cpus[size] = _summed(cpu / 2 if rank < 2 else 0.0)  # sender's and receiver's CPU of one transfer
     result["p2p"] = _fit(times[SMALL], times[LARGE], 1, 1)
+    result["p2p_cpu"] = _fit(cpus[SMALL], cpus[LARGE], 1, 1)
     for size in (SMALL, LARGE):
         outgoing, incoming = torch.zeros(size // 4), torch.zeros(size // 4)
 
@@ -68,18 +178,23 @@ def main() -> None:
             for work in works:
                 work.wait()
 
-        times[size] = _time(shift)
+        times[size], _ = _time(shift)
     result["aggregate"] = _fit(times[SMALL], times[LARGE], 1, world)
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
-        times = {}
+        times, cpus = {}, {}
         for size in (SMALL, LARGE):
             buf = torch.zeros(size // 4)
+            wall = cpu = 0.0
             if rank < n:
-                times[size] = _time(lambda: dist.all_reduce(buf, group=group), group)
+                wall, cpu = _time(lambda: dist.all_reduce(buf, group=group), group)
+            times[size], cpus[size] = wall, _summed(cpu)
             dist.barrier()
         if rank == 0:
             result["allreduce"][str(n)] = _fit(times[SMALL], times[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
+            result["allreduce_cpu"][str(n)] = _fit(cpus[SMALL], cpus[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
+    result["effective_cores"] = sharing_probe()
+    result["sync_cpu_s"] = sync_cost() if world >= 2 else 0.0
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -71,7 +71,17 @@ class Cluster:
     cores_per_node: float = 0
     """CPU only: cores the ranks of one node share (0: every device computes on its own). When a node runs
     more ranks than cores they time-share, and the step cost model charges their summed work / cores.
-    Fractional when measured as the cores this job really gets on a shared machine (measure_profile.py)."""
+    Fractional when measured as the cores the ranks really get (calibrate_ranks.sharing_probe): switching
+    between processes costs some, and on a shared machine other jobs hold some."""
+    allreduce_cpu_table: dict[int, Link] = field(default_factory=dict)
+    """CPU only: CPU seconds of one all-reduce over n ranks, summed over them, in the all-reduce's alpha-beta form
+    (calibrate_ranks.py). Time-sharing ranks pay it out of the cores the compute needs."""
+    p2p_cpu: Link | None = None
+    """CPU only: CPU seconds of one point-to-point transfer, sender's and receiver's together."""
+    sync_cpu_s: float = 0.0
+    """CPU only: CPU seconds a rank pays per blocking wait (a TP all-reduce, a pipeline receive, a per-step sync)
+    when ranks time-share the cores, beyond the collective itself: it gives up its core and comes back to cold
+    caches (calibrate_ranks.sync_cost)."""
     node_bandwidth_bytes_per_s: float = 0
     """Bytes per second all ranks of one node move between ranks together (0: no shared cap, each rank's
     link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
@@ -117,6 +127,22 @@ class Cluster:
 
     reduce_scatter = all_gather  # same ring volume, opposite direction
 
+    # ---------------------------------------------------------------- CPU the communication takes (time-sharing)
+
+    def all_reduce_cpu(self, nbytes: float, n: int) -> float:
+        """CPU seconds, summed over the n ranks, of one all-reduce of `nbytes` (0 without a calibrated table).
+        A group larger than any calibrated one is costed at the largest, per rank."""
+        if n <= 1 or nbytes <= 0 or not self.allreduce_cpu_table:
+            return 0.0
+        size = n if n in self.allreduce_cpu_table else max(self.allreduce_cpu_table)
+        link = self.allreduce_cpu_table[size]
+        return (2 * (size - 1) * link.latency_s + 2 * (size - 1) / size * nbytes / link.bandwidth_bytes_per_s) * \
+            n / size
+
+    def p2p_cpu_s(self, nbytes: float) -> float:
+        """CPU seconds of one point-to-point transfer of `nbytes`, both ends (0 without calibration)."""
+        return self.p2p_cpu.p2p(nbytes) if self.p2p_cpu is not None and nbytes > 0 else 0.0
+
     # ---------------------------------------------------------------- file form
 
     def replace(self, **changes) -> Cluster:
@@ -125,6 +151,9 @@ class Cluster:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["allreduce_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_table.items()}
+        out["allreduce_cpu_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_cpu_table.items()}
+        if self.p2p_cpu is None:
+            del out["p2p_cpu"]
         return out
 
     def to_toml(self) -> str:
@@ -181,11 +210,14 @@ def cluster_from_dict(data: dict) -> Cluster:
     if bad:
         raise ConfigError(f"cluster file: flops_per_s has unknown dtype(s) {bad}; use {choices(DTYPES)}")
     flops = {k: _number(rates, k, "flops_per_s.") for k in rates}
-    table = {}
-    for n, link in (data.get("allreduce_table") or {}).items():
-        if not str(n).isdigit() or int(n) < 2:
-            raise ConfigError(f"cluster file: allreduce_table key {n!r} must be a group size >= 2")
-        table[int(n)] = _link({"t": link}, "t") if isinstance(link, dict) else _link({}, f"allreduce_table.{n}")
+    def group_table(key: str) -> dict[int, Link]:
+        table = {}
+        for n, link in (data.get(key) or {}).items():
+            if not str(n).isdigit() or int(n) < 2:
+                raise ConfigError(f"cluster file: {key} key {n!r} must be a group size >= 2")
+            table[int(n)] = _link({f"{key}.{n}": link}, f"{key}.{n}") if isinstance(link, dict) else \
+                _link({}, f"{key}.{n}")
+        return table
     return Cluster(
         name=str(data.get("name", "custom")), source=str(data.get("source", "cluster file")),
         num_devices=num_devices, devices_per_node=per_node,
@@ -196,7 +228,9 @@ def cluster_from_dict(data: dict) -> Cluster:
         intra_node=_link(data, "intra_node"), inter_node=_link(data, "inter_node"),
         per_action_overhead_s=_number(data, "per_action_overhead_s", "", strict=False) if
         "per_action_overhead_s" in data else 0.0,
-        allreduce_table=table,
+        allreduce_table=group_table("allreduce_table"), allreduce_cpu_table=group_table("allreduce_cpu_table"),
+        p2p_cpu=_link(data, "p2p_cpu") if "p2p_cpu" in data else None,
+        sync_cpu_s=_number(data, "sync_cpu_s", "", strict=False) if "sync_cpu_s" in data else 0.0,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
         cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0,

@@ -12,8 +12,12 @@
                  stage, and the update: gradient norm, clip and optimizer step (measured per block with a
                  measured profile, else memory-bandwidth bound; over the shard under ZeRO)
     time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
-                 ranks' summed work (compute, optimizer, exposed all-reduce) / cores bounds the step
-                 from below; the step is the larger of that and the timeline above
+                 CPU seconds of every rank's step, summed, / the cores the ranks really get bounds the
+                 step from below; the step is the larger of that and the timeline above. The CPU of a
+                 step: compute actions (without the wall time their TP collectives wait), the update,
+                 and every collective and transfer's own CPU (gloo copies and wakes in its threads,
+                 calibrated per group size: Cluster.all_reduce_cpu, p2p_cpu_s) -- none of it overlaps
+                 when the cores are oversubscribed, whatever the timeline hides
 
 Everything a candidate needs that does not depend on its schedule (block times per tp and
 micro-batch size, partitions, in-flight counts) is cached on the StepModel instance, so
@@ -30,7 +34,7 @@ from .cluster import Cluster
 from .memory import OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
 from .profile import ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled
-from .zero_cost import copy_bytes_per_param, data_parallel_exposed_s
+from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_exposed_s
 
 RECOMPUTE = ("none", "stage-aware", "all")
 PARTITIONS = ("uniform", "parameters", "time")
@@ -123,6 +127,73 @@ class StepModel:
                             for m, r, c in zip(measured, share, comm)]
             self._blocks[key] = (forward, backward, comm)
         return self._blocks[key]
+
+    def block_tp_cpu(self, tp: int, mbs: int) -> list[float]:
+        """CPU seconds, summed over the tp ranks, of one block's TP all-reduces in one direction (time-sharing)."""
+        key = ("cpu", tp, mbs)
+        if key not in self._blocks:
+            prof = self.profile.at_tp(tp)
+            self._blocks[key] = [count * self.cluster.all_reduce_cpu(nbytes / max(count, 1) * mbs * self.act_scale, tp)
+                                 if count else 0.0 for nbytes, count in zip(prof.allreduce_bytes, prof.allreduce_count)]
+        return self._blocks[key]
+
+    def host_sync_cpu(self, c: Candidate, spans: list[tuple[int, int]]) -> float:
+        """CPU seconds, summed over all ranks, of the small collectives every step makes besides the model's
+        (trainer.py, pipeline/engine.py): the target count over each dp group, the loss-and-flags and the peak
+        memory over every rank, the gradient norm's squares over each pp group (a pipeline) and each tp group,
+        and, when a pipeline splits tied weights, their gradient sum between the two stages that hold them.
+        A few bytes each, but on gloo each costs a latency per ring step in every rank's CPU, and every rank
+        waits in it (Cluster.sync_cpu_s), as it does once more for the data-parallel gradients' last bucket."""
+        cl, world = self.cluster, c.dp * c.tp * c.pp
+        tiny = 16.0
+        total = 2 * cl.all_reduce_cpu(tiny, world) + c.pp * c.tp * cl.all_reduce_cpu(tiny, c.dp)
+        if c.pp > 1:
+            total += c.dp * c.tp * cl.all_reduce_cpu(tiny, c.pp)
+            shared_first, shared_last = self.profile.shared_blocks
+            if self.profile.shared_params and not any(a <= shared_first < b and a <= shared_last < b for a, b in spans):
+                total += c.dp * c.tp * cl.all_reduce_cpu(self.profile.shared_params / c.tp * 4.0, 2)
+        if c.tp > 1:
+            total += c.dp * c.pp * cl.all_reduce_cpu(tiny, c.tp)
+        waits = 2 + (c.dp > 1) + (c.pp > 1) + (c.tp > 1) + (c.dp > 1)  # per rank; the last: gradients' final wait
+        return total + world * waits * cl.sync_cpu_s
+
+    def step_cpu(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...], times: PipelineTimes,
+                 rank_of: list[int], update: list[float], local_params: list[float]) -> float:
+        """CPU seconds of one step summed over all dp x tp x pp ranks (what time-sharing ranks must fit in the cores).
+
+        Compute: each pipeline rank's busy time less the wall its TP all-reduces take inside the actions (their
+        CPU is counted apart). Per micro-batch and stage, the TP all-reduces run once forward, once backward and
+        once more in a recomputed forward; every boundary sends one activation and one gradient (each tp rank
+        its own copy). Then the update and the data-parallel collectives (zero_cost.data_parallel_cpu_s). Each
+        TP all-reduce and each received transfer is also a blocking wait (Cluster.sync_cpu_s per rank)."""
+        cl, m, mbs = self.cluster, c.num_microbatches, c.micro_batch_size
+        _, _, tp_comm = self.block_times(c.tp, mbs)
+        tp_cpu = self.block_tp_cpu(c.tp, mbs)
+        counts = self.profile.at_tp(c.tp).allreduce_count
+        whole = c.recompute == "all"
+        measured = self.profile.measured
+        cpu_per_wall = measured[0].cpu_per_wall if measured else 1.0  # blocks timed while others held the core
+        total = 0.0
+        for s, ((a, b), k) in enumerate(zip(spans, blocks)):
+            passes = 3 if whole else 2
+            wall = m * (passes * sum(tp_comm[a:b]) + sum(tp_comm[a:a + k]))
+            cpu = m * (passes * sum(tp_cpu[a:b]) + sum(tp_cpu[a:a + k]))
+            total -= wall * c.dp * c.tp * cpu_per_wall
+            total += cpu * c.dp
+            if c.tp > 1:  # every rank of the group waits in each all-reduce
+                count = sum(counts[a:b])
+                total += m * (passes * count + sum(counts[a:a + k])) * c.tp * c.dp * cl.sync_cpu_s
+            if b < self.profile.num_blocks:  # this stage's output forward, its gradient back; each received waits
+                nbytes = self.profile.boundary_bytes[b - 1] * mbs * self.act_scale
+                total += 2 * m * (cl.p2p_cpu_s(nbytes) + cl.sync_cpu_s) * c.dp * c.tp
+        total += self.host_sync_cpu(c, spans)
+        element = 2.0 if self.bf16_master else 4.0
+        for r in range(c.pp):
+            mine = [s for s in range(len(spans)) if rank_of[s] == r]
+            total += (times.busy[r] + update[r]) * c.dp * c.tp * cpu_per_wall
+            total += c.tp * data_parallel_cpu_s(cl, zero=c.zero, dp=c.dp, nbytes=sum(local_params[s] for s in mine) *
+                                                element, num_microbatches=m, per_micro_batch=c.pp == 1)
+        return total
 
     def bounds(self, method: str, tp: int, mbs: int, stages: int) -> tuple[int, ...]:
         key = (method, tp, mbs, stages)
@@ -270,8 +341,8 @@ class StepModel:
         step = max(max(finish_all), times.makespan)
         timeline_step, shared = step, 0.0
         cores, per_node = cl.cores_per_node, min(cl.devices_per_node, c.dp * c.tp * c.pp)
-        if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their work / cores
-            work = sum(times.busy[r] + opt_time[r] + dp_exposed[r] for r in range(c.pp)) * c.dp * c.tp
+        if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their CPU / cores
+            work = self.step_cpu(c, spans, blocks, times, rank_of, opt_time, local_params)
             shared = work / (cores * ((c.dp * c.tp * c.pp) // per_node))
             step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
@@ -281,4 +352,5 @@ class StepModel:
                         recompute_blocks=blocks,
                         parts={"pipeline_s": times.makespan, "dp_exposed_s": max(dp_exposed),
                                "optimizer_s": max(opt_time), "busy_s": max(times.busy),
-                               "timeline_step_s": timeline_step, "time_shared_s": shared})
+                               "timeline_step_s": timeline_step, "time_shared_s": shared,
+                               "cpu_s": shared * cores * ((c.dp * c.tp * c.pp) // per_node) if shared else 0.0})

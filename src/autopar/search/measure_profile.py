@@ -52,6 +52,9 @@ class BlockCosts:
     transient_fixed: float
     transient_per_seq: float
     update_s: float = 0.0  # the step's work on this block's parameters: gradient-norm terms, clip, AdamW step
+    cpu_per_wall: float = 1.0
+    """CPU seconds per wall second while the blocks were timed (thread time / elapsed, over all of them): 1 on a
+    free core, less when other processes held the measuring thread's core. The time-shared bound counts CPU."""
 
 
 def _update_seconds(stage, repeats: int) -> float:
@@ -152,20 +155,26 @@ def _run_block(stage, inputs: tuple, counter: LiveTensorPeak | None = None) -> t
 
 
 def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int],
-                                                             list[float]]]:
+                                                             list[float], float]]:
     """Per chain (one per micro-batch size): median forward and backward seconds, saved and transient bytes
-    of every block, and its parameter update's seconds (the same in every chain). The chains' blocks are timed in turn, round after round, so load drift on a shared
-    machine hits both micro-batch sizes alike (the fit of fixed and per-sequence time depends on both)."""
+    of every block, its parameter update's seconds (the same in every chain), and the CPU seconds per wall second
+    of all the timing (the same too). The chains' blocks are timed in turn, round after round, so load drift on a
+    shared machine hits both micro-batch sizes alike (the fit of fixed and per-sequence time depends on both)."""
     from ..pipeline.recompute import measure_saved_bytes
     prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
     times = [[([], []) for _ in stages] for stages, _ in prepared]
+    shares = []  # per timed run: its thread's CPU seconds per wall second
     for repeat in range(repeats + 1):  # round 0 warms up
         for c, (stages, inputs) in enumerate(prepared):
             for i, stage in enumerate(stages):
+                began, used = time.perf_counter(), time.thread_time()
                 forward, backward = _run_block(stage, inputs[i])
                 if repeat:
+                    shares.append((time.thread_time() - used) / max(time.perf_counter() - began, 1e-9))
                     times[c][i][0].append(forward)
                     times[c][i][1].append(backward)
+    # the median run's share, as the times kept are medians (a sum would be ruled by the runs preempted longest)
+    cpu_per_wall = min(1.0, statistics.median(shares)) if shares else 1.0
     updates = [_update_seconds(stage, repeats) for stage in prepared[0][0]]
     results = []
     for c, (stages, inputs) in enumerate(prepared):
@@ -177,7 +186,7 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
             transient.append(max(0, counter.peak - saved[i]))
             stage.zero_grad(set_to_none=True)
         results.append(([statistics.median(f) for f, _ in times[c]], [statistics.median(b) for _, b in times[c]],
-                        saved, transient, updates))
+                        saved, transient, updates, cpu_per_wall))
     return results
 
 
@@ -204,7 +213,7 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         runs = _measure_chains(chains, repeats)
     finally:
         torch.set_num_threads(threads)
-    (f1, b1, s1, t1, updates), (f2, b2, s2, t2, _) = runs
+    (f1, b1, s1, t1, updates, cpu_per_wall), (f2, b2, s2, t2, _, _) = runs
     lo, hi = micro_batches
 
     def fit(small: float, large: float) -> tuple[float, float]:
@@ -216,7 +225,7 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         (ff, fs), (bf, bs), (tf, ts) = fit(f1[i], f2[i]), fit(b1[i], b2[i]), fit(t1[i], t2[i])
         out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
                               saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
-                              update_s=updates[i]))
+                              update_s=updates[i], cpu_per_wall=cpu_per_wall))
     return out
 
 

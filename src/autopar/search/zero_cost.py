@@ -74,3 +74,22 @@ def data_parallel_exposed_s(cluster: Cluster, *, zero: int, dp: int, span: int, 
 def copy_bytes_per_param(zero: int, element_bytes: float) -> float:
     """Bytes per parameter ZeRO-1/2 move after the step: the gathered bucket read, the parameter written."""
     return 2 * element_bytes if zero in (1, 2) else 0.0
+
+
+def data_parallel_cpu_s(cluster: Cluster, *, zero: int, dp: int, nbytes: float, num_microbatches: int = 1,
+                        per_micro_batch: bool = False) -> float:
+    """CPU seconds, summed over one dp group, of the data-parallel collectives of one step (time-sharing ranks).
+
+    A reduce-scatter or an all-gather moves half an all-reduce's ring volume, so each is costed as half an
+    all-reduce's CPU: zero 0 one all-reduce; zero 1/2 a reduce-scatter and an all-gather (ZeRO-2 under the
+    data-parallel engine one more reduce-scatter per earlier micro-batch); zero 3 a reduce-scatter and every
+    micro-batch's two all-gathers of the parameters."""
+    if dp <= 1 or nbytes <= 0:
+        return 0.0
+    whole = cluster.all_reduce_cpu(nbytes, dp)
+    if zero == 0:
+        return whole
+    if zero in (1, 2):
+        earlier = (num_microbatches - 1) * whole / 2 if zero == 2 and per_micro_batch else 0.0
+        return whole + earlier
+    return whole / 2 + num_microbatches * whole
