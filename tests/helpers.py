@@ -36,19 +36,20 @@ def train_builtin(model_name: str, out: str, *, model_args: dict | None = None, 
     result = trainer.train()
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     planned = getattr(getattr(getattr(trainer.engine, "runtime", None), "p2p", None), "planned", None)
-    return {"losses": result.losses, "eval_loss": result.eval_loss, "first_step": result.first_step,
-            "boundary_plans": [] if planned is None else  # --boundary: what this rank's channels moved
-            [(plan.method, plan.max_link_bytes(), plan.nbytes, plan.src.tp, plan.dst.tp) for plan in planned.plans()],
-            "grad_norms": [r["grad_norm"] for r in records if r["step"] >= result.first_step],
-            "params": whole_parameters(trainer),
-            "local_numel": sum(p.numel() for p in trainer.model.parameters())}
+    got = {"losses": result.losses, "eval_loss": result.eval_loss, "first_step": result.first_step,
+           "boundary_plans": [] if planned is None else  # --boundary: what this rank's channels moved
+           [(plan.method, plan.max_link_bytes(), plan.nbytes, plan.src.tp, plan.dst.tp) for plan in planned.plans()],
+           "grad_norms": [r["grad_norm"] for r in records if r["step"] >= result.first_step],
+           "params": whole_parameters(trainer), "local_numel": sum(p.numel() for p in trainer.model.parameters())}
+    trainer.close()  # (whole_parameters gathers over the run's groups: close after it)
+    return got
 
 
 def whole_parameters(trainer) -> dict:
-    """This rank's parameters by name; tensor-parallel slices gathered into whole tensors."""
+    """This rank's parameters by name; tensor-parallel slices and ZeRO-3 shards gathered into whole tensors."""
     tp = trainer.engine.tensor_parallel
     whole = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v  # noqa: E731 (ZeRO-3 with tp: dp shards)
-    return {k: (tp.gather(k, whole(v)) if tp is not None else v).detach().clone()
+    return {k: (tp.gather(k, whole(v)) if tp is not None else whole(v)).detach().clone()
             for k, v in trainer.model.state_dict().items()}
 
 

@@ -47,24 +47,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 def _drop_subgroups(dist) -> None:
-    """Destroy the process groups a task created (pipeline tied-weight groups, sparse exchanges, ...). Each idle
-    gloo group keeps a TCP loop thread that costs a little CPU; hundreds of tests' groups left alive in
-    long-lived workers made later tests measurably slower (2 cores).
-
-    DeviceMesh groups (`mesh_*`: the Trainer's pp/dp/tp mesh) stay: DTensor caches sharding and redistribution
-    plans keyed by DeviceMesh, which compares equal across meshes of the same shape, so a later task's FSDP2
-    DTensors would be handed an earlier task's (destroyed) groups ("Could not resolve the process group")."""
-    from torch.distributed import distributed_c10d as c10d
-    if not dist.is_initialized():  # a task that tore the default group down: the pool restarts anyway
-        return
-    default = c10d._get_default_group()
-    for group in [g for g in list(c10d._world.pg_map) if g is not default]:
-        if str(getattr(group, "group_desc", "")).startswith("mesh"):
-            continue
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # a group the task already destroyed or broke: the next task starts clean anyway
-            pass
+    """Destroy the process groups a task left behind (meshes and engines of tests that do not close their
+    Trainer, meshes built directly, ...). Each idle gloo group keeps threads of its own; hundreds of tests'
+    groups alive in long-lived workers made later tests measurably slower (2 cores). destroy_groups also
+    clears DTensor's sharding caches, which would otherwise hand a later task's FSDP2 DTensors an earlier
+    task's destroyed mesh groups (its meshes compare equal by shape)."""
+    from autopar.distributed import destroy_groups, process_groups
+    if dist.is_initialized():  # (a task that tore the default group down: the pool restarts anyway)
+        destroy_groups(process_groups())
 
 
 class RankPool:

@@ -192,6 +192,7 @@ def train_word_lm(out: str, *, strategy: dict, vocab_size: int = 1024, seq_len: 
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     params = (trainer.engine.full_state_dict() if hasattr(trainer.engine, "full_state_dict")
               else {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    trainer.close()
     return {"losses": result.losses, "eval_loss": result.eval_loss, "records": records, "params": params,
             "description": getattr(trainer.engine, "description", "")}
 

@@ -93,9 +93,11 @@ def train_hf(family: str, out: str, *, strategy: dict | None = None, micro_batch
                                                          eval_batches=1, out=out, progress=False, timeout_s=60))
     result = trainer.train()
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return {"losses": result.losses, "eval_loss": result.eval_loss, "grad_norms": [r["grad_norm"] for r in records],
-            "params": whole_parameters(trainer), "local_numel": sum(p.numel() for p in trainer.model.parameters()),
-            "banner": trainer._banner(0)}
+    got = {"losses": result.losses, "eval_loss": result.eval_loss, "grad_norms": [r["grad_norm"] for r in records],
+           "params": whole_parameters(trainer), "local_numel": sum(p.numel() for p in trainer.model.parameters()),
+           "banner": trainer._banner(0)}
+    trainer.close()
+    return got
 
 
 def test_phi3_fused_projections_split_per_segment_match_single_process(rank_pool, tmp_path):

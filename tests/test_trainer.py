@@ -38,6 +38,26 @@ def test_a_real_model_starts_every_replica_from_replica_0(rank_pool, tmp_path):
     assert max_relative_difference(single["losses"], ranks[0]["losses"]) < 1e-5
 
 
+def _train_twice_with_close(out: str) -> dict:
+    """Two identical ZeRO-3 (FSDP2) runs in one process, each closed (train_builtin calls Trainer.close)."""
+    from autopar.distributed import process_groups
+    before = process_groups()
+    first = train_builtin("gpt-tiny", out + "/a", steps=2, strategy={"zero": 3})
+    left = process_groups() - before
+    second = train_builtin("gpt-tiny", out + "/b", steps=2, strategy={"zero": 3})
+    return {"left": len(left), "first": first, "second": second}
+
+
+def test_close_destroys_the_runs_groups_and_a_later_run_is_unaffected(rank_pool, tmp_path):
+    """Trainer.close leaves no process group behind (idle gloo groups cost CPU in long-lived processes), and a
+    second FSDP2 run on an equal-shaped mesh trains exactly as the first: DTensor's caches, which compare meshes
+    by shape, must not hand it the destroyed groups."""
+    for got in rank_pool(2).run(_train_twice_with_close, str(tmp_path)):
+        assert got["left"] == 0
+        assert got["first"]["losses"] == got["second"]["losses"]  # bitwise: the same ops in the same order
+        assert max_param_difference(got["first"]["params"], got["second"]["params"]) == 0.0
+
+
 def test_bf16_autocast_trains_close_to_fp32(rank_pool, tmp_path):
     fp32 = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "fp32"), steps=10)[0]
     bf16 = rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / "bf16"), steps=10, dtype="bf16-autocast")[0]

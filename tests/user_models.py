@@ -207,9 +207,11 @@ def train_user_model(kind: str, out: str, *, strategy: dict | None = None, steps
     trainer = autopar.Trainer(model, data, strategy=autopar.Strategy(**(strategy or {})), config=config,
                               eval_data=data, loss_fn=loss_fn)
     result = trainer.train()
-    return {"losses": result.losses, "eval_loss": result.eval_loss, "params": whole_parameters(trainer),
-            "finite": all(math.isfinite(v) for v in result.losses),
-            "local_numel": sum(p.numel() for p in trainer.model.parameters())}
+    got = {"losses": result.losses, "eval_loss": result.eval_loss, "params": whole_parameters(trainer),
+           "finite": all(math.isfinite(v) for v in result.losses),
+           "local_numel": sum(p.numel() for p in trainer.model.parameters())}
+    trainer.close()
+    return got
 
 
 def error_of(fn, *args, **kwargs) -> str:

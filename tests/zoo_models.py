@@ -446,7 +446,9 @@ def train_case(name: str, out: str, *, strategy: dict | None = None, micro_batch
     trainer = autopar.Trainer(case.build(), case.data(),
                               strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn)
     result = trainer.train()
-    return {"losses": result.losses, "params": whole_parameters(trainer)}
+    got = {"losses": result.losses, "params": whole_parameters(trainer)}
+    trainer.close()
+    return got
 
 
 def refusal(name: str, out: str, *, strategy: dict | None = None, micro_batch_size: int = GLOBAL_BATCH) -> dict:

@@ -122,8 +122,7 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
         from .preflight import check_before_launch
         check_before_launch(job)  # the resume folder and the model, once, here
-        if resolved.strategy.stage_tps is not None:
-            _check_stage_tp_model(job, resolved.strategy.stage_tps)
+        _check_traced_model(job, resolved.strategy)
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         command = [sys.executable, "-m", "autopar", *argv, "--out", out]
@@ -133,9 +132,20 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _check_stage_tp_model(job, degrees: tuple[int, ...]) -> None:
-    """--stage-tp: every degree is planned on the model (heads, width, vocabulary) before ranks start."""
+def _check_traced_model(job, strategy) -> None:
+    """The checks that need the model traced, before ranks start: every tp degree planned on it (heads, width,
+    vocabulary) and its pipeline's stage count against its blocks, with the functions the ranks call.
+
+    Each rank would raise the same error, but only after N copies of Python and torch had started. Uniform
+    layouts are checked for jobs cheap to build here (preflight.cheap_to_build; the others' ranks check);
+    --stage-tp always (its boundaries need every stage's plan)."""
+    from .preflight import cheap_to_build
+    degrees = strategy.stage_tps or (strategy.tp,)
+    if (max(degrees) == 1 and strategy.pp * strategy.chunks == 1) or (
+            strategy.stage_tps is None and not cheap_to_build(job)):
+        return
     from .job import build_job
+    from .pipeline.build import check_stage_count
     from .tensor_parallel import plan_tensor_parallel
     from .trace import trace
     from .train.fields import example_call
@@ -146,7 +156,11 @@ def _check_stage_tp_model(job, degrees: tuple[int, ...]) -> None:
             try:
                 plan_tensor_parallel(graph, t)
             except ConfigError as exc:
+                if strategy.stage_tps is None:
+                    raise
                 raise ConfigError(f"--stage-tp {job.strategy.stage_tp}: stage degree {t}: {exc}") from None
+    if strategy.pp * strategy.chunks > 1:
+        check_stage_count(graph, strategy.pp, strategy.chunks)
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ message instead of hanging for gloo's default 30 minutes.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -97,6 +98,36 @@ def _fresh_store(env: DistEnv, timeout: timedelta):
     store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.rank,
                                env.world_size, timeout)
     return dist.PrefixStore(f"autopar/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def process_groups() -> set:
+    """The sub-groups this process holds now (the default group left out; torch keeps no public list)."""
+    if not dist.is_initialized():
+        return set()
+    from torch.distributed import distributed_c10d as c10d
+    default = c10d._get_default_group()
+    return {group for group in c10d._world.pg_map if group is not default}
+
+
+def destroy_groups(groups) -> None:
+    """Destroy sub-groups every member has finished with, and forget DTensor's cached sharding decisions.
+
+    Each idle gloo group keeps threads of its own (a TCP event loop among them), so a process that builds
+    mesh after mesh (a notebook, a test pool) gets slower with every group left alive. DTensor caches
+    sharding decisions by specs holding a DeviceMesh, and meshes of one shape compare equal: a later mesh
+    would be handed the destroyed groups ("Could not resolve the process group") unless the caches go too.
+    """
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):  # already destroyed (by its owner): nothing is left to free
+            pass
+    if "torch.distributed.tensor" in sys.modules:  # only a process that used DTensor has the caches
+        from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
+        clear_redistribute_planner_cache()
 
 
 def shutdown() -> None:

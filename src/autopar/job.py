@@ -69,7 +69,10 @@ class JobParts:
 
 
 def run_job(job: JobConfig) -> TrainResult:
-    return make_trainer(job).train()
+    trainer = make_trainer(job)
+    result = trainer.train()
+    trainer.close()
+    return result
 
 
 def make_trainer(job: JobConfig) -> Trainer:

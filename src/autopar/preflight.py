@@ -6,11 +6,13 @@ its context length and its vocabulary against the tokenizer. Every rank would fi
 but only after N copies of Python and torch had started (seconds each on a small machine), and the
 user would read N copies of the message instead of one line before the launch.
 
-What needs the model traced (tensor-parallel splits, pipeline cuts) stays with the ranks: tracing
-depends on the batch the data produces, and a check that disagreed with the ranks would refuse a job
-that runs. So do jobs whose tokenizer must first be trained on the data (`bpe`) or whose data must
-first be read (`--data`), and Hugging Face models (importing transformers alone takes seconds): building
-them twice would cost what this module saves.
+What needs the model traced (tensor-parallel splits, pipeline stage counts) is checked by `autopar
+train` (cli._check_traced_model) with the very functions the ranks call, on a sample of the job's own
+data, so the two cannot disagree; the memory budget's recomputation plan stays with the ranks (it
+depends on each stage's saved bytes per micro-batch). Jobs whose tokenizer must first be trained on the
+data (`bpe`) or whose data must first be read (`--data`), and Hugging Face models (importing
+transformers alone takes seconds), are left to the ranks: building them twice would cost what this
+saves.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def check_before_launch(job: JobConfig) -> None:
     if job.train.resume:
         from .train.manifest import choose_checkpoint
         choose_checkpoint(job.train.resume)  # no such folder, no complete checkpoint, a damaged one
-    if job.data.data is not None or job.data.tokenizer not in CHEAP_TOKENIZERS or job.model.name.startswith("hf:"):
+    if not cheap_to_build(job):
         return
     from .data import build_tokenizer, padded_vocab_size
     from .models import build_model
@@ -33,6 +35,11 @@ def check_before_launch(job: JobConfig) -> None:
     _, info = build_model(job.model.name, job.model.args, vocab_size=padded_vocab_size(tokenizer.vocab_size),
                           device="meta")
     check_model_fits(info, tokenizer, job.data.seq_len)
+
+
+def cheap_to_build(job: JobConfig) -> bool:
+    """A built-in model on the byte tokenizer and the embedded corpus: built here in a fraction of a rank's start."""
+    return job.data.data is None and job.data.tokenizer in CHEAP_TOKENIZERS and not job.model.name.startswith("hf:")
 
 
 def check_model_fits(info, tokenizer, seq_len: int) -> None:

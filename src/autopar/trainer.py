@@ -33,7 +33,7 @@ from torch.utils.data import Dataset, default_collate
 
 from .config import JobConfig, Strategy, TrainConfig, to_dict
 from .data.sampler import GlobalBatchSampler
-from .distributed import DistEnv, init_distributed
+from .distributed import DistEnv, destroy_groups, init_distributed, process_groups
 from .dropout import dropout_step
 from .errors import CheckpointError, ConfigError, DataError, Preempted, TrainingError
 from .launch import ATTEMPT_ENV, restart_attempt
@@ -333,6 +333,22 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> TrainResult:
+        before = process_groups()
+        try:
+            return self._train()
+        finally:  # the mesh's and the engine's groups, for close()
+            self._groups = process_groups() - before
+
+    def close(self) -> None:
+        """Destroy the process groups train() created (mesh, engine), once every rank is done with them (a
+        barrier). The trained model's collectives (gathering whole tensors) no longer work afterwards; a process
+        that trains again later does not carry this run's idle groups (each keeps gloo threads of its own)."""
+        groups, self._groups = getattr(self, "_groups", set()), set()
+        if groups:
+            dist.barrier()
+            destroy_groups(groups)
+
+    def _train(self) -> TrainResult:
         self._setup()
         if self.loop is not None:  # e.g. the parameter server: servers serve, workers run ahead
             return self.loop(self)

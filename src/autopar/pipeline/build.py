@@ -60,6 +60,15 @@ class LocalPipeline:
         return _first_stage_inputs(self.graph, batch)
 
 
+def check_stage_count(graph: ModelGraph, pp: int, chunks: int) -> None:
+    """pp x chunks stages need as many blocks to cut between (ranks, and `autopar train` before it launches)."""
+    num_stages = pp * chunks
+    if graph.layers_path is not None and num_stages > len(graph.blocks):  # no stack: partition() says so
+        raise ConfigError(f"pp={pp} x chunks={chunks} = {num_stages} stages, but the model has "
+                          f"only {len(graph.blocks)} blocks to cut between (embedding part, "
+                          f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
+
+
 def recompute_request(name: str, num_stages: int) -> frozenset[int]:
     """Stages a --recompute choice asks to recompute whole (the schedule may drop some)."""
     return {"none": frozenset(), "all": frozenset(range(num_stages)),
@@ -95,10 +104,7 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                      if built_for_real else torch.device("meta"))
         model.train()  # the training graph (dropout nodes on), as whole-model engines run it
         graph = trace(model, *_traced_call(model, example_batch, traced_on))
-        if graph.layers_path is not None and num_stages > len(graph.blocks):  # no stack: partition() says so
-            raise ConfigError(f"pp={pp} x chunks={chunks} = {num_stages} stages, but the model has "
-                              f"only {len(graph.blocks)} blocks to cut between (embedding part, "
-                              f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")
+        check_stage_count(graph, pp, chunks)
         partition = make_partition(graph, num_stages, method=partition_method)
     elif partition.num_stages != num_stages:
         raise ValueError(f"the given partition has {partition.num_stages} stages, not pp x chunks = {num_stages}")
