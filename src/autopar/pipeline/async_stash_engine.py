@@ -16,6 +16,15 @@ last step; the next step warms up again on the newest weights (so r moves on: an
 checkpoint does change the trajectory, as a restart of PipeDream does). A checkpoint therefore
 holds just the newest weights, the optimizer state and the step.
 
+Updates without a meeting (train/deferred.py, rule "per-stage"): each stage updates right after
+its backward from what it holds: each clip group (the stage's own parameters; a parameter tied
+across stages on its own, by the norm of its summed gradient, so every owner scales it alike) is
+clipped by its own norm, and a stage whose gradient is not finite skips its update. The loss,
+the global norm (reported, not used) and the skips travel in an asynchronous all-reduce read pp
+steps later. A parameter tied across stages (gpt's embedding and head) still makes its owners
+wait for each other every step: the last stage's next forward needs the summed gradient of
+stage 0's backward, which runs pp - 1 backwards later; models without such ties do not wait.
+
 Memory: stage s holds at most pp - s weight versions (measured: `weight_storages`); with
 vertical sync up to pp (every version a later forward will ask for stays, too).
 """
@@ -41,6 +50,7 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
     """This rank's stage runs the no-flush PipeDream lists on stashed weight versions."""
 
     label = "pipedream"
+    deferred_rule = "per-stage"
 
     def __init__(self, model, mesh, *, steps: int, eval_every: int, checkpoint_every: int, vertical_sync: bool,
                  batches_for_step: Callable[[int], list[dict]],
@@ -87,6 +97,9 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
         lowered = lower_calls(stash_lists(pp=self.pp, steps=steps, flush_after=self.flush_after), pp=self.pp,
                               flush_after=self.flush_after)
         self.calls = {t: lowered[t][self.pp_rank] for t in steps}
+
+    def drains(self, step: int) -> bool:
+        return self.runs[step][1] == step
 
     def _version(self, microbatch: int, stage: int) -> int:
         return stash_version(microbatch, stage, pp=self.pp, run_start=self.runs[microbatch][0],

@@ -85,6 +85,10 @@ class TwoWeightVersions(nn.Module):
     def in_flight(self) -> list[int]:
         return sorted(self._leaves)
 
+    def drop_look_ahead(self) -> None:
+        """Forget the leaves of steps not yet run (stopping mid-run; their forwards are dropped)."""
+        self._leaves = {b: leaves for b, leaves in self._leaves.items() if b < int(self.step)}
+
     def storages(self) -> set[int]:
         """Distinct weight storages this rank holds (the memory check: two per parameter)."""
         held = {p.untyped_storage().data_ptr() for p in self._params}
