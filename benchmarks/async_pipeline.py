@@ -49,7 +49,8 @@ def per_step(args: argparse.Namespace, schedule: str) -> int:
 
 def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list[dict]:
     stretch = args.global_batch // args.micro_batch // per_step(args, schedule)
-    command = [sys.executable, "-m", "autopar", "train", "--model", args.model, "--pp", str(pp),
+    command = [sys.executable, "-m", "autopar", "train", "--model", args.model,
+               *[flag for item in args.model_arg for flag in ("--model-arg", item)], "--pp", str(pp),
                "--schedule", schedule, "--steps", str(args.steps * stretch),
                "--global-batch-size", str(args.micro_batch * per_step(args, schedule)),
                "--micro-batch-size", str(args.micro_batch), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
@@ -148,6 +149,8 @@ def plot(results: dict, png: Path, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-mini")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to autopar train (repeatable)")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=16)

@@ -72,6 +72,7 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
         self.runs: dict[int, tuple[int, int]] = {}
         self.loaded: dict[int, dict] = {}  # step -> this replica's micro-batch, loaded ahead for stage 0
         self.peak_storages = 0
+        self.forwarded = -1  # the last micro-batch this rank has run a forward of, in the current run
 
     def banner_lines(self) -> list[str]:
         held = "up to pp" if self.vertical_sync else f"up to pp - s = {self.pp - self.pp_rank}"
@@ -143,12 +144,16 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
             self.loaded.pop(j)
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)
 
-    def _needed_after(self, t: int) -> set[int]:
-        """Versions this rank's forwards after step t still ask for (within the current run)."""
-        _, end = self.runs[t]
-        done = max((a.microbatch for u in range(self.runs[t][0], t + 1) for a in self.calls[u]
-                    if a.op.is_compute), default=t)
-        return {self._version(j, s) for s in self.stages for j in range(done + 1, end + 1)}
+    def _needed_after(self, t: int) -> range:
+        """Versions this rank's forwards after step t still ask for (within the current run): versions grow
+        with the micro-batch, so those of the micro-batches after the last forward run so far, a range."""
+        start, end = self.runs[t]
+        done = max([a.microbatch for a in self.calls[t] if a.op.is_compute] + [t])
+        self.forwarded = max(self.forwarded, done) if t > start else done  # a new run starts afresh
+        if self.forwarded >= end:
+            return range(0)
+        return range(min(self._version(self.forwarded + 1, s) for s in self.stages),
+                      max(self._version(end, s) for s in self.stages) + 1)
 
     def _scope(self, t: int) -> Callable[[int, int], contextlib.AbstractContextManager]:
         @contextlib.contextmanager

@@ -176,7 +176,7 @@ class StashedVersions:
             p.grad = grad if grad is not None else torch.zeros_like(p)
 
     @torch.no_grad()
-    def advance(self, still_needed: set[int]) -> None:
+    def advance(self, still_needed: set[int] | range) -> None:
         """Before the optimizer makes version newest + 1: keep the current storage aside if an in-flight
         micro-batch reads it or `still_needed` (versions later forwards will ask for) holds it, and
         drop kept versions nobody needs any more."""
