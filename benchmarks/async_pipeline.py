@@ -9,7 +9,8 @@ per step; pipedream takes one per step (its semantics), so it runs m times as ma
 the same samples (`--steps` counts 1f1b's steps; pipedream's warm-up is m times longer too).
 From each run's metrics.jsonl it reports the median step time after warm-up (`step_time_s`),
 the time per micro-batch, the measured steady-state bubble (below) beside the simulator's
-prediction for the same lists (unit costs F=1, B=2, no transfer time), the final training loss, and plots the loss against optimizer steps, against samples seen and against
+prediction for the same lists (unit costs F=1, B=2, no transfer time), the final training loss,
+and plots the loss against optimizer steps, against samples seen and against
 wall time (the cumulative step time) to a PNG; pipedream's per-micro-batch losses are averaged
 over m steps (the samples of one 1f1b step) so the curves compare like with like.
 
@@ -85,12 +86,12 @@ def steady_bubble(records: list[dict], skip: int) -> float:
                             sum(r["step_s_per_stage"][s] for r in steady) for s in range(stages))
 
 
-def predicted_bubble(schedule: str, pp: int, m: int) -> float:
+def predicted_bubble(schedule: str, pp: int, m: int, tied: bool) -> float:
     """The simulator's bubble for the same lists, unit costs (F=1, B=2, transfers free), mean over ranks.
 
-    1f1b: one flushing step. pipedream-2bw: its steady state (no meeting between steps). pipedream:
-    its steady state with the per-step wait that a weight tied across stages imposes (gpt's embedding and
-    head: the last stage's next forward needs stage 0's gradient), modelled as the ranks meeting each step.
+    1f1b: one flushing step. pipedream-2bw: its steady state (no meeting between steps). pipedream: its
+    steady state; with a weight tied across stages (`tied`: gpt's embedding and head, where the last stage's
+    next forward needs stage 0's gradient of the same micro-batch) modelled as the ranks meeting each step.
     """
     from autopar.pipeline.async_schedules import (segment_lists, stash_lists, steady_state_bubble,
                                                   step_time_with_meeting, whole_run)
@@ -105,7 +106,11 @@ def predicted_bubble(schedule: str, pp: int, m: int) -> float:
         timeline = simulate(whole_run(lists), pp=pp, num_stages=pp, num_microbatches=6 * m)
         return statistics.fmean(steady_state_bubble(timeline, lists).values())
     lists = stash_lists(pp=pp, steps=range(3 * pp), flush_after={3 * pp - 1})
-    return 1 - 3 / step_time_with_meeting(pp=pp, m=1, lists=lists[pp])
+    if tied:
+        return 1 - 3 / step_time_with_meeting(pp=pp, m=1, lists=lists[pp])
+    timeline = simulate(whole_run(lists), pp=pp, num_stages=pp, num_microbatches=3 * pp)
+    steady = {t: lists[t] for t in range(2 * pp + 1)}  # the warm-up (skip pp) and the drain left out
+    return statistics.fmean(steady_state_bubble(timeline, steady, skip=pp).values())
 
 
 def averaged(records: list[dict], m: int) -> list[tuple[int, float, float]]:
@@ -152,6 +157,8 @@ def main() -> None:
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to autopar train (repeatable)")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tied", choices=("auto", "yes", "no"), default="auto",
+                        help="does the model tie a weight across stages (auto: gpt models do); for the prediction")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -166,27 +173,37 @@ def main() -> None:
     parser.add_argument("--png", default="docs/benchmarks/async_pipeline.png")
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, pp 2, short sequences")
     parser.add_argument("--no-plot", action="store_true", help="the table only")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (schedule, pp), interleaved; the "
+                        "table gives the median over them (a loaded machine drifts between runs)")
     args = parser.parse_args()
     if args.quick:
         args.model, args.pp, args.seq_len = "gpt-tiny", [2], 64
     print(f"load average at the start {os.getloadavg()[0]:.1f}", flush=True)
-    results = {}
-    for pp in args.pp:
-        for schedule in SCHEDULES:
-            results[(schedule, pp)] = run_one(args, schedule, pp, Path(args.out) / f"{schedule}-pp{pp}")
+    results, repeats = {}, {}
+    for rep in range(args.repeats):
+        for pp in args.pp:
+            for schedule in SCHEDULES:
+                out = Path(args.out) / (f"{schedule}-pp{pp}" + (f"-r{rep}" if args.repeats > 1 else ""))
+                repeats.setdefault((schedule, pp), []).append(run_one(args, schedule, pp, out))
+    results = {key: runs[0] for key, runs in repeats.items()}  # the losses are the same in every repeat
     m = args.global_batch // args.micro_batch
     print(f"\n{args.model}, {args.steps * args.global_batch} samples: {args.steps} steps of {m} micro-batches of "
           f"{args.micro_batch} x {args.seq_len} tokens (pipedream: {args.steps * m} steps of one), device "
           f"{args.device}, {args.threads} thread(s) per rank, load average at the end {os.getloadavg()[0]:.1f}")
     print(f"{'schedule':>14} {'pp':>3} {'steps':>6} {'step s':>8} {'per mb s':>9} {'vs 1f1b':>8} {'bubble':>7} "
           f"{'predicted':>9} {'wall s':>8} {'mean loss last 10%':>19}")
-    for (schedule, pp), records in sorted(results.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0]))):
-        row = summarise(records, args.skip * m // per_step(args, schedule), per_step(args, schedule))
-        base = summarise(results[("1f1b", pp)], args.skip, m)["per_microbatch_s"]
-        print(f"{schedule:>14} {pp:>3} {len(records):6d} {row['step_time_s']:8.3f} {row['per_microbatch_s']:9.4f} "
+    tied = args.model.startswith("gpt") if args.tied == "auto" else args.tied == "yes"
+    for (schedule, pp), runs in sorted(repeats.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0]))):
+        skip = args.skip * m // per_step(args, schedule)
+        rows = [summarise(records, skip, per_step(args, schedule)) for records in runs]
+        row = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        base = statistics.median(summarise(records, args.skip, m)["per_microbatch_s"]
+                                 for records in repeats[("1f1b", pp)])
+        print(f"{schedule:>14} {pp:>3} {len(runs[0]):6d} {row['step_time_s']:8.3f} {row['per_microbatch_s']:9.4f} "
               f"{row['per_microbatch_s'] / base:8.2f} {row['bubble']:7.2f} "
-              f"{predicted_bubble(schedule, pp, m):9.2f} {row['wall_s']:8.1f} "
-              f"{row['mean_loss_last_10pct']:19.4f}")
+              f"{predicted_bubble(schedule, pp, m, tied):9.2f} {row['wall_s']:8.1f} "
+              f"{row['mean_loss_last_10pct']:19.4f}" +
+              ("   bubbles " + " ".join(f"{r['bubble']:.2f}" for r in rows) if len(rows) > 1 else ""))
     if args.no_plot:
         return
     try:

@@ -149,9 +149,9 @@ class Trainer:
         self.deferred = None  # engines whose update may wait for the next step (train/deferred.py)
         if getattr(self.engine, "deferred_rule", None) is not None:
             pp, dp = self.strategy.pp, self.mesh.dp_size
+            slot = self.mesh.local_rank("pp") * dp + self.mesh.local_rank("dp")
             self.deferred = DeferredSteps(engine=self.engine, optimizer=self.optimizer, scheduler=self.scheduler,
-                                          grad_clip=cfg.grad_clip, device=self.device, pp=pp,
-                                          slot=self.mesh.local_rank("pp") * dp + self.mesh.local_rank("dp"), slots=pp * dp)
+                                          grad_clip=cfg.grad_clip, device=self.device, pp=pp, slot=slot, slots=pp * dp)
         self.is_main = dist.get_rank() == 0
         self.run_dir = self._make_run_dir()
 
@@ -417,7 +417,8 @@ class Trainer:
                         result.losses.append(loss)
                         self.step_times_s.append(elapsed)  # this rank's clock (plan.json's measured step time)
                         record = {"step": number, "loss": loss if math.isfinite(loss) else None, "lr": lr,
-                                  "grad_norm": grad_norm if grad_norm is not None and math.isfinite(grad_norm) else None,
+                                  "grad_norm": (grad_norm if grad_norm is not None and math.isfinite(grad_norm)
+                                                else None),
                                   "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                                   "peak_mem_bytes": out.peak_bytes}
                         if bad_total:
