@@ -59,6 +59,11 @@ def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list
                "--log-every", "1", "--no-progress",
                "--device", args.device, "--nproc", str(pp), "--out", str(out), "--seed", str(args.seed)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if args.flush_denormal:  # every rank process starts with torch.set_flush_denormal(True) (a sitecustomize)
+        folder = Path(args.out) / "flush_denormal"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sitecustomize.py").write_text("import torch\ntorch.set_flush_denormal(True)\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(folder.resolve())] + [p for p in [env.get("PYTHONPATH")] if p])
     began = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -173,6 +178,9 @@ def main() -> None:
     parser.add_argument("--png", default="docs/benchmarks/async_pipeline.png")
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, pp 2, short sequences")
     parser.add_argument("--no-plot", action="store_true", help="the table only")
+    parser.add_argument("--flush-denormal", action="store_true",
+                        help="ranks flush denormal floats to zero (torch.set_flush_denormal): some runs here hit "
+                             "denormal arithmetic, which slows CPU kernels several times over")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (schedule, pp), interleaved; the "
                         "table gives the median over them (a loaded machine drifts between runs)")
     args = parser.parse_args()
