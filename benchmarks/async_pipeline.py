@@ -8,15 +8,25 @@ stashing: no flush, one update per micro-batch, stage s delayed pp-1-s updates),
 per step; pipedream takes one per step (its semantics), so it runs m times as many steps over
 the same samples (`--steps` counts 1f1b's steps; pipedream's warm-up is m times longer too).
 From each run's metrics.jsonl it reports the median step time after warm-up (`step_time_s`),
-the time per micro-batch, the measured bubble the engine logs (`bubble_fraction`), the final
-training loss, and plots the loss against optimizer steps, against samples seen and against
+the time per micro-batch, the measured steady-state bubble (below) beside the simulator's
+prediction for the same lists (unit costs F=1, B=2, no transfer time), the final training loss,
+and plots the loss against optimizer steps, against samples seen and against
 wall time (the cumulative step time) to a PNG; pipedream's per-micro-batch losses are averaged
 over m steps (the samples of one 1f1b step) so the curves compare like with like.
 
     python benchmarks/async_pipeline.py                       # gpt-mini, 300 steps (long on CPU)
     python benchmarks/async_pipeline.py --steps 20 --quick    # smoke test: gpt-tiny, pp 2
     python benchmarks/async_pipeline.py --out runs/async_pipeline --png docs/benchmarks/async_pipeline.png
+    python benchmarks/async_pipeline.py --steps 24 --no-plot    # the bubble table only
 
+The measured steady-state bubble of a run: for each pipeline rank, over the steady steps (the
+first --skip 1f1b-steps' worth of warm-up and the last step, a drain, left out), one minus the
+time its compute events took (forwards and backwards as the runtime records them; a wait for a
+receive is not compute) over its wall time in those steps (the trainer's timer around each step:
+waits on receives, on collectives and the update included); then the mean over ranks. Metrics
+carry each stage's busy and step seconds (`busy_s_per_stage`, `step_s_per_stage`, averaged over
+replicas). With more ranks than cores (pp 4 on two cores) a rank's wait is time another rank
+computes, so the measured bubble there is a property of the machine as much as of the schedule.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ def per_step(args: argparse.Namespace, schedule: str) -> int:
 
 def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list[dict]:
     stretch = args.global_batch // args.micro_batch // per_step(args, schedule)
-    command = [sys.executable, "-m", "autopar", "train", "--model", args.model, "--pp", str(pp),
+    command = [sys.executable, "-m", "autopar", "train", "--model", args.model,
+               *[flag for item in args.model_arg for flag in ("--model-arg", item)], "--pp", str(pp),
                "--schedule", schedule, "--steps", str(args.steps * stretch),
                "--global-batch-size", str(args.micro_batch * per_step(args, schedule)),
                "--micro-batch-size", str(args.micro_batch), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
@@ -48,6 +59,11 @@ def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list
                "--log-every", "1", "--no-progress",
                "--device", args.device, "--nproc", str(pp), "--out", str(out), "--seed", str(args.seed)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if args.flush_denormal:  # every rank process starts with torch.set_flush_denormal(True) (a sitecustomize)
+        folder = Path(args.out) / "flush_denormal"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sitecustomize.py").write_text("import torch\ntorch.set_flush_denormal(True)\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(folder.resolve())] + [p for p in [env.get("PYTHONPATH")] if p])
     began = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -63,8 +79,43 @@ def summarise(records: list[dict], skip: int, microbatches: int) -> dict:
     last = records[-max(1, len(records) // 10):]
     return {"step_time_s": step, "per_microbatch_s": step / microbatches,
             "wall_s": sum(r["step_time_s"] for r in records),
-            "bubble": statistics.median(r.get("bubble_fraction", float("nan")) for r in timed),
+            "bubble": steady_bubble(records, skip),
             "mean_loss_last_10pct": statistics.fmean(r["loss"] for r in last)}
+
+
+def steady_bubble(records: list[dict], skip: int) -> float:
+    """The measured steady-state bubble (module docstring): mean over stages of 1 - busy / wall."""
+    steady = [r for r in records if skip < r["step"] < len(records)]
+    stages = len(steady[0]["busy_s_per_stage"])
+    return statistics.fmean(1 - sum(r["busy_s_per_stage"][s] for r in steady) /
+                            sum(r["step_s_per_stage"][s] for r in steady) for s in range(stages))
+
+
+def predicted_bubble(schedule: str, pp: int, m: int, tied: bool) -> float:
+    """The simulator's bubble for the same lists, unit costs (F=1, B=2, transfers free), mean over ranks.
+
+    1f1b: one flushing step. pipedream-2bw: its steady state (no meeting between steps). pipedream: its
+    steady state; with a weight tied across stages (`tied`: gpt's embedding and head, where the last stage's
+    next forward needs stage 0's gradient of the same micro-batch) modelled as the ranks meeting each step.
+    """
+    from autopar.pipeline.async_schedules import (segment_lists, stash_lists, steady_state_bubble,
+                                                  step_time_with_meeting, whole_run)
+    from autopar.pipeline.schedules import build_schedule
+    from autopar.pipeline.simulate import simulate
+
+    if schedule == "1f1b":
+        return statistics.fmean(simulate(build_schedule("1f1b", pp=pp, num_microbatches=m), pp=pp, num_stages=pp,
+                                         num_microbatches=m).bubble.values())
+    if schedule == "pipedream-2bw":
+        lists = segment_lists(pp=pp, m=m, steps=range(6), flush_after={5})
+        timeline = simulate(whole_run(lists), pp=pp, num_stages=pp, num_microbatches=6 * m)
+        return statistics.fmean(steady_state_bubble(timeline, lists).values())
+    lists = stash_lists(pp=pp, steps=range(3 * pp), flush_after={3 * pp - 1})
+    if tied:
+        return 1 - 3 / step_time_with_meeting(pp=pp, m=1, lists=lists[pp])
+    timeline = simulate(whole_run(lists), pp=pp, num_stages=pp, num_microbatches=3 * pp)
+    steady = {t: lists[t] for t in range(2 * pp + 1)}  # the warm-up (skip pp) and the drain left out
+    return statistics.fmean(steady_state_bubble(timeline, steady, skip=pp).values())
 
 
 def averaged(records: list[dict], m: int) -> list[tuple[int, float, float]]:
@@ -108,7 +159,11 @@ def plot(results: dict, png: Path, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-mini")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to autopar train (repeatable)")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tied", choices=("auto", "yes", "no"), default="auto",
+                        help="does the model tie a weight across stages (auto: gpt models do); for the prediction")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -122,25 +177,43 @@ def main() -> None:
     parser.add_argument("--out", default="runs/async_pipeline")
     parser.add_argument("--png", default="docs/benchmarks/async_pipeline.png")
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, pp 2, short sequences")
+    parser.add_argument("--no-plot", action="store_true", help="the table only")
+    parser.add_argument("--flush-denormal", action="store_true",
+                        help="ranks flush denormal floats to zero (torch.set_flush_denormal): some runs here hit "
+                             "denormal arithmetic, which slows CPU kernels several times over")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (schedule, pp), interleaved; the "
+                        "table gives the median over them (a loaded machine drifts between runs)")
     args = parser.parse_args()
     if args.quick:
         args.model, args.pp, args.seq_len = "gpt-tiny", [2], 64
-    results = {}
-    for pp in args.pp:
-        for schedule in SCHEDULES:
-            results[(schedule, pp)] = run_one(args, schedule, pp, Path(args.out) / f"{schedule}-pp{pp}")
+    print(f"load average at the start {os.getloadavg()[0]:.1f}", flush=True)
+    results, repeats = {}, {}
+    for rep in range(args.repeats):
+        for pp in args.pp:
+            for schedule in SCHEDULES:
+                out = Path(args.out) / (f"{schedule}-pp{pp}" + (f"-r{rep}" if args.repeats > 1 else ""))
+                repeats.setdefault((schedule, pp), []).append(run_one(args, schedule, pp, out))
+    results = {key: runs[0] for key, runs in repeats.items()}  # the losses are the same in every repeat
     m = args.global_batch // args.micro_batch
     print(f"\n{args.model}, {args.steps * args.global_batch} samples: {args.steps} steps of {m} micro-batches of "
           f"{args.micro_batch} x {args.seq_len} tokens (pipedream: {args.steps * m} steps of one), device "
           f"{args.device}, {args.threads} thread(s) per rank, load average at the end {os.getloadavg()[0]:.1f}")
     print(f"{'schedule':>14} {'pp':>3} {'steps':>6} {'step s':>8} {'per mb s':>9} {'vs 1f1b':>8} {'bubble':>7} "
-          f"{'wall s':>8} {'mean loss last 10%':>19}")
-    for (schedule, pp), records in sorted(results.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0]))):
-        row = summarise(records, args.skip * m // per_step(args, schedule), per_step(args, schedule))
-        base = summarise(results[("1f1b", pp)], args.skip, m)["per_microbatch_s"]
-        print(f"{schedule:>14} {pp:>3} {len(records):6d} {row['step_time_s']:8.3f} {row['per_microbatch_s']:9.4f} "
-              f"{row['per_microbatch_s'] / base:8.2f} {row['bubble']:7.2f} {row['wall_s']:8.1f} "
-              f"{row['mean_loss_last_10pct']:19.4f}")
+          f"{'predicted':>9} {'wall s':>8} {'mean loss last 10%':>19}")
+    tied = args.model.startswith("gpt") if args.tied == "auto" else args.tied == "yes"
+    for (schedule, pp), runs in sorted(repeats.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0]))):
+        skip = args.skip * m // per_step(args, schedule)
+        rows = [summarise(records, skip, per_step(args, schedule)) for records in runs]
+        row = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        base = statistics.median(summarise(records, args.skip, m)["per_microbatch_s"]
+                                 for records in repeats[("1f1b", pp)])
+        print(f"{schedule:>14} {pp:>3} {len(runs[0]):6d} {row['step_time_s']:8.3f} {row['per_microbatch_s']:9.4f} "
+              f"{row['per_microbatch_s'] / base:8.2f} {row['bubble']:7.2f} "
+              f"{predicted_bubble(schedule, pp, m, tied):9.2f} {row['wall_s']:8.1f} "
+              f"{row['mean_loss_last_10pct']:19.4f}" +
+              ("   bubbles " + " ".join(f"{r['bubble']:.2f}" for r in rows) if len(rows) > 1 else ""))
+    if args.no_plot:
+        return
     try:
         plot(results, Path(args.png), args)
     except ImportError:

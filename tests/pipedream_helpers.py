@@ -71,3 +71,19 @@ def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, v
         return train_builtin(model_name, out, **kwargs)
     finally:
         strategies.STRATEGIES = original
+
+
+def train_until_signal(model_name: str, out: str, *, fault: str, **kwargs) -> str:
+    """train_builtin with AUTOPAR_FAULT set (e.g. a SIGTERM at some step); returns the Preempted message."""
+    import os
+
+    from autopar.errors import Preempted
+
+    os.environ["AUTOPAR_FAULT"] = fault
+    try:
+        train_builtin(model_name, out, **kwargs)
+        return "no stop"
+    except Preempted as exc:
+        return str(exc)
+    finally:
+        del os.environ["AUTOPAR_FAULT"]

@@ -20,7 +20,7 @@ from autopar.pipeline.schedules import build_schedule
 from autopar.pipeline.simulate import check, simulate
 from autopar.strategies import resolve
 from helpers import max_relative_difference
-from pipedream_helpers import train_2bw, train_stash, train_stash_oracle
+from pipedream_helpers import train_2bw, train_stash, train_stash_oracle, train_until_signal
 
 STEPS = 4
 COMMON = dict(steps=STEPS, global_batch_size=8, eval_every=2)
@@ -133,21 +133,35 @@ def test_the_oracle_is_not_synchronous_sgd(rank_pool, tmp_path, tmp_path_factory
     assert min(abs(a - b) / a for a, b in zip(sync["losses"][1:], expected["losses"][1:])) > 1e-5
 
 
-def test_resume_continues_the_exact_trajectory(rank_pool, tmp_path):
-    """A checkpoint (a flush) holds both versions, the optimizer and the step: resuming from it retraces
-    the uninterrupted run's later steps."""
-    args = dict(model_args=MODELS["gpt-tiny"], strategy={"pp": 2, "schedule": "pipedream-2bw"}, micro_batch_size=2,
-                steps=STEPS, global_batch_size=8, checkpoint_every=2)
-    whole = rank_pool(2).run(train_2bw, "gpt-tiny", str(tmp_path / "whole"), **args)
-    resumed = rank_pool(2).run(train_2bw, "gpt-tiny", str(tmp_path / "resumed"), **args,
-                               resume=str(tmp_path / "whole" / "checkpoints" / "step_00000002"))
+@pytest.mark.parametrize("schedule", ["pipedream-2bw", "pipedream"])
+def test_resume_continues_the_exact_trajectory(rank_pool, tmp_path, schedule):
+    """What a checkpoint holds is what the rule needs next. 2BW: both versions, the optimizer and the step;
+    its checkpoint here is a stop on a signal (SIGTERM in step 1, known to all ranks during step 2 since the
+    update is deferred: step 2 is settled, its look-ahead forwards dropped, step 2 saved), and the resumed
+    run retraces an uninterrupted one with no checkpoint at all (the 2BW rule does not change at a flush).
+    PipeDream: the newest weights (its rule restarts at a flush, so the uninterrupted run checkpoints at
+    the same step)."""
+    stash = schedule == "pipedream"
+    args = dict(model_args=MODELS["gpt-tiny"], strategy={"pp": 2, "schedule": schedule}, micro_batch_size=2,
+                steps=STEPS, global_batch_size=2 if stash else 8)
+    train = train_stash if stash else train_2bw
+    whole = rank_pool(2).run(train, "gpt-tiny", str(tmp_path / "whole"), **args, checkpoint_every=2 if stash else 0)
+    if stash:
+        source = tmp_path / "whole"
+    else:
+        source = tmp_path / "stopped"
+        said = rank_pool(2).run(train_until_signal, "gpt-tiny", str(source), fault="sigterm:rank=1:step=1", **args)
+        assert all(f"stopped on a signal after step 2 of {STEPS}" in text for text in said), said
+    resumed = rank_pool(2).run(train, "gpt-tiny", str(tmp_path / "resumed"), **args,
+                               resume=str(source / "checkpoints" / "step_00000002"))
     for a, b in zip(whole, resumed):
         assert b["first_step"] == 3
         # the same ops in the same order on the same values (the checkpoint round trip is exact): 1e-6 is slack
         assert max_relative_difference(a["losses"][2:], b["losses"]) < 1e-6, (a["losses"], b["losses"])
+        assert max_relative_difference(a["grad_norms"][2:], b["grad_norms"]) < 1e-6
         for name, value in b["params"].items():
             assert (value - a["params"][name]).abs().max() < 1e-6, name
-        for name, value in b["older"].items():
+        for name, value in b.get("older", {}).items():
             assert (value - a["older"][name]).abs().max() < 1e-6, name
 
 

@@ -14,7 +14,6 @@ batch (train/loss.py), so its losses match a single process.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import math
@@ -22,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +43,7 @@ from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
 from .train import manifest
 from .train.base import Engine, EngineContext, TrainResult
+from .train.deferred import DeferredSteps, Finished, StepResult
 from .train.engine import eval_token_sums
 from .train.faults import Fault
 from .train.fields import example_call
@@ -145,6 +146,12 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + self.mesh.tp_group_index)
         self.optimizer = self.engine.build_optimizer(cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.deferred = None  # engines whose update may wait for the next step (train/deferred.py)
+        if getattr(self.engine, "deferred_rule", None) is not None:
+            pp, dp = self.strategy.pp, self.mesh.dp_size
+            slot = self.mesh.local_rank("pp") * dp + self.mesh.local_rank("dp")
+            self.deferred = DeferredSteps(engine=self.engine, optimizer=self.optimizer, scheduler=self.scheduler,
+                                          grad_clip=cfg.grad_clip, device=self.device, pp=pp, slot=slot, slots=pp * dp)
         self.is_main = dist.get_rank() == 0
         self.run_dir = self._make_run_dir()
 
@@ -259,6 +266,29 @@ class Trainer:
         self.engine.zero_grad()
         tokens = sum(tokens_in(b) for b in batches) * self.mesh.dp_size
         return StepResult(loss, grad_norm, tokens, skipped=skipped, stop=stop > 0, peak_bytes=int(peak_bytes))
+
+    def _run_step(self, step: int, *, stop_requested: bool = False, poison_loss: bool = False) -> list[Finished]:
+        """Step `step`, and every step whose result is known now (in order): the step itself on a synchronous
+        engine; on a deferred one (train/deferred.py) the steps settled during this one, possibly none."""
+        if self.deferred is None:
+            lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+            return [Finished(step + 1, self._train_step(step, stop_requested=stop_requested, poison_loss=poison_loss),
+                             lr)]
+        began = time.perf_counter()
+        cfg = self.config
+        batches = self._local_batches(step, self.train_data)
+        global_count = self._global_target_count(batches)
+        samples = self.sampler.local_micro_positions(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
+                                                     micro_batch_size=cfg.micro_batch_size)
+        loss_fn = lambda out, batch: self.loss(out, batch, global_count)  # noqa: E731
+        if poison_loss:  # fault injection (train/faults.py)
+            loss_fn = lambda out, batch: self.loss(out, batch, global_count) * float("nan")  # noqa: E731
+
+        def forward_backward() -> torch.Tensor:
+            with dropout_step(cfg.seed, step, samples):
+                return self.engine.forward_backward(batches, loss_fn)
+        return self.deferred.step(step, forward_backward, tokens=sum(tokens_in(b) for b in batches) * self.mesh.dp_size,
+                                  stop_requested=stop_requested, began=began)
 
     def _eval_pair(self, output: Any, batch: Batch) -> torch.Tensor:
         """[loss sum, weight] of one eval micro-batch."""
@@ -378,52 +408,64 @@ class Trainer:
         timer = StepTimer(self.device)  # CUDA events on GPU: timing adds no host wait
         try:
             with stop_request, watchdog:
+                seconds: dict[int, float] = {}  # step number -> this rank's time for it (its own call)
                 for step in range(start, cfg.steps):
-                    number = step + 1
-                    watchdog.progress(f"step {number}")
+                    watchdog.progress(f"step {step + 1}")
                     if self.fault is not None:
-                        self.fault.strike(rank, number, self.attempt)
-                    lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+                        self.fault.strike(rank, step + 1, self.attempt)
                     timer.start()
-                    out = self._train_step(step, stop_requested=stop_request.requested, poison_loss=self.fault
-                                          is not None and self.fault.poisons_loss(rank, number, self.attempt))
+                    queue = deque(self._run_step(step, stop_requested=stop_request.requested,
+                                                 poison_loss=self.fault is not None and
+                                                 self.fault.poisons_loss(rank, step + 1, self.attempt)))
                     timer.stop()
-                    loss, grad_norm, tokens = out.loss, out.grad_norm, out.tokens
-                    bad_in_a_row = bad_in_a_row + 1 if out.skipped else 0
-                    bad_total += out.skipped
-                    if bad_in_a_row > cfg.max_bad_steps:  # the same sums on every rank: all stop together
-                        raise TrainingError(non_finite_message(loss, number, lr, grad_norm, self.run_dir,
-                                                                bad_in_a_row, cfg.max_bad_steps))
-                    elapsed = timer.seconds()
-                    result.losses.append(loss)
-                    self.step_times_s.append(elapsed)  # this rank's clock (plan.json's measured step time)
-                    record = {"step": number, "loss": loss if math.isfinite(loss) else None, "lr": lr,
-                              "grad_norm": grad_norm if grad_norm is not None and math.isfinite(grad_norm) else None,
-                              "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-                              "peak_mem_bytes": out.peak_bytes}
-                    if bad_total:
-                        record.update(skipped=out.skipped, bad_steps=bad_total)
-                    logged = number % cfg.log_every == 0 or number == cfg.steps or (
-                        cfg.eval_every and number % cfg.eval_every == 0)
-                    if logged:  # the engine's own statistics cost a collective and a host read: only when written
-                        record.update(self.engine.step_stats(elapsed, peak_memory_bytes(self.device)))
-                    if cfg.eval_every and number % cfg.eval_every == 0 and number != cfg.steps:
-                        watchdog.progress(f"evaluation after step {number}")
-                        record["eval_loss"] = self.evaluate()
-                    if number == cfg.steps:
-                        watchdog.progress(f"evaluation after step {number}")
-                        result.eval_loss = record["eval_loss"] = self.evaluate()
-                    if number % cfg.log_every == 0 or number == cfg.steps or "eval_loss" in record:
-                        metrics.write(record)
-                    progress.update(loss=loss, tokens_per_s=record["tokens_per_s"], lr=record["lr"])
-                    if out.stop and number != cfg.steps:  # a signal on some rank: save, then leave together
+                    seconds[step + 1] = timer.seconds()
+                    stopping = None  # the number of the step a stop was requested in
+                    while queue:  # in step order; a deferred engine reports a step or more late
+                        finished = queue.popleft()
+                        number, out, lr = finished.number, finished.result, finished.lr
+                        loss, grad_norm, tokens = out.loss, out.grad_norm, out.tokens
+                        bad_in_a_row = bad_in_a_row + 1 if out.skipped else 0
+                        bad_total += out.skipped
+                        if bad_in_a_row > cfg.max_bad_steps:  # the same sums on every rank: all stop together
+                            raise TrainingError(non_finite_message(loss, number, lr, grad_norm, self.run_dir,
+                                                                    bad_in_a_row, cfg.max_bad_steps))
+                        elapsed = seconds.pop(number)
+                        result.losses.append(loss)
+                        self.step_times_s.append(elapsed)  # this rank's clock (plan.json's measured step time)
+                        record = {"step": number, "loss": loss if math.isfinite(loss) else None, "lr": lr,
+                                  "grad_norm": (grad_norm if grad_norm is not None and math.isfinite(grad_norm)
+                                                else None),
+                                  "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+                                  "peak_mem_bytes": out.peak_bytes}
+                        if bad_total:
+                            record.update(skipped=out.skipped, bad_steps=bad_total)
+                        logged = number % cfg.log_every == 0 or number == cfg.steps or (
+                            cfg.eval_every and number % cfg.eval_every == 0)
+                        if logged:  # the engine's own statistics cost a collective and a host read: only when written
+                            record.update(finished.stats if finished.stats is not None else
+                                          self.engine.step_stats(elapsed, peak_memory_bytes(self.device)))
+                        if cfg.eval_every and number % cfg.eval_every == 0 and number != cfg.steps:
+                            watchdog.progress(f"evaluation after step {number}")
+                            record["eval_loss"] = self.evaluate()
+                        if number == cfg.steps:
+                            watchdog.progress(f"evaluation after step {number}")
+                            result.eval_loss = record["eval_loss"] = self.evaluate()
+                        if number % cfg.log_every == 0 or number == cfg.steps or "eval_loss" in record:
+                            metrics.write(record)
+                        progress.update(loss=loss, tokens_per_s=record["tokens_per_s"], lr=record["lr"])
+                        if out.stop and stopping is None and number != cfg.steps:  # a signal on some rank
+                            stopping = number
+                            if self.deferred is not None:  # later steps already ran: settle them, drop the rest
+                                queue.extend(self.deferred.settle())
+                                self.engine.abandon_in_flight()
+                        if every and number % every == 0 and number != cfg.steps and stopping is None:
+                            watchdog.progress(f"checkpoint of step {number}")
+                            self.save(number)
+                    if stopping is not None and number != cfg.steps:  # save the last step settled, leave together
                         watchdog.progress(f"checkpoint of step {number} (stopping on a signal)")
                         saved = self.save(number)
                         raise Preempted(f"stopped on a signal after step {number} of {cfg.steps}; checkpoint "
                                         f"{saved}; continue with: autopar train --resume {self.run_dir}")
-                    if every and number % every == 0 and number != cfg.steps:
-                        watchdog.progress(f"checkpoint of step {number}")
-                        self.save(number)
                 if cfg.steps > start:
                     watchdog.progress(f"checkpoint of step {cfg.steps}")
                     self.save(cfg.steps)
@@ -497,15 +539,3 @@ class Trainer:
         if self.attempt:
             lines.append(f"restart {self.attempt} of this job")
         return "\n".join(lines)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step gives, the same on every rank."""
-
-    loss: float
-    grad_norm: float | None  # None: the engine does not compute one (scheduled sparse exchanges)
-    tokens: int  # in the global batch
-    skipped: bool = False  # loss or gradient norm not finite: no update anywhere
-    stop: bool = False  # some rank was asked to stop (SIGTERM/SIGINT)
-    peak_bytes: int = 0  # the largest peak memory of any rank, after this step's backward

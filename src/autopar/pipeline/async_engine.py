@@ -15,11 +15,17 @@ groups (one `batch_isend_irecv` per group, as the flushing schedules post them),
 of every group in the same step, so NCCL cannot deadlock when two ranks send to each other.
 
 Gradients: step t's gradient is complete on a rank when its segment ends; it is then summed
-over data-parallel replicas (and tied copies) in one go, not overlapped with the backward.
-The ranks still meet between steps (the gradient norm and the loss are global), so the
-measured step does not reach the simulator's zero steady-state bubble: after each meeting the
-first backward of the step must travel up the whole pipe again (about (pp-1) backwards on
-stage 0, against 1F1B's (pp-1) forwards and backwards of warm-up and drain).
+over data-parallel replicas in one go (a wait among the replicas of one stage, which run the
+same lists), not overlapped with the backward. Tied weights are summed over their stages with
+an asynchronous all-reduce: the first owner (the lowest stage, the last to finish a step) waits
+for it at once (the others posted theirs earlier), the others only before the update.
+
+The update is deferred (train/deferred.py, rule "global"): the trainer posts step t's loss and
+squared norm as one asynchronous all-reduce and returns; this engine asks for the update
+(`update_hook`) just before the first forward that needs W(t+1), a look-ahead forward of step
+t+2 inside step t+1, or at the end of step t+1 on a stage that has none (the last). So no rank
+waits for another between steps, and the steady state has no bubble beyond the transfers; the
+update, its global norm and its skip decision are those of the synchronous loop, applied later.
 """
 
 from __future__ import annotations
@@ -55,10 +61,49 @@ def check_two_version_checkpoint(path: Path) -> None:
 
 class NoFlushPipelineEngine(PipelineEngine):
     """What the no-flush engines (2BW, weight stashing) share: the pipe must have drained before an eval or a
-    checkpoint (the trainer flushes first; micro-batches still in flight here would be a bug), and the metrics
-    report how many weight storages were alive at the peak."""
+    checkpoint (the trainer flushes first; micro-batches still in flight here would be a bug), the metrics
+    report how many weight storages were alive at the peak, and the deferred update's hooks
+    (train/deferred.py): `drains`, `finish_gradients`, `clip_groups`, `update_hook`."""
 
     label = "no-flush pipeline"  # named in the errors
+    update_hook = None  # set by the trainer: applies the oldest outstanding update (rule "global")
+    flush_after: frozenset[int] = frozenset()
+    _tied_work: list = []
+
+    def drains(self, step: int) -> bool:
+        """Whether the pipeline is empty after `step` (before an eval, a checkpoint, the end)."""
+        return step in self.flush_after
+
+    def _reduce_tied_async(self) -> None:
+        """Tied weights: their stages' gradients summed; the first owner waits now (it needs the sum for the
+        norm and, being the lowest stage, is the last to post), the others in `finish_gradients`."""
+        self._tied_work = []
+        for param, group, first in self._shared:
+            work = torch.distributed.all_reduce(param.grad, group=group, async_op=True)
+            if first:
+                work.wait()
+            else:
+                self._tied_work.append(work)
+
+    def finish_gradients(self) -> None:
+        """Before the update: tied gradients summed everywhere."""
+        for work in self._tied_work:
+            work.wait()
+        self._tied_work = []
+
+    def clip_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Per-stage clipping (rule "per-stage"): this stage's own parameters, and each parameter tied
+        across stages on its own (so every owner scales it alike, by the norm of its summed gradient)."""
+        tied = [param for param, _, _ in self._shared]
+        own = [p for p in self.sync.params if all(p is not q for q in tied)]
+        return [own] + [[p] for p in tied]
+
+    def abandon_in_flight(self) -> None:
+        """Stopping after a non-draining step: the look-ahead forwards are dropped (a resumed run warms up
+        and runs them again on the same weights); posted receives are waited for first."""
+        for pending in self.carry.pending.values():
+            pending.wait()
+        self.carry = InFlight()
 
     @torch.no_grad()
     def eval_sums(self, batches, eval_loss):
@@ -78,6 +123,7 @@ class PipeDream2BWEngine(NoFlushPipelineEngine):
     """This rank's stages run by the no-flush 2BW lists; see the module docstring."""
 
     label = "2BW"
+    deferred_rule = "global"
 
     def __init__(self, model, mesh, *, num_microbatches: int, steps: int, eval_every: int, checkpoint_every: int,
                  batches_for_step: Callable[[int], list[dict]],
@@ -121,14 +167,23 @@ class PipeDream2BWEngine(NoFlushPipelineEngine):
                                 carry=self.carry)
         if drain and not self.carry.empty():
             raise RuntimeError(f"2BW: the pipeline did not drain at step {t + 1} on pipeline rank {self.pp_rank}")
+        self._newest_needed()  # step t-1's update, if no look-ahead forward asked for it (the last stage)
         self.last_step = step  # timing read on demand (PipelineEngine.last_events)
         self.peak_storages = max(self.peak_storages, len(self.versions.storages()))
         self.versions.gradients_to_parameters()
         self.sync.finish()  # copies into the dp buckets and sums them over replicas
-        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
-            torch.distributed.all_reduce(param.grad, group=group)
+        self._reduce_tied_async()
         self.versions.advance()  # the Parameters now hold the buffer the optimizer will update
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)
+
+    def _newest_needed(self) -> None:
+        """The Parameters must hold the newest weights W(t) now: apply the outstanding update (deferred loop)."""
+        if self.update_hook is not None:
+            self.update_hook()
+
+    def abandon_in_flight(self) -> None:
+        super().abandon_in_flight()
+        self.versions.drop_look_ahead()
 
     def _plan(self, first: int) -> None:
         """The lists of every step from `first` (0, or the resumed step) to the end, lowered into batched
@@ -145,6 +200,8 @@ class PipeDream2BWEngine(NoFlushPipelineEngine):
         @contextlib.contextmanager
         def scope(stage: int, microbatch: int) -> Iterator[None]:
             batch_step, j = divmod(microbatch, self.m)
+            if batch_step == t + 1:  # a look-ahead forward: it runs on W(t), so step t-1's update is due
+                self._newest_needed()
             with self.slots[stage].running_on(self.versions.leaves(batch_step)), self._dropout(t, batch_step, j):
                 yield
         return scope

@@ -16,6 +16,15 @@ last step; the next step warms up again on the newest weights (so r moves on: an
 checkpoint does change the trajectory, as a restart of PipeDream does). A checkpoint therefore
 holds just the newest weights, the optimizer state and the step.
 
+Updates without a meeting (train/deferred.py, rule "per-stage"): each stage updates right after
+its backward from what it holds: each clip group (the stage's own parameters; a parameter tied
+across stages on its own, by the norm of its summed gradient, so every owner scales it alike) is
+clipped by its own norm, and a stage whose gradient is not finite skips its update. The loss,
+the global norm (reported, not used) and the skips travel in an asynchronous all-reduce read pp
+steps later. A parameter tied across stages (gpt's embedding and head) still makes its owners
+wait for each other every step: the last stage's next forward needs the summed gradient of
+stage 0's backward, which runs pp - 1 backwards later; models without such ties do not wait.
+
 Memory: stage s holds at most pp - s weight versions (measured: `weight_storages`); with
 vertical sync up to pp (every version a later forward will ask for stays, too).
 """
@@ -41,6 +50,7 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
     """This rank's stage runs the no-flush PipeDream lists on stashed weight versions."""
 
     label = "pipedream"
+    deferred_rule = "per-stage"
 
     def __init__(self, model, mesh, *, steps: int, eval_every: int, checkpoint_every: int, vertical_sync: bool,
                  batches_for_step: Callable[[int], list[dict]],
@@ -62,6 +72,7 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
         self.runs: dict[int, tuple[int, int]] = {}
         self.loaded: dict[int, dict] = {}  # step -> this replica's micro-batch, loaded ahead for stage 0
         self.peak_storages = 0
+        self.forwarded = -1  # the last micro-batch this rank has run a forward of, in the current run
 
     def banner_lines(self) -> list[str]:
         held = "up to pp" if self.vertical_sync else f"up to pp - s = {self.pp - self.pp_rank}"
@@ -87,6 +98,9 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
         lowered = lower_calls(stash_lists(pp=self.pp, steps=steps, flush_after=self.flush_after), pp=self.pp,
                               flush_after=self.flush_after)
         self.calls = {t: lowered[t][self.pp_rank] for t in steps}
+
+    def drains(self, step: int) -> bool:
+        return self.runs[step][1] == step
 
     def _version(self, microbatch: int, stage: int) -> int:
         return stash_version(microbatch, stage, pp=self.pp, run_start=self.runs[microbatch][0],
@@ -130,12 +144,16 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
             self.loaded.pop(j)
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)
 
-    def _needed_after(self, t: int) -> set[int]:
-        """Versions this rank's forwards after step t still ask for (within the current run)."""
-        _, end = self.runs[t]
-        done = max((a.microbatch for u in range(self.runs[t][0], t + 1) for a in self.calls[u]
-                    if a.op.is_compute), default=t)
-        return {self._version(j, s) for s in self.stages for j in range(done + 1, end + 1)}
+    def _needed_after(self, t: int) -> range:
+        """Versions this rank's forwards after step t still ask for (within the current run): versions grow
+        with the micro-batch, so those of the micro-batches after the last forward run so far, a range."""
+        start, end = self.runs[t]
+        done = max([a.microbatch for a in self.calls[t] if a.op.is_compute] + [t])
+        self.forwarded = max(self.forwarded, done) if t > start else done  # a new run starts afresh
+        if self.forwarded >= end:
+            return range(0)
+        return range(min(self._version(self.forwarded + 1, s) for s in self.stages),
+                      max(self._version(end, s) for s in self.stages) + 1)
 
     def _scope(self, t: int) -> Callable[[int, int], contextlib.AbstractContextManager]:
         @contextlib.contextmanager

@@ -246,34 +246,48 @@ class PipelineEngine(EngineBase):
     def clip_gradients(self, max_norm: float) -> float:
         """Global norm: tied copies counted once, tensor-parallel slices summed over the tp group
         (replicated parameters have equal gradients on every tp rank and are counted once)."""
-        shared_elsewhere = {id(p) for p, _, first in self._shared if not first}
-        sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
-                   if self.tensor_parallel is not None else set())
-        device = next(self.module.parameters()).device
-        if isinstance(self.sync, SHARDED):  # [replicated, sharded] over this rank's shard, summed over dp
-            squares = self.sync.squared_norms(lambda p: None if id(p) in shared_elsewhere else int(id(p) in sharded), 2)
-        else:
-            squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
-            for p in self.sync.params:
-                if p.grad is not None and id(p) not in shared_elsewhere:
-                    squares[int(id(p) in sharded)] += p.grad.double().square().sum()
-        if self.tensor_parallel is not None:
-            dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
-        squares = squares.sum()
+        squares = self.local_squares()
         if self.stage_tp is None:
             dist.all_reduce(squares, group=self.mesh.group("pp"))
         else:  # stages of different widths: each stage's total once (its tp rank 0), over the replica's ranks
             squares = squares if self.tp_rank == 0 else torch.zeros_like(squares)
             dist.all_reduce(squares, group=self.mesh.group("replica"))
         norm = math.sqrt(float(squares))
-        if norm > max_norm and math.isfinite(max_norm) and isinstance(self.sync, SHARDED):
-            self.sync.scale_gradients(max_norm / (norm + 1e-6))
-        elif norm > max_norm and math.isfinite(max_norm):
-            scale = max_norm / (norm + 1e-6)
-            for p in self.sync.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        self.scale_to_norm(norm, max_norm)
         return norm
+
+    def local_squares(self, params: list[nn.Parameter] | None = None) -> torch.Tensor:
+        """This pipeline rank's share of the squared global gradient norm (float64 scalar): tied copies
+        counted on their first owner only, tp slices summed over the tp group. `params`: only these."""
+        shared_elsewhere = {id(p) for p, _, first in self._shared if not first}
+        sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
+                   if self.tensor_parallel is not None else set())
+        chosen = None if params is None else {id(p) for p in params}
+        device = next(self.module.parameters()).device
+        if isinstance(self.sync, SHARDED):  # [replicated, sharded] over this rank's shard, summed over dp
+            squares = self.sync.squared_norms(lambda p: None if id(p) in shared_elsewhere else int(id(p) in sharded), 2)
+        else:
+            squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
+            for p in self.sync.params:
+                if p.grad is not None and id(p) not in shared_elsewhere and (chosen is None or id(p) in chosen):
+                    squares[int(id(p) in sharded)] += p.grad.double().square().sum()
+        if self.tensor_parallel is not None:
+            dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
+        return squares.sum()
+
+    def scale_to_norm(self, norm: float, max_norm: float, params: list[nn.Parameter] | None = None) -> None:
+        """Clip: scale the gradients (or just `params`') by max_norm / norm where norm exceeds max_norm."""
+        if not (norm > max_norm and math.isfinite(max_norm)):
+            return
+        if isinstance(self.sync, SHARDED):
+            if params is not None:
+                raise RuntimeError("clipping a subset of the parameters is not supported with sharded gradients")
+            self.sync.scale_gradients(max_norm / (norm + 1e-6))
+            return
+        scale = max_norm / (norm + 1e-6)
+        for p in (self.sync.params if params is None else params):
+            if p.grad is not None:
+                p.grad.mul_(scale)
 
     @torch.no_grad()
     def eval_sums(self, batches: list[Batch], eval_loss: Callable) -> torch.Tensor:
@@ -302,21 +316,33 @@ class PipelineEngine(EngineBase):
 
         One host read for both: each replica's (bubble, peak) in its own slot of one summed tensor.
         """
-        busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
-        dp = self.mesh.size("dp")
-        degrees = self.stage_tp or (dist.get_world_size() // (self.pp * dp),) * self.pp  # tp per stage
-        replicas = dp * max(degrees)  # slots per stage; stage s fills dp * degrees[s] of them
-        slots = torch.zeros(2, self.pp, replicas, dtype=torch.float64)  # [bubble | peak] x pp rank x replica
-        replica = self.mesh.local_rank("dp") * max(degrees) + self.tp_rank  # (dp, tp) slot
-        slots[0, self.pp_rank, replica] = max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
-        slots[1, self.pp_rank, replica] = peak_bytes
-        device = next(self.module.parameters()).device
-        slots = slots.to(device)
+        slots = self.stats_slots(elapsed, peak_bytes).to(next(self.module.parameters()).device)
         dist.all_reduce(slots)
-        bubble, peak = slots.cpu().unbind(0)  # the host read (on steps that write metrics only)
-        per_rank = [float(bubble[s].sum()) / (dp * degrees[s]) for s in range(self.pp)]
+        return self.stats_from_slots(slots.cpu())  # the host read (on steps that write metrics only)
+
+    def _degrees(self) -> tuple[int, ...]:
+        return self.stage_tp or (dist.get_world_size() // (self.pp * self.mesh.size("dp")),) * self.pp
+
+    def stats_slots(self, elapsed: float, peak_bytes: int) -> torch.Tensor:
+        """This rank's [bubble, peak, busy seconds, step seconds] in its (pp rank, replica) slot of a zero
+        tensor [4, pp, replicas]; summed over all ranks it holds every rank's (`stats_from_slots` reads it)."""
+        busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
+        degrees = self._degrees()
+        replicas = self.mesh.size("dp") * max(degrees)  # slots per stage; stage s fills dp * degrees[s] of them
+        slots = torch.zeros(4, self.pp, replicas, dtype=torch.float64)
+        replica = self.mesh.local_rank("dp") * max(degrees) + self.tp_rank  # (dp, tp) slot
+        slots[:, self.pp_rank, replica] = torch.tensor(
+            [max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0, peak_bytes, busy, elapsed], dtype=torch.float64)
+        return slots
+
+    def stats_from_slots(self, slots: torch.Tensor) -> dict:
+        bubble, peak, busy, elapsed = slots.unbind(0)
+        filled = [self.mesh.size("dp") * d for d in self._degrees()]
+        mean = lambda values: [float(values[s].sum()) / filled[s] for s in range(self.pp)]  # noqa: E731
+        per_rank = mean(bubble)
         return {"bubble_fraction": sum(per_rank) / self.pp, "bubble_per_stage": per_rank,
-                "peak_mem_bytes_per_stage": [int(v) for v in peak.amax(1).tolist()]}
+                "peak_mem_bytes_per_stage": [int(v) for v in peak.amax(1).tolist()],
+                "busy_s_per_stage": mean(busy), "step_s_per_stage": mean(elapsed)}
 
     def gather_events(self) -> list | None:
         """Every rank's measured events of the last step, on rank 0 (None elsewhere)."""

@@ -15,6 +15,8 @@ and belongs to the first stage reading it), which holds for the models autopar s
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -44,6 +46,14 @@ class StashOracleEngine(DataParallelEngine):
             owner_path, _, attr = name.rpartition(".")
             owner = self.module.get_submodule(owner_path) if owner_path else self.module
             self.slots.append((owner, attr, index[id(p)], stages[min(k, len(stages) - 1)]))
+        stages_by_index: dict[int, set[int]] = {}
+        for _, _, i, stage in self.slots:
+            stages_by_index.setdefault(i, set()).add(stage)
+        groups: dict[object, list[nn.Parameter]] = {}
+        for i, stages in sorted(stages_by_index.items()):
+            key = ("stage", min(stages)) if len(stages) == 1 else ("tied", i)
+            groups.setdefault(key, []).append(self.params[i])
+        self.clip_groups = list(groups.values())
         self.history: dict[int, list[torch.Tensor]] = {}
         self.runs: dict[int, tuple[int, int]] = {}
 
@@ -71,3 +81,16 @@ class StashOracleEngine(DataParallelEngine):
             p.grad = torch.stack(grads).sum(0) if grads else torch.zeros_like(p)
         self.sync.finish()
         return total
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """The whole model's norm (reported); each clip group (module docstring) scaled by its own."""
+        squares = []
+        for group in self.clip_groups:
+            squares.append(float(sum(p.grad.double().square().sum() for p in group if p.grad is not None)))
+        for group, square in zip(self.clip_groups, squares):
+            norm = math.sqrt(square)
+            if norm > max_norm and math.isfinite(max_norm):
+                for p in group:
+                    if p.grad is not None:
+                        p.grad.mul_(max_norm / (norm + 1e-6))
+        return math.sqrt(sum(squares))

@@ -85,6 +85,10 @@ class TwoWeightVersions(nn.Module):
     def in_flight(self) -> list[int]:
         return sorted(self._leaves)
 
+    def drop_look_ahead(self) -> None:
+        """Forget the leaves of steps not yet run (stopping mid-run; their forwards are dropped)."""
+        self._leaves = {b: leaves for b, leaves in self._leaves.items() if b < int(self.step)}
+
     def storages(self) -> set[int]:
         """Distinct weight storages this rank holds (the memory check: two per parameter)."""
         held = {p.untyped_storage().data_ptr() for p in self._params}
@@ -172,7 +176,7 @@ class StashedVersions:
             p.grad = grad if grad is not None else torch.zeros_like(p)
 
     @torch.no_grad()
-    def advance(self, still_needed: set[int]) -> None:
+    def advance(self, still_needed: set[int] | range) -> None:
         """Before the optimizer makes version newest + 1: keep the current storage aside if an in-flight
         micro-batch reads it or `still_needed` (versions later forwards will ask for) holds it, and
         drop kept versions nobody needs any more."""

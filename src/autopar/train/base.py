@@ -108,6 +108,14 @@ class EngineBase:
     def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
         return {}
 
+    deferred_rule: str | None = None
+    """None: the trainer's synchronous step (update decided by all ranks together, right away). "global" or
+    "per-stage": the engine's update may wait for later steps (train/deferred.py, which says what else
+    such an engine provides)."""
+
+    def abandon_in_flight(self) -> None:
+        """Stopping mid-run (a signal): drop work started for steps not run yet (a deferred engine's look-ahead)."""
+
 
 @dataclass
 class EngineContext:
