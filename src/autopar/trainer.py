@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from collections import deque
 from datetime import datetime
@@ -35,19 +34,19 @@ from .config import JobConfig, Strategy, TrainConfig, to_dict
 from .data.sampler import GlobalBatchSampler
 from .distributed import DistEnv, destroy_groups, init_distributed, process_groups
 from .dropout import dropout_step
-from .errors import CheckpointError, ConfigError, DataError, Preempted, TrainingError
+from .errors import ConfigError, DataError, Preempted, TrainingError
 from .launch import ATTEMPT_ENV, restart_attempt
 from .mesh import ProcessMesh
 from .search.auto import Measured, Plan
 from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
-from .train import manifest
 from .train.base import Engine, EngineContext, TrainResult
 from .train.deferred import DeferredSteps, Finished, StepResult
 from .train.engine import eval_token_sums
 from .train.faults import Fault
 from .train.fields import example_call
 from .train.interrupt import StopRequest
+from .train.resume import agree_on_resume_checkpoint
 from .train.loss import Batch, LossFn, as_batch, default_forward, main_input, target_count, tokens_in
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
 from .train.optim import build_scheduler
@@ -158,15 +157,8 @@ class Trainer:
     def _load_pretrained(self) -> None:
         """This rank's tensors (its stage, its tensor-parallel slices) read from the pretrained files."""
         tp = self.engine.tensor_parallel
-
-        def slices(fqn: str):
-            if tp is None or not tp.is_sharded(fqn):
-                return None
-            shard = tp.plan.params[fqn]
-            return shard.dim, list(shard.local_slices(tp.rank, tp.size))
-
         began = time.perf_counter()
-        self.pretrained_bytes_read = self.pretrained.load_into(self.model, slices)
+        self.pretrained_bytes_read = self.pretrained.load_into(self.model, None if tp is None else tp.file_slices)
         self.pretrained_load_s = time.perf_counter() - began
         per_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, (self.pretrained_bytes_read, self.pretrained_load_s))
@@ -328,30 +320,6 @@ class Trainer:
                                     {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel,
                                     manifest_info=info, keep=self.config.keep_checkpoints)
 
-    def _resume_source(self) -> Path | None:
-        """The checkpoint to start from, chosen by rank 0 (checksums read once) and told to every rank: on a
-        restart the run folder's newest one that verifies, else --resume (a run folder falls back past
-        damaged checkpoints, with a warning), else none."""
-        chosen: list = [None, [], None]
-        if self.is_main:
-            try:
-                if self.attempt > 0 and any(e.problem is None for e in manifest.list_checkpoints(self.run_dir)):
-                    path, warnings = manifest.choose_checkpoint(self.run_dir)
-                elif self.config.resume:
-                    path, warnings = manifest.choose_checkpoint(self.config.resume)
-                else:
-                    path, warnings = None, []
-                chosen = [None if path is None else str(path), warnings, None]
-            except CheckpointError as exc:
-                chosen = [None, [], str(exc)]
-        dist.broadcast_object_list(chosen, src=0)
-        path, warnings, error = chosen
-        if error is not None:
-            raise CheckpointError(error)
-        for warning in warnings if self.is_main else []:
-            print(f"autopar: warning: {warning}", file=sys.stderr, flush=True)
-        return None if path is None else Path(path)
-
     def _resume(self, path: Path) -> int:
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.engine.tensor_parallel)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -384,7 +352,8 @@ class Trainer:
             return self.loop(self)
         cfg = self.config
         try:
-            self.resumed_from = self._resume_source()
+            self.resumed_from = agree_on_resume_checkpoint(self.run_dir, self.config.resume,
+                                                           restarted=self.attempt > 0)
             start = self._resume(self.resumed_from) if self.resumed_from is not None else 0
             if start > cfg.steps:
                 raise ConfigError(f"the checkpoint is at step {start}, beyond --steps {cfg.steps}; raise --steps")

@@ -233,6 +233,14 @@ class TensorParallel:
     def is_sharded(self, fqn: str) -> bool:
         return fqn in self.plan.params
 
+    def file_slices(self, fqn: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, [(start, stop), ...]) of the whole tensor `fqn` this rank holds, None when whole: what a
+        pretrained load reads from the file (models/pretrained.py's SliceFn)."""
+        if fqn not in self.plan.params:
+            return None
+        shard = self.plan.params[fqn]
+        return shard.dim, list(shard.local_slices(self.rank, self.size))
+
     def loss_sum(self, output: Any, batch: dict, ignore_index: int) -> torch.Tensor:
         logits = logits_of(output)
         if not self.plan.vocab_output:
