@@ -441,8 +441,12 @@ def train_case(name: str, out: str, *, strategy: dict | None = None, micro_batch
     from helpers import whole_parameters
 
     case = CASES[name] if name in CASES else REFUSED_CASES[name]
+    # adam_eps 1e-6, not 1e-8: a gradient that is zero up to rounding (a key bias, whose gradient softmax's
+    # shift invariance makes exactly zero; a pad row) is ~1e-9 here, and Adam divides it by its own root, so
+    # with eps 1e-8 rounding noise moves such a weight by a good part of lr (1e-4 seen on an AMD EPYC in
+    # vit tp2); 1e-6 leaves every real gradient (>= 1e-5 here) normalised as before.
     config = autopar.TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size,
-                                 lr=1e-3, warmup_steps=0, out=out, progress=False, timeout_s=60)
+                                 lr=1e-3, warmup_steps=0, adam_eps=1e-6, out=out, progress=False, timeout_s=60)
     trainer = autopar.Trainer(case.build(), case.data(),
                               strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn)
     result = trainer.train()

@@ -304,6 +304,7 @@ class TrainConfig:
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases, norms or embeddings' 1-D params)")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "Adam/AdamW epsilon, added to the second moment's root")
     grad_clip: float = _f(1.0, "clip gradients to this global L2 norm; 0 disables clipping")
     seed: int = _f(0, "seed for initialisation and data order")
     eval_every: int = _f(0, "evaluate every N steps (0: only at the end)")
@@ -349,6 +350,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise ConfigError(f"train.adam_eps must be > 0 (e.g. 1e-8), got {self.adam_eps}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer must be one of {choices(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.device not in ("cpu", "cuda"):

@@ -37,7 +37,8 @@ def table_optimizer(param: nn.Parameter, config: TrainConfig) -> torch.optim.Opt
     if config.optimizer == "adagrad":
         return torch.optim.Adagrad([param], lr=config.lr)
     if config.optimizer == "sparse-adam":
-        return torch.optim.SparseAdam([param], lr=config.lr, betas=(config.beta1, config.beta2))
+        return torch.optim.SparseAdam([param], lr=config.lr, betas=(config.beta1, config.beta2),
+                                     eps=config.adam_eps)
     raise ConfigError(f"optimizer {config.optimizer!r} is not row-separable (it moves untouched rows every step), so "
                       f"sparse tables cannot be updated exactly from sparse gradients; use --optimizer one of "
                       f"{{{', '.join(ROW_SEPARABLE)}}}")

@@ -33,8 +33,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     if config.optimizer == "adagrad":
         return torch.optim.Adagrad(groups, lr=config.lr, foreach=True)
     if config.optimizer in ("adam", "sparse-adam"):  # sparse-adam: Adam on dense params (see sparse/optim.py)
-        return torch.optim.Adam(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=True)
+        return torch.optim.Adam(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.adam_eps,
+                                foreach=True)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.adam_eps,
+                             foreach=True)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
