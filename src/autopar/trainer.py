@@ -225,6 +225,19 @@ class Trainer:
         same all-reduce as the loss, so every rank learns whether any rank asked to stop."""
         return self._train_step(step, stop_requested=stop_requested, poison_loss=poison_loss)
 
+    def _step_inputs(self, step: int, poison_loss: bool) -> tuple[list[Batch], Any, Callable]:
+        """This rank's micro-batches of `step`, their global sample positions (dropout masks) and the loss."""
+        batches = self._local_batches(step, self.train_data)
+        global_count = self._global_target_count(batches)
+        samples = self.sampler.local_micro_positions(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
+                                                     micro_batch_size=self.config.micro_batch_size)
+
+        def loss_fn(output: Any, batch: Batch) -> torch.Tensor:
+            loss = self.loss(output, batch, global_count)
+            return loss * float("nan") if poison_loss else loss  # poison: fault injection (train/faults.py)
+
+        return batches, samples, loss_fn
+
     def _train_step(self, step: int, *, stop_requested: bool = False, poison_loss: bool = False) -> StepResult:
         """`train_step`, with the peak memory over all ranks (bytes).
 
@@ -232,13 +245,7 @@ class Trainer:
         summed loss, the skip and stop flags and the peak memory, before the update they decide.
         """
         cfg = self.config
-        batches = self._local_batches(step, self.train_data)
-        global_count = self._global_target_count(batches)
-        samples = self.sampler.local_micro_positions(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
-                                                     micro_batch_size=cfg.micro_batch_size)
-        loss_fn = lambda out, batch: self.loss(out, batch, global_count)  # noqa: E731
-        if poison_loss:  # fault injection (train/faults.py)
-            loss_fn = lambda out, batch: self.loss(out, batch, global_count) * float("nan")  # noqa: E731
+        batches, samples, loss_fn = self._step_inputs(step, poison_loss)
         with dropout_step(cfg.seed, step, samples):  # masks as one process draws them (autopar/dropout)
             total = self.engine.forward_backward(batches, loss_fn)
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -268,13 +275,7 @@ class Trainer:
                              lr)]
         began = time.perf_counter()
         cfg = self.config
-        batches = self._local_batches(step, self.train_data)
-        global_count = self._global_target_count(batches)
-        samples = self.sampler.local_micro_positions(step, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size,
-                                                     micro_batch_size=cfg.micro_batch_size)
-        loss_fn = lambda out, batch: self.loss(out, batch, global_count)  # noqa: E731
-        if poison_loss:  # fault injection (train/faults.py)
-            loss_fn = lambda out, batch: self.loss(out, batch, global_count) * float("nan")  # noqa: E731
+        batches, samples, loss_fn = self._step_inputs(step, poison_loss)
 
         def forward_backward() -> torch.Tensor:
             with dropout_step(cfg.seed, step, samples):
