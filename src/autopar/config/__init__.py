@@ -1,0 +1,325 @@
+"""Typed run configuration.
+
+A run is described by plain dataclasses, one per concern; every field carries its own
+help text in `metadata["help"]`, from which the command-line flags and `--help` are
+generated (see `cli.py`), so the docs and the flags cannot drift apart. A TOML file and
+command-line flags compose: defaults < file < flags. Validation happens before any
+process group exists, so every rank reports the same clear error and nobody hangs.
+
+    [model]            name, args (a table of model arguments)
+    [data]             corpus, tokenizer, seq_len
+    [strategy]         dp, tp, pp
+    [train]            steps, batch sizes, optimizer, schedule, checkpointing, output
+    [launch]           nproc
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+from ..errors import ConfigError, choices
+from .fields import _check_nonnegative_int, _check_positive_int, _f
+from .strategy import (  # noqa: F401 (re-exported: autopar.config is where callers look)
+    SCHEDULES,
+    ASYNC_SCHEDULES,
+    PARTITION_METHODS,
+    RECOMPUTE_MODES,
+    GOSSIP_TOPOLOGIES,
+    GOSSIP_ORDERS,
+    DP_MODES,
+    SPARSE_EMBEDDING_MODES,
+    OPTIMIZERS,
+    SPARSE_SHARDINGS,
+    DEFAULT_CHECKPOINT_EVERY,
+    SEARCH_MODES,
+    ZERO_LEVELS,
+    DTYPES,
+    BOUNDARY_TRANSFERS,
+    STAGE_TP_SCHEDULES,
+    Strategy,
+    parse_stage_tp,
+)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to train (the built-in job; the Python API takes an nn.Module instead)."""
+
+    name: str = _f("gpt-mini", "model name: gpt-tiny|gpt-mini|gpt-small|gpt-medium|word-lstm|word-gpt|hf:gpt2|hf:llama|hf:bert",
+                   flag="--model")
+    args: dict = _f({}, "model argument KEY=VALUE overriding the size table (repeatable)", flag="--model-arg")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The built-in data: an embedded corpus cut into fixed-length token windows."""
+
+    corpus: str = _f("stdlib", "embedded text corpus (stdlib: the Python standard library's source)")
+    tokenizer: str = _f("byte", "tokenizer: byte (UTF-8 bytes plus special tokens) | word (words of the training text, "
+                                "vocab_size of them) | bpe (byte-level BPE of vocab_size tokens learned from the "
+                                "training text) | hf:PATH (a tokenizer.json, or a folder holding one)")
+    vocab_size: int = _f(32768, "trained tokenizers (word, bpe): vocabulary size (word: the most frequent words of the "
+                                "training text; the rest become <unk>)")
+    seq_len: int = _f(128, "tokens per training sequence")
+    data: str | None = _f(None, "train on a local file instead of the corpus: .txt, .jsonl/.json, .parquet, .csv, or "
+                                "a datasets.save_to_disk folder; records with prompt/response fields are instruction "
+                                "data (loss on the response only)")
+    text_field: str = _f("text", "--data: the field holding each document's text")
+    prompt_field: str = _f("prompt", "--data: instruction records' prompt field")
+    response_field: str = _f("response", "--data: instruction records' response field")
+    eval_data: str | None = _f(None, "--data: held-out file (default: the last --eval-fraction of --data)")
+    eval_fraction: float = _f(0.1, "--data: fraction of the tokens (or records) held out for evaluation")
+    data_cache: str | None = _f(None, "--data: folder of tokenized files, keyed by content and tokenizer "
+                                      "(default ~/.cache/autopar/data)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop: batch sizes, optimizer, schedule, evaluation, checkpoints, output."""
+
+    steps: int = _f(200, "optimizer steps to train")
+    global_batch_size: int = _f(32, "sequences per optimizer step, over all data-parallel replicas")
+    micro_batch_size: int = _f(8, "sequences per forward/backward on one replica (gradients accumulate)")
+    micro_batches: int | None = _f(None, "micro-batches per replica per step; if set, micro_batch_size = "
+                                         "global_batch_size / (dp * micro_batches)")
+    optimizer: str = _f("adamw", "optimizer: adamw|adam|sgd|adagrad|sparse-adam (SparseAdam on sparse embedding "
+                                           "tables, Adam on the rest)")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = _f(20, "steps of linear learning-rate warm-up")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases, norms or embeddings' 1-D params)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "Adam/AdamW epsilon, added to the second moment's root")
+    grad_clip: float = _f(1.0, "clip gradients to this global L2 norm; 0 disables clipping")
+    seed: int = _f(0, "seed for initialisation and data order")
+    eval_every: int = _f(0, "evaluate every N steps (0: only at the end)")
+    eval_batches: int = _f(4, "global batches of held-out data per evaluation")
+    checkpoint_every: int | None = _f(None, f"save a checkpoint every N steps (default: every "
+                                            f"{DEFAULT_CHECKPOINT_EVERY}; 0: only at the end and when interrupted)")
+    keep_checkpoints: int = _f(0, "keep only the newest K complete checkpoints, deleting older ones (0: keep all)")
+    max_bad_steps: int = _f(0, "skip a step whose loss or gradient norm is not finite (no update on any rank) and "
+                               "stop after K such steps in a row; 0: stop at the first one")
+    hang_timeout_s: float = _f(0.0, "if no step finishes for this many seconds, report which operation each rank "
+                                    "is in, dump every thread's stack into the run folder and stop (0: off)")
+    log_every: int = _f(1, "write metrics every N steps")
+    out: str | None = _f(None, "run folder (default runs/<timestamp>/)")
+    resume: str | None = _f(None, "resume from a run folder or a checkpoint folder")
+    device: str = _f("cpu", "cpu or cuda")
+    dtype: str = _f("fp32", "fp32 | bf16 (bf16 parameters, gradients and communication; fp32 master weights, "
+                            "optimizer state and accumulation) | bf16-autocast (fp32 parameters, bf16 autocast)")
+    timeout_s: float = _f(300.0, "seconds any collective may wait before the run fails (no hangs)")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+    trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
+    export_hf: str | None = _f(None, "after training, write the final model to this folder in the Hugging Face "
+                                     "format (config.json + safetensors; hf: models only)")
+
+    def validate(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
+            _check_positive_int(f"train.{name}", getattr(self, name))
+        for name in ("warmup_steps", "eval_every", "seed", "keep_checkpoints", "max_bad_steps"):
+            _check_nonnegative_int(f"train.{name}", getattr(self, name))
+        if self.checkpoint_every is not None:
+            _check_nonnegative_int("train.checkpoint_every", self.checkpoint_every)
+        if not self.hang_timeout_s >= 0:
+            raise ConfigError(f"train.hang_timeout_s must be >= 0 (0: no watchdog), got {self.hang_timeout_s}")
+        if self.hang_timeout_s and self.hang_timeout_s >= self.timeout_s:
+            raise ConfigError(f"train.hang_timeout_s={self.hang_timeout_s} must be below timeout_s={self.timeout_s} "
+                              f"(a collective fails on its own after timeout_s); lower --hang-timeout-s or raise "
+                              f"--timeout-s")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise ConfigError(f"train.adam_eps must be > 0 (e.g. 1e-8), got {self.adam_eps}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer must be one of {choices(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"train.device must be one of {{cpu, cuda}}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype must be one of {choices(DTYPES)}, got {self.dtype!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"train.timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints (0: only at the end and when interrupted)."""
+        return DEFAULT_CHECKPOINT_EVERY if self.checkpoint_every is None else self.checkpoint_every
+
+    def with_micro_batches(self, dp: int) -> TrainConfig:
+        """Resolve `micro_batches` into a micro-batch size (an error if it does not divide)."""
+        if self.micro_batches is None:
+            return self
+        _check_positive_int("train.micro_batches", self.micro_batches)
+        if self.global_batch_size % (dp * self.micro_batches):
+            raise ConfigError(f"global_batch_size={self.global_batch_size} cannot be split into dp*micro_batches = "
+                              f"{dp}*{self.micro_batches} equal micro-batches; use a global batch size that is a "
+                              f"multiple of {dp * self.micro_batches}")
+        return dataclasses.replace(self, micro_batch_size=self.global_batch_size // (dp * self.micro_batches))
+
+    def accumulation_steps(self, dp: int) -> int:
+        """Micro-batches per replica per optimizer step; errors if the batch sizes do not divide."""
+        per_step = dp * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            per_replica = self.global_batch_size / dp
+            hint = (f"a micro_batch_size that divides {int(per_replica)}" if per_replica.is_integer()
+                    else f"a global batch size divisible by dp={dp}")
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by dp*micro_batch_size = "
+                f"{dp}*{self.micro_batch_size} = {per_step}; use a global batch size that is a multiple of "
+                f"{per_step} (e.g. {per_step * -(-self.global_batch_size // per_step)}) or {hint}"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How processes are started when autopar launches them itself (ignored under torchrun)."""
+
+    nproc: int = _f(4, "local processes to start (one CPU thread each); ignored under torchrun")
+    max_restarts: int = _f(0, "when a rank dies, stop every rank and restart the job from its latest complete "
+                              "checkpoint, at most N times (under torchrun, use torchrun's --max-restarts)")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything `autopar train` needs; written to the run folder as config.toml."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: Strategy = field(default_factory=Strategy)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def validate(self) -> None:
+        _check_positive_int("launch.nproc", self.launch.nproc)
+        _check_nonnegative_int("launch.max_restarts", self.launch.max_restarts)
+        _check_positive_int("data.seq_len", self.data.seq_len)
+        self.train.validate()
+
+
+SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "strategy": Strategy,
+                 "train": TrainConfig, "launch": LaunchConfig}
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+def to_dict(config: Any) -> dict:
+    """A dataclass as nested plain dicts, with None values left out (TOML has no null)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        if value is not None:
+            out[f.name] = value
+    return out
+
+
+def to_toml(config: JobConfig) -> str:
+    return tomli_w.dumps(to_dict(config))
+
+
+def from_dict(data: dict, *, source: str = "config") -> JobConfig:
+    """Build a JobConfig from nested dicts, rejecting unknown sections and keys by name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a table of sections, got {type(data).__name__}")
+    sections = {}
+    for section, values in data.items():
+        if section not in SECTION_TYPES:
+            raise ConfigError(f"{source}: unknown section [{section}]; valid sections: {choices(SECTION_TYPES)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table, got {values!r}")
+        sections[section] = _section_from_dict(SECTION_TYPES[section], values, f"{source}: [{section}]")
+    return JobConfig(**sections)
+
+
+def _section_from_dict(cls: type, values: dict, where: str) -> Any:
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {choices(sorted(known))}")
+        kwargs[key] = coerce(value, hints[key], f"{where} {key}")
+    return cls(**kwargs)
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check (and for strings from the command line, convert) a value against a field type."""
+    kinds = _kinds(annotation)
+    if value is None and type(None) in kinds:
+        return None
+    if isinstance(value, str) and str not in kinds:
+        value = parse_literal(value)
+    if bool in kinds and isinstance(value, bool):
+        return value
+    if int in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if float in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if str in kinds and isinstance(value, str):
+        return value
+    if dict in kinds and isinstance(value, dict):
+        return dict(value)
+    wanted = " or ".join(k.__name__ for k in kinds if k is not type(None))
+    raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
+
+
+def _kinds(annotation: Any) -> set[type]:
+    args = getattr(annotation, "__args__", None)
+    if args:
+        return {a for a in args if isinstance(a, type)}
+    return {annotation} if isinstance(annotation, type) else {object}
+
+
+def parse_literal(text: str) -> Any:
+    """Read a command-line value as a TOML scalar (4, 0.1, true, "x"); fall back to the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_toml(path: str | Path) -> JobConfig:
+    """Read a config file; an unreadable or malformed file gets an error naming it."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    return from_dict(data, source=str(path))
+
+
+def merge(base: JobConfig, overrides: dict[str, dict[str, Any]]) -> JobConfig:
+    """Return `base` with the given {section: {key: value}} overrides applied (flags win)."""
+    sections = {}
+    for section, cls in SECTION_TYPES.items():
+        current = getattr(base, section)
+        changes = overrides.get(section, {})
+        if section == "model" and "args" in changes:  # model arguments add up, they do not replace
+            changes = {**changes, "args": {**current.args, **changes["args"]}}
+        sections[section] = dataclasses.replace(current, **changes) if changes else current
+    return JobConfig(**sections)
