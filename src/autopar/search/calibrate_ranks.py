@@ -63,11 +63,16 @@ def _fit(t_small: float, t_large: float, steps: float, volume: float) -> dict:
 
 
 def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
-    """Effective cores this job's ranks get: ranks x (CPU seconds of a fixed workload run on rank 0 alone) / (wall
-    seconds from a common start until every rank has run it once at the same time), alternated `rounds` times,
-    medians kept. In units of one process's CPU time alone, so it also charges what switching between the ranks
-    costs; CPU time, not wall, for the alone run, so that other jobs on the machine count once (in the together
-    run), as they slow the real step.
+    """Effective cores this job's ranks get: (the CPU seconds a fixed workload takes each rank alone, summed over
+    the ranks) / (wall seconds from a common start until every rank has run it once at the same time), alternated
+    `rounds` times, medians kept. In units of each process's CPU time alone, so it also charges what switching
+    between the ranks costs; CPU time, not wall, for the alone runs, so that other jobs on the machine count once
+    (in the together run), as they slow the real step.
+
+    Every rank runs the workload alone in turn, not rank 0 for all: one rank's state can make the same work twice
+    as fast as on the others (seen: rank 0 right after measuring the model's blocks ran it in 37 ms where the
+    other ranks took 75, and a rank-0-only reference read 1.1 cores for 4 ranks on a quiet 2-core machine where
+    this reads 1.9).
 
     The workload is matmuls and elementwise ops on tensors of a few hundred KiB, like the blocks of the small
     models (48 matmuls of 512x128x512: 45-150 ms of one thread here, as this VM's speed varies; long beside the
@@ -86,21 +91,23 @@ def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
     work()
     alone, together = [], []
     for _ in range(rounds):
-        dist.barrier()
-        if rank == 0:
-            began = time.thread_time()
-            work()
-            alone.append(time.thread_time() - began)
+        mine = 0.0
+        for turn in range(world):
+            dist.barrier()
+            if rank == turn:
+                began = time.thread_time()
+                work()
+                mine = time.thread_time() - began
+        alone.append(mine)
         dist.barrier()
         span = torch.tensor([-time.monotonic(), 0.0], dtype=torch.float64)  # the machine-wide clock
         work()
         span[1] = time.monotonic()
         dist.all_reduce(span, op=dist.ReduceOp.MAX)  # the first start, the last end
         together.append(float(span[0] + span[1]))
-    value = torch.tensor([world * statistics.median(alone) / statistics.median(together) if rank == 0 else 0.0],
-                         dtype=torch.float64)
-    dist.broadcast(value, 0)
-    return min(float(world), max(0.01, float(value)))
+    summed = torch.tensor([statistics.median(alone)], dtype=torch.float64)
+    dist.all_reduce(summed)  # every rank's own alone time, summed: the CPU the together run had to deliver
+    return min(float(world), max(0.01, float(summed) / statistics.median(together)))
 
 
 def sync_cost(rounds: int = 3, pieces: int = 24, repeats: int = 48) -> float:
