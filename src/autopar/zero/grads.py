@@ -23,10 +23,9 @@ backward into input and weight halves) and releases the full buffers after it.
 Gradients are SUMMED over the group (the loss is pre-scaled, as in grad_sync.py).
 
 On gloo, level 1's fp32 buckets are reduced by an all-reduce of the full bucket, from which each
-replica copies its shard: gloo's reduce-scatter costs about twice its all-reduce of the same
-buffer (3.3M floats, 2 ranks: 47 ms against 25 ms; 4 ranks: 65 against 36; /tmp microbenchmark,
-2026-11-25, loaded 2-core machine), so the collective meant to move half the bytes is the slower
-one there. Level 1 keeps the full buffer anyway, so no memory is added. Level 2 and bf16 buckets
+replica copies its shard: gloo's reduce-scatter is slower than its all-reduce of the same buffer
+(`benchmarks/gloo_collectives.py`, 3.3M floats, quiet 2-core machine: 15.9 against 9.2 ms at 2
+ranks, 27.3 against 22.2 at 4), so the collective meant to move half the bytes loses there. Level 1 keeps the full buffer anyway, so no memory is added. Level 2 and bf16 buckets
 keep the reduce-scatter (their landing buffer is part of the memory formula in
 search/zero_memory.py); NCCL and other backends reduce-scatter everywhere.
 """
