@@ -120,6 +120,7 @@ def test_errors_are_reported_on_every_rank():
     (["--model", "gpt-huge"], "unknown model 'gpt-huge'"),
     (["--resume", "/nonexistent/run"], "no such folder"),
     (["--seq-len", "1000"], "seq_len=1000 is longer than gpt-tiny's context of 256"),
+    (["--model", "hf:/nonexistent/llama"], "pretrained model folder '/nonexistent/llama' does not exist"),
 ])
 def test_model_and_resume_errors_come_before_any_rank_starts(args, message):
     done = autopar("train", *[a for a in SMALL if a not in ("--seq-len", "32")], "--nproc", "2", "--steps", "2", *args)

@@ -12,7 +12,9 @@ data, so the two cannot disagree; the memory budget's recomputation plan stays w
 depends on each stage's saved bytes per micro-batch). Jobs whose tokenizer must first be trained on the
 data (`bpe`) or whose data must first be read (`--data`), and Hugging Face models (importing
 transformers alone takes seconds), are left to the ranks: building them twice would cost what this
-saves.
+saves. A pretrained folder (`hf:PATH`) is still checked here as files, without transformers: the folder,
+its config.json and its safetensors weights (single file, or an index whose shards are all present);
+whether the weights match the model's parameters needs the model, and stays with the ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def check_before_launch(job: JobConfig) -> None:
     if job.train.resume:
         from .train.manifest import choose_checkpoint
         choose_checkpoint(job.train.resume)  # no such folder, no complete checkpoint, a damaged one
+    check_pretrained_folder(job.model.name)
     if not cheap_to_build(job):
         return
     from .data import build_tokenizer, padded_vocab_size
@@ -52,3 +55,20 @@ def check_model_fits(info, tokenizer, seq_len: int) -> None:
     if seq_len > info.max_seq_len:
         raise ConfigError(f"seq_len={seq_len} is longer than {info.name}'s context of {info.max_seq_len} "
                           f"positions; use --seq-len <= {info.max_seq_len} or a larger max_seq_len model argument")
+
+
+def check_pretrained_folder(model_name: str) -> None:
+    """`hf:PATH`: the folder exists and holds config.json and readable safetensors weights (headers only)."""
+    if not model_name.startswith("hf:"):
+        return
+    from .models.hf import is_folder_name
+    if not is_folder_name(model_name):
+        return
+    from pathlib import Path
+    from .errors import ModelError
+    from .models.pretrained import SafetensorsFolder
+    folder = Path(model_name[3:])
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise ModelError(f"{model_name}: {str(folder)!r} is not a pretrained model folder (no config.json); save one "
+                         f"with model.save_pretrained(PATH), or name an architecture as hf:<model_type>")
+    SafetensorsFolder(folder).close()  # no such folder, no weights, an index naming missing shards

@@ -223,14 +223,14 @@ def view(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
 
 @rule(aten.transpose.int)
 def transpose(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
-    (value, first), ndim = inputs[0], len(shape_of(inputs[0][0]))
+    (_, first), ndim = inputs[0], len(shape_of(inputs[0][0]))
     d0, d1 = (norm_dim(d, ndim) for d in node.args[1:3])
     return first.moved(d1 if first.dim == d0 else d0 if first.dim == d1 else first.dim)
 
 
 @rule(aten.permute.default)
 def permute(ctx: RuleContext, node: fx.Node, inputs: Inputs) -> Shard:
-    (value, first), ndim = inputs[0], len(shape_of(inputs[0][0]))
+    (_, first), ndim = inputs[0], len(shape_of(inputs[0][0]))
     return first.moved([norm_dim(d, ndim) for d in node.args[1]].index(first.dim))
 
 
