@@ -161,10 +161,10 @@ def report(ranks: list, args) -> str:
         lines.append(f"  {label:12s} {med(wall[label]) * 1e3:8.1f} {med(wall[label]) / base:10.3f} | "
                      f"{med(x['cpu'] for x in s0) * 1e3:7.1f} {med(x['cpu'] for x in s1) * 1e3:7.1f} | "
                      f"{post:>11s} {wait:>12s}")
+    cpu = lambda r, label: med(x["cpu"] for x in ranks[r]["stats"][label])
     lines.append(f"  zbv / torch ZBV {med(wall['ours zbv']) / med(wall['torch ZBV']):.3f}; ours 1f1b / torch 1F1B "
-                 f"{base / med(wall['torch 1F1B']):.3f}; main-thread CPU per step, zbv / 1f1b: " + ", ".join(
-                     f"r{r} {med(x['cpu'] for x in ranks[r]['stats']['ours zbv']) / med(x['cpu'] for x in ranks[r]['stats']['ours 1f1b']):.3f}"
-                     for r in (0, 1)))
+                 f"{base / med(wall['torch 1F1B']):.3f}; main-thread CPU per step, zbv / 1f1b: "
+                 + ", ".join(f"r{r} {cpu(r, 'ours zbv') / cpu(r, 'ours 1f1b'):.3f}" for r in (0, 1)))
     costs = {}
     lines.append("  per-action CPU cost (ms, mean per micro-batch), stage+op:")
     for label, _, _ in OURS:
@@ -187,7 +187,8 @@ def report(ranks: list, args) -> str:
     both = {k: v / split if k[-1] in "IW" and k[0] != "0" else v for k, v in equal.items()}
     p1 = predicted["ours 1f1b"]
     lines.append("  simulator with these CPU costs, a core per rank, free transfers (predictions; ratio to 1f1b's):")
-    lines.append("    " + ", ".join(f"{label.split()[1]} {v * 1e3:.1f} ({v / p1:.3f})" for label, v in predicted.items()))
+    lines.append("    " + ", ".join(f"{label.split()[1]} {v * 1e3:.1f} ({v / p1:.3f})"
+                                      for label, v in predicted.items()))
     for name, table in (("zbv, each rank's two chunks at equal cost", equal),
                         (f"zbv, I + W of stages 1-3 / {split:.3f} (the split's overhead on zb-h1 removed)", unsplit),
                         ("zbv, both", both)):
