@@ -79,6 +79,7 @@ def test_input_then_weight_equals_one_backward_without_rerunning_the_chain(input
     got, work = backward_input(list(outs), grads, inputs, params)
     assert all(p.grad is None for p in params)  # I leaves the weights alone
     assert (work.held_bytes > 0) == input_needs_grad  # gradients kept at the weight-reading nodes
+    assert bool(work.boundaries) == input_needs_grad  # a first stage skips the walk: W is its whole backward
     nodes = _graph([o.grad_fn for o in outs])
     chain = {n for n in nodes if input_needs_grad and x.view_as(x).grad_fn.next_functions[0][0] in _graph([n])}
     boundaries = set(work.boundaries)

@@ -110,6 +110,9 @@ class TimedP2P(P2P):
     def recv(self, **kw):
         return _TimedPending(super().recv(**kw), self.waits)
 
+    def exchange(self, sends, recvs):  # the path the runtime takes (batched steps): its waits count too
+        return [_TimedPending(p, self.waits) for p in super().exchange(sends, recvs)]
+
 
 class Variant:
     """One way to run a training step on this rank, with its own weights, group and SGD."""
