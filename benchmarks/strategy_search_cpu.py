@@ -163,7 +163,7 @@ def worker(spec_path: Path) -> None:
     import autopar
     from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
     from autopar.models import build_model
-    from autopar.search.calibrate_ranks import sharing_probe
+    from autopar.search.calibrate_ranks import background_cores, sharing_probe
     from autopar.search.cluster import load_cluster
     from autopar.search.measure_profile import measure_blocks
 
@@ -245,10 +245,13 @@ def worker(spec_path: Path) -> None:
         dist.all_gather_object(gathered, threads)
         return samples, gathered
 
-    rounds = [("", measure())]
+    background = background_cores()
+    rounds = [(f"[{len(trainers)} trainers alive, idle threads {background:.3f} cores] ", measure())]
     if spec["extra"]:  # the same steps again with more trainers alive (the benchmark keeps ~22 at once)
         idle = [build(len(trainers) + j, spec["configs"][j % len(spec["configs"])]) for j in range(spec["extra"])]
-        rounds.append((f"with {len(idle)} more trainers alive, ", measure()))
+        background = background_cores()
+        rounds.append((f"[{len(trainers) + len(idle)} trainers alive, idle threads {background:.3f} cores] ",
+                       measure()))
         for trainer in idle:
             trainer.engine.close()
     for trainer, _ in trainers:

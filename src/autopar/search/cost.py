@@ -12,7 +12,8 @@
                  stage, and the update: gradient norm, clip and optimizer step (measured per block with a
                  measured profile, else memory-bandwidth bound; over the shard under ZeRO)
     time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
-                 CPU seconds of every rank's step, summed, / the cores the ranks really get bounds the
+                 CPU seconds of every rank's step, summed, / the cores the ranks really get (less the
+                 cores their idle gloo threads burn, Cluster.background_cores) bounds the
                  step from below; the step is the larger of that and the timeline above. The CPU of a
                  step: compute actions (without the wall time their TP collectives wait), the update,
                  and every collective and transfer's own CPU (gloo copies and wakes in its threads,
@@ -354,7 +355,8 @@ class StepModel:
         cores, per_node = cl.cores_per_node, min(cl.devices_per_node, c.dp * c.tp * c.pp)
         if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their CPU / cores
             cpu_terms = self.step_cpu_terms(c, spans, blocks, times, rank_of, opt_time, local_params)
-            shared = sum(cpu_terms.values()) / (cores * ((c.dp * c.tp * c.pp) // per_node))
+            free = max(cores - cl.background_cores, 0.05 * cores)  # what the ranks' idle threads leave
+            shared = sum(cpu_terms.values()) / (free * ((c.dp * c.tp * c.pp) // per_node))
             step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,
@@ -364,5 +366,5 @@ class StepModel:
                         parts={"pipeline_s": times.makespan, "dp_exposed_s": max(dp_exposed),
                                "optimizer_s": max(opt_time), "busy_s": max(times.busy),
                                "timeline_step_s": timeline_step, "time_shared_s": shared,
-                               "cpu_s": shared * cores * ((c.dp * c.tp * c.pp) // per_node) if shared else 0.0,
+                               "cpu_s": sum(cpu_terms.values()),
                                **{f"cpu_{k}_s": v for k, v in cpu_terms.items()}})
