@@ -237,8 +237,9 @@ def summarise(block: dict) -> dict:
 def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
     print(f"\n== {block['model']} at {block['world']} ranks: blocks measured on rank 0 and cores probed (alone vs "
           f"every rank at once) in {block['blocks_measured_s']:.1f} s, this job's effective cores "
-          f"{block['effective_cores'] or 0:.2f}, of which idle gloo threads take {block.get('background_cores', 0):.2f} "
-          f"once every configuration is set up (predictions below count it); search scored {block['evaluated']} configurations "
+          f"{block['effective_cores'] or 0:.2f}, of which idle gloo threads take "
+          f"{block.get('background_cores', 0):.2f} once every configuration is set up (predictions below count it); "
+          f"search scored {block['evaluated']} configurations "
           f"({block['fitting']} distinct fitting) in {block['search_s']:.2f} s; measured {summary['n']} in "
           f"{block['measure_s']:.0f} s (load average {block['load_average'][0]:.1f} -> {block['load_average'][1]:.1f})")
     print(f"{'predicted ms':>12} {'measured ms':>11} {'err':>6}  {'pred MiB/pp rank':<22} {'measured MiB/rank':<40} config")

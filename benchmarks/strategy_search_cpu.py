@@ -77,7 +77,8 @@ def main() -> None:
     cluster = calibrated_cluster(args.cluster, args.world)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "cluster.toml").write_text(cluster.to_toml())
-        spec = {"extra": args.extra, "block_clock": args.block_clock, "model": args.model, "world": args.world, "steps": args.steps, "configs": configs,
+        spec = {"extra": args.extra, "block_clock": args.block_clock, "model": args.model, "world": args.world,
+                "steps": args.steps, "configs": configs,
                 "cluster": str(Path(tmp) / "cluster.toml"), "runs": str(Path(tmp) / "runs"),
                 "out": str(Path(tmp) / "out.json")}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
