@@ -216,7 +216,7 @@ def summarise(block: dict) -> dict:
     pred = [c["predicted_s"] for c in rows]
     meas = [c["measured_s"] for c in rows]
     best = min(meas)
-    pick = min(rows, key=lambda c: c["predicted_s"])
+    pick = min(rows, key=lambda c: c.get("searched_s", c["predicted_s"]))  # as the search ranked them
     time_err = [abs(p - m) / m for p, m in zip(pred, meas)]
     mem_err = []
     for c in rows:
