@@ -166,3 +166,56 @@ def test_time_shared_bound_counts_every_ranks_cpu_with_collectives():
     # a group larger than any calibrated one costs what the largest does, per rank; nothing without a table
     assert cluster.all_reduce_cpu(1e6, 8) == pytest.approx(ar(1e6, 4) * 2)
     assert cluster.replace(allreduce_cpu_table={}).all_reduce_cpu(1e6, 2) == 0.0
+
+
+def test_background_cores_leave_fewer_cores_to_the_time_shared_step():
+    """Hand-computed: 8 replicas on 2 cores of which idle gloo threads take 0.5 (Cluster.background_cores): the
+    bound is the same summed CPU over 1.5 cores; the CPU itself does not change, and its terms add up to it.
+    A background of the whole cores or more is refused in a cluster file, naming the field."""
+    from autopar.errors import ConfigError
+    from autopar.search.cluster import cluster_from_dict
+    profile, cluster = _toy()
+    c = Candidate(dp=8, tp=1, pp=1, micro_batch_size=1, num_microbatches=1)
+    plain = StepModel(profile, cluster.replace(cores_per_node=2), global_batch_size=8).evaluate(c)
+    busy = cluster.replace(cores_per_node=2, background_cores=0.5)
+    shared = StepModel(profile, busy, global_batch_size=8).evaluate(c)
+    assert shared.parts["cpu_s"] == pytest.approx(plain.parts["cpu_s"])
+    assert shared.step_time_s == pytest.approx(plain.parts["cpu_s"] / 1.5)
+    assert plain.step_time_s == pytest.approx(plain.parts["cpu_s"] / 2)
+    terms = [v for k, v in shared.parts.items() if k.startswith("cpu_") and k != "cpu_s"]
+    assert len(terms) == 7 and sum(terms) == pytest.approx(shared.parts["cpu_s"])
+    assert cluster_from_dict(busy.to_dict()) == busy
+    with pytest.raises(ConfigError, match="'background_cores' \\(2.5\\) must be less than 'cores_per_node' \\(2\\)"):
+        cluster_from_dict(busy.replace(background_cores=2.5).to_dict())
+
+
+def test_other_threads_cpu_counts_another_threads_work():
+    """calibrate_ranks.other_threads_cpu_s (what background_cores sums over the ranks) sees a busy thread's CPU
+    and not the caller's own."""
+    import threading
+    import time
+
+    from autopar.search.calibrate_ranks import other_threads_cpu_s
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    spun, done = threading.Event(), threading.Event()
+
+    def work() -> None:  # spins, then stays alive (an exited thread leaves /proc/self/task) until told
+        spin(0.1)
+        spun.set()
+        done.wait()
+
+    before = other_threads_cpu_s()
+    spin(0.05)  # the caller's own CPU: not counted
+    mine = other_threads_cpu_s() - before
+    worker = threading.Thread(target=work)
+    worker.start()
+    spun.wait()
+    theirs = other_threads_cpu_s() - before - mine
+    done.set()
+    worker.join()
+    assert mine < 0.02 and theirs >= 0.09

@@ -17,7 +17,7 @@ from autopar.search.cost import Candidate, StepModel
 from autopar.search.memory import stage_memory
 from autopar.search.profile import ModelProfile, TPProfile
 from autopar.search.search import SearchSpace, enumerate_candidates, exhaustive, mcmc
-from autopar.search.zero_cost import data_parallel_exposed_s
+from autopar.search.zero_cost import data_parallel_cpu_s, data_parallel_exposed_s
 from autopar.search.zero_memory import zero_model_state_bytes
 from autopar.strategies import resolve
 
@@ -62,6 +62,23 @@ def test_zero_communication_by_hand():
     slow = dict(blocks, block_forward_s=(1.0, 1.0), block_backward_s=(1.0, 1.0))  # prefetch hides the second
     assert data_parallel_exposed_s(cl, zero=3, num_microbatches=2, **args, **slow) == pytest.approx(ring + 2 * 2 * half)
     assert data_parallel_exposed_s(cl, zero=1, **dict(args, dp=1)) == 0.0
+
+
+def test_zero_communication_cpu_by_hand():
+    """The CPU the data-parallel collectives take as gloo runs them: zero 1 all-reduces (gloo's reduce-scatter is
+    slower) then all-gathers; zero 2 reduce-scatters (an all-reduce's CPU) per micro-batch in the data-parallel
+    engine, once with a pipeline, then all-gathers; an all-gather is half an all-reduce."""
+    cl = dataclasses.replace(cluster(1e9), allreduce_cpu_table={4: Link(1e-4, 1e9)})
+    whole = (6 * 1e-4 + 6 / 4 * 4e6 / 1e9) * 1  # one all-reduce of 4 MB over 4 ranks, CPU summed over them
+    args = dict(dp=4, nbytes=4e6)
+    assert data_parallel_cpu_s(cl, zero=0, **args) == pytest.approx(whole)
+    assert data_parallel_cpu_s(cl, zero=1, num_microbatches=3, per_micro_batch=True, **args) == \
+        pytest.approx(1.5 * whole)
+    assert data_parallel_cpu_s(cl, zero=2, num_microbatches=3, per_micro_batch=True, **args) == \
+        pytest.approx(3.5 * whole)
+    assert data_parallel_cpu_s(cl, zero=2, num_microbatches=3, per_micro_batch=False, **args) == \
+        pytest.approx(1.5 * whole)
+    assert data_parallel_cpu_s(cl, zero=2, **dict(args, dp=1)) == 0.0
 
 
 def test_stage_memory_uses_the_zero_formula():

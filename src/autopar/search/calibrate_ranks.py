@@ -110,6 +110,41 @@ def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
     return min(float(world), max(0.01, float(summed) / statistics.median(together)))
 
 
+def other_threads_cpu_s() -> float:
+    """CPU seconds so far of every thread of this process but the calling one (/proc/self/task/*/schedstat,
+    nanoseconds on a CPU; 0 where there is no /proc)."""
+    import os
+    import threading
+    me, total = threading.get_native_id(), 0.0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0]) * 1e-9
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def background_cores(seconds: float = 0.5) -> float:
+    """Cores' worth of CPU this job's ranks burn while every rank sleeps (summed over the ranks): their other
+    threads' CPU over `seconds` of idle wall. Mostly gloo: every process group keeps a thread that wakes every
+    10 ms to poll (~1-2 ms of CPU per second each on this machine), so the figure grows with the groups alive.
+    Cluster.background_cores; the time-shared bound takes it from the cores the steps get. Every rank returns
+    the same value."""
+    dist.barrier()
+    began, used = time.monotonic(), other_threads_cpu_s()
+    time.sleep(seconds)
+    mine = torch.tensor([(other_threads_cpu_s() - used) / (time.monotonic() - began)], dtype=torch.float64)
+    dist.all_reduce(mine)
+    return float(mine)
+
+
 def sync_cost(rounds: int = 3, pieces: int = 24, repeats: int = 48) -> float:
     """CPU seconds one rank pays per blocking synchronisation when the ranks time-share the cores, beyond the
     collective's own cost in a tight loop: every rank runs the probe's workload in `pieces` parts, once straight

@@ -82,6 +82,12 @@ class Cluster:
     """CPU only: CPU seconds a rank pays per blocking wait (a TP all-reduce, a pipeline receive, a per-step sync)
     when ranks time-share the cores, beyond the collective itself: it gives up its core and comes back to cold
     caches (calibrate_ranks.sync_cost)."""
+    background_cores: float = 0.0
+    """CPU only: cores' worth of CPU the node's ranks burn besides any step's work, taken from cores_per_node by
+    the time-shared bound. Each gloo process group keeps a thread that wakes every 10 ms to poll, idle or not:
+    ~1-2 ms of CPU per second each here (docs/benchmarks/strategy_search.md), so a process holding many groups
+    (benchmarks/strategy_search.py keeps 22 trainers' alive at once) pays for them in every step. Measured in the
+    ranks' launch (calibrate_ranks.background_cores); 0: none counted."""
     node_bandwidth_bytes_per_s: float = 0
     """Bytes per second all ranks of one node move between ranks together (0: no shared cap, each rank's
     link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
@@ -218,7 +224,7 @@ def cluster_from_dict(data: dict) -> Cluster:
             table[int(n)] = _link({f"{key}.{n}": link}, f"{key}.{n}") if isinstance(link, dict) else \
                 _link({}, f"{key}.{n}")
         return table
-    return Cluster(
+    cluster = Cluster(
         name=str(data.get("name", "custom")), source=str(data.get("source", "cluster file")),
         num_devices=num_devices, devices_per_node=per_node,
         memory_per_device_gb=_number(data, "memory_per_device_gb", ""),
@@ -234,8 +240,14 @@ def cluster_from_dict(data: dict) -> Cluster:
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
         cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0,
+        background_cores=_number(data, "background_cores", "", strict=False) if "background_cores" in data else 0.0,
         node_bandwidth_bytes_per_s=_number(data, "node_bandwidth_bytes_per_s", "", strict=False)
         if "node_bandwidth_bytes_per_s" in data else 0)
+    if cluster.background_cores and cluster.background_cores >= (cluster.cores_per_node or float("inf")):
+        raise ConfigError(f"cluster file: field 'background_cores' ({cluster.background_cores:g}) must be less than "
+                          f"'cores_per_node' ({cluster.cores_per_node:g}): it is the part of those cores idle "
+                          f"threads take")
+    return cluster
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -12,7 +12,8 @@
                  stage, and the update: gradient norm, clip and optimizer step (measured per block with a
                  measured profile, else memory-bandwidth bound; over the shard under ZeRO)
     time-sharing when a node runs more ranks than it has cores (Cluster.cores_per_node, CPU): the
-                 CPU seconds of every rank's step, summed, / the cores the ranks really get bounds the
+                 CPU seconds of every rank's step, summed, / the cores the ranks really get (less the
+                 cores their idle gloo threads burn, Cluster.background_cores) bounds the
                  step from below; the step is the larger of that and the timeline above. The CPU of a
                  step: compute actions (without the wall time their TP collectives wait), the update,
                  and every collective and transfer's own CPU (gloo copies and wakes in its threads,
@@ -159,13 +160,20 @@ class StepModel:
 
     def step_cpu(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...], times: PipelineTimes,
                  rank_of: list[int], update: list[float], local_params: list[float]) -> float:
-        """CPU seconds of one step summed over all dp x tp x pp ranks (what time-sharing ranks must fit in the cores).
+        """CPU seconds of one step summed over all dp x tp x pp ranks (what time-sharing ranks must fit in the cores)."""
+        return sum(self.step_cpu_terms(c, spans, blocks, times, rank_of, update, local_params).values())
 
-        Compute: each pipeline rank's busy time less the wall its TP all-reduces take inside the actions (their
+    def step_cpu_terms(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...],
+                       times: PipelineTimes, rank_of: list[int], update: list[float],
+                       local_params: list[float]) -> dict[str, float]:
+        """`step_cpu` by term (seconds summed over all ranks), so a benchmark can set each beside its measurement.
+
+        compute: each pipeline rank's busy time less the wall its TP all-reduces take inside the actions (their
         CPU is counted apart). Per micro-batch and stage, the TP all-reduces run once forward, once backward and
-        once more in a recomputed forward; every boundary sends one activation and one gradient (each tp rank
-        its own copy). Then the update and the data-parallel collectives (zero_cost.data_parallel_cpu_s). Each
-        TP all-reduce and each received transfer is also a blocking wait (Cluster.sync_cpu_s per rank)."""
+        once more in a recomputed forward (tp_collectives; each is also a blocking wait, in waits); every boundary
+        sends one activation and one gradient (each tp rank its own copy; transfers, and each received one waits).
+        update: the gradient norm, clip and optimizer step; dp_collectives: zero_cost.data_parallel_cpu_s;
+        host_syncs: the step's small collectives and their waits (host_sync_cpu)."""
         cl, m, mbs = self.cluster, c.num_microbatches, c.micro_batch_size
         _, _, tp_comm = self.block_times(c.tp, mbs)
         tp_cpu = self.block_tp_cpu(c.tp, mbs)
@@ -173,27 +181,31 @@ class StepModel:
         whole = c.recompute == "all"
         measured = self.profile.measured
         cpu_per_wall = measured[0].cpu_per_wall if measured else 1.0  # blocks timed while others held the core
-        total = 0.0
+        terms = dict.fromkeys(("compute", "update", "tp_collectives", "transfers", "waits", "dp_collectives",
+                               "host_syncs"), 0.0)
         for s, ((a, b), k) in enumerate(zip(spans, blocks)):
             passes = 3 if whole else 2
             wall = m * (passes * sum(tp_comm[a:b]) + sum(tp_comm[a:a + k]))
             cpu = m * (passes * sum(tp_cpu[a:b]) + sum(tp_cpu[a:a + k]))
-            total -= wall * c.dp * c.tp * cpu_per_wall
-            total += cpu * c.dp
+            terms["compute"] -= wall * c.dp * c.tp * cpu_per_wall
+            terms["tp_collectives"] += cpu * c.dp
             if c.tp > 1:  # every rank of the group waits in each all-reduce
                 count = sum(counts[a:b])
-                total += m * (passes * count + sum(counts[a:a + k])) * c.tp * c.dp * cl.sync_cpu_s
+                terms["waits"] += m * (passes * count + sum(counts[a:a + k])) * c.tp * c.dp * cl.sync_cpu_s
             if b < self.profile.num_blocks:  # this stage's output forward, its gradient back; each received waits
                 nbytes = self.profile.boundary_bytes[b - 1] * mbs * self.act_scale
-                total += 2 * m * (cl.p2p_cpu_s(nbytes) + cl.sync_cpu_s) * c.dp * c.tp
-        total += self.host_sync_cpu(c, spans)
+                terms["transfers"] += 2 * m * cl.p2p_cpu_s(nbytes) * c.dp * c.tp
+                terms["waits"] += 2 * m * cl.sync_cpu_s * c.dp * c.tp
+        terms["host_syncs"] = self.host_sync_cpu(c, spans)
         element = 2.0 if self.bf16_master else 4.0
         for r in range(c.pp):
             mine = [s for s in range(len(spans)) if rank_of[s] == r]
-            total += (times.busy[r] + update[r]) * c.dp * c.tp * cpu_per_wall
-            total += c.tp * data_parallel_cpu_s(cl, zero=c.zero, dp=c.dp, nbytes=sum(local_params[s] for s in mine) *
-                                                element, num_microbatches=m, per_micro_batch=c.pp == 1)
-        return total
+            terms["compute"] += times.busy[r] * c.dp * c.tp * cpu_per_wall
+            terms["update"] += update[r] * c.dp * c.tp * cpu_per_wall
+            terms["dp_collectives"] += c.tp * data_parallel_cpu_s(
+                cl, zero=c.zero, dp=c.dp, nbytes=sum(local_params[s] for s in mine) * element, num_microbatches=m,
+                per_micro_batch=c.pp == 1)
+        return terms
 
     def bounds(self, method: str, tp: int, mbs: int, stages: int) -> tuple[int, ...]:
         key = (method, tp, mbs, stages)
@@ -339,11 +351,12 @@ class StepModel:
             tp_time = 2 * c.num_microbatches * sum(sum(tp_comm[a:b]) for s, (a, b) in enumerate(spans) if s in mine)
             comm.append(tp_time + exposed + tied)
         step = max(max(finish_all), times.makespan)
-        timeline_step, shared = step, 0.0
+        timeline_step, shared, cpu_terms = step, 0.0, {}
         cores, per_node = cl.cores_per_node, min(cl.devices_per_node, c.dp * c.tp * c.pp)
         if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their CPU / cores
-            work = self.step_cpu(c, spans, blocks, times, rank_of, opt_time, local_params)
-            shared = work / (cores * ((c.dp * c.tp * c.pp) // per_node))
+            cpu_terms = self.step_cpu_terms(c, spans, blocks, times, rank_of, opt_time, local_params)
+            free = max(cores - cl.background_cores, 0.05 * cores)  # what the ranks' idle threads leave
+            shared = sum(cpu_terms.values()) / (free * ((c.dp * c.tp * c.pp) // per_node))
             step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,
@@ -353,4 +366,5 @@ class StepModel:
                         parts={"pipeline_s": times.makespan, "dp_exposed_s": max(dp_exposed),
                                "optimizer_s": max(opt_time), "busy_s": max(times.busy),
                                "timeline_step_s": timeline_step, "time_shared_s": shared,
-                               "cpu_s": shared * cores * ((c.dp * c.tp * c.pp) // per_node) if shared else 0.0})
+                               "cpu_s": sum(cpu_terms.values()),
+                               **{f"cpu_{k}_s": v for k, v in cpu_terms.items()}})

@@ -78,18 +78,20 @@ def copy_bytes_per_param(zero: int, element_bytes: float) -> float:
 
 def data_parallel_cpu_s(cluster: Cluster, *, zero: int, dp: int, nbytes: float, num_microbatches: int = 1,
                         per_micro_batch: bool = False) -> float:
-    """CPU seconds, summed over one dp group, of the data-parallel collectives of one step (time-sharing ranks).
-
-    A reduce-scatter or an all-gather moves half an all-reduce's ring volume, so each is costed as half an
-    all-reduce's CPU: zero 0 one all-reduce; zero 1/2 a reduce-scatter and an all-gather (ZeRO-2 under the
-    data-parallel engine one more reduce-scatter per earlier micro-batch); zero 3 a reduce-scatter and every
-    micro-batch's two all-gathers of the parameters."""
+    """CPU seconds, summed over one dp group, of the data-parallel collectives of one step (time-sharing ranks),
+    as the runtime runs them on gloo: zero 0 one all-reduce; zero 1 an all-reduce of the whole gradients too
+    (zero/grads.py: gloo's reduce-scatter is slower than its all-reduce, benchmarks/gloo_collectives.py), then
+    the all-gather of the updated parameters (zero/optimizer.py); zero 2 a reduce-scatter, costed as an
+    all-reduce (a lower bound by that benchmark), per micro-batch under the data-parallel engine and once with
+    a pipeline, then the all-gather; zero 3 a reduce-scatter and every micro-batch's two all-gathers of the
+    parameters. An all-gather moves half an all-reduce's ring volume in half its steps: half its CPU."""
     if dp <= 1 or nbytes <= 0:
         return 0.0
     whole = cluster.all_reduce_cpu(nbytes, dp)
     if zero == 0:
         return whole
-    if zero in (1, 2):
-        earlier = (num_microbatches - 1) * whole / 2 if zero == 2 and per_micro_batch else 0.0
-        return whole + earlier
+    if zero == 1:
+        return whole + whole / 2
+    if zero == 2:
+        return (num_microbatches if per_micro_batch else 1) * whole + whole / 2
     return whole / 2 + num_microbatches * whole
