@@ -21,8 +21,24 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def local_storage(t: torch.Tensor):
+    """The storage holding a tensor's bytes on this rank, or None for a meta tensor. A DTensor (FSDP2's
+    parameters, tensor-parallel weights, their gradients and optimizer states) is a wrapper without a
+    storage of its own (asking for its pointer raises 'invalid python storage'): its local shard's counts."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return None if t.device.type == "meta" else t.untyped_storage()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The address of a tensor's storage on this rank, 0 for one with nothing to count."""
+    storage = local_storage(t)
+    return 0 if storage is None else storage.data_ptr()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, set[int]]:
@@ -30,13 +46,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, set[int]]:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(t) if isinstance(t, torch.Tensor) else 0
         if key and key not in seen:
             seen.add(key)
-            total += storage.nbytes()
+            total += local_storage(t).nbytes()
     return total, seen
 
 
@@ -57,15 +70,12 @@ class LiveTensorPeak(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # a view (or an in-place op) returns an input's storage: nothing new, even if that storage was made
         # before counting began and is not in `resident` (a slice of the dataset's token tensor, say)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
+            key = storage_key(t) if isinstance(t, torch.Tensor) else 0
             if not key or key in inputs or key in self.resident or key in self._counted:
                 continue
+            storage = local_storage(t)
             nbytes = storage.nbytes()
             self._counted[key] = nbytes
             self.live += nbytes
