@@ -138,9 +138,10 @@ def test_schedules_with_an_input_weight_split_are_the_ones_the_cost_model_splits
 
 
 def test_zero_bubble_prices_input_and_weight_halves_by_hand():
-    """zb-h1 with uniform stages takes m(F + I + W) + (pp - 1)(F + I) (pipeline/schedules.py), with I and W the
-    measured halves (+ the per-action overhead each), not half a backward each; from FLOPs, W is the weight
-    ops' FLOPs and I the rest of 2x forward, both x (1 + SPLIT_OVERHEAD)."""
+    """zb-h1's I and W are the measured halves (+ the per-action overhead each), not half a backward each; the
+    first stage (token ids in: no input gradient) has an empty I and its W is the whole backward; each rank is
+    busy m(F + I + W). From FLOPs, W is the weight ops' FLOPs and I the rest of 2x forward, both
+    x (1 + SPLIT_OVERHEAD)."""
     from autopar.search.measure_profile import BlockCosts
     profile = toy_profile(layers=4)
     n = profile.num_blocks
@@ -159,9 +160,13 @@ def test_zero_bubble_prices_input_and_weight_halves_by_hand():
     f = per_stage * (1e-3 + mbs * 1e-3) + overhead
     i = per_stage * (2e-3 + mbs * 1.5e-3) + overhead
     w = per_stage * (1e-3 + mbs * 1e-3) + overhead
-    assert e.parts["pipeline_s"] == pytest.approx(m * (f + i + w) + (pp - 1) * (f + i), rel=1e-3)
-    # memory: at pp=2 each stage's W follows its I at once: one micro-batch's held gradients per stage
-    assert [s.weight_pending for s in e.memory_per_stage] == pytest.approx([per_stage * 3e3 * mbs] * pp)
+    whole = per_stage * (2e-3 + mbs * 2e-3) + overhead  # the first stage's W: its fused backward
+    costs = model.stage_costs(e.candidate, [(0, 3), (3, 6)], (0, 0))
+    assert costs.backward_input == pytest.approx((overhead, i)) and costs.backward_weight == pytest.approx((whole, w))
+    # busy per rank (rel 1e-3: stage costs rounded to 3 digits, timeline.normalised)
+    assert e.parts["busy_s"] == pytest.approx(m * max(f + overhead + whole, f + i + w), rel=1e-3)
+    # memory: at pp=2 the last stage's W follows its I at once: one micro-batch's held gradients; none on the first
+    assert [s.weight_pending for s in e.memory_per_stage] == pytest.approx([0.0, per_stage * 3e3 * mbs])
     one = model.evaluate(Candidate(dp=1, tp=1, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule="1f1b",
                                    partition="uniform"))
     assert all(s.weight_pending == 0 for s in one.memory_per_stage)

@@ -285,8 +285,10 @@ class StepModel:
         i_stage, w_stage = (), ()
         if c.schedule in SPLIT_SCHEDULES:  # I carries the stage-aware recomputation (checkpoints unpack in it)
             inputs, weights = self.block_split_times(c.tp, c.micro_batch_size)
-            i_stage = tuple(sum(inputs[a:b]) + sum(forward[a:a + k]) + overhead for (a, b), k in zip(spans, blocks))
-            w_stage = tuple(sum(weights[a:b]) + overhead for a, b in spans)
+            # the first stage's input (token ids) wants no gradient: its I does nothing, its W the whole backward
+            i_stage = tuple(overhead if a == 0 else sum(inputs[a:b]) + sum(forward[a:a + k]) + overhead
+                            for (a, b), k in zip(spans, blocks))
+            w_stage = tuple(bs if a == 0 else sum(weights[a:b]) + overhead for (a, b), bs in zip(spans, b_stage))
         # whole-stage recomputation (R) reruns the stage's forward
         return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back), i_stage,
                           w_stage)
@@ -333,14 +335,18 @@ class StepModel:
         if self.profile.measured is not None:  # measured per block, scaled like the saved bytes under tp
             share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
             use_split = split and all(m.has_split for m in self.profile.measured)
-            transient = [max(((m.split_transient_fixed + m.split_transient_per_seq * mbs * self.act_scale)
-                              if use_split else (m.transient_fixed + m.transient_per_seq * mbs * self.act_scale))
-                             * share[i] for i, m in enumerate(self.profile.measured[a:b], start=a)) for a, b in spans]
+            def block_transient(m, first: bool) -> float:
+                if use_split and not first:
+                    return m.split_transient_fixed + m.split_transient_per_seq * mbs * self.act_scale
+                return m.transient_fixed + m.transient_per_seq * mbs * self.act_scale
+
+            transient = [max(block_transient(m, a == 0) * share[i]
+                             for i, m in enumerate(self.profile.measured[a:b], start=a)) for a, b in spans]
         pending = [0.0] * stages
-        if split:  # what I keeps for W, per micro-batch, x the micro-batches between an I and its W
-            held = self.block_held_bytes(c.tp)
-            pending = [structure.split_held[s] * sum(held[a:b]) * mbs * self.act_scale for s, (a, b) in
-                       enumerate(spans)]
+        if split:  # what I keeps for W, per micro-batch, x the micro-batches between an I and its W (the first
+            held = self.block_held_bytes(c.tp)  # stage's I keeps nothing: its W is the whole backward)
+            pending = [structure.split_held[s] * sum(held[a:b]) * mbs * self.act_scale if a > 0 else 0.0
+                       for s, (a, b) in enumerate(spans)]
         memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
                            headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master)
 
