@@ -27,6 +27,7 @@ memory error, and the search's own run time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -83,17 +84,18 @@ def runnable(e) -> bool:
     return not (c.recompute == "stage-aware" and any(e.recompute_blocks))
 
 
-def pick_configs(ranked: list, limit: int) -> list:
+def pick_configs(ranked: list, limit: int, by_schedule: bool = False) -> list:
     """All runnable fitting configurations if they are few. Else the search's pick, then the best-predicted
     configuration of every other layout (dp, tp, pp, micro-batch size, recompute: schedules barely differ at
-    one micro-batch), then an even spread over the rest of the ranking; reported in predicted order."""
+    one micro-batch; `by_schedule`: the schedule too, so each schedule asked for gets rows), then an even
+    spread over the rest of the ranking; reported in predicted order."""
     runs = [e for e in ranked if runnable(e)]
     if len(runs) <= limit:
         return runs
     chosen, layouts = [runs[0]], set()
     for e in runs:
         c = e.candidate
-        layout = (c.dp, c.tp, c.pp, c.micro_batch_size, c.recompute)
+        layout = (c.dp, c.tp, c.pp, c.micro_batch_size, c.recompute) + ((c.schedule,) if by_schedule else ())
         if layout not in layouts:
             layouts.add(layout)
             if e is not runs[0]:
@@ -134,6 +136,7 @@ def run_world(model_name: str, world: int, cluster, args) -> dict:
         spec.write_text(json.dumps({"model": model_name, "model_args": MODELS[model_name], "world": world,
                                     "cluster": str(cluster_file), "measure": args.measure,
                                     "limit": args.configs or (QUICK_CONFIGS if args.quick else MAX_CONFIGS),
+                                    "schedules": args.schedules,
                                     "repeats": args.repeats, "runs": str(Path(tmp) / "runs"), "out": str(out)}))
         launched, load = time.perf_counter(), os.getloadavg()[0]
         code = launch([sys.executable, __file__, "--worker", str(spec)], world)
@@ -185,9 +188,12 @@ def search_in_ranks(spec: dict) -> tuple[dict, object]:
         step_model = StepModel(profile, cluster.replace(memory_headroom=1.0), global_batch_size=GLOBAL_BATCH)
         # the `time` cut is left out of the space here: the runtime measures block times for it, so its cut would
         # follow the noise of that measurement rather than the model's (uniform and parameters cut identically)
-        result = exhaustive(step_model, SearchSpace(nproc=world, partitions=("uniform", "parameters")))
+        space = SearchSpace(nproc=world, partitions=("uniform", "parameters"))
+        if spec.get("schedules"):
+            space = dataclasses.replace(space, schedules=tuple(spec["schedules"].split(",")))
+        result = exhaustive(step_model, space)
         search_s = time.perf_counter() - began
-        chosen = pick_configs(result.ranked, spec["limit"])
+        chosen = pick_configs(result.ranked, spec["limit"], by_schedule=bool(spec.get("schedules")))
         pick = result.ranked[0]
         block = {"search_s": search_s, "evaluated": result.evaluated, "fitting": len(result.ranked),
                  "pick": pick.candidate.describe(), "pick_runnable": runnable(pick), "blocks_measured_s": measured_s,
@@ -281,6 +287,9 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--configs", type=int, default=0,
                         help=f"configurations per model and world size (default {MAX_CONFIGS}, {QUICK_CONFIGS} quick)")
+    parser.add_argument("--schedules", default="",
+                        help="comma-separated: search only these schedules, each counted as its own layout when "
+                             "configurations are chosen (a development aid, e.g. zb-h1,1f1b; not the validation)")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds (median kept)")
     parser.add_argument("--cluster", help="calibrated cluster TOML (default: calibrate now)")
     parser.add_argument("--no-measure", dest="measure", action="store_false",
@@ -290,6 +299,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(Path(args.worker))
+    from autopar.search.search import SearchSpace
+    known = SearchSpace(nproc=1).schedules
+    unknown = [s for s in args.schedules.split(",") if s and s not in known]
+    if unknown:
+        parser.error(f"--schedules: {', '.join(unknown)} not among the searched schedules {', '.join(known)}")
     began = time.perf_counter()
     load = os.getloadavg()
     worlds = [int(w) for w in args.world.split(",")]

@@ -3,6 +3,7 @@ MCMC against exhaustive enumeration, refusals of bad cluster files and impossibl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -13,12 +14,12 @@ from autopar.config import Strategy
 from autopar.errors import ConfigError
 from autopar.pipeline.schedules import build_schedule
 from autopar.search.cluster import Cluster, Link, cluster_from_dict, preset, resolve_cluster
-from autopar.search.cost import PARTITIONS, RECOMPUTE, Candidate, StepModel
+from autopar.search.cost import PARTITIONS, RECOMPUTE, SPLIT_OVERHEAD, SPLIT_SCHEDULES, Candidate, StepModel
 from autopar.search.memory import stage_memory
 from autopar.search.profile import ModelProfile, TPProfile
 from autopar.search.search import (SearchSpace, enumerate_candidates, enumerate_mcmc_space, exhaustive, mcmc,
                                    require_fit, why)
-from autopar.search.timeline import StageCosts, pipeline_times
+from autopar.search.timeline import StageCosts, pipeline_times, simulated
 
 
 def toy_cluster(**changes) -> Cluster:
@@ -109,13 +110,72 @@ def test_extrapolated_timeline_equals_full_simulation(schedule, chunks):
     pp = 3
     s = pp * chunks
     costs = StageCosts(tuple(1 + 0.2 * i for i in range(s)), tuple(2 + 0.5 * i for i in range(s)), (1.0,) * s,
-                       (0.1,) * s, (0.15,) * s)
+                       (0.1,) * s, (0.15,) * s, tuple(1.3 + 0.1 * i for i in range(s)), (0.9,) * s)
     full = pipeline_times(schedule, pp=pp, chunks=chunks, num_microbatches=24, recompute=frozenset(), costs=costs,
                           limit=10**9)
     short = pipeline_times(schedule, pp=pp, chunks=chunks, num_microbatches=24, recompute=frozenset(), costs=costs,
                            limit=1)
     assert short.makespan == pytest.approx(full.makespan, rel=1e-9)
     assert short.in_flight == full.in_flight and short.busy == pytest.approx(full.busy)
+    assert short.split_held == full.split_held
+    # the compiled sweep equals the simulator itself, I and W priced apart included
+    sim = simulated(schedule, pp, chunks, 24, frozenset(), costs)
+    assert full.makespan == pytest.approx(sim.makespan) and full.busy == pytest.approx(sim.busy)
+    assert full.split_held == sim.split_held and any(sim.split_held) == (schedule in SPLIT_SCHEDULES)
+
+
+def test_schedules_with_an_input_weight_split_are_the_ones_the_cost_model_splits():
+    from autopar.pipeline.actions import Op
+    from autopar.pipeline.schedules import SCHEDULES
+    for name in SCHEDULES:
+        try:
+            lists = build_schedule(name, pp=2, num_microbatches=4, chunks=2 if name in ("interleaved-1f1b", "zbv")
+                                   else 1)
+        except ConfigError:
+            continue
+        splits = any(a.op == Op.BACKWARD_INPUT for acts in lists.values() for a in acts)
+        assert splits == (name in SPLIT_SCHEDULES), name
+
+
+def test_zero_bubble_prices_input_and_weight_halves_by_hand():
+    """zb-h1's I and W are the measured halves (+ the per-action overhead each), not half a backward each; the
+    first stage (token ids in: no input gradient) has an empty I and its W is the whole backward; each rank is
+    busy m(F + I + W). From FLOPs, W is the weight ops' FLOPs and I the rest of 2x forward, both
+    x (1 + SPLIT_OVERHEAD)."""
+    from autopar.search.measure_profile import BlockCosts
+    profile = toy_profile(layers=4)
+    n = profile.num_blocks
+    block = BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=1e-3, backward_fixed_s=2e-3, backward_per_seq_s=2e-3,
+                       saved_per_seq=1e4, transient_fixed=0.0, transient_per_seq=0.0, input_fixed_s=2e-3,
+                       input_per_seq_s=1.5e-3, weight_fixed_s=1e-3, weight_per_seq_s=1e-3, held_per_seq=3e3,
+                       split_transient_fixed=0.0, split_transient_per_seq=0.0)
+    measured = dataclasses.replace(profile, measured=(block,) * n, boundary_bytes=(0.0,) * (n - 1))
+    cluster = toy_cluster(intra_node=Link(0.0, 1e15), inter_node=Link(0.0, 1e15), num_devices=2, devices_per_node=2)
+    model = StepModel(measured, cluster, global_batch_size=8)
+    pp, mbs, m, overhead = 2, 2, 4, cluster.per_action_overhead_s
+    e = model.evaluate(Candidate(dp=1, tp=1, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule="zb-h1",
+                                 partition="uniform"))
+    assert e.bounds == (0, 3, 6)
+    per_stage = 3  # blocks
+    f = per_stage * (1e-3 + mbs * 1e-3) + overhead
+    i = per_stage * (2e-3 + mbs * 1.5e-3) + overhead
+    w = per_stage * (1e-3 + mbs * 1e-3) + overhead
+    whole = per_stage * (2e-3 + mbs * 2e-3) + overhead  # the first stage's W: its fused backward
+    costs = model.stage_costs(e.candidate, [(0, 3), (3, 6)], (0, 0))
+    assert costs.backward_input == pytest.approx((overhead, i)) and costs.backward_weight == pytest.approx((whole, w))
+    # busy per rank (rel 1e-3: stage costs rounded to 3 digits, timeline.normalised)
+    assert e.parts["busy_s"] == pytest.approx(m * max(f + overhead + whole, f + i + w), rel=1e-3)
+    # memory: at pp=2 the last stage's W follows its I at once: one micro-batch's held gradients; none on the first
+    assert [s.weight_pending for s in e.memory_per_stage] == pytest.approx([0.0, per_stage * 3e3 * mbs])
+    one = model.evaluate(Candidate(dp=1, tp=1, pp=pp, micro_batch_size=mbs, num_microbatches=m, schedule="1f1b",
+                                   partition="uniform"))
+    assert all(s.weight_pending == 0 for s in one.memory_per_stage)
+    # from FLOPs: W = the weight ops' FLOPs at the rate, I = 2x forward - W, both x (1 + overhead)
+    flops = dataclasses.replace(profile, weight_flops=tuple(0.75 * x for x in profile.flops))
+    inputs, weights = StepModel(flops, toy_cluster(), global_batch_size=8).block_split_times(1, mbs)
+    rate = toy_cluster().rate("fp32")
+    assert weights == pytest.approx([0.75 * x * mbs / rate * (1 + SPLIT_OVERHEAD) for x in profile.flops])
+    assert inputs == pytest.approx([1.25 * x * mbs / rate * (1 + SPLIT_OVERHEAD) for x in profile.flops])
 
 
 # ----------------------------------------------------------------------------- memory

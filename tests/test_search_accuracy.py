@@ -4,7 +4,9 @@ The measured quantity is the one the model predicts: peak bytes of live tensors 
 (search/live_memory.py), not the resident set (which holds the Python/torch/gloo runtime).
 The case is the one the FLOP-based model got worst (stage 0 +73%, stage 1 -29%): a 2-stage
 1F1B pipeline of gpt-tiny with 4 micro-batches, where stage 0 holds 2 micro-batches' activations
-and stage 1 one, plus the loss's softmax. Stated error: 20% per rank (the issue's target).
+and stage 1 one, plus the loss's softmax; and the same under zb-h1, whose I keeps the gradients
+at every weight-consuming op for its W (and the graph with them), which the model once left out
+(-20..-50% on the worst rank). Stated error: 20% per rank (the issue's target).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ GLOBAL_BATCH, MICRO_BATCH = 16, 4
 MEMORY_TOLERANCE = 0.20
 
 
-def _pipeline_peak(out: str) -> int:
-    """On each of 2 ranks: gpt-tiny, pp=2 1F1B, 4 micro-batches; this rank's peak live tensor bytes of step 2."""
+def _pipeline_peak(out: str, schedule: str) -> int:
+    """On each of 2 ranks: gpt-tiny, pp=2, 4 micro-batches; this rank's peak live tensor bytes of step 2."""
     import autopar
     from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
     from autopar.models import build_model
@@ -32,7 +34,7 @@ def _pipeline_peak(out: str) -> int:
     tokenizer = build_tokenizer("byte")
     model, info = build_model("gpt-tiny", {}, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
     train, _ = build_datasets(load_corpus("stdlib"), tokenizer, seq_len=SEQ_LEN, task=info.task, seed=0)
-    trainer = autopar.Trainer(model, train, strategy=autopar.Strategy(pp=2, schedule="1f1b", partition="uniform"),
+    trainer = autopar.Trainer(model, train, strategy=autopar.Strategy(pp=2, schedule=schedule, partition="uniform"),
                               config=autopar.TrainConfig(steps=10, global_batch_size=GLOBAL_BATCH,
                                                          micro_batch_size=MICRO_BATCH, progress=False, out=out))
     trainer._setup()
@@ -43,19 +45,21 @@ def _pipeline_peak(out: str) -> int:
         trainer.engine.close()
 
 
-def test_memory_model_matches_measured_pipeline_peak(rank_pool, tmp_path):
-    measured = rank_pool(2).run(_pipeline_peak, str(tmp_path))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_memory_model_matches_measured_pipeline_peak(rank_pool, tmp_path, schedule):
+    measured = rank_pool(2).run(_pipeline_peak, str(tmp_path), schedule)
     profile = with_measured_blocks(profile_model("gpt-tiny", seq_len=SEQ_LEN),
                                    measure_blocks("gpt-tiny", seq_len=SEQ_LEN, repeats=1))
     cluster = resolve_cluster("cpu-local", nproc=2).replace(memory_headroom=1.0)  # the live bytes themselves
     estimate = StepModel(profile, cluster, global_batch_size=GLOBAL_BATCH).evaluate(
         Candidate(dp=1, tp=1, pp=2, micro_batch_size=MICRO_BATCH, num_microbatches=GLOBAL_BATCH // MICRO_BATCH,
-                  schedule="1f1b", partition="uniform"))
+                  schedule=schedule, partition="uniform"))
     errors = [(want - got) / got for want, got in zip(estimate.memory_per_rank, measured)]
     assert all(abs(e) <= MEMORY_TOLERANCE for e in errors), (
         f"predicted {[round(v / 2**20, 2) for v in estimate.memory_per_rank]} MiB per rank, measured "
         f"{[round(v / 2**20, 2) for v in measured]} MiB: errors {[f'{e:+.0%}' for e in errors]}")
-    assert measured[0] > measured[1]  # stage 0 holds more micro-batches in flight, as the model says
+    if schedule == "1f1b":
+        assert measured[0] > measured[1]  # stage 0 holds more micro-batches in flight, as the model says
 
 
 def test_live_tensor_peak_counts_new_storages_once_and_frees_them():

@@ -212,11 +212,15 @@ class PipelineRuntime:
                         local[("B", s, mb)] = message
                     else:
                         grads_out[(s, mb)] = message
+                # an I keeps its graph for W: these names must not keep it past W (until the next I: one more
+                # micro-batch's activations alive under zero-bubble schedules, found by the search's memory model)
+                del out, pairs
             elif op == Op.BACKWARD_WEIGHT:
                 work = split.pop((s, mb))
                 with sync_context(index == last_backward):
                     backward_weight(work)
                 inputs.pop((s, mb))
+                del work  # the graph goes with it now, not at the next W
             if record:
                 events.append((began, now(), action))
         self.p2p.wait_sends()

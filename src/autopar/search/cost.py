@@ -5,6 +5,11 @@
                  seconds measured on this machine, the per-sequence part divided by tp's FLOP share)
     per stage    sums over its blocks, + the per-action overhead; stage-aware recomputation adds its
                  blocks' forward to the backward; whole-stage recomputation is the schedule's R action
+    zero-bubble  (SPLIT_SCHEDULES) the backward is two actions, I and W, each with its own overhead:
+                 measured per block from the runtime's own split (measure_profile.py); from FLOPs, W
+                 is the weight ops' FLOPs (their gradient GEMMs), I the rest of the backward with the
+                 TP all-reduces, both x (1 + SPLIT_OVERHEAD). Memory: what I keeps for W x the
+                 micro-batches between an I and its W (the simulator's count), and the split's transient
     pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
                  (only what outlasts it, or the last bucket, shows), or the ZeRO level's reduce-scatter
@@ -40,6 +45,10 @@ from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_
 RECOMPUTE = ("none", "stage-aware", "all")
 PARTITIONS = ("uniform", "parameters", "time")
 ADAM_BYTES_PER_PARAM = 28.0  # AdamW step: reads weight, grad, two moments; writes weight, two moments (fp32)
+SPLIT_SCHEDULES = ("zb-h1", "zbv")  # the schedules whose backward is I + W (pipeline/schedules.py)
+SPLIT_OVERHEAD = 0.15
+"""I + W over a fused backward, where not measured: the runtime's split on CPU measured ~1.15x B (issue 21's
+notes: a second autograd call, the kept gradients read back from memory); a stated estimate, not a datasheet."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,43 @@ class StepModel:
                             for m, r, c in zip(measured, share, comm)]
             self._blocks[key] = (forward, backward, comm)
         return self._blocks[key]
+
+    def block_split_times(self, tp: int, mbs: int) -> tuple[list[float], list[float]]:
+        """I seconds (with the backward's TP all-reduces) and W seconds per block, for zero-bubble schedules.
+
+        Measured: the runtime's own I and W on each block (fixed + per-sequence, as the backward). Else
+        W = the FLOPs of the ops that read a weight (their weight-gradient GEMMs; under tp scaled by the
+        block's FLOP share), I = the rest of the backward's 2x forward FLOPs, both x (1 + SPLIT_OVERHEAD);
+        without those FLOPs (an old profile) or measured without the split, half the backward each, same
+        overhead."""
+        key = ("split", tp, mbs)
+        if key not in self._blocks:
+            forward, backward, comm = self.block_times(tp, mbs)
+            prof, measured, extra = self.profile.at_tp(tp), self.profile.measured, 1.0 + SPLIT_OVERHEAD
+            share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.flops, self.profile.flops)]
+            if measured is not None and all(m.has_split for m in measured):
+                inputs = [m.input_fixed_s + m.input_per_seq_s * mbs * r + c for m, r, c in zip(measured, share, comm)]
+                weights = [m.weight_fixed_s + m.weight_per_seq_s * mbs * r for m, r in zip(measured, share)]
+            elif measured is None and self.profile.weight_flops:
+                weights = [w * r * mbs / self.rate * extra for w, r in zip(self.profile.weight_flops, share)]
+                inputs = [(b - c) * extra - w + c for b, c, w in zip(backward, comm, weights)]
+            else:
+                weights = [(b - c) / 2 * extra for b, c in zip(backward, comm)]
+                inputs = [w + c for w, c in zip(weights, comm)]
+            self._blocks[key] = (inputs, weights)
+        return self._blocks[key]
+
+    def block_held_bytes(self, tp: int) -> list[float]:
+        """Bytes per sequence I keeps for W in each block (measured, else the traced outputs of the ops that read
+        a weight), scaled under tp like the saved activations."""
+        prof = self.profile.at_tp(tp)
+        share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
+        measured = self.profile.measured
+        if measured is not None and all(m.has_split for m in measured):
+            held = [m.held_per_seq for m in measured]
+        else:
+            held = list(self.profile.weight_out_bytes) or [0.0] * self.profile.num_blocks
+        return [h * r for h, r in zip(held, share)]
 
     def block_tp_cpu(self, tp: int, mbs: int) -> list[float]:
         """CPU seconds, summed over the tp ranks, of one block's TP all-reduces in one direction (time-sharing)."""
@@ -248,8 +294,16 @@ class StepModel:
         send = [cl.p2p(self.profile.boundary_bytes[b - 1] * c.micro_batch_size * self.act_scale, inter_node=inter)
                 if b < self.profile.num_blocks else 0.0 for a, b in spans]
         send_back = [0.0] + send[:-1]  # the gradient of stage s's input is as big as stage s-1's output
+        i_stage, w_stage = (), ()
+        if c.schedule in SPLIT_SCHEDULES:  # I carries the stage-aware recomputation (checkpoints unpack in it)
+            inputs, weights = self.block_split_times(c.tp, c.micro_batch_size)
+            # the first stage's input (token ids) wants no gradient: its I does nothing, its W the whole backward
+            i_stage = tuple(overhead if a == 0 else sum(inputs[a:b]) + sum(forward[a:a + k]) + overhead
+                            for (a, b), k in zip(spans, blocks))
+            w_stage = tuple(bs if a == 0 else sum(weights[a:b]) + overhead for (a, b), bs in zip(spans, b_stage))
         # whole-stage recomputation (R) reruns the stage's forward
-        return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back))
+        return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back), i_stage,
+                          w_stage)
 
     def update_time(self, spans: list[tuple[int, int]], param_elements: float, *, zero: int = 0, dp: int = 1) -> float:
         """Seconds of the step after the backward on one rank's parameters: gradient norm, clip, optimizer.
@@ -289,10 +343,22 @@ class StepModel:
             for s in owner:
                 local_params[s] += self.profile.shared_params // c.tp
         transient = [None] * stages
+        split = c.schedule in SPLIT_SCHEDULES
         if self.profile.measured is not None:  # measured per block, scaled like the saved bytes under tp
             share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
-            transient = [max((m.transient_fixed + m.transient_per_seq * mbs * self.act_scale) * share[i]
+            use_split = split and all(m.has_split for m in self.profile.measured)
+            def block_transient(m, first: bool) -> float:
+                if use_split and not first:
+                    return m.split_transient_fixed + m.split_transient_per_seq * mbs * self.act_scale
+                return m.transient_fixed + m.transient_per_seq * mbs * self.act_scale
+
+            transient = [max(block_transient(m, a == 0) * share[i]
                              for i, m in enumerate(self.profile.measured[a:b], start=a)) for a, b in spans]
+        pending = [0.0] * stages
+        if split:  # what I keeps for W, per micro-batch, x the micro-batches between an I and its W (the first
+            held = self.block_held_bytes(c.tp)  # stage's I keeps nothing: its W is the whole backward)
+            pending = [structure.split_held[s] * sum(held[a:b]) * mbs * self.act_scale if a > 0 else 0.0
+                       for s, (a, b) in enumerate(spans)]
         memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
                            headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master)
 
@@ -308,7 +374,7 @@ class StepModel:
                                 inputs=inputs[a:b], output_bytes=out, in_flight=max(1, structure.in_flight[s]),
                                 stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole,
                                 transient_bytes=transient[s], largest_block_params=gathered_unit(s, a, b),
-                                **memory_args)
+                                weight_pending=pending[s], **memory_args)
 
         if c.recompute_blocks is not None:
             blocks = tuple(min(k, b - a) for k, (a, b) in zip(c.recompute_blocks, spans))

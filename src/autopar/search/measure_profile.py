@@ -13,6 +13,17 @@ partition does, partition/measure.py) and run for real, at two micro-batch sizes
                             the loss and its softmax for the last block), per sequence
     update time             the per-parameter work after the backward (gradient norm, clip,
                             foreach AdamW step) on the block's parameters
+    I and W time            the runtime's own zero-bubble split of the same backward
+                            (pipeline/split_backward.py: I the input gradient, W the weight
+                            gradients from what I kept), fitted like the backward: on CPU their
+                            sum is more than the fused backward (a second autograd call, the kept
+                            gradients read back), which a zero-bubble schedule pays every micro-batch
+    held bytes              what I keeps for W (WeightWork.held_bytes: the gradients at the
+                            weight-consuming ops), per sequence; the graph's saved tensors stay
+                            alive with it until W, counted as activations. Recomputation does not
+                            change it: R rebuilds the whole graph before I, and I keeps it to W
+    split transient bytes   the most bytes alive during the block's forward, I and W beyond its
+                            saved and held bytes, as the transient above
 
 Measured at tp = 1. A tensor-parallel degree scales the per-sequence time of a block by its
 share of FLOPs left on one rank (the fixed part stays: a split layer runs as many ops), and its
@@ -55,6 +66,18 @@ class BlockCosts:
     cpu_per_wall: float = 1.0
     """CPU seconds per wall second while the blocks were timed (thread time / elapsed, over all of them): 1 on a
     free core, less when other processes held the measuring thread's core. The time-shared bound counts CPU."""
+    # the zero-bubble split (None: not measured; the cost model then prices I and W from the backward)
+    input_fixed_s: float | None = None
+    input_per_seq_s: float | None = None
+    weight_fixed_s: float | None = None
+    weight_per_seq_s: float | None = None
+    held_per_seq: float | None = None
+    split_transient_fixed: float | None = None
+    split_transient_per_seq: float | None = None
+
+    @property
+    def has_split(self) -> bool:
+        return self.input_fixed_s is not None
 
 
 def _update_seconds(stage, repeats: int) -> float:
@@ -154,6 +177,33 @@ def _run_block(stage, inputs: tuple, counter: LiveTensorPeak | None = None) -> t
     return forward, backward
 
 
+def _run_split(stage, inputs: tuple, cache, counter: LiveTensorPeak | None = None) -> tuple[float, float, float, int]:
+    """One forward, I and W of a one-block stage as the runtime runs them (pipeline/split_backward.py, with a
+    plan cache as each runtime keeps): their seconds, and the bytes I kept for W."""
+    from ..pipeline.split_backward import backward_input, backward_weight
+    x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in inputs)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if counter is not None:
+        counter.resident |= storage_bytes([*x, *(p.grad for p in params if p.grad is not None)])[1]
+    with counter if counter is not None else contextlib.nullcontext():
+        began = time.perf_counter()
+        out = stage(*x)
+        if stage.is_last:
+            out = (_loss(out),)
+        forward = time.perf_counter() - began
+        pairs = [(o, None if o.dim() == 0 else torch.randn_like(o))
+                 for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        wanted = [v for v in x if v.requires_grad]
+        began = time.perf_counter()
+        got, work = backward_input([o for o, _ in pairs], [g for _, g in pairs], wanted, params, cache)
+        middle = time.perf_counter()
+        held = work.held_bytes
+        backward_weight(work)
+        ended = time.perf_counter()
+        del out, pairs, got, work
+    return forward, middle - began, ended - middle, held
+
+
 def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[float], list[int], list[int],
                                                              list[float], float]]:
     """Per chain (one per micro-batch size): median forward and backward seconds, saved and transient bytes
@@ -161,8 +211,10 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
     of all the timing (the same too). The chains' blocks are timed in turn, round after round, so load drift on a
     shared machine hits both micro-batch sizes alike (the fit of fixed and per-sequence time depends on both)."""
     from ..pipeline.recompute import measure_saved_bytes
+    from ..pipeline.split_plan import SplitPlanCache
     prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
-    times = [[([], []) for _ in stages] for stages, _ in prepared]
+    times = [[([], [], [], []) for _ in stages] for stages, _ in prepared]
+    caches = [[SplitPlanCache() for _ in stages] for stages, _ in prepared]
     shares = []  # per timed run: its thread's CPU seconds per wall second
     for repeat in range(repeats + 1):  # round 0 warms up
         for c, (stages, inputs) in enumerate(prepared):
@@ -173,20 +225,28 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
                     shares.append((time.thread_time() - used) / max(time.perf_counter() - began, 1e-9))
                     times[c][i][0].append(forward)
                     times[c][i][1].append(backward)
+                _, backward_i, backward_w, _ = _run_split(stage, inputs[i], caches[c][i])
+                if repeat:
+                    times[c][i][2].append(backward_i)
+                    times[c][i][3].append(backward_w)
     # the median run's share, as the times kept are medians (a sum would be ruled by the runs preempted longest)
     cpu_per_wall = min(1.0, statistics.median(shares)) if shares else 1.0
     updates = [_update_seconds(stage, repeats) for stage in prepared[0][0]]
     results = []
     for c, (stages, inputs) in enumerate(prepared):
-        saved, transient = [], []
+        saved, transient, held, split_transient = [], [], [], []
         for i, stage in enumerate(stages):
             saved.append(measure_saved_bytes(stage, inputs[i])[0])
             counter = LiveTensorPeak(storage_bytes([*stage.parameters(), *stage.buffers()])[1])
             _run_block(stage, inputs[i], counter)
             transient.append(max(0, counter.peak - saved[i]))
+            counter = LiveTensorPeak(storage_bytes([*stage.parameters(), *stage.buffers()])[1])
+            held.append(_run_split(stage, inputs[i], caches[c][i], counter)[3])
+            split_transient.append(max(0, counter.peak - saved[i] - held[i]))
             stage.zero_grad(set_to_none=True)
-        results.append(([statistics.median(f) for f, _ in times[c]], [statistics.median(b) for _, b in times[c]],
-                        saved, transient, updates, cpu_per_wall))
+        median = [[statistics.median(samples) for samples in block] for block in times[c]]
+        results.append(([m[0] for m in median], [m[1] for m in median], saved, transient, updates, cpu_per_wall,
+                        [m[2] for m in median], [m[3] for m in median], held, split_transient))
     return results
 
 
@@ -213,7 +273,7 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         runs = _measure_chains(chains, repeats)
     finally:
         torch.set_num_threads(threads)
-    (f1, b1, s1, t1, updates, cpu_per_wall), (f2, b2, s2, t2, _, _) = runs
+    (f1, b1, s1, t1, updates, cpu_per_wall, i1, w1, _, x1), (f2, b2, s2, t2, _, _, i2, w2, h2, x2) = runs
     lo, hi = micro_batches
 
     def fit(small: float, large: float) -> tuple[float, float]:
@@ -223,9 +283,12 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
     out = []
     for i in range(len(f1)):
         (ff, fs), (bf, bs), (tf, ts) = fit(f1[i], f2[i]), fit(b1[i], b2[i]), fit(t1[i], t2[i])
+        (inf, ins), (wf, ws), (xf, xs) = fit(i1[i], i2[i]), fit(w1[i], w2[i]), fit(x1[i], x2[i])
         out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
                               saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
-                              update_s=updates[i], cpu_per_wall=cpu_per_wall))
+                              update_s=updates[i], cpu_per_wall=cpu_per_wall, input_fixed_s=inf, input_per_seq_s=ins,
+                              weight_fixed_s=wf, weight_per_seq_s=ws, held_per_seq=h2[i] / hi,
+                              split_transient_fixed=xf, split_transient_per_seq=xs))
     return out
 
 
@@ -237,8 +300,11 @@ def _same_layers_alike(profile: ModelProfile, blocks: list[BlockCosts]) -> list[
     middle = list(zip(profile.flops[1:-1], profile.params[1:-1]))
     if len(layers) < 2 or any(m != middle[0] for m in middle):
         return blocks
-    typical = BlockCosts(**{f.name: statistics.median(getattr(b, f.name) for b in layers)
-                            for f in dataclasses.fields(BlockCosts)})
+    def typical_of(name: str):
+        values = [getattr(b, name) for b in layers]
+        return None if any(v is None for v in values) else statistics.median(values)
+
+    typical = BlockCosts(**{f.name: typical_of(f.name) for f in dataclasses.fields(BlockCosts)})
     return [blocks[0], *([typical] * len(layers)), blocks[-1]]
 
 

@@ -8,6 +8,9 @@
                      (measured per block when the profile is measured: measure_profile.py)
   + buffers          one outgoing activation and one incoming gradient in transit (the data-parallel
                      buckets add nothing: gradients are views into them, grad_sync.py)
+  + weight pending   zero-bubble schedules: the gradients I keeps for W (at every weight-consuming op)
+                     x the micro-batches between an I and its W (from the simulator); their graphs
+                     stay alive too, which the in-flight count already holds to the W's end
   x headroom         allocator slack, fragmentation (Cluster.memory_headroom, calibrate it)
 
 Without headroom, this is the peak of live tensor bytes, the quantity live_memory.py measures
@@ -41,11 +44,12 @@ class StageMemory:
     transient: float
     buffers: float
     headroom: float  # the factor applied
+    weight_pending: float = 0.0  # zero-bubble: gradients kept from I to W
 
     @property
     def total(self) -> float:
         return self.headroom * (self.params + self.grads + self.optimizer + self.activations + self.stashed_inputs
-                                + self.transient + self.buffers)
+                                + self.transient + self.buffers + self.weight_pending)
 
     def to_dict(self) -> dict:
         return {k: round(v) for k, v in vars(self).items() if k != "headroom"} | {
@@ -62,7 +66,7 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
                  micro_batch_size: int, in_flight: int, stashed: int, recompute_blocks: int, whole_stage: bool,
                  activation_scale: float, optimizer: str, dp: int, headroom: float,
                  transient_bytes: float | None = None, zero: int = 0, bf16_master: bool = False,
-                 largest_block_params: float = 0.0) -> StageMemory:
+                 largest_block_params: float = 0.0, weight_pending: float = 0.0) -> StageMemory:
     """Memory of one stage; `saved` and `inputs` are per-block bytes per sequence (fp32).
 
     `inputs[i]` is the bytes entering block i (what a recomputed block keeps); `activation_scale`
@@ -74,6 +78,9 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
     the stage's full gradient at the end of each backward, until its reduction (a transient, as the
     activations it replaces are freed); ZeRO-3 (FSDP2) holds one block gathered, the next prefetched,
     and the gathered block's gradient (3 x `largest_block_params` in the parameter dtype, as buffers).
+
+    `weight_pending`: bytes a zero-bubble stage's I keeps for its W, over all micro-batches between the
+    two (the caller knows the count from the simulator); pass the split's own transient as `transient_bytes`.
     """
     b = micro_batch_size * activation_scale
     input_bytes = inputs[0] * b if inputs else 0.0
@@ -100,4 +107,4 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
         buffers += 3 * largest_block_params * element
     return StageMemory(params=states.params, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, stashed_inputs=stash, transient=transient, buffers=buffers,
-                       headroom=headroom)
+                       headroom=headroom, weight_pending=weight_pending)

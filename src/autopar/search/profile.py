@@ -59,6 +59,11 @@ class ModelProfile:
     shared_blocks: tuple[int, int] = (0, 0)  # first and last block reading a shared weight
     tp: dict[int, TPProfile] = field(default_factory=dict)
     tp_refused: dict[int, str] = field(default_factory=dict)  # degree -> why the planner refused it
+    weight_flops: tuple[float, ...] = ()
+    """Forward FLOPs per sequence of the ops that read a parameter (tp = 1): their backward's weight half is
+    what a zero-bubble schedule's W computes (the same FLOPs again); empty: unknown (W priced as half of B)."""
+    weight_out_bytes: tuple[float, ...] = ()
+    """Output bytes per sequence of the ops that read a parameter: the gradients a zero-bubble I keeps for W."""
     measured: tuple | None = None
     """Per block, measured on this machine (measure_profile.BlockCosts): times and bytes that replace the
     FLOP-rate estimate and the traced activation bytes. None: estimate from FLOPs."""
@@ -97,7 +102,8 @@ class ModelProfile:
         measured = grow(self.measured) if self.measured is not None else None
         return dataclasses.replace(self, block_names=names, flops=grow(self.flops), saved_bytes=grow(self.saved_bytes),
                                    params=grow(self.params), boundary_bytes=new_cuts, tp=tps, shared_blocks=shared,
-                                   measured=measured)
+                                   measured=measured, weight_flops=grow(self.weight_flops) if self.weight_flops else (),
+                                   weight_out_bytes=grow(self.weight_out_bytes) if self.weight_out_bytes else ())
 
 
 def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
@@ -117,9 +123,15 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
     shared = {p: users for p, users in owner.items() if len(users) > 1}
     shared_blocks = (min(u[0] for u in shared.values()), max(u[-1] for u in shared.values())) if shared else (0, 0)
     cut_bytes = tuple(sum(v.bytes for v in values) * scale for values in crossings(graph))
+    weight_flops, weight_out = [0.0] * len(blocks), [0.0] * len(blocks)
+    for cost in graph.nodes.values():
+        if cost.params:
+            weight_flops[cost.block] += cost.flops * scale
+            weight_out[cost.block] += cost.out_bytes * scale
     profile = ModelProfile(name=name, seq_len=seq_len, block_names=tuple(b.name for b in blocks), flops=flops,
                            saved_bytes=saved, params=tuple(params), boundary_bytes=cut_bytes,
-                           shared_params=sum(graph.param_numel[p] for p in shared), shared_blocks=shared_blocks)
+                           shared_params=sum(graph.param_numel[p] for p in shared), shared_blocks=shared_blocks,
+                           weight_flops=tuple(weight_flops), weight_out_bytes=tuple(weight_out))
     for tp in tp_degrees:
         if tp == 1:
             profile.tp[1] = TPProfile(1, flops, tuple(params), saved, (0.0,) * len(blocks), (0,) * len(blocks))

@@ -1,8 +1,8 @@
 """The pipeline part of a step's time, from the project's schedule simulator (pipeline/simulate.py).
 
 The simulator plays the real action lists of a schedule against per-stage costs: forward,
-backward (or its input and weight halves for zero-bubble schedules), recompute, and the
-transfer time of each stage's sends. It is exact for its model but costs O(stages x
+backward (or, for zero-bubble schedules, its input half I and weight half W, each priced on its
+own: cost.py), recompute, and the transfer time of each stage's sends. It is exact for its model but costs O(stages x
 micro-batches) Python work per call, so for long schedules this module simulates two
 shorter ones in steady state (2pp and 3pp micro-batches) and extends the result linearly:
 once every stage is past its warm-up, each further micro-batch adds the same work and the
@@ -30,6 +30,13 @@ class StageCosts:
     recompute: tuple[float, ...]
     send_activation: tuple[float, ...]  # stage s -> s + 1
     send_gradient: tuple[float, ...]  # stage s -> s - 1
+    backward_input: tuple[float, ...] = ()  # a zero-bubble schedule's I; empty: half the backward
+    backward_weight: tuple[float, ...] = ()  # its W; empty: half the backward
+
+    def split(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(I, W) seconds per stage: as given, else half the backward each."""
+        half = tuple(b / 2 for b in self.backward)
+        return self.backward_input or half, self.backward_weight or half
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class PipelineTimes:
     busy: tuple[float, ...]  # per pipeline rank: seconds of compute
     in_flight: tuple[int, ...]  # per global stage: most micro-batches whose activations are alive at once
     stashed: tuple[int, ...]  # per global stage: most stashed inputs (recomputing stages)
+    split_held: tuple[int, ...] = ()  # per global stage: most micro-batches between an I's start and its W's end
 
     @property
     def bubble(self) -> float:
@@ -65,16 +73,17 @@ class CompiledSchedule:
     """
 
     pp: int
-    kind: tuple[int, ...]  # per action, in evaluation order: 0 forward, 1 backward, 2 recompute, 3 half backward
+    kind: tuple[int, ...]  # per action, in evaluation order: 0 forward, 1 backward, 2 recompute, 3 I, 4 W
     stage: tuple[int, ...]
     rank: tuple[int, ...]
     prev: tuple[int, ...]  # the previous compute action on the same rank (-1: none)
     deps: tuple[tuple[tuple[int, int, int, int, int], ...], ...]  # (producer, send post, recv post, transfer, stage)
     in_flight: tuple[int, ...]
     stashed: tuple[int, ...]
+    split_held: tuple[int, ...] = ()
 
     def times(self, costs: StageCosts) -> PipelineTimes:
-        per_kind = (costs.forward, costs.backward, costs.recompute, tuple(b / 2 for b in costs.backward))
+        per_kind = (costs.forward, costs.backward, costs.recompute, *costs.split())
         transfer = (costs.send_activation, costs.send_gradient)
         end = [0.0] * len(self.kind)
         finish, busy = [0.0] * self.pp, [0.0] * self.pp
@@ -97,7 +106,7 @@ class CompiledSchedule:
             if end[i] > finish[rank]:
                 finish[rank] = end[i]
         return PipelineTimes(makespan=max(end, default=0.0), finish=tuple(finish), busy=tuple(busy),
-                             in_flight=self.in_flight, stashed=self.stashed)
+                             in_flight=self.in_flight, stashed=self.stashed, split_held=self.split_held)
 
 
 def compile_schedule(lists, *, pp: int, chunks: int, m: int) -> CompiledSchedule:
@@ -127,7 +136,7 @@ def compile_schedule(lists, *, pp: int, chunks: int, m: int) -> CompiledSchedule
         send, recv = posted.get((producer[0], send_op, mb), -1), posted.get((consumer_stage, recv_op, mb), -1)
         return (index[producer], send, recv, link, producer[0])
 
-    kinds = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.RECOMPUTE: 2, Op.BACKWARD_INPUT: 3, Op.BACKWARD_WEIGHT: 3}
+    kinds = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.RECOMPUTE: 2, Op.BACKWARD_INPUT: 3, Op.BACKWARD_WEIGHT: 4}
     deps = []
     for a in order:
         s, op, mb = a.stage, a.op, a.microbatch
@@ -148,7 +157,29 @@ def compile_schedule(lists, *, pp: int, chunks: int, m: int) -> CompiledSchedule
     return CompiledSchedule(pp=pp, kind=tuple(kinds[a.op] for a in order), stage=tuple(a.stage for a in order),
                             rank=tuple(rank_of[a.stage] for a in order), prev=tuple(prev), deps=tuple(deps),
                             in_flight=tuple(timeline.peak_activations.get(s, 0) for s in range(stages)),
-                            stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(stages)))
+                            stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(stages)),
+                            split_held=split_held(timeline.compute_events(), stages))
+
+
+def split_held(events, stages: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches at once between the start of their I and the end of their W: each
+    holds the gradients I kept for W (split_backward.WeightWork), on top of its activations. 0: no split."""
+    began, ended = {}, {}
+    for _, start, end, action in events:
+        if action.op == Op.BACKWARD_INPUT:
+            began[(action.stage, action.microbatch)] = start
+        elif action.op == Op.BACKWARD_WEIGHT:
+            ended[(action.stage, action.microbatch)] = end
+    out = []
+    for s in range(stages):
+        points = sorted(p for (stage, mb), t in began.items() if stage == s
+                        for p in ((t, 1), (ended.get((stage, mb), float("inf")), -1)))
+        live = best = 0
+        for _, delta in sorted(points, key=lambda p: (p[0], p[1])):  # an end before a start at the same time
+            live += delta
+            best = max(best, live)
+        out.append(best)
+    return tuple(out)
 
 
 def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
@@ -168,6 +199,8 @@ def simulated(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
     """The simulator itself on these costs (what CompiledSchedule must reproduce; tests compare the two)."""
     lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
 
+    backward_input, backward_weight = costs.split()
+
     def cost(action: Action) -> float:
         s, op = action.stage, action.op
         if op == Op.FORWARD:
@@ -176,7 +209,7 @@ def simulated(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
             return costs.backward[s]
         if op == Op.RECOMPUTE:
             return costs.recompute[s]
-        return costs.backward[s] / 2  # BACKWARD_INPUT and BACKWARD_WEIGHT: about half each
+        return backward_input[s] if op == Op.BACKWARD_INPUT else backward_weight[s]
 
     def comm(action: Action) -> float:
         return costs.send_activation[action.stage] if action.op == Op.SEND_ACT else costs.send_gradient[action.stage]
@@ -188,7 +221,8 @@ def simulated(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
         busy[rank] += end - start
     return PipelineTimes(makespan=timeline.makespan, finish=tuple(finish), busy=tuple(busy),
                          in_flight=tuple(timeline.peak_activations.get(s, 0) for s in range(pp * chunks)),
-                         stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(pp * chunks)))
+                         stashed=tuple(timeline.stashed_inputs.get(s, 0) for s in range(pp * chunks)),
+                         split_held=split_held(timeline.compute_events(), pp * chunks))
 
 
 def pipeline_times(schedule: str, *, pp: int, chunks: int, num_microbatches: int, recompute: frozenset[int],
@@ -211,7 +245,7 @@ def pipeline_times(schedule: str, *, pp: int, chunks: int, num_microbatches: int
 
     return PipelineTimes(makespan=a.makespan + (b.makespan - a.makespan) * t, finish=line(a.finish, b.finish),
                          busy=line(a.busy, b.busy), in_flight=line(a.in_flight, b.in_flight, True),
-                         stashed=line(a.stashed, b.stashed, True))
+                         stashed=line(a.stashed, b.stashed, True), split_held=line(a.split_held, b.split_held, True))
 
 
 def normalised(costs: StageCosts) -> tuple[float, StageCosts]:
@@ -223,9 +257,10 @@ def normalised(costs: StageCosts) -> tuple[float, StageCosts]:
         return tuple(float(f"{v / scale:.{ROUND_DIGITS}g}") for v in values)
 
     return scale, StageCosts(r(costs.forward), r(costs.backward), r(costs.recompute), r(costs.send_activation),
-                             r(costs.send_gradient))
+                             r(costs.send_gradient), r(costs.backward_input), r(costs.backward_weight))
 
 
 def scaled(times: PipelineTimes, scale: float) -> PipelineTimes:
     return PipelineTimes(makespan=times.makespan * scale, finish=tuple(v * scale for v in times.finish),
-                         busy=tuple(v * scale for v in times.busy), in_flight=times.in_flight, stashed=times.stashed)
+                         busy=tuple(v * scale for v in times.busy), in_flight=times.in_flight, stashed=times.stashed,
+                         split_held=times.split_held)
