@@ -201,6 +201,7 @@ def search_in_ranks(spec: dict) -> tuple[dict, object]:
                  "configs": [{"strategy": strategy_of(e.candidate), "micro_batch_size": e.candidate.micro_batch_size,
                               "describe": e.candidate.describe(), "predicted_s": e.step_time_s,
                               "predicted_bytes_per_pp_rank": e.memory_per_rank, "bounds": list(e.bounds),
+                              "predicted_memory_terms": [m.to_dict() for m in e.memory_per_stage],
                               "parts": e.parts} for e in chosen]}
     box = [block]
     dist.broadcast_object_list(box, src=0)
@@ -392,9 +393,10 @@ def worker(spec_path: Path) -> None:
         try:
             trainer._setup()
             trainer.train_step(0)  # warm-up: allocates gradient buffers and optimizer states
-            peaks = [None] * dist.get_world_size()
-            dist.all_gather_object(peaks, step_peak_bytes(trainer, 1))
-            record["measured_bytes_per_rank"] = peaks
+            peaks, terms = [None] * dist.get_world_size(), {}
+            dist.all_gather_object(peaks, (step_peak_bytes(trainer, 1, breakdown=terms), terms))
+            record["measured_bytes_per_rank"] = [p for p, _ in peaks]
+            record["measured_memory_terms"] = [t for _, t in peaks]  # resident + bytes at the peak by making op
             record["setup_s"] = time.perf_counter() - began
             trainers.append((i, trainer))
         except Exception as exc:  # noqa: BLE001 - reported per configuration, the others still run

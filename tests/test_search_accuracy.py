@@ -25,8 +25,18 @@ GLOBAL_BATCH, MICRO_BATCH = 16, 4
 MEMORY_TOLERANCE = 0.20
 
 
-def _pipeline_peak(out: str, schedule: str) -> int:
-    """On each of 2 ranks: gpt-tiny, pp=2, 4 micro-batches; this rank's peak live tensor bytes of step 2."""
+CASES = {  # name -> the strategy on 2 ranks (4 micro-batches of 4)
+    "1f1b": dict(pp=2, schedule="1f1b", partition="uniform"),
+    "zb-h1": dict(pp=2, schedule="zb-h1", partition="uniform"),
+    # FSDP2 refills its gathered parameters by resizing storages (live_memory.fsdp_resizable_tensors)
+    "dp2-zero3": dict(dp=2, zero=3),
+    # the fp32 master shards and their gradients live in the optimizer, not the model
+    "dp2-zero1": dict(dp=2, zero=1),
+}
+
+
+def _pipeline_peak(out: str, case: str) -> int:
+    """On each of 2 ranks: gpt-tiny, 4 micro-batches of CASES[case]; this rank's peak live tensor bytes of step 2."""
     import autopar
     from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
     from autopar.models import build_model
@@ -34,7 +44,7 @@ def _pipeline_peak(out: str, schedule: str) -> int:
     tokenizer = build_tokenizer("byte")
     model, info = build_model("gpt-tiny", {}, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
     train, _ = build_datasets(load_corpus("stdlib"), tokenizer, seq_len=SEQ_LEN, task=info.task, seed=0)
-    trainer = autopar.Trainer(model, train, strategy=autopar.Strategy(pp=2, schedule=schedule, partition="uniform"),
+    trainer = autopar.Trainer(model, train, strategy=autopar.Strategy(**CASES[case]),
                               config=autopar.TrainConfig(steps=10, global_batch_size=GLOBAL_BATCH,
                                                          micro_batch_size=MICRO_BATCH, progress=False, out=out))
     trainer._setup()
@@ -45,20 +55,23 @@ def _pipeline_peak(out: str, schedule: str) -> int:
         trainer.engine.close()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_memory_model_matches_measured_pipeline_peak(rank_pool, tmp_path, schedule):
-    measured = rank_pool(2).run(_pipeline_peak, str(tmp_path), schedule)
+@pytest.mark.parametrize("case", list(CASES))
+def test_memory_model_matches_measured_pipeline_peak(rank_pool, tmp_path, case):
+    measured = rank_pool(2).run(_pipeline_peak, str(tmp_path), case)
+    strategy = CASES[case]
+    dp, pp, schedule = strategy.get("dp", 1), strategy.get("pp", 1), strategy.get("schedule", "1f1b")
     profile = with_measured_blocks(profile_model("gpt-tiny", seq_len=SEQ_LEN),
                                    measure_blocks("gpt-tiny", seq_len=SEQ_LEN, repeats=1))
     cluster = resolve_cluster("cpu-local", nproc=2).replace(memory_headroom=1.0)  # the live bytes themselves
     estimate = StepModel(profile, cluster, global_batch_size=GLOBAL_BATCH).evaluate(
-        Candidate(dp=1, tp=1, pp=2, micro_batch_size=MICRO_BATCH, num_microbatches=GLOBAL_BATCH // MICRO_BATCH,
-                  schedule=schedule, partition="uniform"))
-    errors = [(want - got) / got for want, got in zip(estimate.memory_per_rank, measured)]
+        Candidate(dp=dp, tp=1, pp=pp, micro_batch_size=MICRO_BATCH, num_microbatches=GLOBAL_BATCH // MICRO_BATCH // dp,
+                  schedule=schedule, partition="uniform", zero=strategy.get("zero", 0)))
+    predicted = [estimate.memory_per_rank[r * pp // 2] for r in range(2)]  # a stage's dp replicas are consecutive
+    errors = [(want - got) / got for want, got in zip(predicted, measured)]
     assert all(abs(e) <= MEMORY_TOLERANCE for e in errors), (
-        f"predicted {[round(v / 2**20, 2) for v in estimate.memory_per_rank]} MiB per rank, measured "
+        f"predicted {[round(v / 2**20, 2) for v in predicted]} MiB per rank, measured "
         f"{[round(v / 2**20, 2) for v in measured]} MiB: errors {[f'{e:+.0%}' for e in errors]}")
-    if schedule == "1f1b":
+    if case == "1f1b":
         assert measured[0] > measured[1]  # stage 0 holds more micro-batches in flight, as the model says
 
 
@@ -76,6 +89,21 @@ def test_live_tensor_peak_counts_new_storages_once_and_frees_them():
     assert counter.peak == 5000
     assert counter.live == 400
     del c, e
+
+
+def test_live_tensor_peak_sees_storages_resized_in_place():
+    """FSDP2 frees and refills its gathered parameters by resizing a storage made earlier; no op says so."""
+    gathered = torch.zeros(1000)  # 4000 bytes, made before counting, then freed as FSDP2 does
+    gathered.untyped_storage().resize_(0)
+    with LiveTensorPeak(resizable=[gathered]) as counter:
+        a = torch.ones(100)  # 400 bytes
+        gathered.untyped_storage().resize_(4000)  # all-gathered again: 4400 alive
+        b = a + 1  # 400 more: 4800
+        gathered.untyped_storage().resize_(0)  # resharded
+        del a, b
+        c = torch.ones(10)
+    assert counter.peak == 4800
+    del c
 
 
 def _toy(measured=None):

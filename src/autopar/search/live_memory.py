@@ -13,6 +13,11 @@ buffers included); each new storage is counted once and uncounted when it is fre
 reference's finaliser). Views and in-place ops add nothing. The mode slows each op by a few
 microseconds, so it counts one separate step, never a timed one. Not seen: storages made before
 counting began and not named resident (the dataset, the runtime's own persistent buffers).
+
+FSDP2 (ZeRO-3) makes each unsharded parameter's storage once, at its first all-gather, and later
+frees and refills it by resizing the storage (to 0 bytes and back), which no op reports: those
+storages are passed as `resizable` and their current sizes are added at every op, so a counted
+step sees its gathered parameters while they are whole.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -53,18 +60,55 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, set[int]]:
     return total, seen
 
 
-class LiveTensorPeak(TorchDispatchMode):
-    """Counts bytes of storages created inside the `with` block; `peak` is the most alive at once."""
+def fsdp_resizable_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors whose storages FSDP2 resizes in place (its gathered parameters), for every FSDP2
+    unit inside `module`; none without FSDP2. Reads FSDP2's per-parameter state (a private attribute
+    of torch 2.x: `all_gather_outputs`, `_unsharded_inner_tensors`)."""
+    tensors: list[torch.Tensor] = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            for fp in (group.fsdp_params if group is not None else ()):
+                tensors += [*fp.all_gather_outputs, *getattr(fp, "_unsharded_inner_tensors", ())]
+    return tensors
 
-    def __init__(self, resident: set[int] | None = None):
+
+class LiveTensorPeak(TorchDispatchMode):
+    """Counts bytes of storages created inside the `with` block; `peak` is the most alive at once.
+
+    `resizable`: tensors made before counting whose storages are resized in place (FSDP2's gathered
+    parameters); their current bytes count as live. With `breakdown`, `at_peak` maps the name of the op
+    that made each counted storage (or 'resized') to its bytes alive at the peak: a diagnostic, slower."""
+
+    def __init__(self, resident: set[int] | None = None, resizable: Iterable[torch.Tensor] = (),
+                 breakdown: bool = False):
         super().__init__()
         self.resident = set(resident or ())
+        self.resizable = list(resizable)
         self.live = 0
         self.peak = 0
+        self.breakdown = breakdown
+        self.at_peak: dict[str, int] = {}
         self._counted: dict[int, int] = {}
+        self._made_by: dict[int, str] = {}
 
     def _freed(self, key: int) -> None:
         self.live -= self._counted.pop(key, 0)
+        self._made_by.pop(key, None)
+
+    def _resized_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.resizable)
+
+    def _note(self) -> None:
+        resized = self._resized_bytes() if self.resizable else 0
+        if self.live + resized > self.peak:
+            self.peak = self.live + resized
+            if self.breakdown:
+                names: dict[str, int] = {"resized": resized} if resized else {}
+                for key, nbytes in self._counted.items():
+                    name = self._made_by.get(key, "?")
+                    names[name] = names.get(name, 0) + nbytes
+                self.at_peak = names
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -78,20 +122,27 @@ class LiveTensorPeak(TorchDispatchMode):
             storage = local_storage(t)
             nbytes = storage.nbytes()
             self._counted[key] = nbytes
+            if self.breakdown:
+                self._made_by[key] = str(func.overloadpacket.__name__)
             self.live += nbytes
-            self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._freed, key)
+        self._note()
         return out
 
 
-def step_peak_bytes(trainer, step: int) -> int:
+def step_peak_bytes(trainer, step: int, breakdown: dict | None = None) -> int:
     """Run one training step of a set-up Trainer (after at least one step: optimizer states exist) and
     return this rank's peak live tensor bytes: resident parameters, gradient buffers, module buffers and
-    optimizer states, plus the most bytes the step itself had alive at once."""
-    params = list(trainer.model.parameters())
+    optimizer states (with the parameters the optimizer steps: ZeRO's fp32 master shards and their gradients), plus the most bytes the step itself had alive at once (FSDP2's gathered parameters
+    included). A `breakdown` dict, when given, receives the resident bytes and LiveTensorPeak.at_peak."""
+    # the optimizer's own parameters too: a ZeRO-1/2 optimizer steps fp32 master shards, whose gradients are views
+    # into the reduce-scattered shard gradient; neither is a model parameter nor an optimizer state
+    params = [*trainer.model.parameters(), *(p for g in trainer.optimizer.param_groups for p in g["params"])]
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     resident, keys = storage_bytes([*params, *(p.grad for p in params if p.grad is not None),
                                     *trainer.model.buffers(), *state])
-    with LiveTensorPeak(keys) as counter:
+    with LiveTensorPeak(keys, fsdp_resizable_tensors(trainer.model), breakdown=breakdown is not None) as counter:
         trainer.train_step(step)
+    if breakdown is not None:
+        breakdown.update(resident=resident, **counter.at_peak)
     return resident + counter.peak
