@@ -141,7 +141,11 @@ def step_peak_bytes(trainer, step: int, breakdown: dict | None = None) -> int:
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     resident, keys = storage_bytes([*params, *(p.grad for p in params if p.grad is not None),
                                     *trainer.model.buffers(), *state])
-    with LiveTensorPeak(keys, fsdp_resizable_tensors(trainer.model), breakdown=breakdown is not None) as counter:
+    # the pipeline engine's stages are FSDP2's units but not submodules of trainer.model (LocalStages only views them)
+    stages = getattr(trainer.engine, "stages", None) or {}
+    resizable = [t for m in (trainer.model, *stages.values()) for t in fsdp_resizable_tensors(m)]
+    resizable = list({id(t): t for t in resizable}.values())
+    with LiveTensorPeak(keys, resizable, breakdown=breakdown is not None) as counter:
         trainer.train_step(step)
     if breakdown is not None:
         breakdown.update(resident=resident, **counter.at_peak)
