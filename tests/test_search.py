@@ -190,9 +190,15 @@ def test_memory_pieces_by_hand():
     assert m.activations == 3 * (10 + 200 + 300) * 2  # block 0 recomputed: only its input kept
     assert m.stashed_inputs == 3 * 10 * 2
     assert m.transient == (300 + 100) * 2  # gradients of the largest block + the rebuilt block
-    # one activation out and one gradient in, in transit; data-parallel buckets are the gradients themselves
-    assert m.buffers == 10 * 2 + 40 * 2
-    assert m.total == pytest.approx(1.5 * (4000 + 4000 + 8000 + 3060 + 60 + 800 + 100))
+    # one micro-batch: its activation sent and its gradient coming in; data-parallel buckets are the gradients
+    assert m.buffers == 2 * 40 * 2
+    assert m.total == pytest.approx(1.5 * (4000 + 4000 + 8000 + 3060 + 60 + 800 + 160))
+    # 8 micro-batches, 3 in flight: every sent tensor is kept to the step's end (p2p.wait_sends), so at the last
+    # forward 8 activations out (+ 1 gradient in) and the input gradients of the 5 backwards already done
+    eight = stage_memory(param_elements=1000, saved=saved, inputs=inputs, output_bytes=40.0, micro_batch_size=2,
+                         in_flight=3, stashed=0, recompute_blocks=1, whole_stage=False, activation_scale=1.0,
+                         optimizer="adamw", dp=2, headroom=1.5, num_microbatches=8)
+    assert eight.buffers == (8 + 1) * 40 * 2 + 5 * 10 * 2
     whole = stage_memory(param_elements=0, saved=saved, inputs=inputs, output_bytes=0.0, micro_batch_size=1,
                          in_flight=1, stashed=4, recompute_blocks=0, whole_stage=True, activation_scale=0.5,
                          optimizer="sgd", dp=1, headroom=1.0)

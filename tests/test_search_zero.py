@@ -90,12 +90,27 @@ def test_stage_memory_uses_the_zero_formula():
         for bf16 in (False, True):
             m = stage_memory(**common, zero=zero, bf16_master=bf16, largest_block_params=100)
             states = zero_model_state_bytes(psi, zero=zero, dp=4, optimizer_bytes=8, bf16=bf16)
-            assert (m.params, m.grads, m.optimizer) == (states.params, states.grads, states.optimizer)
+            # ZeRO-3's sharded gradient exists only after the activations are gone (the end-of-backward count)
+            grads = 0.0 if zero == 3 else states.grads
+            assert (m.params, m.grads, m.optimizer) == (states.params, grads, states.optimizer)
     assert stage_memory(**common).params == 4 * psi and stage_memory(**common).optimizer == 8 * psi  # zero 0, fp32
     z2 = stage_memory(**common, zero=2)
     assert z2.transient == 4 * psi  # the full fp32 gradient, until the end-of-backward reduction
+    # ZeRO-3, no activations: the end of the backward dominates. One micro-batch, per-block units (dp alone):
+    # 2 blocks gathered while activations peak; at the end the block's unsharded gradient, its reduce-scatter
+    # copy and the shard (psi / 4 x 4 bytes), i.e. 400 + 400 + 1000 = 1800, of which buffers hold 800
     z3 = stage_memory(**common, zero=3, largest_block_params=100)
-    assert z3.buffers == 3 * 100 * 4  # one block gathered, the next prefetched, the gathered block's gradient
+    assert z3.buffers == 2 * 100 * 4 and z3.grads == 0
+    assert z3.transient == 1800 - 800
+    # the whole stage as one unit (pp or tp), 4 micro-batches: gathered 4000 and the accumulating unsharded gradient
+    # 4000 while activations peak (8000); at the end 4000 + 4000 + 1000 = 9000: the transient adds 1000
+    stage = stage_memory(**dict(common, num_microbatches=4), zero=3, largest_block_params=psi, gathered_units=1)
+    assert stage.buffers == 8000 and stage.transient == 1000
+    assert stage.total == 4 * psi / 4 + 8 * psi / 4 + 9000
+    # with activations larger than the end's count, nothing is added
+    big = stage_memory(**dict(common, saved=[1e5], num_microbatches=4), zero=3, largest_block_params=psi,
+                       gathered_units=1)
+    assert big.transient == 1e5 and big.buffers == 8000
 
 
 def test_memory_bound_model_picks_a_zero_level():

@@ -360,7 +360,8 @@ class StepModel:
             pending = [structure.split_held[s] * sum(held[a:b]) * mbs * self.act_scale if a > 0 else 0.0
                        for s, (a, b) in enumerate(spans)]
         memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
-                           headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master)
+                           headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master,
+                           num_microbatches=c.num_microbatches, gathered_units=1 if c.pp > 1 or c.tp > 1 else 2)
 
         def gathered_unit(s: int, a: int, b: int) -> float:
             """ZeRO-3's unit gathered at once: a block under dp alone, the whole stage with pp or tp (one

@@ -6,8 +6,11 @@
   + stashed inputs   a recomputing stage keeps only its input per in-flight micro-batch
   + transient        one block's activations rebuilt or differentiated at a time during backward
                      (measured per block when the profile is measured: measure_profile.py)
-  + buffers          one outgoing activation and one incoming gradient in transit (the data-parallel
-                     buckets add nothing: gradients are views into them, grad_sync.py)
+  + buffers          what the pipeline sends: the runtime keeps every sent tensor until the step's
+                     last action waits for its send (pipeline/p2p.py wait_sends), so a stage holds all
+                     m activations it sent and the input gradients it sent before its last forward,
+                     plus the incoming gradient (the data-parallel buckets add nothing: gradients
+                     are views into them, grad_sync.py); ZeRO-3's gathered parameters
   + weight pending   zero-bubble schedules: the gradients I keeps for W (at every weight-consuming op)
                      x the micro-batches between an I and its W (from the simulator); their graphs
                      stay alive too, which the in-flight count already holds to the W's end
@@ -66,7 +69,8 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
                  micro_batch_size: int, in_flight: int, stashed: int, recompute_blocks: int, whole_stage: bool,
                  activation_scale: float, optimizer: str, dp: int, headroom: float,
                  transient_bytes: float | None = None, zero: int = 0, bf16_master: bool = False,
-                 largest_block_params: float = 0.0, weight_pending: float = 0.0) -> StageMemory:
+                 largest_block_params: float = 0.0, weight_pending: float = 0.0, num_microbatches: int = 1,
+                 gathered_units: int = 2) -> StageMemory:
     """Memory of one stage; `saved` and `inputs` are per-block bytes per sequence (fp32).
 
     `inputs[i]` is the bytes entering block i (what a recomputed block keeps); `activation_scale`
@@ -76,8 +80,15 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
 
     `zero` and `bf16_master` choose the model-state bytes (zero_memory.py). Beyond them, ZeRO-2 holds
     the stage's full gradient at the end of each backward, until its reduction (a transient, as the
-    activations it replaces are freed); ZeRO-3 (FSDP2) holds one block gathered, the next prefetched,
-    and the gathered block's gradient (3 x `largest_block_params` in the parameter dtype, as buffers).
+    activations it replaces are freed). ZeRO-3 (FSDP2) holds, while the activations peak (the start of a
+    backward), `gathered_units` x `largest_block_params` gathered (its unit: a block and the prefetched
+    next one under dp alone, 2; the whole stage with pp or tp, 1) and, with several micro-batches, the
+    stage's unsharded gradient accumulating between them (no-sync), but no sharded gradient yet (the
+    step's end makes it; zero_grad drops it). At the end of the backward the activations are gone and
+    it holds the unsharded gradient, its reduce-scatter copy and the shard: the larger of the two counts.
+
+    `num_microbatches` sets what the pipeline keeps sent (see buffers above): m outgoing activations,
+    and the input gradients of the m - in_flight backwards done before the stage's last forward.
 
     `weight_pending`: bytes a zero-bubble stage's I keeps for its W, over all micro-batches between the
     two (the caller knows the count from the simulator); pass the split's own transient as `transient_bytes`.
@@ -95,16 +106,24 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
         transient = (max(saved, default=0.0) + rebuilt) * b  # gradients of one block + one block rebuilt
     else:
         transient = transient_bytes + rebuilt * b
-    # the received input is the stash above; one outgoing activation and one incoming gradient in transit.
+    # the received input is the stash above. Every tensor sent stays alive until the step's end (p2p.wait_sends):
+    # m activations out, the input gradients of the backwards done before the last forward, one gradient in.
     # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
-    buffers = input_bytes + output_bytes * b
+    m = max(1, num_microbatches)
+    buffers = (m + 1) * output_bytes * b + max(0, m - in_flight) * input_bytes
     states = zero_model_state_bytes(param_elements, zero=zero, dp=dp, bf16=bf16_master,
                                     optimizer_bytes=float(OPTIMIZER_STATE_BYTES[optimizer]))
+    grads = states.grads
     element = 2.0 if bf16_master else 4.0
     if zero == 2:
         transient = max(transient, param_elements * element)
     if zero == 3:
-        buffers += 3 * largest_block_params * element
-    return StageMemory(params=states.params, grads=states.grads, optimizer=states.optimizer,
+        unit = largest_block_params * element
+        buffers += gathered_units * unit + (param_elements * element if m > 1 else 0.0)
+        during = activations + stash + transient + buffers + weight_pending
+        end = (param_elements if m > 1 else largest_block_params) * element + unit + states.grads
+        transient += max(0.0, end - during)
+        grads = 0.0
+    return StageMemory(params=states.params, grads=grads, optimizer=states.optimizer,
                        activations=activations, stashed_inputs=stash, transient=transient, buffers=buffers,
                        headroom=headroom, weight_pending=weight_pending)
