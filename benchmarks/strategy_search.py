@@ -12,6 +12,7 @@ How it measures (one launch per model and world size, by the project's launcher)
   + the most bytes of tensors created during the step alive at once (activations, gradients of
   activations, communication buffers, temporaries). NOT the resident set size: that holds the
   Python/torch/gloo runtime too. The memory model is compared with headroom 1 (the same quantity);
+  the JSON keeps the model's terms per stage and, per rank, the bytes at the peak by the op that made them;
 - time: REPEATS rounds, each timing one step of every configuration in turn (interleaved, so load
   drift hits all alike); a step's time is the slowest rank's (barrier before); the median is kept.
 
