@@ -18,6 +18,7 @@ over m steps (the samples of one 1f1b step) so the curves compare like with like
     python benchmarks/async_pipeline.py --steps 20 --quick    # smoke test: gpt-tiny, pp 2
     python benchmarks/async_pipeline.py --out runs/async_pipeline --png docs/benchmarks/async_pipeline.png
     python benchmarks/async_pipeline.py --steps 24 --no-plot    # the bubble table only
+    python benchmarks/async_pipeline.py --pp 2 --steps 16 --count-subnormals --no-plot   # denormals? (untimed)
 
 The measured steady-state bubble of a run: for each pipeline rank, over the steady steps (the
 first --skip 1f1b-steps' worth of warm-up and the last step, a drain, left out), one minus the
