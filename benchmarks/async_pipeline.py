@@ -18,6 +18,7 @@ over m steps (the samples of one 1f1b step) so the curves compare like with like
     python benchmarks/async_pipeline.py --steps 20 --quick    # smoke test: gpt-tiny, pp 2
     python benchmarks/async_pipeline.py --out runs/async_pipeline --png docs/benchmarks/async_pipeline.png
     python benchmarks/async_pipeline.py --steps 24 --no-plot    # the bubble table only
+    python benchmarks/async_pipeline.py --pp 2 --steps 16 --count-subnormals --no-plot   # denormals? (untimed)
 
 The measured steady-state bubble of a run: for each pipeline rank, over the steady steps (the
 first --skip 1f1b-steps' worth of warm-up and the last step, a drain, left out), one minus the
@@ -59,17 +60,40 @@ def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list
                "--log-every", "1", "--no-progress",
                "--device", args.device, "--nproc", str(pp), "--out", str(out), "--seed", str(args.seed)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    if args.flush_denormal:  # every rank process starts with torch.set_flush_denormal(True) (a sitecustomize)
-        folder = Path(args.out) / "flush_denormal"
+    startup = []  # lines every rank process runs first (a sitecustomize)
+    if args.flush_denormal:
+        startup += ["import torch", "torch.set_flush_denormal(True)"]
+    if args.count_subnormals:
+        startup += [f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})",
+                    "import subnormal_census"]
+        env["SUBNORMAL_CENSUS_DIR"] = str((out / "subnormals").resolve())
+    if startup:
+        folder = Path(args.out) / "rank_startup"
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "sitecustomize.py").write_text("import torch\ntorch.set_flush_denormal(True)\n")
+        (folder / "sitecustomize.py").write_text("\n".join(startup) + "\n")
         env["PYTHONPATH"] = os.pathsep.join([str(folder.resolve())] + [p for p in [env.get("PYTHONPATH")] if p])
     began = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     print(f"  {schedule} pp={pp}: {time.perf_counter() - began:.0f} s", flush=True)
+    if args.count_subnormals:
+        print(f"    subnormals: {census(out / 'subnormals')}", flush=True)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def census(folder: Path) -> str:
+    """The subnormal census of one run (benchmarks/subnormal_census.py), summed over ranks and steps."""
+    totals, steps = {}, 0
+    for path in sorted(folder.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps = max(steps, record.pop("step"))
+            for key, value in record.items():
+                totals[key] = totals.get(key, 0) + value
+    ranks = len(list(folder.glob("rank*.jsonl")))
+    found = ", ".join(f"{k} {v}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])) or "none"
+    return f"{found} (over {ranks} ranks, {steps} optimizer steps)"
 
 
 def summarise(records: list[dict], skip: int, microbatches: int) -> dict:
@@ -179,8 +203,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, pp 2, short sequences")
     parser.add_argument("--no-plot", action="store_true", help="the table only")
     parser.add_argument("--flush-denormal", action="store_true",
-                        help="ranks flush denormal floats to zero (torch.set_flush_denormal): some runs here hit "
-                             "denormal arithmetic, which slows CPU kernels several times over")
+                        help="ranks flush denormal floats to zero (torch.set_flush_denormal); an A/B knob: "
+                             "--count-subnormals found no denormals in these runs (docs/benchmarks/async_pipeline.md)")
+    parser.add_argument("--count-subnormals", action="store_true",
+                        help="count the subnormal floats each rank computes with (benchmarks/subnormal_census.py) "
+                             "and print the totals per run; slows every run several times: its times mean nothing")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (schedule, pp), interleaved; the "
                         "table gives the median over them (a loaded machine drifts between runs)")
     args = parser.parse_args()

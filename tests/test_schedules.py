@@ -438,3 +438,42 @@ def test_check_catches_mismatched_communication_steps():
     assert "one order at both ends" in broken(swap_order_within_a_step)
     with pytest.raises(ValueError, match="compute-only"):
         batch_communication(build_schedule("1f1b", pp=2, num_microbatches=3), pp=2, num_stages=2, num_microbatches=3)
+
+
+def test_a_forwards_timed_compute_leaves_out_its_scope():
+    """The busy time behind the measured bubble counts forwards and backwards only: what a forward scope does
+    on entry (2BW applies a deferred optimizer update there) is not the forward's compute. A fake clock that a
+    scope advances by 100 makes the check exact."""
+    import contextlib
+
+    import torch
+
+    from autopar.pipeline.runtime import PipelineRuntime
+
+    class FakeClock:
+        now = 0.0
+
+        def mark(self):
+            return self.now
+
+        def reset(self):
+            pass
+
+    class NoP2P:
+        device = torch.device("cpu")
+
+        def wait_sends(self):
+            pass
+
+    runtime = PipelineRuntime(stages={0: torch.nn.Linear(3, 1)}, num_stages=1, pp=1, pp_rank=0, p2p=NoP2P(),
+                              first_input=lambda b: (b["x"],))
+    runtime.clock = FakeClock()
+
+    @contextlib.contextmanager
+    def slow_scope(stage, mb):
+        runtime.clock.now += 100  # e.g. an optimizer update applied before the forward
+        yield
+
+    step = runtime.run([Action(0, F, 0), Action(0, B, 0)], [{"x": torch.ones(2, 3)}],
+                       loss_fn=lambda out, batch: out.sum(), record=True, forward_scope=slow_scope)
+    assert [(str(a), end - began) for began, end, a in step.marks] == [("0F0", 0.0), ("0B0", 0.0)]

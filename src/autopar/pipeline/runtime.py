@@ -174,12 +174,14 @@ class PipelineRuntime:
                 continue
             if op == Op.FORWARD:
                 x = self.first_input(batches[mb]) if s == 0 else take("F", s, mb)
-                began = now()  # waiting for the input is bubble, not compute
                 if s > 0:
                     x = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in x)
                 inputs[(s, mb)] = x
                 keep_graph = s not in self.recompute and torch.is_grad_enabled()
                 with torch.set_grad_enabled(keep_graph), forward_scope(s, mb):
+                    # timed from here: waiting for the input, and what the scope does on entry (2BW applies a
+                    # deferred optimizer update there), are not this forward's compute
+                    began = now()
                     out = self._forward(s, x, batches[mb], loss_fn)
                 if s == self.num_stages - 1:
                     loss = out[0].detach() if loss is None else loss + out[0].detach()
@@ -188,6 +190,7 @@ class PipelineRuntime:
                 outputs[(s, mb)] = out if keep_graph or s == self.num_stages - 1 else tuple(v.detach() for v in out)
             elif op == Op.RECOMPUTE:
                 with forward_scope(s, mb):  # the same masks (and weights) as its forward
+                    began = now()
                     outputs[(s, mb)] = self._forward(s, inputs[(s, mb)], batches[mb], loss_fn)
             elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                 out = outputs.pop((s, mb))
