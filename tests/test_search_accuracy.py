@@ -200,6 +200,24 @@ def test_time_shared_bound_counts_every_ranks_cpu_with_collectives():
     assert cluster.replace(allreduce_cpu_table={}).all_reduce_cpu(1e6, 2) == 0.0
 
 
+def test_zero3_collectives_are_counted_per_fsdp_unit():
+    """Hand-computed: ZeRO-3 under dp alone gathers and reduces each FSDP2 unit on its own (each repeated layer,
+    the root holding the first and last blocks), so each unit pays the collective's fixed CPU, and each of its
+    collectives (two all-gathers a micro-batch, one reduce-scatter) is a blocking wait on every rank."""
+    from autopar.search.cluster import Link
+    profile, cluster = _toy()
+    cluster = cluster.replace(allreduce_cpu_table={4: Link(1e-3, 1e9)}, cores_per_node=1, sync_cpu_s=1e-4)
+    c = Candidate(dp=4, tp=1, pp=1, micro_batch_size=1, num_microbatches=2, zero=3)
+    parts = StepModel(profile, cluster, global_batch_size=8).evaluate(c).parts
+    units = [1000 + 500, 2000, 2000]  # the root (blocks a and d), then b and c
+
+    def ar(nbytes: float) -> float:  # one all-reduce's CPU over 4 ranks
+        return 6 * 1e-3 + 6 / 4 * nbytes / 1e9
+
+    assert parts["cpu_dp_collectives_s"] == pytest.approx(sum(3 * ar(u * 4.0) for u in units))
+    assert parts["cpu_waits_s"] == pytest.approx(5 * len(units) * 4 * 1e-4)
+
+
 def test_background_cores_leave_fewer_cores_to_the_time_shared_step():
     """Hand-computed: 8 replicas on 2 cores of which idle gloo threads take 0.5 (Cluster.background_cores): the
     bound is the same summed CPU over 1.5 cores; the CPU itself does not change, and its terms add up to it.

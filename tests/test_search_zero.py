@@ -79,6 +79,12 @@ def test_zero_communication_cpu_by_hand():
     assert data_parallel_cpu_s(cl, zero=2, num_microbatches=3, per_micro_batch=False, **args) == \
         pytest.approx(1.5 * whole)
     assert data_parallel_cpu_s(cl, zero=2, **dict(args, dp=1)) == 0.0
+    # zero 3: per FSDP2 unit, a reduce-scatter (an all-reduce's CPU) and each micro-batch's two all-gathers (half
+    # one each); two units of 1 and 3 MB pay the fixed cost twice, one unit of 4 MB once
+    unit = lambda b: 6 * 1e-4 + 6 / 4 * b / 1e9  # noqa: E731
+    assert data_parallel_cpu_s(cl, zero=3, num_microbatches=3, unit_bytes=[1e6, 3e6], **args) == \
+        pytest.approx(4 * unit(1e6) + 4 * unit(3e6))
+    assert data_parallel_cpu_s(cl, zero=3, num_microbatches=3, **args) == pytest.approx(4 * whole)
 
 
 def test_stage_memory_uses_the_zero_formula():

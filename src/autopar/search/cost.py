@@ -244,14 +244,29 @@ class StepModel:
                 terms["waits"] += 2 * m * cl.sync_cpu_s * c.dp * c.tp
         terms["host_syncs"] = self.host_sync_cpu(c, spans)
         element = 2.0 if self.bf16_master else 4.0
+        params = self.profile.at_tp(c.tp).params
         for r in range(c.pp):
             mine = [s for s in range(len(spans)) if rank_of[s] == r]
             terms["compute"] += times.busy[r] * c.dp * c.tp * cpu_per_wall
             terms["update"] += update[r] * c.dp * c.tp * cpu_per_wall
+            units = self.fsdp_unit_params(c, spans, mine, params) if c.zero == 3 and c.dp > 1 else []
             terms["dp_collectives"] += c.tp * data_parallel_cpu_s(
                 cl, zero=c.zero, dp=c.dp, nbytes=sum(local_params[s] for s in mine) * element, num_microbatches=m,
-                per_micro_batch=c.pp == 1)
+                per_micro_batch=c.pp == 1, unit_bytes=[u * element for u in units])
+            # each unit's collectives (two all-gathers a micro-batch, one reduce-scatter) are blocking waits
+            terms["waits"] += (2 * m + 1) * len(units) * c.dp * c.tp * cl.sync_cpu_s
         return terms
+
+    @staticmethod
+    def fsdp_unit_params(c: Candidate, spans: list[tuple[int, int]], mine: list[int],
+                         params: list[float]) -> list[float]:
+        """Parameters of each ZeRO-3 (FSDP2) unit on one pipeline rank. Under dp alone (train/fsdp_engine.py)
+        each repeated layer is a unit and the root holds the rest (the embedding and head blocks); with pp or tp
+        each stage is one unit (zero/fully_sharded.py; the memory model's `gathered_unit` says the same)."""
+        if c.pp == 1 and c.tp == 1:
+            whole = [float(p) for s in mine for p in params[spans[s][0]:spans[s][1]]]
+            return [whole[0] + whole[-1], *whole[1:-1]] if len(whole) > 2 else [sum(whole)]
+        return [float(sum(params[spans[s][0]:spans[s][1]])) for s in mine]
 
     def bounds(self, method: str, tp: int, mbs: int, stages: int) -> tuple[int, ...]:
         key = (method, tp, mbs, stages)
