@@ -166,6 +166,7 @@ def search_in_ranks(spec: dict) -> tuple[dict, object]:
     from autopar.search.measure_profile import measure_blocks, with_measured_blocks
     from autopar.search.profile import profile_model
     from autopar.search.search import SearchSpace, exhaustive
+    from autopar.search.step_probe import reference_candidate
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cluster = load_cluster(spec["cluster"])
@@ -194,7 +195,10 @@ def search_in_ranks(spec: dict) -> tuple[dict, object]:
             space = dataclasses.replace(space, schedules=tuple(spec["schedules"].split(",")))
         result = exhaustive(step_model, space)
         search_s = time.perf_counter() - began
-        chosen = pick_configs(result.ranked, spec["limit"], by_schedule=bool(spec.get("schedules")))
+        # the reference step (search/step_probe.py) calibrates the level; it is run beside the others, not scored
+        reference = step_model.evaluate(reference_candidate(world, GLOBAL_BATCH))
+        others = [e for e in result.ranked if e.candidate.describe() != reference.candidate.describe()]
+        chosen = pick_configs(others, spec["limit"], by_schedule=bool(spec.get("schedules"))) + [reference]
         pick = result.ranked[0]
         block = {"search_s": search_s, "evaluated": result.evaluated, "fitting": len(result.ranked),
                  "pick": pick.candidate.describe(), "pick_runnable": runnable(pick), "blocks_measured_s": measured_s,
@@ -203,31 +207,37 @@ def search_in_ranks(spec: dict) -> tuple[dict, object]:
                               "describe": e.candidate.describe(), "predicted_s": e.step_time_s,
                               "predicted_bytes_per_pp_rank": e.memory_per_rank, "bounds": list(e.bounds),
                               "predicted_memory_terms": [m.to_dict() for m in e.memory_per_stage],
-                              "parts": e.parts} for e in chosen]}
+                              "parts": e.parts, "reference": e is reference} for e in chosen]}
     box = [block]
     dist.broadcast_object_list(box, src=0)
     if rank != 0:
         return box[0], None
 
-    def rescore(background: float) -> list:
-        """The chosen configurations scored again with `background` cores taken by idle threads."""
-        again = StepModel(profile, cluster.replace(memory_headroom=1.0, background_cores=background),
-                          global_batch_size=GLOBAL_BATCH)
+    def rescore(background: float, scale: float = 1.0) -> list:
+        """The chosen configurations scored again with `background` cores taken by idle threads and the level
+        `scale` a reference step measured (Cluster.time_shared_scale)."""
+        again = StepModel(profile, cluster.replace(memory_headroom=1.0, background_cores=background,
+                                                   time_shared_scale=scale), global_batch_size=GLOBAL_BATCH)
         return [again.evaluate(e.candidate) for e in chosen]
     return box[0], rescore
 
 
 def summarise(block: dict) -> dict:
-    rows = [c for c in block["configs"] if c.get("measured_s")]
+    """Time statistics over the checked configurations (the reference step calibrated the level, so it is left
+    out of them); pick / best over every measured one (the reference is a configuration of the space too);
+    memory over all (the reference step does not touch the memory model)."""
+    measured = [c for c in block["configs"] if c.get("measured_s")]
+    rows = [c for c in measured if not c.get("reference")]
     if not rows:
         return {"n": 0}
     pred = [c["predicted_s"] for c in rows]
     meas = [c["measured_s"] for c in rows]
-    best = min(meas)
-    pick = min(rows, key=lambda c: c.get("searched_s", c["predicted_s"]))  # as the search ranked them
+    best = min(c["measured_s"] for c in measured)
+    pick = min(measured, key=lambda c: c.get("searched_s", c["predicted_s"]))  # as the search ranked them
     time_err = [abs(p - m) / m for p, m in zip(pred, meas)]
+    unscaled = [abs(c.get("predicted_unscaled_s", c["predicted_s"]) - c["measured_s"]) / c["measured_s"] for c in rows]
     mem_err = []
-    for c in rows:
+    for c in measured:
         pp = c["strategy"]["pp"]
         world = len(c["measured_bytes_per_rank"])
         for rank, got in enumerate(c["measured_bytes_per_rank"]):
@@ -238,6 +248,7 @@ def summarise(block: dict) -> dict:
     scale = statistics.geometric_mean([m / p for p, m in zip(pred, meas)])
     return {"n": len(rows), "spearman": spearman(pred, meas), "pick_over_best": pick["measured_s"] / best,
             "median_time_error": statistics.median(time_err), "fitted_scale": scale,
+            "median_time_error_unscaled": statistics.median(unscaled), "pick": pick["describe"],
             "median_time_error_after_scale": statistics.median(abs(p * scale - m) / m for p, m in zip(pred, meas)), "max_memory_error": max(mem_err, key=abs),
             "median_memory_error": statistics.median(abs(e) for e in mem_err)}
 
@@ -251,6 +262,12 @@ def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
           f"({block['fitting']} distinct fitting) in {block['search_s']:.2f} s; measured {summary['n']} in "
           f"{block['measure_s']:.0f} s (load average {block['load_average'][0]:.1f} -> {block['load_average'][1]:.1f})")
     print(f"{'predicted ms':>12} {'measured ms':>11} {'err':>6}  {'pred MiB/pp rank':<22} {'measured MiB/rank':<40} config")
+    reference = next((c for c in block["configs"] if c.get("reference")), None)
+    if reference and reference.get("measured_s"):
+        print(f"reference step (calibrates the level, left out of the time statistics): {reference['describe']} "
+              f"measured {reference['measured_s'] * 1e3:.1f} ms, predicted bound "
+              f"{reference.get('predicted_unscaled_s', 0) * 1e3:.1f} ms: time_shared_scale "
+              f"{block.get('time_shared_scale', 1.0):.3f}")
     for c in sorted(block["configs"], key=lambda c: c["predicted_s"]):
         if not c.get("measured_s"):
             print(f"{c['predicted_s'] * 1e3:12.1f} {'failed':>11}  {c.get('error', '')[:80]}  {c['describe']}")
@@ -259,7 +276,7 @@ def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
         mm = ",".join(f"{v / 2**20:.1f}" for v in c["measured_bytes_per_rank"])
         err = (c["predicted_s"] - c["measured_s"]) / c["measured_s"]
         print(f"{c['predicted_s'] * 1e3:12.1f} {c['measured_s'] * 1e3:11.1f} {err:+6.0%}  {pm:<22} {mm:<40} "
-              f"{c['describe']}")
+              f"{c['describe']}{'  (reference)' if c.get('reference') else ''}")
         if args_terms:
             p, m = c["parts"], c["measured_terms_s"]
             print(f"{'':12}   terms ms, predicted / measured (slowest rank): pipeline busy {p['busy_s'] * 1e3:.1f} / "
@@ -273,8 +290,9 @@ def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
     print(f"set-up (trace, partition, 2 steps) per configuration: median {statistics.median(setup):.1f} s")
     print(f"Spearman {summary['spearman']:.3f} (target >= 0.8); pick / measured best {summary['pick_over_best']:.3f} "
           f"(target <= 1.10); median |time error| {summary['median_time_error']:.1%} (target <= 15%; "
-          f"{summary['median_time_error_after_scale']:.1%} after one fitted factor x{summary['fitted_scale']:.2f}, "
-          f"shown only to separate shape from calibration); memory error "
+          f"{summary['median_time_error_unscaled']:.1%} without the reference step's scale; "
+          f"{summary['median_time_error_after_scale']:.1%} after one factor fitted to all rows, x"
+          f"{summary['fitted_scale']:.2f}, shown only to separate shape from calibration); memory error "
           f"(live tensor bytes, per rank) worst {summary['max_memory_error']:+.1%}, median "
           f"{summary['median_memory_error']:.1%} (target <= 20%)")
     if not block["pick_runnable"]:
@@ -333,6 +351,21 @@ def main() -> None:
 
 
 # ------------------------------------------------------------------------------ the ranks
+
+
+def calibrate_level(block: dict, rescore) -> None:
+    """Score every configuration again with the level the reference step measured (search/step_probe.py)."""
+    from autopar.search.step_probe import time_shared_scale
+    index = next((i for i, c in enumerate(block["configs"]) if c.get("reference")), None)
+    background = block.get("background_cores", 0.0)
+    unscaled = rescore(background)
+    if index is None or not block["configs"][index].get("measured_s"):
+        block["time_shared_scale"] = 1.0
+        return
+    scale = time_shared_scale(block["configs"][index]["measured_s"], unscaled[index])
+    block["time_shared_scale"] = scale
+    for c, before, after in zip(block["configs"], unscaled, rescore(background, scale)):
+        c.update(predicted_unscaled_s=before.step_time_s, predicted_s=after.step_time_s, parts=after.parts)
 
 
 TERMS = ("step", "forward_backward", "busy", "clip_gradients", "optimizer", "zero_grad", "cpu")
@@ -441,6 +474,7 @@ def worker(spec_path: Path) -> None:
     if rank == 0:
         for c, m in zip(block["configs"], results):
             c.update(m)
+        calibrate_level(block, rescore)
         Path(spec["out"]).write_text(json.dumps(block))
     dist.barrier()
     dist.destroy_process_group()

@@ -239,6 +239,40 @@ def test_background_cores_leave_fewer_cores_to_the_time_shared_step():
         cluster_from_dict(busy.replace(background_cores=2.5).to_dict())
 
 
+def test_reference_step_sets_the_level_of_the_time_shared_bound():
+    """search/step_probe.py, hand-computed: the reference is replicated dp over every rank, one micro-batch each;
+    its measured step over its predicted bound is the scale, which multiplies every bound (so the reference,
+    scored again, predicts what was measured) and leaves the CPU terms alone. Without time-sharing, or with
+    nothing measured, the scale is 1. A cluster file keeps the field and refuses a scale of 0 by name; a global
+    batch that does not split over the ranks is refused."""
+    from autopar.errors import ConfigError
+    from autopar.search.cluster import cluster_from_dict
+    from autopar.search.step_probe import reference_candidate, time_shared_scale
+    profile, cluster = _toy()
+    ref = reference_candidate(8, 16)
+    assert (ref.dp, ref.tp, ref.pp, ref.micro_batch_size, ref.num_microbatches, ref.zero, ref.recompute) == \
+        (8, 1, 1, 2, 1, 0, "none")
+    with pytest.raises(ConfigError, match="global batch size 12 does not split over 8 ranks"):
+        reference_candidate(8, 12)
+    shared = cluster.replace(cores_per_node=2)
+    before = StepModel(profile, shared, global_batch_size=16).evaluate(ref)
+    scale = time_shared_scale(1.3 * before.step_time_s, before)
+    assert scale == pytest.approx(1.3)
+    scaled = shared.replace(time_shared_scale=scale)
+    after = StepModel(profile, scaled, global_batch_size=16).evaluate(ref)
+    assert after.step_time_s == pytest.approx(1.3 * before.step_time_s)
+    assert after.parts["cpu_s"] == pytest.approx(before.parts["cpu_s"])
+    other = Candidate(dp=4, tp=1, pp=2, micro_batch_size=1, num_microbatches=4, partition="uniform")
+    assert StepModel(profile, scaled, global_batch_size=16).evaluate(other).parts["time_shared_s"] == \
+        pytest.approx(1.3 * StepModel(profile, shared, global_batch_size=16).evaluate(other).parts["time_shared_s"])
+    alone = StepModel(profile, cluster, global_batch_size=16).evaluate(ref)  # a core per rank: no bound
+    assert time_shared_scale(2 * alone.step_time_s, alone) == 1.0
+    assert time_shared_scale(0.0, before) == 1.0
+    assert cluster_from_dict(scaled.to_dict()) == scaled
+    with pytest.raises(ConfigError, match="'time_shared_scale' must be > 0, got 0"):
+        cluster_from_dict(scaled.replace(time_shared_scale=0).to_dict())
+
+
 def test_other_threads_cpu_counts_another_threads_work():
     """calibrate_ranks.other_threads_cpu_s (what background_cores sums over the ranks) sees a busy thread's CPU
     and not the caller's own."""

@@ -88,6 +88,13 @@ class Cluster:
     ~1-2 ms of CPU per second each here (docs/benchmarks/strategy_search.md), so a process holding many groups
     (benchmarks/strategy_search.py keeps 22 trainers' alive at once) pays for them in every step. Measured in the
     ranks' launch (calibrate_ranks.background_cores); 0: none counted."""
+    time_shared_scale: float = 1.0
+    """CPU only: the measured step time of a reference configuration of the model over its predicted time-shared
+    bound (search/step_probe.py), which multiplies every configuration's bound. The modelled CPU terms and the
+    sharing probe leave out what a real step adds when ranks time-share the cores (cache refills after every
+    switch, the trainer's own per-step work, busy gloo threads); one real step of the model measures their sum.
+    A common factor: it moves the predicted level, not the ranking among bound-ruled configurations. 1: not
+    measured (`autopar calibrate` does not know the model, so it writes 1)."""
     node_bandwidth_bytes_per_s: float = 0
     """Bytes per second all ranks of one node move between ranks together (0: no shared cap, each rank's
     link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
@@ -241,6 +248,7 @@ def cluster_from_dict(data: dict) -> Cluster:
         "memory_headroom" in data else 1.1,
         cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0,
         background_cores=_number(data, "background_cores", "", strict=False) if "background_cores" in data else 0.0,
+        time_shared_scale=_number(data, "time_shared_scale", "") if "time_shared_scale" in data else 1.0,
         node_bandwidth_bytes_per_s=_number(data, "node_bandwidth_bytes_per_s", "", strict=False)
         if "node_bandwidth_bytes_per_s" in data else 0)
     if cluster.background_cores and cluster.background_cores >= (cluster.cores_per_node or float("inf")):

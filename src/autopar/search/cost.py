@@ -23,7 +23,8 @@
                  step: compute actions (without the wall time their TP collectives wait), the update,
                  and every collective and transfer's own CPU (gloo copies and wakes in its threads,
                  calibrated per group size: Cluster.all_reduce_cpu, p2p_cpu_s) -- none of it overlaps
-                 when the cores are oversubscribed, whatever the timeline hides
+                 when the cores are oversubscribed, whatever the timeline hides; x the level a real
+                 reference step measured (Cluster.time_shared_scale, search/step_probe.py; 1 if not)
 
 Everything a candidate needs that does not depend on its schedule (block times per tp and
 micro-batch size, partitions, in-flight counts) is cached on the StepModel instance, so
@@ -438,7 +439,7 @@ class StepModel:
         if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their CPU / cores
             cpu_terms = self.step_cpu_terms(c, spans, blocks, times, rank_of, opt_time, local_params)
             free = max(cores - cl.background_cores, 0.05 * cores)  # what the ranks' idle threads leave
-            shared = sum(cpu_terms.values()) / (free * ((c.dp * c.tp * c.pp) // per_node))
+            shared = cl.time_shared_scale * sum(cpu_terms.values()) / (free * ((c.dp * c.tp * c.pp) // per_node))
             step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,

@@ -1,0 +1,41 @@
+"""One real step of the model calibrates the level of the time-shared bound (CPU hosts only).
+
+The step model prices a time-shared step as its modelled CPU over the cores the ranks get (cost.py,
+Cluster.cores_per_node from the sharing probe). Its shape holds well (benchmarks/strategy_search.py: rank
+correlation 0.9-0.98), but its level misses what a real step adds when ranks share cores: caches refilled
+after every switch between ranks, the trainer's own per-step work, gloo threads that poll while busy. They
+vary with the model and the machine's state, so no synthetic probe measures them; one step of the model
+itself does. The reference is the plainest layout every model runs (replicated data parallelism, one
+micro-batch, no recomputation): its measured step time over its predicted bound is the factor
+(Cluster.time_shared_scale) every bound is multiplied by.
+
+A uniform factor leaves the search's ranking of bound-ruled configurations unchanged; it makes the predicted
+times (plan.json, the benchmark's error) mean seconds on this machine. `autopar calibrate` knows no model and
+writes 1; the validation benchmark measures the reference in the same launch as the configurations it checks
+and leaves it out of its error statistics.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .cost import Candidate, Estimate
+
+
+def reference_candidate(nproc: int, global_batch_size: int) -> Candidate:
+    """Replicated data parallelism over every rank, one micro-batch each: no pipeline, no TP, no ZeRO."""
+    if global_batch_size % nproc:
+        raise ConfigError(f"reference step: global batch size {global_batch_size} does not split over {nproc} ranks; "
+                          f"use a multiple of {nproc}")
+    return Candidate(dp=nproc, tp=1, pp=1, micro_batch_size=global_batch_size // nproc, num_microbatches=1,
+                     schedule="1f1b", recompute="none", partition="uniform", zero=0)
+
+
+def time_shared_scale(measured_step_s: float, reference: Estimate) -> float:
+    """Measured step time of the reference over its predicted time-shared bound (the factor that makes them equal).
+
+    1 when the bound does not rule the reference (each rank has a core: nothing is time-shared) or nothing was
+    measured. `reference` must be scored with the scale at 1."""
+    bound = reference.parts.get("time_shared_s", 0.0)
+    if measured_step_s <= 0 or bound <= 0 or bound < reference.parts.get("timeline_step_s", 0.0):
+        return 1.0
+    return measured_step_s / bound
