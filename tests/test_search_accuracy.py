@@ -32,17 +32,22 @@ CASES = {  # name -> the strategy on 2 ranks (4 micro-batches of 4)
     "dp2-zero3": dict(dp=2, zero=3),
     # the fp32 master shards and their gradients live in the optimizer, not the model
     "dp2-zero1": dict(dp=2, zero=1),
+    # no pipeline, no TP: the engine runs the model itself, which keeps less than its traced stages (hf:llama's
+    # layers 0.8x; measure_profile.BlockCosts.eager_saved_per_seq); the traced bytes over-predicted by 25-29%
+    "llama-dp2-zero2": dict(dp=2, zero=2),
 }
+MODEL_OF = {"llama-dp2-zero2": "hf:llama"}  # default gpt-tiny
+TOLERANCE_OF = {"llama-dp2-zero2": 0.10}  # the traced bytes miss this one (the test's default llama) by 16%
 
 
 def _pipeline_peak(out: str, case: str) -> int:
-    """On each of 2 ranks: gpt-tiny, 4 micro-batches of CASES[case]; this rank's peak live tensor bytes of step 2."""
+    """On each of 2 ranks: gpt-tiny (or MODEL_OF[case]), 4 micro-batches of CASES[case]; this rank's peak live tensor bytes of step 2."""
     import autopar
     from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
     from autopar.models import build_model
     from autopar.search.live_memory import step_peak_bytes
     tokenizer = build_tokenizer("byte")
-    model, info = build_model("gpt-tiny", {}, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
+    model, info = build_model(MODEL_OF.get(case, "gpt-tiny"), {}, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
     train, _ = build_datasets(load_corpus("stdlib"), tokenizer, seq_len=SEQ_LEN, task=info.task, seed=0)
     trainer = autopar.Trainer(model, train, strategy=autopar.Strategy(**CASES[case]),
                               config=autopar.TrainConfig(steps=10, global_batch_size=GLOBAL_BATCH,
@@ -60,15 +65,15 @@ def test_memory_model_matches_measured_pipeline_peak(rank_pool, tmp_path, case):
     measured = rank_pool(2).run(_pipeline_peak, str(tmp_path), case)
     strategy = CASES[case]
     dp, pp, schedule = strategy.get("dp", 1), strategy.get("pp", 1), strategy.get("schedule", "1f1b")
-    profile = with_measured_blocks(profile_model("gpt-tiny", seq_len=SEQ_LEN),
-                                   measure_blocks("gpt-tiny", seq_len=SEQ_LEN, repeats=1))
+    name = MODEL_OF.get(case, "gpt-tiny")
+    profile = with_measured_blocks(profile_model(name, seq_len=SEQ_LEN), measure_blocks(name, seq_len=SEQ_LEN, repeats=1))
     cluster = resolve_cluster("cpu-local", nproc=2).replace(memory_headroom=1.0)  # the live bytes themselves
     estimate = StepModel(profile, cluster, global_batch_size=GLOBAL_BATCH).evaluate(
         Candidate(dp=dp, tp=1, pp=pp, micro_batch_size=MICRO_BATCH, num_microbatches=GLOBAL_BATCH // MICRO_BATCH // dp,
                   schedule=schedule, partition="uniform", zero=strategy.get("zero", 0)))
     predicted = [estimate.memory_per_rank[r * pp // 2] for r in range(2)]  # a stage's dp replicas are consecutive
     errors = [(want - got) / got for want, got in zip(predicted, measured)]
-    assert all(abs(e) <= MEMORY_TOLERANCE for e in errors), (
+    assert all(abs(e) <= TOLERANCE_OF.get(case, MEMORY_TOLERANCE) for e in errors), (
         f"predicted {[round(v / 2**20, 2) for v in predicted]} MiB per rank, measured "
         f"{[round(v / 2**20, 2) for v in measured]} MiB: errors {[f'{e:+.0%}' for e in errors]}")
     if case == "1f1b":

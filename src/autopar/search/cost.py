@@ -384,10 +384,17 @@ class StepModel:
             FSDP2 unit per stage, zero/fully_sharded.py)."""
             return local_params[s] if c.zero == 3 and (c.pp > 1 or c.tp > 1) else max(prof.params[a:b])
 
+        saved_bytes = prof.saved_bytes
+        measured = self.profile.measured
+        if c.pp == 1 and c.tp == 1 and measured and all(m.eager_saved_per_seq is not None for m in measured):
+            # no pipeline, no TP: the engine runs the model itself, not traced stages (strategies.py), and keeps
+            # what the eager model keeps (measure_profile.BlockCosts.eager_saved_per_seq)
+            saved_bytes = tuple(m.eager_saved_per_seq for m in measured)
+
         def memory_of(s: int, k: int) -> StageMemory:
             a, b = spans[s]
             out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
-            return stage_memory(param_elements=local_params[s], saved=list(prof.saved_bytes[a:b]),
+            return stage_memory(param_elements=local_params[s], saved=list(saved_bytes[a:b]),
                                 inputs=inputs[a:b], output_bytes=out, in_flight=max(1, structure.in_flight[s]),
                                 stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole,
                                 transient_bytes=transient[s], largest_block_params=gathered_unit(s, a, b),

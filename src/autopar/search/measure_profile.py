@@ -35,6 +35,7 @@ approximations.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import statistics
 import time
@@ -74,6 +75,11 @@ class BlockCosts:
     held_per_seq: float | None = None
     split_transient_fixed: float | None = None
     split_transient_per_seq: float | None = None
+    eager_saved_per_seq: float | None = None
+    """Bytes autograd keeps for this block when the model runs as itself, not as traced stages (the engines
+    without a pipeline or TP: data parallel, ZeRO 1-3, train/fsdp_engine.py); None: not measured. They can
+    differ: a traced hf:llama layer keeps 1.3x what the eager one does (its stage graph saves a few
+    intermediates the eager module recomputes or shares)."""
 
     @property
     def has_split(self) -> bool:
@@ -109,6 +115,44 @@ def _update_seconds(stage, repeats: int) -> float:
         update()
         samples.append(time.perf_counter() - began)
     return statistics.median(samples)
+
+
+def _eager_saved_bytes(model: nn.Module, block_names: tuple[str, ...], batch: int, seq_len: int,
+                       seed: int) -> list[int] | None:
+    """Per block, bytes autograd keeps in one forward of the model itself on `batch` sequences,
+    attributed by hooks on the layer blocks' modules: before the first layer to the first block, after the
+    last to the last; a storage saved by several blocks counts once, in the first. None when a layer block is
+    not a module of the model (a custom cut), so the traced blocks' bytes stand."""
+    from ..models.materialize import materialize
+    layers = block_names[1:-1]
+    try:
+        for name in layers:
+            model.get_submodule(name)
+    except AttributeError:
+        return None
+    full = materialize(copy.deepcopy(model), "cpu", seed=seed)
+    modules = [full.get_submodule(name) for name in layers]
+    weights = {t.untyped_storage().data_ptr() for t in [*full.parameters(), *full.buffers()]}
+    totals, seen, current = [0] * len(block_names), set(), [0]
+    hooks = []
+    for i, module in enumerate(modules, start=1):
+        hooks.append(module.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i)))
+        hooks.append(module.register_forward_hook(lambda *_: current.__setitem__(0, len(block_names) - 1)))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in weights and key not in seen:
+            seen.add(key)
+            totals[current[0]] += t.untyped_storage().nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            full(torch.zeros(batch, seq_len, dtype=torch.long))  # no loss: the traced blocks' bytes have none either
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return totals
 
 
 def _loss(out) -> torch.Tensor:
@@ -275,6 +319,9 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         torch.set_num_threads(threads)
     (f1, b1, s1, t1, updates, cpu_per_wall, i1, w1, _, x1), (f2, b2, s2, t2, _, _, i2, w2, h2, x2) = runs
     lo, hi = micro_batches
+    graph = chains[-1][0]
+    names = tuple(getattr(b, "name", "") for b in graph.blocks)
+    eager = _eager_saved_bytes(model, names, hi, seq_len, seed) if len(names) == len(f1) else None
 
     def fit(small: float, large: float) -> tuple[float, float]:
         per = max(0.0, (large - small) / (hi - lo))
@@ -288,7 +335,8 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
                               saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
                               update_s=updates[i], cpu_per_wall=cpu_per_wall, input_fixed_s=inf, input_per_seq_s=ins,
                               weight_fixed_s=wf, weight_per_seq_s=ws, held_per_seq=h2[i] / hi,
-                              split_transient_fixed=xf, split_transient_per_seq=xs))
+                              split_transient_fixed=xf, split_transient_per_seq=xs,
+                              eager_saved_per_seq=eager[i] / hi if eager else None))
     return out
 
 
