@@ -203,6 +203,13 @@ def test_memory_pieces_by_hand():
                          in_flight=1, stashed=4, recompute_blocks=0, whole_stage=True, activation_scale=0.5,
                          optimizer="sgd", dp=1, headroom=1.0)
     assert whole.activations == 600 * 0.5 and whole.stashed_inputs == 4 * 10 * 0.5 and whole.optimizer == 0
+    # whole-stage recomputation with 6 micro-batches: one rebuilt at a time (in_flight 1), but the warm-up still
+    # ran 4 forwards before the first backward (stashed 4), so 6 - 4 = 2 input gradients were sent before the
+    # last forward (not 6 - 1 = 5)
+    six = stage_memory(param_elements=0, saved=saved, inputs=inputs, output_bytes=40.0, micro_batch_size=1,
+                       in_flight=1, stashed=4, recompute_blocks=0, whole_stage=True, activation_scale=1.0,
+                       optimizer="sgd", dp=1, headroom=1.0, num_microbatches=6)
+    assert six.buffers == (6 + 1) * 40 + 2 * 10
 
 
 # ----------------------------------------------------------------------------- search

@@ -88,7 +88,8 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
     it holds the unsharded gradient, its reduce-scatter copy and the shard: the larger of the two counts.
 
     `num_microbatches` sets what the pipeline keeps sent (see buffers above): m outgoing activations,
-    and the input gradients of the m - in_flight backwards done before the stage's last forward.
+    and the input gradients of the backwards done before the stage's last forward (m - in_flight; m - stashed
+    under whole-stage recomputation, where in_flight counts the one micro-batch rebuilt at a time).
 
     `weight_pending`: bytes a zero-bubble stage's I keeps for its W, over all micro-batches between the
     two (the caller knows the count from the simulator); pass the split's own transient as `transient_bytes`.
@@ -110,7 +111,10 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
     # m activations out, the input gradients of the backwards done before the last forward, one gradient in.
     # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
     m = max(1, num_microbatches)
-    buffers = (m + 1) * output_bytes * b + max(0, m - in_flight) * input_bytes
+    # the forwards before the stage's first backward: its in-flight count, or under whole-stage recomputation
+    # (one micro-batch's activations at a time) the stashed inputs, which the schedule's warm-up still sets
+    warm_up = stashed if whole_stage else in_flight
+    buffers = (m + 1) * output_bytes * b + max(0, m - warm_up) * input_bytes
     states = zero_model_state_bytes(param_elements, zero=zero, dp=dp, bf16=bf16_master,
                                     optimizer_bytes=float(OPTIMIZER_STATE_BYTES[optimizer]))
     grads = states.grads
