@@ -12,7 +12,7 @@ import torch
 from autopar.config import Strategy, TrainConfig
 from autopar.data.tokenizer import padded_vocab_size
 from autopar.models import build_model
-from autopar.search.cluster import Cluster, Link
+from autopar.search.cluster import Cluster, Link, cluster_from_dict
 from autopar.search.cost import Candidate, StepModel
 from autopar.search.memory import stage_memory
 from autopar.search.profile import ModelProfile, TPProfile
@@ -85,6 +85,18 @@ def test_zero_communication_cpu_by_hand():
     assert data_parallel_cpu_s(cl, zero=3, num_microbatches=3, unit_bytes=[1e6, 3e6], **args) == \
         pytest.approx(4 * unit(1e6) + 4 * unit(3e6))
     assert data_parallel_cpu_s(cl, zero=3, num_microbatches=3, **args) == pytest.approx(4 * whole)
+    # calibrated reduce-scatter and all-gather tables (calibrate_ranks measures them): each in the ring's
+    # alpha-beta form, 3 steps and 3/4 of the bytes over 4 ranks
+    tables = dataclasses.replace(cl, reduce_scatter_cpu_table={4: Link(5e-4, 2e8)},
+                                 all_gather_cpu_table={4: Link(2e-4, 5e8)})
+    scatter = 3 * 5e-4 + 3 / 4 * 4e6 / 2e8
+    gather = 3 * 2e-4 + 3 / 4 * 4e6 / 5e8
+    assert data_parallel_cpu_s(tables, zero=1, **args) == pytest.approx(whole + gather)
+    assert data_parallel_cpu_s(tables, zero=2, num_microbatches=3, per_micro_batch=True, **args) == \
+        pytest.approx(3 * scatter + gather)
+    assert data_parallel_cpu_s(tables, zero=3, num_microbatches=2, **args) == pytest.approx(scatter + 4 * gather)
+    assert tables.reduce_scatter_cpu(4e6, 8) == pytest.approx(2 * scatter)  # a larger group: the largest, per rank
+    assert cluster_from_dict(tables.to_dict()) == tables
 
 
 def test_stage_memory_uses_the_zero_formula():

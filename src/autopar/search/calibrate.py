@@ -94,6 +94,8 @@ def calibrate(nproc: int) -> Cluster:
     p2p = Link(**links["p2p"])
     table = {int(n): Link(**fit) for n, fit in links["allreduce"].items()}
     cpu_table = {int(n): Link(**fit) for n, fit in links["allreduce_cpu"].items()}
+    scatter_table = {int(n): Link(**fit) for n, fit in links["reduce_scatter_cpu"].items()}
+    gather_table = {int(n): Link(**fit) for n, fit in links["all_gather_cpu"].items()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return Cluster(name="calibrated", source=f"measured by autopar calibrate on {socket.gethostname()} at {stamp} "
@@ -102,7 +104,8 @@ def calibrate(nproc: int) -> Cluster:
                    compute_efficiency=1.0, memory_bandwidth_bytes_per_s=bandwidth, intra_node=p2p,
                    inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1,
                    cores_per_node=min(float(os.cpu_count() or 1), round(links["effective_cores"], 3)),
-                   allreduce_cpu_table=cpu_table, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
+                   allreduce_cpu_table=cpu_table, reduce_scatter_cpu_table=scatter_table,
+                   all_gather_cpu_table=gather_table, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
                    node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0))
 
 

@@ -194,7 +194,7 @@ def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"allreduce": {}, "allreduce_cpu": {}}
+    result: dict = {"allreduce": {}, "allreduce_cpu": {}, "reduce_scatter_cpu": {}, "all_gather_cpu": {}}
     times, cpus = {}, {}
     for size in (SMALL, LARGE):
         buf = torch.zeros(size // 4)
@@ -224,17 +224,24 @@ def main() -> None:
     result["aggregate"] = _fit(times[SMALL], times[LARGE], 1, world)
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
-        times, cpus = {}, {}
+        times, cpus, scatters, gathers = {}, {}, {}, {}
         for size in (SMALL, LARGE):
-            buf = torch.zeros(size // 4)
-            wall = cpu = 0.0
+            buf, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
+            whole = torch.zeros(shard.numel() * n)
+            wall = cpu = scatter = gather = 0.0
             if rank < n:
                 wall, cpu = _time(lambda: dist.all_reduce(buf, group=group), group)
+                # the ZeRO collectives as zero/grads.py and zero/optimizer.py call them (FSDP2 runs the same ones)
+                scatter = _time(lambda: dist.reduce_scatter_single(shard, whole, group=group), group)[1]
+                gather = _time(lambda: dist.all_gather_single(whole, shard, group=group), group)[1]
             times[size], cpus[size] = wall, _summed(cpu)
+            scatters[size], gathers[size] = _summed(scatter), _summed(gather)
             dist.barrier()
         if rank == 0:
             result["allreduce"][str(n)] = _fit(times[SMALL], times[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
             result["allreduce_cpu"][str(n)] = _fit(cpus[SMALL], cpus[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
+            result["reduce_scatter_cpu"][str(n)] = _fit(scatters[SMALL], scatters[LARGE], n - 1, (n - 1) / n)
+            result["all_gather_cpu"][str(n)] = _fit(gathers[SMALL], gathers[LARGE], n - 1, (n - 1) / n)
     result["effective_cores"] = sharing_probe()
     result["sync_cpu_s"] = sync_cost() if world >= 2 else 0.0
     if rank == 0:

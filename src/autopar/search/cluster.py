@@ -76,6 +76,12 @@ class Cluster:
     allreduce_cpu_table: dict[int, Link] = field(default_factory=dict)
     """CPU only: CPU seconds of one all-reduce over n ranks, summed over them, in the all-reduce's alpha-beta form
     (calibrate_ranks.py). Time-sharing ranks pay it out of the cores the compute needs."""
+    reduce_scatter_cpu_table: dict[int, Link] = field(default_factory=dict)
+    """CPU only: CPU seconds of one reduce-scatter over n ranks (the whole buffer's bytes), summed over them, in the
+    ring's alpha-beta form ((n-1) steps, (n-1)/n of the bytes). Gloo's costs several all-reduces' CPU here
+    (benchmarks/gloo_collectives.py), so ZeRO-2/3 cannot be priced by the all-reduce. Empty: an all-reduce's."""
+    all_gather_cpu_table: dict[int, Link] = field(default_factory=dict)
+    """CPU only: the same for one all-gather (bytes of the gathered whole). Empty: half an all-reduce's."""
     p2p_cpu: Link | None = None
     """CPU only: CPU seconds of one point-to-point transfer, sender's and receiver's together."""
     sync_cpu_s: float = 0.0
@@ -152,6 +158,29 @@ class Cluster:
         return (2 * (size - 1) * link.latency_s + 2 * (size - 1) / size * nbytes / link.bandwidth_bytes_per_s) * \
             n / size
 
+    def _ring_half_cpu(self, table: dict[int, Link], nbytes: float, n: int) -> float:
+        size = n if n in table else max(table)
+        link = table[size]
+        return ((size - 1) * link.latency_s + (size - 1) / size * nbytes / link.bandwidth_bytes_per_s) * n / size
+
+    def reduce_scatter_cpu(self, nbytes: float, n: int) -> float:
+        """CPU seconds, summed over the n ranks, of one reduce-scatter of `nbytes` (the whole buffer); an
+        all-reduce's without a calibrated table."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.reduce_scatter_cpu_table:
+            return self.all_reduce_cpu(nbytes, n)
+        return self._ring_half_cpu(self.reduce_scatter_cpu_table, nbytes, n)
+
+    def all_gather_cpu(self, nbytes: float, n: int) -> float:
+        """CPU seconds, summed over the n ranks, of one all-gather into `nbytes`; half an all-reduce's without a
+        calibrated table (half its ring volume in half its steps)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.all_gather_cpu_table:
+            return self.all_reduce_cpu(nbytes, n) / 2
+        return self._ring_half_cpu(self.all_gather_cpu_table, nbytes, n)
+
     def p2p_cpu_s(self, nbytes: float) -> float:
         """CPU seconds of one point-to-point transfer of `nbytes`, both ends (0 without calibration)."""
         return self.p2p_cpu.p2p(nbytes) if self.p2p_cpu is not None and nbytes > 0 else 0.0
@@ -165,6 +194,8 @@ class Cluster:
         out = dataclasses.asdict(self)
         out["allreduce_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_table.items()}
         out["allreduce_cpu_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_cpu_table.items()}
+        for name in ("reduce_scatter_cpu_table", "all_gather_cpu_table"):
+            out[name] = {str(n): dataclasses.asdict(link) for n, link in getattr(self, name).items()}
         if self.p2p_cpu is None:
             del out["p2p_cpu"]
         return out
@@ -242,6 +273,8 @@ def cluster_from_dict(data: dict) -> Cluster:
         per_action_overhead_s=_number(data, "per_action_overhead_s", "", strict=False) if
         "per_action_overhead_s" in data else 0.0,
         allreduce_table=group_table("allreduce_table"), allreduce_cpu_table=group_table("allreduce_cpu_table"),
+        reduce_scatter_cpu_table=group_table("reduce_scatter_cpu_table"),
+        all_gather_cpu_table=group_table("all_gather_cpu_table"),
         p2p_cpu=_link(data, "p2p_cpu") if "p2p_cpu" in data else None,
         sync_cpu_s=_number(data, "sync_cpu_s", "", strict=False) if "sync_cpu_s" in data else 0.0,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if

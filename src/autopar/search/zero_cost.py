@@ -79,25 +79,25 @@ def copy_bytes_per_param(zero: int, element_bytes: float) -> float:
 def data_parallel_cpu_s(cluster: Cluster, *, zero: int, dp: int, nbytes: float, num_microbatches: int = 1,
                         per_micro_batch: bool = False, unit_bytes: Sequence[float] = ()) -> float:
     """CPU seconds, summed over one dp group, of the data-parallel collectives of one step (time-sharing ranks),
-    as the runtime runs them on gloo: zero 0 one all-reduce; zero 1 an all-reduce of the whole gradients too
-    (zero/grads.py: gloo's reduce-scatter is slower than its all-reduce, benchmarks/gloo_collectives.py), then
-    the all-gather of the updated parameters (zero/optimizer.py); zero 2 a reduce-scatter, costed as an
-    all-reduce (a lower bound by that benchmark), per micro-batch under the data-parallel engine and once with
-    a pipeline, then the all-gather; zero 3 a reduce-scatter (again an all-reduce's CPU) and every micro-batch's
-    two all-gathers of the parameters. An all-gather moves half an all-reduce's ring volume in half its steps: half its CPU.
+    as the runtime runs them on gloo, each at its calibrated CPU (Cluster.all_reduce_cpu, reduce_scatter_cpu,
+    all_gather_cpu: gloo's reduce-scatter costs several all-reduces' CPU, benchmarks/gloo_collectives.py):
+    zero 0 one all-reduce; zero 1 an all-reduce of the whole gradients too (zero/grads.py, for that reason),
+    then the all-gather of the updated parameters (zero/optimizer.py); zero 2 a reduce-scatter, per micro-batch
+    under the data-parallel engine and once with a pipeline, then the all-gather; zero 3 a reduce-scatter and
+    every micro-batch's two all-gathers of the parameters.
 
     `unit_bytes` (zero 3): the bytes of each FSDP2 unit this rank holds (a block under dp alone, the whole stage
-    with pp or tp). FSDP2 runs its collectives per unit, so each pays the collective's fixed cost: per unit, the
-    reduce-scatter (an all-reduce's CPU, as zero 2's) and every micro-batch's two all-gathers. Without it, one
-    unit of `nbytes` (the fixed cost paid once: what the model counted before the per-unit count)."""
+    with pp or tp). FSDP2 runs its collectives per unit, so each pays the collective's fixed cost. Without it,
+    one unit of `nbytes`."""
     if dp <= 1 or nbytes <= 0:
         return 0.0
-    whole = cluster.all_reduce_cpu(nbytes, dp)
     if zero == 0:
-        return whole
+        return cluster.all_reduce_cpu(nbytes, dp)
+    gather = cluster.all_gather_cpu(nbytes, dp)
     if zero == 1:
-        return whole + whole / 2
+        return cluster.all_reduce_cpu(nbytes, dp) + gather
     if zero == 2:
-        return (num_microbatches if per_micro_batch else 1) * whole + whole / 2
+        return (num_microbatches if per_micro_batch else 1) * cluster.reduce_scatter_cpu(nbytes, dp) + gather
     units = list(unit_bytes) or [nbytes]
-    return sum((1 + num_microbatches) * cluster.all_reduce_cpu(u, dp) for u in units)
+    return sum(cluster.reduce_scatter_cpu(u, dp) + 2 * num_microbatches * cluster.all_gather_cpu(u, dp)
+               for u in units)
