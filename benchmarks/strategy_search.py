@@ -14,7 +14,12 @@ How it measures (one launch per model and world size, by the project's launcher)
   Python/torch/gloo runtime too. The memory model is compared with headroom 1 (the same quantity);
   the JSON keeps the model's terms per stage and, per rank, the bytes at the peak by the op that made them;
 - time: REPEATS rounds, each timing one step of every configuration in turn (interleaved, so load
-  drift hits all alike); a step's time is the slowest rank's (barrier before); the median is kept.
+  drift hits all alike); a step's time is the slowest rank's (barrier before); the median is kept;
+- the level: a reference configuration (search/step_probe.py: replicated dp over every rank, one
+  micro-batch) is set up and timed beside them, first and last in every round; its measured step over
+  its predicted time-shared bound is Cluster.time_shared_scale, with which every configuration is
+  scored again. It is not one of the checked configurations: the time statistics leave it out (the
+  error without the scale is printed beside them); pick / best counts it as a configuration of the space.
 
 Printed per world size: a table (config, predicted ms, measured ms, predicted and measured MiB per
 rank) and the Spearman rank correlation of predicted vs measured step time, the measured time of
@@ -446,12 +451,17 @@ def worker(spec_path: Path) -> None:
     phases: dict[int, list[list[float]]] = {i: [] for i, _ in trainers}
     for i, trainer in trainers:
         trainer._phase_seconds = time_phases(trainer)
-    for r in range(spec["repeats"]):
-        for i, trainer in trainers:
+    # the reference step sets every prediction's level, so it is timed twice a round, first and last
+    reference = [(i, t) for i, t in trainers if spec["configs"][i].get("reference")]
+    others = [(i, t) for i, t in trainers if not spec["configs"][i].get("reference")]
+    steps = {i: 2 for i, _ in trainers}
+    for _ in range(spec["repeats"]):
+        for i, trainer in reference + others + reference:
             dist.barrier()
             trainer._phase_seconds.clear()
             began, used = time.perf_counter(), time.process_time()
-            trainer.train_step(2 + r)
+            trainer.train_step(steps[i])
+            steps[i] += 1
             elapsed, cpu = time.perf_counter() - began, time.process_time() - used
             seconds = trainer._phase_seconds
             busy = sum(end - start for start, end, action in getattr(trainer.engine, "last_events", [])
