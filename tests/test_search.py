@@ -342,3 +342,32 @@ def test_cost_model_measures_this_machine_only():
     with pytest.raises(ConfigError, match="cost model must be one of"):
         with_cost_model(profile, resolve_cluster("cpu-local"), "exact", measure)
     assert with_cost_model(profile, resolve_cluster("cpu-local"), "flops", measure)[0] is profile
+
+
+# ----------------------------------------------------------------------------- time-shared pipelines
+
+
+def _compiled(schedule: str, pp: int, m: int):
+    from autopar.pipeline.schedules import build_schedule
+    from autopar.search.timeline import compile_schedule
+    return compile_schedule(build_schedule(schedule, pp=pp, num_microbatches=m, chunks=1, recompute=frozenset()),
+                            pp=pp, chunks=1, m=m)
+
+
+def test_shared_makespan_by_hand():
+    """timeline.CompiledSchedule.shared_makespan, hand-computed (F=1, B=2 per stage, free transfers): with a core
+    per ready rank it is the plain timeline; on one core nothing overlaps, so it is the whole work; on 1.5 cores
+    the ranks share when both are ready and run alone otherwise (the sequence below)."""
+    costs = StageCosts(forward=(1.0, 1.0), backward=(2.0, 2.0), recompute=(0.0, 0.0), send_activation=(0.0, 0.0),
+                       send_gradient=(0.0, 0.0))
+    for schedule, m in (("gpipe", 2), ("1f1b", 4)):
+        compiled = _compiled(schedule, 2, m)
+        assert compiled.shared_makespan(costs, lambda k: 1.0) == pytest.approx(compiled.times(costs).makespan)
+        assert compiled.shared_makespan(costs, lambda k: 1.0 / k) == pytest.approx(m * 2 * 3.0)
+    # gpipe, pp=2, m=2 on 1.5 cores: F0a alone [0,1]; F0b and F1a together at 0.75: both done at 1 + 4/3; F1b
+    # alone [7/3, 10/3]; gpipe's backward on stage 1 runs b then a: B1b alone [10/3, 16/3]; B1a beside B0b
+    # (both ready at 16/3) at 0.75 each: done at 16/3 + 8/3 = 8; B0a alone [8, 10]
+    compiled = _compiled("gpipe", 2, 2)
+    got = compiled.shared_makespan(costs, lambda k: min(1.0, 1.5 / k))
+    assert got == pytest.approx(10.0)
+

@@ -278,6 +278,20 @@ def test_reference_step_sets_the_level_of_the_time_shared_bound():
         cluster_from_dict(scaled.replace(time_shared_scale=0).to_dict())
 
 
+def test_time_shared_bound_adds_the_cores_a_pipeline_leaves_idle():
+    """cost.StepModel.idle_cores_s: a pp=4 pipeline of one replica on 2 cores is ready on fewer ranks than cores
+    while it warms up and drains, so its time-shared step is above its CPU / cores by the processor-sharing
+    makespan less the perfectly packed compute; pure data parallelism keeps every rank ready and pays nothing."""
+    profile, cluster = _toy()
+    shared = cluster.replace(cores_per_node=2)
+    model = StepModel(profile, shared, global_batch_size=8)
+    pipe = model.evaluate(Candidate(dp=1, tp=1, pp=4, micro_batch_size=1, num_microbatches=8, partition="uniform"))
+    cpu = pipe.parts["cpu_s"] / 2
+    assert pipe.parts["time_shared_s"] > cpu * 1.01
+    dp = model.evaluate(Candidate(dp=8, tp=1, pp=1, micro_batch_size=1, num_microbatches=1))
+    assert dp.parts["time_shared_s"] == pytest.approx(dp.parts["cpu_s"] / 2)
+
+
 def test_other_threads_cpu_counts_another_threads_work():
     """calibrate_ranks.other_threads_cpu_s (what background_cores sums over the ranks) sees a busy thread's CPU
     and not the caller's own."""

@@ -40,7 +40,7 @@ from ..partition import algorithms
 from .cluster import Cluster
 from .memory import OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
 from .profile import ModelProfile
-from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled
+from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled, shared_pipeline_makespan
 from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_exposed_s
 
 RECOMPUTE = ("none", "stage-aware", "all")
@@ -258,6 +258,25 @@ class StepModel:
             terms["waits"] += (2 * m + 1) * len(units) * c.dp * c.tp * cl.sync_cpu_s
         return terms
 
+    def idle_cores_s(self, c: Candidate, recompute: frozenset[int], costs: StageCosts, times: PipelineTimes,
+                     cores: float) -> float:
+        """Seconds the time-shared bound misses because the cores idle: while a pipeline warms up and drains,
+        fewer ranks have work ready than there are cores. The pipeline played with processor sharing (each of
+        k ready pipeline ranks, with its dp x tp copies, gets min(1, cores / (k dp tp)) of a core: timeline.py
+        shared_pipeline_makespan) less its compute perfectly packed on the cores."""
+        copies = c.dp * c.tp
+
+        def rate(k: int) -> float:
+            return min(1.0, cores / (k * copies))
+        key = ("shared", c.schedule, c.pp, c.chunks, c.num_microbatches, recompute, costs, cores, copies)
+        makespan = self._timelines.get(key)
+        if makespan is None:
+            makespan = shared_pipeline_makespan(c.schedule, pp=c.pp, chunks=c.chunks,
+                                                num_microbatches=c.num_microbatches, recompute=recompute,
+                                                costs=costs, rate=rate, cache=self._schedules)
+            self._timelines[key] = makespan
+        return max(0.0, makespan - sum(times.busy) * copies / cores)
+
     @staticmethod
     def fsdp_unit_params(c: Candidate, spans: list[tuple[int, int]], mine: list[int],
                          params: list[float]) -> list[float]:
@@ -446,7 +465,11 @@ class StepModel:
         if cores and per_node > cores:  # ranks time-share the cores: the step lasts at least their CPU / cores
             cpu_terms = self.step_cpu_terms(c, spans, blocks, times, rank_of, opt_time, local_params)
             free = max(cores - cl.background_cores, 0.05 * cores)  # what the ranks' idle threads leave
-            shared = cl.time_shared_scale * sum(cpu_terms.values()) / (free * ((c.dp * c.tp * c.pp) // per_node))
+            nodes = (c.dp * c.tp * c.pp) // per_node
+            shared = sum(cpu_terms.values()) / (free * nodes)
+            if c.pp > 1:
+                shared += self.idle_cores_s(c, recompute, costs, times, free * nodes)
+            shared *= cl.time_shared_scale
             step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,

@@ -109,6 +109,69 @@ class CompiledSchedule:
                              in_flight=self.in_flight, stashed=self.stashed, split_held=self.split_held)
 
 
+    def shared_makespan(self, costs: StageCosts, rate) -> float:
+        """The makespan when the pipeline ranks share cores: while k of them have an action ready, each runs it
+        at `rate(k)` of its alone speed (processor sharing; a fluid model of the OS scheduler). The sweep in
+        `times` assumes every rank has a core; the time-shared bound in cost.py assumes the cores never idle.
+        Neither holds on an oversubscribed CPU with a pipeline: while it warms up and drains, fewer ranks are
+        ready than there are cores, and the cores idle. Transfers take their wall time and no core."""
+        per_kind = (costs.forward, costs.backward, costs.recompute, *costs.split())
+        transfer = (costs.send_activation, costs.send_gradient)
+        n = len(self.kind)
+        queues: list[list[int]] = [[] for _ in range(self.pp)]
+        for i in range(n):
+            queues[self.rank[i]].append(i)
+        end: list[float | None] = [None] * n
+        head = [0] * self.pp
+        left = [per_kind[self.kind[q[0]]][self.stage[q[0]]] if q else 0.0 for q in queues]
+
+        def ready(i: int) -> float | None:
+            prev = self.prev[i]
+            if prev >= 0 and end[prev] is None:
+                return None
+            t = end[prev] if prev >= 0 else 0.0
+            for producer, send_post, recv_post, link, link_stage in self.deps[i]:
+                if end[producer] is None:
+                    return None
+                at = end[producer]
+                if link >= 0:
+                    for post in (send_post, recv_post):
+                        if post >= 0:
+                            if end[post] is None:
+                                return None
+                            at = max(at, end[post])
+                    at += transfer[link][link_stage]
+                t = max(t, at)
+            return t
+
+        now, done = 0.0, 0
+        while done < n:
+            starts = {r: ready(queues[r][head[r]]) for r in range(self.pp) if head[r] < len(queues[r])}
+            running = [r for r, t in starts.items() if t is not None and t <= now + 1e-15]
+            later = [t for t in starts.values() if t is not None and t > now + 1e-15]
+            if not running:
+                if not later:
+                    raise RuntimeError("shared_makespan: no action can run (the compiled schedule deadlocks)")
+                now = min(later)
+                continue
+            speed = rate(len(running))
+            step = min(left[r] / speed for r in running)
+            if later and min(later) - now < step:
+                step = min(later) - now
+            now += step
+            for r in running:
+                left[r] -= speed * step
+                if left[r] <= 1e-12:
+                    i = queues[r][head[r]]
+                    end[i] = now
+                    done += 1
+                    head[r] += 1
+                    if head[r] < len(queues[r]):
+                        nxt = queues[r][head[r]]
+                        left[r] = per_kind[self.kind[nxt]][self.stage[nxt]]
+        return now
+
+
 def compile_schedule(lists, *, pp: int, chunks: int, m: int) -> CompiledSchedule:
     """Record the dependency equations of `lists` (one simulation with unit costs fixes the evaluation order)."""
     stages = pp * chunks
@@ -246,6 +309,27 @@ def pipeline_times(schedule: str, *, pp: int, chunks: int, num_microbatches: int
     return PipelineTimes(makespan=a.makespan + (b.makespan - a.makespan) * t, finish=line(a.finish, b.finish),
                          busy=line(a.busy, b.busy), in_flight=line(a.in_flight, b.in_flight, True),
                          stashed=line(a.stashed, b.stashed, True), split_held=line(a.split_held, b.split_held, True))
+
+
+def shared_pipeline_makespan(schedule: str, *, pp: int, chunks: int, num_microbatches: int,
+                             recompute: frozenset[int], costs: StageCosts, rate, cache: dict | None = None) -> float:
+    """CompiledSchedule.shared_makespan of the schedule, extrapolated from two steady-state lengths past 3pp
+    micro-batches as pipeline_times does."""
+    def one(m: int) -> float:
+        key = ("compiled", schedule, pp, chunks, m, recompute)
+        compiled = cache.get(key) if cache is not None else None
+        if compiled is None:
+            lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
+            compiled = compile_schedule(lists, pp=pp, chunks=chunks, m=m)
+            if cache is not None:
+                cache[key] = compiled
+        return compiled.shared_makespan(costs, rate)
+
+    m, low, high = num_microbatches, 2 * pp, 3 * pp
+    if m <= high:
+        return one(m)
+    a, b = one(low), one(high)
+    return a + (b - a) * (m - low) / (high - low)
 
 
 def normalised(costs: StageCosts) -> tuple[float, StageCosts]:
