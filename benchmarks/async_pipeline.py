@@ -34,8 +34,9 @@ ranks (`steady_fraction`). From the per-step metrics (each averaged over replica
   2BW's wait for step t's all-reduce before its deferred update, and on 1f1b the step's closing
   collectives (the norm over pp, the loss and flags, the peak memory): the flush's end. Transfer
   time is inside these waits (the simulator's transfers are free). Not included: data-parallel
-  waits (`dp_wait_s_per_stage`, kept apart: the gradient sync, the target count), and the all-reduce
-  the no-flush schedules post after the step (its completion is waited for inside a later step).
+  waits (`dp_wait_s_per_stage`, kept apart: the gradient sync, the target count); and, outside the
+  step's timer, the no-flush schedules' posting of their all-reduce and PipeDream's reading of a
+  step's report pp steps later.
 - `1-compute/wall`: 1 - `busy_s_per_stage` / `step_s_per_stage`, busy being the forwards' and
   backwards' compute events. This is idle plus everything else the step does on the rank: the
   optimizer update (pipedream: one per micro-batch, its rule), loading batches, norms and clipping,
