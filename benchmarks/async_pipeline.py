@@ -8,8 +8,9 @@ stashing: no flush, one update per micro-batch, stage s delayed pp-1-s updates),
 per step; pipedream takes one per step (its semantics), so it runs m times as many steps over
 the same samples (`--steps` counts 1f1b's steps; pipedream's warm-up is m times longer too).
 From each run's metrics.jsonl it reports the median step time after warm-up (`step_time_s`),
-the time per micro-batch, the measured steady-state bubble (below) beside the simulator's
-prediction for the same lists (unit costs F=1, B=2, no transfer time), the final training loss,
+the time per micro-batch, two measured steady-state fractions (below: `idle`, the bubble, and
+`1-compute/wall`) beside the simulator's prediction of the bubble for the same lists (unit costs
+F=1, B=2, no transfer time), the final training loss,
 and plots the loss against optimizer steps, against samples seen and against
 wall time (the cumulative step time) to a PNG; pipedream's per-micro-batch losses are averaged
 over m steps (the samples of one 1f1b step) so the curves compare like with like.
@@ -20,14 +21,30 @@ over m steps (the samples of one 1f1b step) so the curves compare like with like
     python benchmarks/async_pipeline.py --steps 24 --no-plot    # the bubble table only
     python benchmarks/async_pipeline.py --pp 2 --steps 16 --count-subnormals --no-plot   # denormals? (untimed)
 
-The measured steady-state bubble of a run: for each pipeline rank, over the steady steps (the
-first --skip 1f1b-steps' worth of warm-up and the last step, a drain, left out), one minus the
-time its compute events took (forwards and backwards as the runtime records them; a wait for a
-receive is not compute) over its wall time in those steps (the trainer's timer around each step:
-waits on receives, on collectives and the update included); then the mean over ranks. Metrics
-carry each stage's busy and step seconds (`busy_s_per_stage`, `step_s_per_stage`, averaged over
-replicas). With more ranks than cores (pp 4 on two cores) a rank's wait is time another rank
-computes, so the measured bubble there is a property of the machine as much as of the schedule.
+Both fractions are taken per pipeline rank over the steady steps (the first --skip 1f1b-steps'
+worth of warm-up and the last step, a drain, left out), as a sum over those steps of a time over
+the sum of the rank's step wall times (the trainer's timer around each step), then averaged over
+ranks (`steady_fraction`). From the per-step metrics (each averaged over replicas):
+
+- `idle` (the pipeline bubble, the literature's: the time a device sits waiting for its pipeline
+  peers; what the simulator predicts): `blocked_s_per_stage` / `step_s_per_stage`. Blocked is the
+  wall time the rank spent inside waits for other pipeline ranks, timed around each wait by the
+  runtime and engines (`timing.WaitTally`, kind "pipeline"): receives of activations and gradients,
+  sends completing, a channel's first metadata, the all-reduce of a weight tied across stages,
+  2BW's wait for step t's all-reduce before its deferred update, and on 1f1b the step's closing
+  collectives (the norm over pp, the loss and flags, the peak memory): the flush's end. Transfer
+  time is inside these waits (the simulator's transfers are free). Not included: data-parallel
+  waits (`dp_wait_s_per_stage`, kept apart: the gradient sync, the target count); and, outside the
+  step's timer, the no-flush schedules' posting of their all-reduce and PipeDream's reading of a
+  step's report pp steps later.
+- `1-compute/wall`: 1 - `busy_s_per_stage` / `step_s_per_stage`, busy being the forwards' and
+  backwards' compute events. This is idle plus everything else the step does on the rank: the
+  optimizer update (pipedream: one per micro-batch, its rule), loading batches, norms and clipping,
+  posting transfers, the data-parallel copies and the trainer's bookkeeping. It was this benchmark's
+  "bubble" until 2026-11-26.
+
+With more ranks than cores (pp 4 on two cores) a rank's wait is time another rank computes, so
+both fractions there are a property of the machine as much as of the schedule.
 """
 
 from __future__ import annotations
@@ -100,19 +117,22 @@ def summarise(records: list[dict], skip: int, microbatches: int) -> dict:
     """Medians over the steps after `skip` (warm-up) and before the last (the drain)."""
     timed = [r for r in records if skip < r["step"] < len(records)]
     step = statistics.median(r["step_time_s"] for r in timed)
+    idle = steady_fraction(records, skip, "blocked_s_per_stage")
     last = records[-max(1, len(records) // 10):]
     return {"step_time_s": step, "per_microbatch_s": step / microbatches,
             "wall_s": sum(r["step_time_s"] for r in records),
-            "bubble": steady_bubble(records, skip),
+            "idle": statistics.fmean(idle), "idle_per_stage": idle,
+            "non_compute": statistics.fmean(steady_fraction(records, skip, "busy_s_per_stage", complement=True)),
             "mean_loss_last_10pct": statistics.fmean(r["loss"] for r in last)}
 
 
-def steady_bubble(records: list[dict], skip: int) -> float:
-    """The measured steady-state bubble (module docstring): mean over stages of 1 - busy / wall."""
+def steady_fraction(records: list[dict], skip: int, key: str, complement: bool = False) -> list[float]:
+    """Per stage, over the steady steps: sum of `key` seconds / sum of step seconds (1 minus it with
+    `complement`). idle: key "blocked_s_per_stage"; 1-compute/wall: "busy_s_per_stage", complement."""
     steady = [r for r in records if skip < r["step"] < len(records)]
-    stages = len(steady[0]["busy_s_per_stage"])
-    return statistics.fmean(1 - sum(r["busy_s_per_stage"][s] for r in steady) /
-                            sum(r["step_s_per_stage"][s] for r in steady) for s in range(stages))
+    stages = len(steady[0][key])
+    share = [sum(r[key][s] for r in steady) / sum(r["step_s_per_stage"][s] for r in steady) for s in range(stages)]
+    return [1 - v for v in share] if complement else share
 
 
 def predicted_bubble(schedule: str, pp: int, m: int, tied: bool) -> float:
@@ -225,20 +245,22 @@ def main() -> None:
     print(f"\n{args.model}, {args.steps * args.global_batch} samples: {args.steps} steps of {m} micro-batches of "
           f"{args.micro_batch} x {args.seq_len} tokens (pipedream: {args.steps * m} steps of one), device "
           f"{args.device}, {args.threads} thread(s) per rank, load average at the end {os.getloadavg()[0]:.1f}")
-    print(f"{'schedule':>14} {'pp':>3} {'steps':>6} {'step s':>8} {'per mb s':>9} {'vs 1f1b':>8} {'bubble':>7} "
-          f"{'predicted':>9} {'wall s':>8} {'mean loss last 10%':>19}")
+    print(f"{'schedule':>14} {'pp':>3} {'steps':>6} {'step s':>8} {'per mb s':>9} {'vs 1f1b':>8} {'idle':>6} "
+          f"{'1-compute/wall':>14} {'predicted':>9} {'wall s':>8} {'mean loss last 10%':>19}")
     tied = args.model.startswith("gpt") if args.tied == "auto" else args.tied == "yes"
     for (schedule, pp), runs in sorted(repeats.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0]))):
         skip = args.skip * m // per_step(args, schedule)
         rows = [summarise(records, skip, per_step(args, schedule)) for records in runs]
-        row = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        row = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "idle_per_stage"}
+        by_stage = [statistics.median(r["idle_per_stage"][s] for r in rows) for s in range(pp)]
         base = statistics.median(summarise(records, args.skip, m)["per_microbatch_s"]
                                  for records in repeats[("1f1b", pp)])
         print(f"{schedule:>14} {pp:>3} {len(runs[0]):6d} {row['step_time_s']:8.3f} {row['per_microbatch_s']:9.4f} "
-              f"{row['per_microbatch_s'] / base:8.2f} {row['bubble']:7.2f} "
+              f"{row['per_microbatch_s'] / base:8.2f} {row['idle']:6.2f} {row['non_compute']:14.2f} "
               f"{predicted_bubble(schedule, pp, m, tied):9.2f} {row['wall_s']:8.1f} "
-              f"{row['mean_loss_last_10pct']:19.4f}" +
-              ("   bubbles " + " ".join(f"{r['bubble']:.2f}" for r in rows) if len(rows) > 1 else ""))
+              f"{row['mean_loss_last_10pct']:19.4f}   idle by stage " + " ".join(f"{v:.2f}" for v in by_stage) +
+              (" | repeats: idle " + " ".join(f"{r['idle']:.2f}" for r in rows) + ", 1-compute/wall " +
+               " ".join(f"{r['non_compute']:.2f}" for r in rows) if len(rows) > 1 else ""))
     if args.no_plot:
         return
     try:

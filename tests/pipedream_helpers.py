@@ -87,3 +87,27 @@ def train_until_signal(model_name: str, out: str, *, fault: str, **kwargs) -> st
         return str(exc)
     finally:
         del os.environ["AUTOPAR_FAULT"]
+
+
+def train_with_a_slow_stage(model_name: str, out: str, *, slow_stage: int, delay_s: float, **kwargs) -> list[dict]:
+    """train_builtin with every forward of stage `slow_stage` made `delay_s` slower (a sleep inside it, so it
+    counts as that stage's compute); returns the run's metrics records (rank 0; every stage's statistics)."""
+    import json
+    import time
+    from pathlib import Path
+
+    from autopar.pipeline.runtime import PipelineRuntime
+
+    original = PipelineRuntime._forward
+
+    def slow_forward(self, stage, x, batch, loss_fn):
+        if stage == slow_stage:
+            time.sleep(delay_s)
+        return original(self, stage, x, batch, loss_fn)
+
+    PipelineRuntime._forward = slow_forward
+    try:
+        train_builtin(model_name, out, **kwargs)
+    finally:
+        PipelineRuntime._forward = original
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,7 @@ from autopar.pipeline.schedules import build_schedule
 from autopar.pipeline.simulate import check, simulate
 from autopar.strategies import resolve
 from helpers import max_relative_difference
-from pipedream_helpers import train_2bw, train_stash, train_stash_oracle, train_until_signal
+from pipedream_helpers import train_2bw, train_stash, train_stash_oracle, train_until_signal, train_with_a_slow_stage
 
 STEPS = 4
 COMMON = dict(steps=STEPS, global_batch_size=8, eval_every=2)
@@ -288,3 +288,32 @@ def test_stash_matches_its_single_process_rule(rank_pool, tmp_path, model, world
         pp, s = strategy["pp"], got["stage"]
         # weight storages per parameter: pp - s versions (pp with vertical sync) at most
         assert got["peak_storages"] <= (pp if vertical_sync else pp - s) * got["num_params"], got["peak_storages"]
+
+
+DELAY_S = 0.04  # per forward of the slow stage: ten times and more gpt-tiny's compute per micro-batch
+
+
+@pytest.mark.parametrize("schedule,slow,steps,batch", [("1f1b", 1, 4, 4), ("pipedream-2bw", 0, 4, 4),
+                                                       ("pipedream", 1, 6, 2)])
+def test_blocked_time_is_the_wait_for_a_slower_stage(rank_pool, tmp_path, schedule, slow, steps, batch):
+    """The bubble as measured (`blocked_s_per_stage`, benchmarks/async_pipeline.py's idle) is time spent waiting
+    for pipeline peers: with one stage made slower by a known sleep in each forward, the other stage's recorded
+    waits cover at least most of those sleeps in steady state, while the slow stage records at most the fast one's
+    compute (1f1b's flush: its first forward and last backward) and the transfers; waits and compute never
+    overlap (blocked + busy <= the step's wall). Timing the whole step as a wait, or no wait at all, fails.
+    gpt-tiny ties its embedding and head across the two stages (their sum is one of the waits)."""
+    records = rank_pool(2).run(train_with_a_slow_stage, "gpt-tiny", str(tmp_path), slow_stage=slow, delay_s=DELAY_S,
+                               model_args={"n_layer": 2}, strategy={"pp": 2, "schedule": schedule}, steps=steps,
+                               global_batch_size=batch, micro_batch_size=2, eval_every=0, log_every=1)[0]
+    assert len(records) == steps
+    for r in records:
+        for s in range(2):
+            assert r["blocked_s_per_stage"][s] >= 0 and r["dp_wait_s_per_stage"][s] >= 0, r
+            assert r["blocked_s_per_stage"][s] + r["busy_s_per_stage"][s] <= r["step_s_per_stage"][s] + 1e-4, r
+    steady = records[1:-1]  # the first step's warm-up (and channel set-up) and the last (a drain) left out
+    slept = len(steady) * batch // 2 * DELAY_S  # the slow stage's sleeps in those steps (a forward per micro-batch)
+    fast_waited = sum(r["blocked_s_per_stage"][1 - slow] for r in steady)
+    slow_waited = sum(r["blocked_s_per_stage"][slow] for r in steady)
+    fast_computed = sum(r["busy_s_per_stage"][1 - slow] for r in steady)  # what the slow one may wait for at most
+    assert fast_waited >= 0.7 * slept, (fast_waited, slept, steady)
+    assert slow_waited <= 0.1 * slept + fast_computed, (slow_waited, slept, fast_computed, steady)

@@ -477,3 +477,37 @@ def test_a_forwards_timed_compute_leaves_out_its_scope():
     step = runtime.run([Action(0, F, 0), Action(0, B, 0)], [{"x": torch.ones(2, 3)}],
                        loss_fn=lambda out, batch: out.sum(), record=True, forward_scope=slow_scope)
     assert [(str(a), end - began) for began, end, a in step.marks] == [("0F0", 0.0), ("0B0", 0.0)]
+
+
+def test_a_wait_tally_counts_nested_waits_once_and_forgets_them_at_a_step():
+    """timing.WaitTally: the runtime times a receive's wait and the transfer layer the metadata wait inside it;
+    the outer one alone counts. A fake clock makes the sums exact."""
+    from autopar.timing import WaitTally
+
+    class FakeClock:
+        now = 0.0
+
+        def mark(self):
+            return self.now
+
+        def seconds(self, marks):
+            return list(marks)
+
+        def reset(self):
+            pass
+
+    tally = WaitTally("cpu")
+    tally._clock = clock = FakeClock()
+    with tally.timed("pipeline"):
+        clock.now += 2
+        with tally.timed("data_parallel"):  # nested: part of the outer wait
+            clock.now += 3
+    with tally.timed("data_parallel"):
+        clock.now += 5
+    assert (tally.seconds("pipeline"), tally.seconds("data_parallel")) == (5, 5)
+    tally.start_step()
+    assert tally.seconds("pipeline") == 0
+    silent = WaitTally()  # engines that report no waits
+    with silent.timed("pipeline"):
+        pass
+    assert silent.seconds("pipeline") == 0

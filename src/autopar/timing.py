@@ -8,7 +8,9 @@ step's logged loss), so timing adds no host-device synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -66,3 +68,51 @@ class StepTimer:
         """Seconds from start to stop; on CUDA, waits for the stop event (read it after the step's loss)."""
         start, end = self._clock.seconds([self._start, self._end])
         return end - start
+
+
+class WaitTally:
+    """Time this rank spent blocked waiting for other ranks in the current step, by kind.
+
+    Why: a step's wall time minus its compute is not idle time: it also holds the step's own
+    work (the update, loading batches, norms). The pipeline literature's bubble is the time a
+    device sits waiting for its peers, so the waits themselves are timed: a mark pair around each
+    (on CUDA, events around the stream's wait: the time the device waited, not the host).
+    Nested waits count once (the outermost). `WaitTally()` without a device records nothing.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self._clock = Clock(device) if device is not None else None
+        self._pairs: list[tuple[str, object, object]] = []  # (kind, start mark, end mark) of this step
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        """Times the block as a wait of `kind` (e.g. "pipeline", "data_parallel")."""
+        if self._clock is None or self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._depth = 1
+        start = self._clock.mark()
+        try:
+            yield
+        finally:
+            self._depth = 0
+            self._pairs.append((kind, start, self._clock.mark()))
+
+    def start_step(self) -> None:
+        """Forget the waits so far: the trainer calls this where a step's wall time starts."""
+        self._pairs = []
+        if self._clock is not None:
+            self._clock.reset()
+
+    def seconds(self, kind: str) -> float:
+        """Seconds waited for `kind` since `start_step` (on CUDA: waits for the last mark)."""
+        pairs = [(start, end) for k, start, end in self._pairs if k == kind]
+        if not pairs:
+            return 0.0
+        times = self._clock.seconds([m for pair in pairs for m in pair])
+        return sum(times[2 * i + 1] - times[2 * i] for i in range(len(pairs)))

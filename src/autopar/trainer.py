@@ -211,7 +211,8 @@ class Trainer:
             return None
         # counted on the device: a host count would wait for the batch to land on the GPU
         count = torch.stack([target_count(b) for b in batches]).sum().float()
-        dist.all_reduce(count, group=self.dp_group)
+        with self.engine.waits.timed("data_parallel"):
+            dist.all_reduce(count, group=self.dp_group)
         return count.clamp_min(1.0)
 
     def _local_batches(self, step: int, data: Dataset) -> list[Batch]:
@@ -254,9 +255,11 @@ class Trainer:
         bad_norm = grad_norm is not None and not math.isfinite(grad_norm)  # None: the engine has no norm here
         flags = torch.tensor([0.0, float(bad_norm), float(stop_requested)], device=self.device)
         flags[0] = total.detach().float().reshape(())
-        dist.all_reduce(flags)
+        with self.engine.waits.timed("pipeline"):  # every rank meets here (a pipeline's flush ends here)
+            dist.all_reduce(flags)
         peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        with self.engine.waits.timed("pipeline"):
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         loss, bad_norm, stop, peak_bytes = torch.cat([flags.double(), peak]).tolist()  # one host read; exact
         skipped = not math.isfinite(loss) or bad_norm > 0
         if not skipped:
@@ -269,6 +272,7 @@ class Trainer:
     def _run_step(self, step: int, *, stop_requested: bool = False, poison_loss: bool = False) -> list[Finished]:
         """Step `step`, and every step whose result is known now (in order): the step itself on a synchronous
         engine; on a deferred one (train/deferred.py) the steps settled during this one, possibly none."""
+        self.engine.waits.start_step()  # where the step's time starts (StepTimer here, `began` below)
         if self.deferred is None:
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
             return [Finished(step + 1, self._train_step(step, stop_requested=stop_requested, poison_loss=poison_loss),

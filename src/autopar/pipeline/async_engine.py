@@ -81,14 +81,16 @@ class NoFlushPipelineEngine(PipelineEngine):
         for param, group, first in self._shared:
             work = torch.distributed.all_reduce(param.grad, group=group, async_op=True)
             if first:
-                work.wait()
+                with self.waits.timed("pipeline"):
+                    work.wait()
             else:
                 self._tied_work.append(work)
 
     def finish_gradients(self) -> None:
         """Before the update: tied gradients summed everywhere."""
-        for work in self._tied_work:
-            work.wait()
+        with self.waits.timed("pipeline"):
+            for work in self._tied_work:
+                work.wait()
         self._tied_work = []
 
     def clip_groups(self) -> list[list[torch.nn.Parameter]]:
@@ -171,7 +173,8 @@ class PipeDream2BWEngine(NoFlushPipelineEngine):
         self.last_step = step  # timing read on demand (PipelineEngine.last_events)
         self.peak_storages = max(self.peak_storages, len(self.versions.storages()))
         self.versions.gradients_to_parameters()
-        self.sync.finish()  # copies into the dp buckets and sums them over replicas
+        with self.waits.timed("data_parallel"):
+            self.sync.finish()  # copies into the dp buckets and sums them over replicas
         self._reduce_tied_async()
         self.versions.advance()  # the Parameters now hold the buffer the optimizer will update
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)

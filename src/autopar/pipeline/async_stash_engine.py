@@ -136,9 +136,11 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
         self.last_step = step
         self.peak_storages = max(self.peak_storages, len(self.versions.storages()))
         self.versions.gradients_to_parameters(t)
-        self.sync.finish()  # copies into the dp buckets and sums them over replicas
-        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients
-            torch.distributed.all_reduce(param.grad, group=group)
+        with self.waits.timed("data_parallel"):
+            self.sync.finish()  # copies into the dp buckets and sums them over replicas
+        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients (their owners wait)
+            with self.waits.timed("pipeline"):
+                torch.distributed.all_reduce(param.grad, group=group)
         self.versions.advance(self._needed_after(t))
         for j in [j for j in self.loaded if j <= t]:
             self.loaded.pop(j)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..timing import WaitTally
 from ..train.engine import broadcast_state, on_every_rank
 from ..train.fields import first_stage_inputs, traced_call
 from ..train.loss import Batch
@@ -136,9 +137,12 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
     recomputed = recomputed_stages(steps)  # the schedule may drop some (scp: never the last)
     actions = steps[pp_rank]
     first_input = lambda batch: _first_stage_inputs(graph, batch)
+    waits = WaitTally(device)  # the time this rank waits for its peers (the runtime's and the transfers')
     runtime = PipelineRuntime(stages=stages, num_stages=num_stages, pp=pp, pp_rank=pp_rank,
-                              p2p=p2p if p2p is not None else P2P(pp_group, device, num_stages, num_microbatches),
-                              recompute=recomputed, autocast=autocast, placement=style, first_input=first_input)
+                              p2p=p2p if p2p is not None else P2P(pp_group, device, num_stages, num_microbatches,
+                                                                  waits=waits),
+                              recompute=recomputed, autocast=autocast, placement=style, first_input=first_input,
+                              waits=waits)
     pipe = LocalPipeline(
         graph=graph, partition=partition, stages=stages, pp=pp, pp_rank=pp_rank, num_stages=num_stages,
         placement=style, schedule=steps, actions=actions,

@@ -117,6 +117,7 @@ class PipelineEngine(EngineBase):
         self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime
         self.actions, self.eval_actions = pipe.actions, pipe.eval_actions
         self.tensor_parallel = pipe.tensor_parallel
+        self.waits = pipe.runtime.waits  # this rank's waits for its peers, per step (stats_slots reads them)
         self.tp_rank = mesh.local_rank("tp")
         self.recompute_plan, self.recompute_report = pipe.recompute_plan, pipe.recompute_report
         self._tied_names: dict[int, str] = {}  # --stage-tp: tied parameters summed as whole tensors
@@ -220,9 +221,11 @@ class PipelineEngine(EngineBase):
         step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
         self.last_step = step
         if isinstance(self.sync, SHARDED):  # tied weights summed before (zero 1/2) or after (zero 3) dp
-            self.sync.finish(before_deferred=self._reduce_tied)
+            with self.waits.timed("data_parallel"):  # (the tied sum inside it counts as data-parallel here)
+                self.sync.finish(before_deferred=self._reduce_tied)
         else:
-            self.sync.finish()
+            with self.waits.timed("data_parallel"):
+                self.sync.finish()
             self._reduce_tied()
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
 
@@ -231,7 +234,8 @@ class PipelineEngine(EngineBase):
             if id(param) in self._tied_names:  # --stage-tp: slices of different widths
                 param.grad.copy_(self._summed_whole_grad(self._tied_names[id(param)], param.grad, group))
                 continue
-            dist.all_reduce(local_tensor(param.grad), group=group)
+            with self.waits.timed("pipeline"):  # the stages owning it wait for each other
+                dist.all_reduce(local_tensor(param.grad), group=group)
 
     def _summed_whole_grad(self, fqn: str, grad: torch.Tensor, group) -> torch.Tensor:
         """This rank's slice of the tied gradient summed over its stages (see _shared_groups_by_stage)."""
@@ -248,10 +252,12 @@ class PipelineEngine(EngineBase):
         (replicated parameters have equal gradients on every tp rank and are counted once)."""
         squares = self.local_squares()
         if self.stage_tp is None:
-            dist.all_reduce(squares, group=self.mesh.group("pp"))
+            with self.waits.timed("pipeline"):  # a flushing schedule's last wait: for the stage that ends last
+                dist.all_reduce(squares, group=self.mesh.group("pp"))
         else:  # stages of different widths: each stage's total once (its tp rank 0), over the replica's ranks
             squares = squares if self.tp_rank == 0 else torch.zeros_like(squares)
-            dist.all_reduce(squares, group=self.mesh.group("replica"))
+            with self.waits.timed("pipeline"):
+                dist.all_reduce(squares, group=self.mesh.group("replica"))
         norm = math.sqrt(float(squares))
         self.scale_to_norm(norm, max_norm)
         return norm
@@ -323,26 +329,33 @@ class PipelineEngine(EngineBase):
     def _degrees(self) -> tuple[int, ...]:
         return self.stage_tp or (dist.get_world_size() // (self.pp * self.mesh.size("dp")),) * self.pp
 
+    STAT_ROWS = 6  # bubble, peak, busy, step, blocked, data-parallel wait
+
     def stats_slots(self, elapsed: float, peak_bytes: int) -> torch.Tensor:
-        """This rank's [bubble, peak, busy seconds, step seconds] in its (pp rank, replica) slot of a zero
-        tensor [4, pp, replicas]; summed over all ranks it holds every rank's (`stats_from_slots` reads it)."""
+        """This rank's [bubble, peak, busy s, step s, blocked s, data-parallel wait s] in its (pp rank, replica)
+        slot of a zero tensor [STAT_ROWS, pp, replicas]; summed over all ranks it holds every rank's
+        (`stats_from_slots` reads it). Blocked: the step's waits for pipeline peers (receives, sends completing,
+        tied-weight sums, the closing norm/loss collectives, a deferred update's wait); the data-parallel
+        gradient sync's waits apart. Call it where the step's time `elapsed` ends."""
         busy = sum(end - start for start, end, action in self.last_events if action.op.is_compute)
         degrees = self._degrees()
         replicas = self.mesh.size("dp") * max(degrees)  # slots per stage; stage s fills dp * degrees[s] of them
-        slots = torch.zeros(4, self.pp, replicas, dtype=torch.float64)
+        slots = torch.zeros(self.STAT_ROWS, self.pp, replicas, dtype=torch.float64)
         replica = self.mesh.local_rank("dp") * max(degrees) + self.tp_rank  # (dp, tp) slot
         slots[:, self.pp_rank, replica] = torch.tensor(
-            [max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0, peak_bytes, busy, elapsed], dtype=torch.float64)
+            [max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0, peak_bytes, busy, elapsed,
+             self.waits.seconds("pipeline"), self.waits.seconds("data_parallel")], dtype=torch.float64)
         return slots
 
     def stats_from_slots(self, slots: torch.Tensor) -> dict:
-        bubble, peak, busy, elapsed = slots.unbind(0)
+        bubble, peak, busy, elapsed, blocked, dp_wait = slots.reshape(self.STAT_ROWS, self.pp, -1).unbind(0)
         filled = [self.mesh.size("dp") * d for d in self._degrees()]
         mean = lambda values: [float(values[s].sum()) / filled[s] for s in range(self.pp)]  # noqa: E731
         per_rank = mean(bubble)
         return {"bubble_fraction": sum(per_rank) / self.pp, "bubble_per_stage": per_rank,
                 "peak_mem_bytes_per_stage": [int(v) for v in peak.amax(1).tolist()],
-                "busy_s_per_stage": mean(busy), "step_s_per_stage": mean(elapsed)}
+                "busy_s_per_stage": mean(busy), "step_s_per_stage": mean(elapsed),
+                "blocked_s_per_stage": mean(blocked), "dp_wait_s_per_stage": mean(dp_wait)}
 
     def gather_events(self) -> list | None:
         """Every rank's measured events of the last step, on rank 0 (None elsewhere)."""

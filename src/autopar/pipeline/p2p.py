@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
+from ..timing import WaitTally
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int16, torch.int8]
@@ -72,8 +73,11 @@ class Pending:
 class P2P:
     """Asynchronous sends and receives over one process group, with per-channel metadata."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_stages: int, num_microbatches: int):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_stages: int, num_microbatches: int,
+                 waits: WaitTally | None = None):
+        """waits: where the time blocked on a channel's metadata is added (kind "pipeline")."""
         self.group, self.device = group, device
+        self.waits = waits if waits is not None else WaitTally()
         self.num_stages, self.num_microbatches = num_stages, num_microbatches
         self._known: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         self._sent_meta: set[tuple] = set()
@@ -128,7 +132,8 @@ class P2P:
         wait for it (once per channel, the only host wait here) before the data group.
         """
         if not self._joined:  # NCCL: a group's first call must include every rank, and a step may not
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)  # (every rank exchanges)
+            with self.waits.timed("pipeline"):
+                dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)  # (every rank exchanges)
             self._joined = True
         meta_ops, new = [], []
         for tensors, peer, kind, stage, _ in sends:
@@ -144,8 +149,10 @@ class P2P:
                                            self._meta_tag(kind, stage)))
                 new.append((channel, meta))
         if meta_ops:
-            for work in dist.batch_isend_irecv(meta_ops):
-                work.wait()
+            works = dist.batch_isend_irecv(meta_ops)
+            with self.waits.timed("pipeline"):
+                for work in works:
+                    work.wait()
             for channel, meta in new:
                 self._known[channel] = decode_meta(meta.cpu())
         ops, kept, buffers = [], [], []
@@ -171,7 +178,8 @@ class P2P:
     def _post_data(self, channel: tuple, src: int, tags: list[int]) -> tuple[tuple, list]:
         if channel not in self._known:
             work, meta = self._meta_pending.pop(channel)
-            work.wait()
+            with self.waits.timed("pipeline"):
+                work.wait()
             self._known[channel] = decode_meta(meta.cpu())
         buffers, works = [], []
         for (shape, dtype), tag in zip(self._known[channel], tags):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..dropout import micro_batch
-from ..timing import Clock
+from ..timing import Clock, WaitTally
 from .actions import Action, Op, stage_to_rank
 from .p2p import P2P, Pending
 from .split_backward import backward_input, backward_weight
@@ -82,8 +82,11 @@ class PipelineRuntime:
     def __init__(self, *, stages: dict[int, nn.Module], num_stages: int, pp: int, pp_rank: int, p2p: P2P,
                  recompute: frozenset[int] = frozenset(),
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 placement: str = "loop", first_input: Callable[[dict], tuple] = lambda b: (b["input_ids"],)):
+                 placement: str = "loop", first_input: Callable[[dict], tuple] = lambda b: (b["input_ids"],),
+                 waits: WaitTally | None = None):
+        """waits: where the time blocked on receives and on sends completing is added (kind "pipeline")."""
         self.stages, self.num_stages, self.pp, self.pp_rank = stages, num_stages, pp, pp_rank
+        self.waits = waits if waits is not None else WaitTally()
         self.first_input = first_input
         self.p2p, self.recompute, self.autocast = p2p, recompute, autocast
         self.placement = placement
@@ -131,7 +134,8 @@ class PipelineRuntime:
             key = (kind, stage, mb)
             if key in local:
                 return local.pop(key)
-            return pending.pop(key).wait()
+            with self.waits.timed("pipeline"):  # blocked until the peer's message is here
+                return pending.pop(key).wait()
 
         def post_step(group: list[Action]) -> None:
             """One communication step (actions carrying the same `step`) as one batched group."""
@@ -226,7 +230,8 @@ class PipelineRuntime:
                 del work  # the graph goes with it now, not at the next W
             if record:
                 events.append((began, now(), action))
-        self.p2p.wait_sends()
+        with self.waits.timed("pipeline"):
+            self.p2p.wait_sends()
         leftovers = [k for k in (*inputs, *outputs, *pending, *split)]
         if leftovers and training and carry is None:
             raise RuntimeError(f"pipeline step ended with unfinished work on rank {self.pp_rank}: {leftovers[:5]}")

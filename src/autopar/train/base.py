@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from ..config import Strategy, TrainConfig
 from ..mesh import ProcessMesh
+from ..timing import WaitTally
 from .loss import Batch, LossFn, token_loss_sum
 from ..zero import ShardedGradients, ShardedOptimizer
 from .optim import build_optimizer
@@ -31,6 +32,7 @@ class Engine(Protocol):
 
     module: nn.Module  # the parameters this rank trains, under the user's model's own names
     tensor_parallel: Any  # a TensorParallel when logits are sharded over the vocabulary, else None
+    waits: WaitTally  # this rank's time blocked on other ranks in the current step (the trainer starts each step)
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         """Every micro-batch of this replica, gradients exchanged; this rank's share of the loss."""
@@ -71,6 +73,7 @@ class EngineBase:
 
     module: nn.Module
     tensor_parallel = None  # whole model per replica unless the engine shards layers
+    waits = WaitTally()  # records nothing: engines that report their waits (the pipeline's) hold their own
     token_loss_sum = staticmethod(token_loss_sum)
 
     def num_parameters(self) -> int:

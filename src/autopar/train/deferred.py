@@ -130,7 +130,8 @@ class DeferredSteps:
         if not self.pending or self.pending[0].applied:
             return
         pending = self.pending.popleft()
-        pending.work.wait()
+        with self.engine.waits.timed("pipeline"):  # for the stage that posted step t last (stage 0)
+            pending.work.wait()
         loss, norm = self._loss_and_norm(pending.vector)
         self.engine.finish_gradients()  # e.g. tied gradients still being summed
         skipped = not math.isfinite(loss) or not math.isfinite(norm)
@@ -166,11 +167,12 @@ class DeferredSteps:
         return float(values[0]), math.sqrt(squares)
 
     def _finish(self, pending: _Pending, skipped: bool | None = None) -> None:
-        pending.work.wait()
+        with self.engine.waits.timed("pipeline"):
+            pending.work.wait()
         values = pending.vector.cpu()
         loss, norm = self._loss_and_norm(pending.vector)
         skipped = bool(values[2] > 0) or not math.isfinite(loss) if skipped is None else skipped
-        stats = self.engine.stats_from_slots(values[HEAD + self.slots:].reshape(4, self.pp, -1))
+        stats = self.engine.stats_from_slots(values[HEAD + self.slots:])
         result = StepResult(loss, norm, pending.tokens, skipped=skipped, stop=bool(values[1] > 0),
                             peak_bytes=int(max(stats["peak_mem_bytes_per_stage"])))
         self.finished.append(Finished(pending.step + 1, result, pending.lr, stats))
