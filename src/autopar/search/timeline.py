@@ -245,8 +245,9 @@ def split_held(events, stages: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
-              costs: StageCosts, cache: dict | None = None) -> PipelineTimes:
+def _compiled(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
+              cache: dict | None = None) -> CompiledSchedule:
+    """The schedule's compiled equations, built once per shape and kept in `cache` (a dict the caller owns)."""
     key = ("compiled", schedule, pp, chunks, m, recompute)
     compiled = cache.get(key) if cache is not None else None
     if compiled is None:
@@ -254,7 +255,12 @@ def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
         compiled = compile_schedule(lists, pp=pp, chunks=chunks, m=m)
         if cache is not None:
             cache[key] = compiled
-    return compiled.times(costs)
+    return compiled
+
+
+def _simulate(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
+              costs: StageCosts, cache: dict | None = None) -> PipelineTimes:
+    return _compiled(schedule, pp, chunks, m, recompute, cache).times(costs)
 
 
 def simulated(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[int],
@@ -316,14 +322,7 @@ def shared_pipeline_makespan(schedule: str, *, pp: int, chunks: int, num_microba
     """CompiledSchedule.shared_makespan of the schedule, extrapolated from two steady-state lengths past 3pp
     micro-batches as pipeline_times does."""
     def one(m: int) -> float:
-        key = ("compiled", schedule, pp, chunks, m, recompute)
-        compiled = cache.get(key) if cache is not None else None
-        if compiled is None:
-            lists = build_schedule(schedule, pp=pp, num_microbatches=m, chunks=chunks, recompute=recompute)
-            compiled = compile_schedule(lists, pp=pp, chunks=chunks, m=m)
-            if cache is not None:
-                cache[key] = compiled
-        return compiled.shared_makespan(costs, rate)
+        return _compiled(schedule, pp, chunks, m, recompute, cache).shared_makespan(costs, rate)
 
     m, low, high = num_microbatches, 2 * pp, 3 * pp
     if m <= high:
