@@ -151,7 +151,12 @@ def test_a_dying_rank_stops_the_job_quickly_with_its_message(tmp_path):
     done = autopar("launch", "--nproc", "2", str(script), timeout=120)
     assert done.returncode != 0
     assert time.monotonic() - began < 60  # not the 600 s collective timeout
-    assert "rank 1 ran out of luck" in done.stderr and "rank 1 failed" in done.stderr, done.stderr
+    assert "rank 1 ran out of luck" in done.stderr, done.stderr
+    # the launcher names rank 1 as the cause: usually its error exit ("rank 1 failed (exit code 1)"); sometimes
+    # the dying rank aborts while torch tears its gloo group down after the traceback ("rank 1 was killed by
+    # SIGABRT"), seen once in 1100-test fresh-clone runs
+    assert "autopar launch: rank 1 failed" in done.stderr or "autopar launch: rank 1 was killed by" in done.stderr, \
+        done.stderr
 
 
 def test_torchrun_runs_the_same_entry_point(tmp_path):
