@@ -78,8 +78,8 @@ class BlockCosts:
     eager_saved_per_seq: float | None = None
     """Bytes autograd keeps for this block when the model runs as itself, not as traced stages (the engines
     without a pipeline or TP: data parallel, ZeRO 1-3, train/fsdp_engine.py); None: not measured. They can
-    differ: a traced hf:llama layer keeps 1.3x what the eager one does (its stage graph saves a few
-    intermediates the eager module recomputes or shares)."""
+    differ: a traced hf:llama layer keeps 1.25x what the eager one does (benchmarks/strategy_search_terms.py
+    --saved)."""
 
     @property
     def has_split(self) -> bool:

@@ -9,8 +9,8 @@ itself does. The reference is the plainest layout every model runs (replicated d
 micro-batch, no recomputation): its measured step time over its predicted bound is the factor
 (Cluster.time_shared_scale) every bound is multiplied by.
 
-A uniform factor leaves the search's ranking of bound-ruled configurations unchanged; it makes the predicted
-times (plan.json, the benchmark's error) mean seconds on this machine. `autopar calibrate` knows no model and
+A uniform factor leaves the search's ranking of bound-ruled configurations unchanged; where a reference was
+measured it makes the predicted times mean seconds on this machine. `autopar calibrate` knows no model and
 writes 1; the validation benchmark measures the reference in the same launch as the configurations it checks
 and leaves it out of its error statistics.
 """
