@@ -48,7 +48,8 @@ def train_stash(model_name: str, out: str, **kwargs) -> dict:
     return result
 
 
-def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, vertical_sync: bool, **kwargs) -> dict:
+def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, vertical_sync: bool,
+                       tied_delay: int | None = None, **kwargs) -> dict:
     """The one-process rule (pipeline/stash_oracle.py) through the ordinary Trainer: the strategy table's
     data-parallel entry is swapped for one that builds the oracle engine, in this worker only."""
     import dataclasses
@@ -61,6 +62,7 @@ def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, v
         cfg = ctx.config
         return StashOracleEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
                                  autocast=ctx.autocast, pp=pp, stages_of=stages_of, vertical_sync=vertical_sync,
+                                 tied_delay=tied_delay,
                                  steps=cfg.steps, flush_after=flush_steps(cfg.steps, eval_every=cfg.eval_every,
                                                                           checkpoint_every=cfg.checkpoint_every))
 

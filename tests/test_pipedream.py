@@ -9,12 +9,14 @@ an eval in the middle of training (a flush and a fresh warm-up).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from autopar import Strategy, TrainConfig
 from autopar.errors import ConfigError
 from autopar.pipeline.async_lowering import lower_calls
-from autopar.pipeline.async_schedules import (check_stash_versions, check_versions, segment, segment_lists,
+from autopar.pipeline.async_schedules import (runs_of, tied_steps_due, check_stash_versions, check_versions, segment, segment_lists,
                                               stash_lists, steady_state_bubble, step_time_with_meeting, whole_run)
 from autopar.pipeline.schedules import build_schedule
 from autopar.pipeline.simulate import check, simulate
@@ -211,6 +213,20 @@ def test_stash_version_check_catches_a_missing_stash():
         check_stash_versions(lists, pp=3, flush_after={5}, vertical_sync=False)
 
 
+@pytest.mark.parametrize("delay", [0, 1, 3, 7])
+def test_the_tied_rule_applies_every_step_s_gradient_once_in_its_own_run(delay):
+    """A tied weight's summed gradient of step u is applied at step u + delay, or at its run's drain if that comes
+    first; never in another run, never twice, never before it exists."""
+    runs = runs_of(range(12), {3, 4, 9})
+    applied = {t: tied_steps_due(t, run_start=runs[t][0], run_end=runs[t][1], delay=delay) for t in range(12)}
+    assert sorted(u for due in applied.values() for u in due) == list(range(12))
+    for t, due in applied.items():
+        start, end = runs[t]
+        expected = range(max(start, t - delay), t + 1) if t == end else range(t - delay, t - delay + 1)
+        assert list(due) == [u for u in expected if u >= start], (t, list(due))
+    assert list(applied[8]) == ([8 - delay] if 8 - delay >= 5 else [])  # run 5..9
+
+
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 4)])
 def test_2bw_calls_are_batched_with_both_ends_in_one_step(pp, m):
     """Item 2 of issue 18: every transfer of the no-flush lists is in a batched group whose two ends sit
@@ -232,6 +248,8 @@ def test_2bw_calls_are_batched_with_both_ends_in_one_step(pp, m):
     ({"pp": 2, "schedule": "pipedream", "recompute": "all"}, "recomputation"),
     ({"pp": 2, "schedule": "pipedream", "zero": 1, "dp": 2}, "zero 1"),
     ({"pp": 2, "schedule": "1f1b", "vertical_sync": True}, "belongs to --schedule pipedream"),
+    ({"pp": 2, "schedule": "pipedream-2bw", "tied_delay": 1}, r"tied_delay \(--tied-delay\) belongs to"),
+    ({"pp": 2, "schedule": "pipedream", "tied_delay": -1}, "non-negative integer, got -1"),
 ])
 def test_stash_bad_combinations_are_refused_before_ranks_start(strategy, match):
     with pytest.raises(ConfigError, match=match):
@@ -250,11 +268,12 @@ def test_stash_needs_one_micro_batch_per_replica_per_step():
 
 STASH_STEPS = 6
 STASH_COMMON = dict(steps=STASH_STEPS, global_batch_size=2, eval_every=4, warmup_steps=1)
-# (model, world, strategy, micro-batch size, vertical sync)
+# (model, world, strategy, micro-batch size, vertical sync); gpt-tiny ties its embedding and head across the
+# first and last stage: the tied rule's delay is pp - 1 by default, 0 (the sum each step) where given
 STASH_LAYOUTS = [
     ("gpt-tiny", 2, {"pp": 2}, 2, False),
     ("gpt-tiny", 4, {"pp": 4}, 2, False),
-    ("gpt-tiny", 4, {"pp": 2, "dp": 2}, 1, True),
+    ("gpt-tiny", 4, {"pp": 2, "dp": 2, "tied_delay": 0}, 1, True),
     ("hf:llama", 4, {"pp": 4}, 2, False),
 ]
 
@@ -271,7 +290,7 @@ def test_stash_matches_its_single_process_rule(rank_pool, tmp_path, model, world
         stages_of.update(got["stages_of"])
     expected = rank_pool(1).run(train_stash_oracle, model, str(tmp_path / "oracle"), pp=strategy["pp"],
                                 stages_of=stages_of, vertical_sync=vertical_sync, model_args=MODELS[model],
-                                micro_batch_size=2, **STASH_COMMON)[0]
+                                tied_delay=strategy.get("tied_delay"), micro_batch_size=2, **STASH_COMMON)[0]
     if ("sync", model) not in _oracles:  # the rule at pp=1: synchronous SGD (once per model)
         _oracles[("sync", model)] = rank_pool(1).run(train_stash_oracle, model, str(tmp_path / "sync"), pp=1,
                                                      stages_of={k: [0] for k in stages_of}, vertical_sync=False,
@@ -288,6 +307,28 @@ def test_stash_matches_its_single_process_rule(rank_pool, tmp_path, model, world
         pp, s = strategy["pp"], got["stage"]
         # weight storages per parameter: pp - s versions (pp with vertical sync) at most
         assert got["peak_storages"] <= (pp if vertical_sync else pp - s) * got["num_params"], got["peak_storages"]
+
+
+def test_a_stop_between_drains_applies_the_held_tied_gradients(rank_pool, tmp_path):
+    """The tied rule holds a tied weight's last pp - 1 summed gradients until later steps; a stop on a signal
+    between drains applies them as one last update of that weight alone, so none is lost. With plain SGD at a
+    constant rate that update is linear: the stop's checkpoint equals a drain's at the same step, and the runs
+    resumed from the two continue alike (dropping the held gradients fails this)."""
+    args = dict(model_args=MODELS["gpt-tiny"], strategy={"pp": 2, "schedule": "pipedream"}, micro_batch_size=2,
+                global_batch_size=2, steps=5, optimizer="sgd", lr=0.2, warmup_steps=0, min_lr_ratio=1.0,
+                weight_decay=0.0, grad_clip=0.0)
+    said = rank_pool(2).run(train_until_signal, "gpt-tiny", str(tmp_path / "stopped"), fault="sigterm:rank=1:step=1",
+                            checkpoint_every=0, **args)
+    stop = int(re.search(r"stopped on a signal after step (\d+) of", said[0]).group(1))
+    assert 1 < stop < 4, said
+    drained = rank_pool(2).run(train_stash, "gpt-tiny", str(tmp_path / "drained"), checkpoint_every=stop, **args)
+    resumed = rank_pool(2).run(train_stash, "gpt-tiny", str(tmp_path / "resumed"), checkpoint_every=stop, **args,
+                               resume=str(tmp_path / "stopped" / "checkpoints" / f"step_{stop:08d}"))
+    for a, b in zip(drained, resumed):
+        assert b["first_step"] == stop + 1
+        assert max_relative_difference(a["losses"][stop:], b["losses"]) < 1e-5, (a["losses"], b["losses"])
+        for name, value in b["params"].items():
+            assert (value - a["params"][name]).abs().max() < 1e-5, name
 
 
 DELAY_S = 0.04  # per forward of the slow stage: ten times and more gpt-tiny's compute per micro-batch

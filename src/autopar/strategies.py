@@ -197,6 +197,7 @@ def _build_pipedream(ctx: EngineContext) -> Engine:
                                     example_batch=ctx.example_batch(), autocast=ctx.autocast, timeout_s=ctx.timeout_s,
                                     strategy=ctx.strategy, steps=cfg.steps, eval_every=cfg.eval_every,
                                     checkpoint_every=cfg.checkpoint_every, vertical_sync=ctx.strategy.vertical_sync,
+                                    tied_delay=ctx.strategy.tied_delay,
                                     batches_for_step=ctx.batches_for_step, samples_for_step=ctx.samples_for_step)
     if ctx.strategy.pp == 1:
         return DelayOneDataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,

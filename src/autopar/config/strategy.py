@@ -55,6 +55,10 @@ class Strategy:
     schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
     vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
                                     "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
+    tied_delay: int | None = _f(None, "--schedule pipedream: how many steps late a weight tied across stages (an "
+                                      "embedding and output head) takes its summed gradient; default pp - 1, so its "
+                                      "owners never wait for each other; 0 sums each step's at once (they meet every "
+                                      "step)")
     chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2, zbv exactly 2)")
     partition: str = _f("time", f"how to cut the model into stages: {'|'.join(PARTITION_METHODS)}")
     recompute: str = _f("none", f"whole-stage recomputation scheduled by the pipeline: {'|'.join(RECOMPUTE_MODES)}")
@@ -132,6 +136,11 @@ class Strategy:
         if self.vertical_sync and self.schedule != "pipedream":
             raise ConfigError(f"strategy.vertical_sync (--vertical-sync) belongs to --schedule pipedream (weight "
                               f"stashing), got --schedule {self.schedule}; drop it or use --schedule pipedream")
+        if self.tied_delay is not None:
+            _check_nonnegative_int("strategy.tied_delay", self.tied_delay)
+            if self.schedule != "pipedream":
+                raise ConfigError(f"strategy.tied_delay (--tied-delay) belongs to --schedule pipedream (weight "
+                                  f"stashing), got --schedule {self.schedule}; drop it or use --schedule pipedream")
         _check_positive_int("strategy.servers", self.servers)
         if self.zero not in ZERO_LEVELS:
             raise ConfigError(f"strategy.zero must be one of {choices(ZERO_LEVELS)}, got {self.zero!r}")

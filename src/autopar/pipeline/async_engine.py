@@ -100,6 +100,11 @@ class NoFlushPipelineEngine(PipelineEngine):
         own = [p for p in self.sync.params if all(p is not q for q in tied)]
         return [own] + [[p] for p in tied]
 
+    def take_held_gradients(self) -> list[list[torch.nn.Parameter]]:
+        """Stopping between drains: gradients computed but not yet applied, set as the only .grad (clip groups);
+        none here (PipeDream's delayed tied gradients are, pipeline/async_stash_engine.py)."""
+        return []
+
     def abandon_in_flight(self) -> None:
         """Stopping after a non-draining step: the look-ahead forwards are dropped (a resumed run warms up
         and runs them again on the same weights); posted receives are waited for first."""

@@ -272,6 +272,27 @@ def stash_version(microbatch: int, stage: int, *, pp: int, run_start: int, verti
     return max(run_start, microbatch - delay)
 
 
+# A weight tied across stages (gpt's embedding and output head) is read by its first and last
+# stage. Summing each micro-batch's two gradients before the update makes its owners meet every
+# step: the last stage's next forward needs the weight updated with stage 0's gradient of the
+# same micro-batch, which stage 0 computes pp - 1 backwards later, so the whole pipe runs at the
+# pace of that meeting. The tied rule instead applies a tied weight's summed gradient `delay`
+# steps late (default pp - 1, by when stage 0 has long finished it): its update at step t uses
+# G(t - delay), the sum over its stages (and replicas) of micro-batch t - delay's gradient; the
+# first `delay` steps of a pipeline run leave it unchanged, and the run's last step (the drain)
+# applies the sum of every G the run has not applied yet, so no gradient is lost and a flush
+# still leaves nothing outstanding (a checkpoint holds no pending gradient). delay = 0 is the
+# synchronous sum (the meeting). Not in the paper, which has no tied weights.
+
+def tied_steps_due(step: int, *, run_start: int, run_end: int, delay: int) -> range:
+    """The micro-batches (= steps) whose summed tied-weight gradient step `step`'s update applies."""
+    if step == run_end:
+        return range(max(run_start, step - delay), step + 1)
+    if step - delay >= run_start:
+        return range(step - delay, step - delay + 1)
+    return range(0)
+
+
 def check_stash_versions(lists: dict[int, Schedule], *, pp: int, flush_after: frozenset[int] | set[int],
                          vertical_sync: bool) -> dict[int, int]:
     """Check, on the lists, PipeDream's stashing: each forward's version exists when it runs (at most

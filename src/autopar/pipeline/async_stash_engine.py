@@ -19,11 +19,17 @@ holds just the newest weights, the optimizer state and the step.
 Updates without a meeting (train/deferred.py, rule "per-stage"): each stage updates right after
 its backward from what it holds: each clip group (the stage's own parameters; a parameter tied
 across stages on its own, by the norm of its summed gradient, so every owner scales it alike) is
-clipped by its own norm, and a stage whose gradient is not finite skips its update. The loss,
-the global norm (reported, not used) and the skips travel in an asynchronous all-reduce read pp
-steps later. A parameter tied across stages (gpt's embedding and head) still makes its owners
-wait for each other every step: the last stage's next forward needs the summed gradient of
-stage 0's backward, which runs pp - 1 backwards later; models without such ties do not wait.
+clipped by its own norm, and a clip group whose gradient is not finite skips its update (the
+others go on). The loss, the global norm (reported, not used) and the skips travel in an
+asynchronous all-reduce read pp steps later.
+
+Tied weights (pipeline/async_schedules.py, `tied_steps_due`): a parameter tied across stages
+(gpt's embedding and head) takes its summed gradient `tied_delay` steps late (default pp - 1).
+Each owner posts step t's sum as an asynchronous all-reduce when its backward is done and waits
+for it `tied_delay` steps later, by when the other owner posted it long ago; so its owners do
+not meet every step (with tied_delay 0 they do: the last stage's next forward would need stage
+0's gradient of the same micro-batch, pp - 1 backwards later). The drain applies what is still
+outstanding. Each owner holds up to tied_delay + 1 such gradients.
 
 Memory: stage s holds at most pp - s weight versions (measured: `weight_storages`); with
 vertical sync up to pp (every version a later forward will ask for stays, too).
@@ -33,14 +39,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..dropout import active_scope, dropout_step, micro_batch
 from .async_lowering import lower_calls
-from .async_schedules import flush_steps, runs_of, stash_lists, stash_version
+from .async_schedules import flush_steps, runs_of, stash_lists, stash_version, tied_steps_due
 from .async_engine import NoFlushPipelineEngine
 from .runtime import InFlight
 from .weight_versions import StageSlots, StashedVersions
@@ -53,12 +61,14 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
     deferred_rule = "per-stage"
 
     def __init__(self, model, mesh, *, steps: int, eval_every: int, checkpoint_every: int, vertical_sync: bool,
-                 batches_for_step: Callable[[int], list[dict]],
+                 tied_delay: int | None = None, batches_for_step: Callable[[int], list[dict]],
                  samples_for_step: Callable[[int], list[list[int]]] | None = None, strategy=None, **kwargs):
         # the base pipeline (partition, stages, eval lists) is 1F1B's; the training lists are built here
         super().__init__(model, mesh, num_microbatches=1, strategy=dataclasses.replace(strategy, schedule="1f1b"),
                          **kwargs)
         self.steps, self.vertical_sync = steps, vertical_sync
+        self.tied_delay = self.pp - 1 if tied_delay is None else tied_delay
+        self.tied_posted: dict[int, deque] = {}  # id(tied parameter) -> (step, its summed gradient, work), oldest first
         self.flush_after = flush_steps(steps, eval_every=eval_every, checkpoint_every=checkpoint_every)
         self.batches_for_step, self.samples_for_step = batches_for_step, samples_for_step
         params = {}
@@ -138,13 +148,48 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
         self.versions.gradients_to_parameters(t)
         with self.waits.timed("data_parallel"):
             self.sync.finish()  # copies into the dp buckets and sums them over replicas
-        for param, group, _ in self._shared:  # tied weights: sum the stages' gradients (their owners wait)
-            with self.waits.timed("pipeline"):
-                torch.distributed.all_reduce(param.grad, group=group)
+        self._tied_gradients(t)
         self.versions.advance(self._needed_after(t))
         for j in [j for j in self.loaded if j <= t]:
             self.loaded.pop(j)
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)
+
+    def _tied_gradients(self, t: int) -> None:
+        """Tied weights (module docstring): post step t's sum over the owning stages, and give each tied parameter
+        the summed gradient the rule makes due at step t (None when none is: the optimizer leaves it as it is)."""
+        start, end = self.runs[t]
+        due = tied_steps_due(t, run_start=start, run_end=end, delay=self.tied_delay)
+        for param, group, _ in self._shared:
+            posted = self.tied_posted.setdefault(id(param), deque())
+            mine = param.grad.detach().clone()
+            posted.append((t, mine, dist.all_reduce(mine, group=group, async_op=True)))
+            summed = None
+            while posted and posted[0][0] in due:
+                _, grad, work = posted.popleft()
+                with self.waits.timed("pipeline"):
+                    work.wait()
+                summed = grad if summed is None else summed + grad
+            if posted and (t == end or posted[0][0] < due.start):
+                raise RuntimeError(f"pipedream: tied gradients of steps {[u for u, _, _ in posted]} left behind at "
+                                   f"step {t + 1}")
+            param.grad = summed
+
+    def take_held_gradients(self) -> list[list[torch.nn.Parameter]]:
+        """A stop between drains: each tied parameter's gradient becomes the sum of those it has posted and not
+        applied yet, every other gradient None, so the trainer applies them as one last update of those parameters
+        alone (none is lost). Returns their clip groups."""
+        for p in self.sync.params:
+            p.grad = None
+        groups = []
+        for param, _, _ in self._shared:
+            posted = self.tied_posted.pop(id(param), deque())
+            for _, grad, work in posted:
+                with self.waits.timed("pipeline"):
+                    work.wait()
+                param.grad = grad if param.grad is None else param.grad + grad
+            if posted:
+                groups.append([param])
+        return groups
 
     def _needed_after(self, t: int) -> range:
         """Versions this rank's forwards after step t still ask for (within the current run): versions grow

@@ -10,7 +10,10 @@ of every parameter and, for step t, points every use of a parameter at the versi
 stage that reads it, then applies the summed gradient to the newest weights. A parameter read
 by several stages (a tied embedding and output head) is one Parameter reachable under several
 names; its names are matched to its stages in module order (the embedding's name comes first
-and belongs to the first stage reading it), which holds for the models autopar ships.
+and belongs to the first stage reading it), which holds for the models autopar ships. Such a
+parameter follows the tied rule (pipeline/async_schedules.py, `tied_steps_due`): its update at
+step t applies the summed gradient of step t - tied_delay, none in a run's first tied_delay
+steps, and at a run's last step every one not applied yet.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 from ..dropout import active_scope
-from .async_schedules import runs_of, stash_version
+from .async_schedules import runs_of, stash_version, tied_steps_due
 from ..train.engine import DataParallelEngine, accumulate_gradients
 
 
@@ -29,9 +32,10 @@ class StashOracleEngine(DataParallelEngine):
     """The whole model; step t's gradient taken with each stage's parameters at that stage's stashed version."""
 
     def __init__(self, *args, pp: int, stages_of: dict[str, list[int]], vertical_sync: bool, steps: int,
-                 flush_after: frozenset[int], **kwargs):
+                 flush_after: frozenset[int], tied_delay: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.pp, self.vertical_sync, self.steps, self.flush_after = pp, vertical_sync, steps, flush_after
+        self.tied_delay = pp - 1 if tied_delay is None else tied_delay
         self.params = list(self.sync.params)
         index = {id(p): i for i, p in enumerate(self.params)}
         seen: dict[int, int] = {}
@@ -54,6 +58,8 @@ class StashOracleEngine(DataParallelEngine):
             key = ("stage", min(stages)) if len(stages) == 1 else ("tied", i)
             groups.setdefault(key, []).append(self.params[i])
         self.clip_groups = list(groups.values())
+        self.tied = {i for i, stages in stages_by_index.items() if len(stages) > 1}
+        self.tied_posted: dict[int, dict[int, torch.Tensor]] = {i: {} for i in self.tied}  # index -> step -> G(step)
         self.history: dict[int, list[torch.Tensor]] = {}
         self.runs: dict[int, tuple[int, int]] = {}
 
@@ -76,9 +82,17 @@ class StashOracleEngine(DataParallelEngine):
         finally:
             for owner, attr, original in saved:
                 owner._parameters[attr] = original
+        due = tied_steps_due(t, run_start=start, run_end=self.runs[t][1], delay=self.tied_delay)
         for i, p in enumerate(self.params):
             grads = [leaf.grad for (j, _), leaf in leaves.items() if j == i and leaf.grad is not None]
             p.grad = torch.stack(grads).sum(0) if grads else torch.zeros_like(p)
+            if i in self.tied:
+                self.tied_posted[i][t] = p.grad
+                summed = None
+                for u in due:
+                    grad = self.tied_posted[i].pop(u)
+                    summed = grad if summed is None else summed + grad
+                p.grad = summed
         self.sync.finish()
         return total
 

@@ -18,6 +18,7 @@ shared filesystem across machines).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -212,6 +213,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             fqn: {k: whole(fqn, v) if tensor_parallel.is_sharded(fqn) and _is_slice_state(v, shapes.get(fqn)) else v
                   for k, v in entries.items()} for fqn, entries in optim_sd.get("state", {}).items()}}
     state = {"model": primary, "optim": optim_sd}
+    # The file's parameter groups are one rank's (DCP keeps one copy of a non-tensor entry), so a pipeline
+    # rank would get another stage's parameter names (fatal for an optimizer with no state, e.g. plain SGD:
+    # nothing else tells DCP which parameters are this rank's). This rank's own groups are loaded instead;
+    # their hyperparameters come from this run's config anyway (below).
+    own_groups = copy.deepcopy(optim_sd.get("param_groups"))
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -228,6 +234,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         old_state = targets["optim"].get("state", {})
         state["optim"]["state"] = {fqn: {k: _like(v, old_state[fqn][k]) for k, v in entries.items()}
                                    for fqn, entries in state["optim"]["state"].items()}
+    if own_groups is not None:
+        state["optim"]["param_groups"] = own_groups
     loaded = {**state["model"], **{alias: state["model"][key] for alias, key in aliases.items()}}
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     _set_state(model, optimizer, loaded, state["optim"])

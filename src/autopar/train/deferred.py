@@ -12,7 +12,7 @@ before stage 0 and must wait for it. The rules do not need it:
   (`DeferredSteps.apply_oldest`, called by the engine), or at the end of step t+1 at the latest.
 - PipeDream ("per-stage" rule): each stage updates after every micro-batch with what it knows
   locally: each clip group (the stage's own parameters; each parameter tied across stages on its
-  own) is clipped by its own norm, and a stage whose gradient is not finite skips its update.
+  own) is clipped by its own norm, and a group whose gradient is not finite is left out of the update.
   The all-reduce only reports (loss, global norm, skips) and is read `lag` steps later, by which
   time stage 0 has long contributed.
 
@@ -114,6 +114,10 @@ class DeferredSteps:
     def settle(self) -> list[Finished]:
         """Apply (2BW) or collect every outstanding step: the weights are then the newest. Returns them."""
         self._settle_all()
+        held = self.engine.take_held_gradients()
+        if held:  # per-stage rule: gradients the engine delayed (tied weights) as one last update of their own
+            self._clipped_update(held)
+            self.engine.zero_grad()
         out, self.finished = self.finished, []
         return out
 
@@ -147,15 +151,25 @@ class DeferredSteps:
     def _update_per_stage(self) -> bool:
         """The per-stage rule's update, now, from this rank's gradients only; True if this stage skipped."""
         self.engine.finish_gradients()
-        skipped = False
-        for params in self.engine.clip_groups():
-            norm = math.sqrt(float(sum(p.grad.double().square().sum() for p in params if p.grad is not None)))
-            skipped = skipped or not math.isfinite(norm)
-            self.engine.scale_to_norm(norm, self.max_norm, params)
-        if not skipped:
-            self.optimizer.step()
+        skipped = self._clipped_update(self.engine.clip_groups())
         self.scheduler.step()
         self.engine.zero_grad()
+        return skipped
+
+    def _clipped_update(self, groups: list[list[torch.nn.Parameter]]) -> bool:
+        """Each clip group scaled by its own norm; a group whose gradient is not finite is left out of the update
+        (its gradients set to None; so the owners of a tied weight, which see the same gradient, decide alike).
+        True if some group was left out."""
+        skipped = False
+        for params in groups:
+            norm = math.sqrt(float(sum(p.grad.double().square().sum() for p in params if p.grad is not None)))
+            if not math.isfinite(norm):
+                skipped = True
+                for p in params:
+                    p.grad = None
+                continue
+            self.engine.scale_to_norm(norm, self.max_norm, params)
+        self.optimizer.step()
         return skipped
 
     def _loss_and_norm(self, vector: torch.Tensor) -> tuple[float, float]:
