@@ -20,6 +20,12 @@ over m steps (the samples of one 1f1b step) so the curves compare like with like
     python benchmarks/async_pipeline.py --out runs/async_pipeline --png docs/benchmarks/async_pipeline.png
     python benchmarks/async_pipeline.py --steps 24 --no-plot    # the bubble table only
     python benchmarks/async_pipeline.py --pp 2 --steps 16 --count-subnormals --no-plot   # denormals? (untimed)
+    python benchmarks/async_pipeline.py --steps 16 --tied0 --no-plot   # also pipedream --tied-delay 0
+
+gpt models tie the embedding and the output head across the first and last stage. pipedream
+applies that weight's summed gradient pp - 1 steps late by default (pipeline/async_schedules.py,
+`tied_steps_due`); `--tied0` adds `pipedream-tied0`, the same schedule with `--tied-delay 0` (the
+two stages meet every micro-batch to sum it), to show what the delay removes.
 
 Both fractions are taken per pipeline rank over the steady steps (the first --skip 1f1b-steps'
 worth of warm-up and the last step, a drain, left out), as a sum over those steps of a time over
@@ -58,19 +64,23 @@ import sys
 import time
 from pathlib import Path
 
-SCHEDULES = ("1f1b", "pipedream-2bw", "pipedream")
+SCHEDULES = ("1f1b", "pipedream-2bw", "pipedream", "pipedream-tied0")
+# name -> (--schedule, extra flags): pipedream-tied0 sums a tied weight's gradient every step (--tied-delay 0,
+# the owners meet each micro-batch), where pipedream's default delays it by pp - 1 steps
+VARIANTS = {"pipedream-tied0": ("pipedream", ["--tied-delay", "0"])}
 
 
 def per_step(args: argparse.Namespace, schedule: str) -> int:
     """Micro-batches per optimizer step: pipedream updates after every one."""
-    return 1 if schedule == "pipedream" else args.global_batch // args.micro_batch
+    return 1 if schedule.startswith("pipedream") and schedule != "pipedream-2bw" else args.global_batch // args.micro_batch
 
 
 def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list[dict]:
     stretch = args.global_batch // args.micro_batch // per_step(args, schedule)
     command = [sys.executable, "-m", "autopar", "train", "--model", args.model,
                *[flag for item in args.model_arg for flag in ("--model-arg", item)], "--pp", str(pp),
-               "--schedule", schedule, "--steps", str(args.steps * stretch),
+               "--schedule", VARIANTS.get(schedule, (schedule, []))[0], *VARIANTS.get(schedule, (schedule, []))[1],
+               "--steps", str(args.steps * stretch),
                "--global-batch-size", str(args.micro_batch * per_step(args, schedule)),
                "--micro-batch-size", str(args.micro_batch), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
                "--warmup-steps", str(args.warmup * stretch), "--eval-every", "0", "--checkpoint-every", "0",
@@ -139,8 +149,9 @@ def predicted_bubble(schedule: str, pp: int, m: int, tied: bool) -> float:
     """The simulator's bubble for the same lists, unit costs (F=1, B=2, transfers free), mean over ranks.
 
     1f1b: one flushing step. pipedream-2bw: its steady state (no meeting between steps). pipedream: its
-    steady state; with a weight tied across stages (`tied`: gpt's embedding and head, where the last stage's
-    next forward needs stage 0's gradient of the same micro-batch) modelled as the ranks meeting each step.
+    steady state (a tied weight's gradient arrives pp - 1 steps late: no meeting); pipedream-tied0, with a
+    weight tied across stages (`tied`: gpt's embedding and head, where the last stage's next forward needs
+    stage 0's gradient of the same micro-batch) modelled as the ranks meeting each step.
     """
     from autopar.pipeline.async_schedules import (segment_lists, stash_lists, steady_state_bubble,
                                                   step_time_with_meeting, whole_run)
@@ -155,7 +166,7 @@ def predicted_bubble(schedule: str, pp: int, m: int, tied: bool) -> float:
         timeline = simulate(whole_run(lists), pp=pp, num_stages=pp, num_microbatches=6 * m)
         return statistics.fmean(steady_state_bubble(timeline, lists).values())
     lists = stash_lists(pp=pp, steps=range(3 * pp), flush_after={3 * pp - 1})
-    if tied:
+    if tied and schedule == "pipedream-tied0":
         return 1 - 3 / step_time_with_meeting(pp=pp, m=1, lists=lists[pp])
     timeline = simulate(whole_run(lists), pp=pp, num_stages=pp, num_microbatches=3 * pp)
     steady = {t: lists[t] for t in range(2 * pp + 1)}  # the warm-up (skip pp) and the drain left out
@@ -177,7 +188,7 @@ def plot(results: dict, png: Path, args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (by_step, by_samples, by_time) = plt.subplots(1, 3, figsize=(16, 4.5))
-    styles = {"1f1b": "-", "pipedream-2bw": "--", "pipedream": ":"}
+    styles = {"1f1b": "-", "pipedream-2bw": "--", "pipedream": ":", "pipedream-tied0": "-."}
     for (schedule, pp), records in sorted(results.items()):
         m = args.global_batch // args.micro_batch // per_step(args, schedule)  # steps per 1f1b step's samples
         points = averaged(records, m)
@@ -228,6 +239,8 @@ def main() -> None:
     parser.add_argument("--count-subnormals", action="store_true",
                         help="count the subnormal floats each rank computes with (benchmarks/subnormal_census.py) "
                              "and print the totals per run; slows every run several times: its times mean nothing")
+    parser.add_argument("--tied0", action="store_true", help="also run pipedream with --tied-delay 0 (a tied "
+                        "weight's gradient summed every step: its first and last stages meet each micro-batch)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (schedule, pp), interleaved; the "
                         "table gives the median over them (a loaded machine drifts between runs)")
     args = parser.parse_args()
@@ -238,6 +251,8 @@ def main() -> None:
     for rep in range(args.repeats):
         for pp in args.pp:
             for schedule in SCHEDULES:
+                if schedule == "pipedream-tied0" and not args.tied0:
+                    continue
                 out = Path(args.out) / (f"{schedule}-pp{pp}" + (f"-r{rep}" if args.repeats > 1 else ""))
                 repeats.setdefault((schedule, pp), []).append(run_one(args, schedule, pp, out))
     results = {key: runs[0] for key, runs in repeats.items()}  # the losses are the same in every repeat

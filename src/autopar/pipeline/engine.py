@@ -231,11 +231,11 @@ class PipelineEngine(EngineBase):
 
     def _reduce_tied(self) -> None:
         for param, group, _ in self._shared:  # tied weights: sum the stages' gradients (zero 3: equal shards)
-            if id(param) in self._tied_names:  # --stage-tp: slices of different widths
-                param.grad.copy_(self._summed_whole_grad(self._tied_names[id(param)], param.grad, group))
-                continue
             with self.waits.timed("pipeline"):  # the stages owning it wait for each other
-                dist.all_reduce(local_tensor(param.grad), group=group)
+                if id(param) in self._tied_names:  # --stage-tp: slices of different widths
+                    param.grad.copy_(self._summed_whole_grad(self._tied_names[id(param)], param.grad, group))
+                else:
+                    dist.all_reduce(local_tensor(param.grad), group=group)
 
     def _summed_whole_grad(self, fqn: str, grad: torch.Tensor, group) -> torch.Tensor:
         """This rank's slice of the tied gradient summed over its stages (see _shared_groups_by_stage)."""
