@@ -1,0 +1,226 @@
+"""The zero-bubble split's fixed cost in one process (issue 21): a stage's fused backward B against I then W.
+
+One thread, no ranks. A gpt-mini stage as zbv_breakdown.py runs it (6 layers, 4 x 64 tokens, vocabulary 320):
+`last` is the second of 2 stages (zb-h1's stage 1, its loss inside), `middle` the third of 4 (a zbv stage fed an
+output gradient). Per repeat, interleaved (order rotating), each variant runs forward (untimed) then its backward:
+
+  B        torch.autograd.backward from the outputs, parameters' .grad accumulated, inputs' gradients asked
+  I, W     pipeline/split_backward.py as the runtime calls it (one SplitPlanCache per stage, kept across repeats)
+
+timed by time.perf_counter (wall) and time.thread_time (this thread's CPU: one thread does all of the backward).
+Every variant's input and parameter gradients are checked against B's. Printed: medians of B, I, W and I + W
+(the median of each repeat's sum), (I + W) / B and (I + W) - B.
+
+--other SRC loads pipeline/split_plan.py and split_backward.py from another tree's src (e.g. main's) beside this
+tree's, so a before/after pair is measured in the same run. --profile adds cProfile of this tree's I and W
+(cumulative over the repeats, top functions by own time) and torch.profiler's op table of one I + W.
+
+    PYTHONPATH=src:benchmarks python benchmarks/split_overhead.py [--stage last|middle|both] [--repeats 41]
+        [--other /work/main/src] [--profile] [--d-model 16 --seq 8 --mb 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+import autopar.pipeline.split_backward as this_split
+import autopar.pipeline.split_plan as this_plan
+from pipeline.common import Setup
+from pipeline.zero_bubble import _local_setup
+
+
+def load_other(src: str):
+    """split_plan and split_backward from `src`/autopar/pipeline as a package of their own (relative import kept)."""
+    folder = Path(src, "autopar", "pipeline")
+    if not (folder / "split_backward.py").is_file():
+        raise SystemExit(f"--other {src}: no autopar/pipeline/split_backward.py under it; pass a tree's src folder")
+    package = types.ModuleType("split_other")
+    package.__path__ = [str(folder)]
+    sys.modules["split_other"] = package
+    modules = {}
+    for name in ("split_plan", "split_backward"):
+        spec = importlib.util.spec_from_file_location(f"split_other.{name}", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses and the relative import look it up here
+        spec.loader.exec_module(module)
+        modules[name] = module
+    return modules["split_backward"], modules["split_plan"]
+
+
+class Stage:
+    """One stage module with a fixed input (the upstream stages' output) and, if not last, a fixed output gradient."""
+
+    def __init__(self, setup: Setup, index: int, num_stages: int):
+        batch = setup.batches(0)[0]
+        self.module = setup.stage(index, num_stages)
+        self.last = index == num_stages - 1
+        acts = (batch["input_ids"],)
+        with torch.no_grad():
+            for s in range(index):
+                acts = tuple(setup.stage(s, num_stages)(*acts))
+        self.acts, self.labels, self.loss = acts, batch["labels"], setup.loss
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.grads = None
+        if not self.last:
+            _, outs = self.forward()
+            gen = torch.Generator().manual_seed(1)
+            self.grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+
+    def forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(inputs needing a gradient, outputs needing one), as the runtime's _pairs picks them."""
+        xs = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in self.acts)
+        out = self.module(*xs)
+        if self.last:
+            outs = [self.loss(out, self.labels)]
+        else:
+            out = out if isinstance(out, tuple) else (out,)
+            outs = [o for o in out if o.is_floating_point() and o.requires_grad]
+        return [x for x in xs if x.requires_grad], outs
+
+    def grad_outputs(self, outs):
+        return [None] * len(outs) if self.grads is None else self.grads
+
+
+def fused(stage: Stage):
+    def run():
+        xs, outs = stage.forward()
+        w, c = time.perf_counter(), time.thread_time()
+        torch.autograd.backward(outs, [torch.ones_like(o) if g is None else g
+                                       for o, g in zip(outs, stage.grad_outputs(outs))])
+        return (time.perf_counter() - w, time.thread_time() - c, 0.0, 0.0), [x.grad for x in xs]
+    return run
+
+
+def split(stage: Stage, module, plans):
+    cache = plans.SplitPlanCache()  # one per stage, kept across repeats, as the runtime keeps it
+
+    def run():
+        xs, outs = stage.forward()
+        w0, c0 = time.perf_counter(), time.thread_time()
+        got, work = module.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
+        w1, c1 = time.perf_counter(), time.thread_time()
+        module.backward_weight(work)
+        w2, c2 = time.perf_counter(), time.thread_time()
+        return (w1 - w0, c1 - c0, w2 - w1, c2 - c1), got
+    return run
+
+
+def measure(stage: Stage, variants: dict, repeats: int, warmup: int = 3) -> dict:
+    runs = {name: [] for name in variants}
+    names, reference = list(variants), None
+    for i in range(warmup + repeats):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            for p in stage.params:
+                p.grad = None
+            t, inputs = variants[name]()
+            grads = [*inputs, *(p.grad for p in stage.params)]
+            if name == "B":
+                reference = [None if g is None else g.clone() for g in grads]
+            elif reference is not None:
+                for a, b in zip(reference, grads):
+                    if (a is None) != (b is None) or (a is not None and not torch.allclose(a, b, rtol=1e-5, atol=1e-6)):
+                        raise SystemExit(f"{name}: gradients differ from B's")
+            if i >= warmup:
+                runs[name].append(t)
+    return runs
+
+
+def report(label: str, runs: dict, repeats: int) -> list[str]:
+    med = statistics.median
+    lines = [f"{label}: medians of {repeats} (ms)",
+             f"  {'variant':24s} {'clock':5s} {'B or I':>7s} {'W':>7s} {'I + W':>7s} {'(I+W)/B':>8s} {'(I+W)-B':>8s}"]
+    for clock, k in (("wall", 0), ("cpu", 1)):
+        b = med(t[k] for t in runs["B"])
+        lines.append(f"  {'B (fused backward)':24s} {clock:5s} {b * 1e3:7.2f}")
+        for name in list(runs)[1:]:
+            i, w = med(t[k] for t in runs[name]), med(t[k + 2] for t in runs[name])
+            both = med(t[k] + t[k + 2] for t in runs[name])
+            lines.append(f"  {name:24s} {clock:5s} {i * 1e3:7.2f} {w * 1e3:7.2f} {both * 1e3:7.2f} {both / b:8.3f} "
+                         f"{(both - b) * 1e3:8.2f}")
+    return lines
+
+
+def profile(stage: Stage, repeats: int) -> str:
+    """cProfile of this tree's I and of its W apart, over `repeats` runs each; torch.profiler of one I + W."""
+    cache = this_plan.SplitPlanCache()
+    for _ in range(3):  # warm the plan cache as the runtime's is
+        xs, outs = stage.forward()
+        _, work = this_split.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
+        this_split.backward_weight(work)
+    pi, pw, out = cProfile.Profile(), cProfile.Profile(), io.StringIO()
+    for _ in range(repeats):
+        for p in stage.params:
+            p.grad = None
+        xs, outs = stage.forward()
+        pi.enable()
+        _, work = this_split.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
+        pi.disable()
+        pw.enable()
+        this_split.backward_weight(work)
+        pw.disable()
+    for name, prof in (("I", pi), ("W", pw)):
+        out.write(f"--- cProfile of {name}, {repeats} calls, by own time (cumulative times include callees)\n")
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    xs, outs = stage.forward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("I"):
+            _, work = this_split.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
+        with torch.profiler.record_function("W"):
+            this_split.backward_weight(work)
+    out.write("--- torch.profiler, one I + W, by self CPU time\n")
+    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=["last", "middle", "both"], default="both")
+    parser.add_argument("--repeats", type=int, default=41, help="timed repeats per variant (default 41)")
+    parser.add_argument("--layers", type=int, default=6, help="gpt-mini n_layer, at least 4 (default 6)")
+    parser.add_argument("--d-model", type=int, default=None, help="gpt-mini d_model (default 128)")
+    parser.add_argument("--mb", type=int, default=4, help="sequences per micro-batch (default 4)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument("--other", default=None, help="another tree's src folder, measured beside this one")
+    parser.add_argument("--profile", action="store_true", help="cProfile and torch.profiler of this tree's I, W")
+    args = parser.parse_args(argv)
+    if args.layers < 4 or args.repeats < 1:
+        parser.error(f"need --layers >= 4 (4 stages) and --repeats >= 1; got {args.layers}, {args.repeats}")
+    torch.set_num_threads(1)
+    args.vocab, args.m = 320, 8
+    args.model_args = {"n_layer": args.layers, **({"d_model": args.d_model} if args.d_model else {})}
+    setup = Setup.__new__(Setup)
+    _local_setup(setup, args)
+    other = load_other(args.other) if args.other else None
+    print(f"$ python benchmarks/split_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} cores | load average (1 min) at start "
+          f"{os.getloadavg()[0]:.2f}")
+    begin = time.perf_counter()
+    cases = {"last": ("zb-h1's stage 1 of 2 (loss inside)", 1, 2), "middle": ("zbv's stage 2 of 4", 2, 4)}
+    for key in (["last", "middle"] if args.stage == "both" else [args.stage]):
+        label, index, num_stages = cases[key]
+        stage = Stage(setup, index, num_stages)
+        variants = {"B": fused(stage), "I, W (this tree)": split(stage, this_split, this_plan)}
+        if other is not None:
+            variants["I, W (--other)"] = split(stage, *other)
+        print("\n".join(report(label, measure(stage, variants, args.repeats), args.repeats)))
+        if args.profile:
+            print(profile(stage, args.repeats))
+    print(f"load average (1 min) at end {os.getloadavg()[0]:.2f}; wall time {time.perf_counter() - begin:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
