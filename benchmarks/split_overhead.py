@@ -7,26 +7,35 @@ output gradient). Per repeat, interleaved (order rotating), each variant runs fo
   B        torch.autograd.backward from the outputs, parameters' .grad accumulated, inputs' gradients asked
   I, W     pipeline/split_backward.py as the runtime calls it (one SplitPlanCache per stage, kept across repeats)
 
-timed by time.perf_counter (wall) and time.thread_time (this thread's CPU: one thread does all of the backward).
-Every variant's input and parameter gradients are checked against B's. Printed: medians of B, I, W and I + W
-(the median of each repeat's sum), (I + W) / B and (I + W) - B.
+timed by time.perf_counter (wall) and time.thread_time (this thread's CPU: one thread does all of the backward),
+with the thread's minor page faults. Every variant's input and parameter gradients are checked against B's.
+Printed: medians of B, I, W and I + W (the median of each repeat's sum), (I + W) / B and (I + W) - B.
+
+Page faults: depending on a loop's allocation history, glibc may hand the gradients I keeps for W back to the
+system after each W and map them afresh in the next I. One such loop (F, B and I + W in turn, gradients set to
+None) took about 1,500 faults a micro-batch in I and W (none in B) and (I + W) - B rose by about 1 ms; in the
+pipeline itself zb-h1's I and W took none (zbv_breakdown.py with the actions' clock reading ru_minflt,
+2026-11-26). So by default this loop asks glibc (mallopt) to keep freed memory, and prints the faults it sees;
+--glibc-default measures with glibc's own thresholds.
 
 --other SRC loads pipeline/split_plan.py and split_backward.py from another tree's src (e.g. main's) beside this
 tree's, so a before/after pair is measured in the same run. --profile adds cProfile of this tree's I and W
 (cumulative over the repeats, top functions by own time) and torch.profiler's op table of one I + W.
 
     PYTHONPATH=src:benchmarks python benchmarks/split_overhead.py [--stage last|middle|both] [--repeats 41]
-        [--other /work/main/src] [--profile] [--d-model 16 --seq 8 --mb 1]
+        [--other /work/main/src] [--profile] [--glibc-default] [--d-model 16 --seq 8 --mb 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import importlib.util
 import io
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -57,6 +66,21 @@ def load_other(src: str):
         spec.loader.exec_module(module)
         modules[name] = module
     return modules["split_backward"], modules["split_plan"]
+
+
+def faults() -> int:
+    """This thread's minor page faults so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def keep_heap() -> bool:
+    """Ask glibc not to trim its heap nor to map large blocks apart (256 MiB thresholds); False off glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_TRIM_THRESHOLD, 256 << 20)) and bool(mallopt(M_MMAP_THRESHOLD, 256 << 20))
 
 
 class Stage:
@@ -96,10 +120,11 @@ class Stage:
 def fused(stage: Stage):
     def run():
         xs, outs = stage.forward()
-        w, c = time.perf_counter(), time.thread_time()
+        f, w, c = faults(), time.perf_counter(), time.thread_time()
         torch.autograd.backward(outs, [torch.ones_like(o) if g is None else g
                                        for o, g in zip(outs, stage.grad_outputs(outs))])
-        return (time.perf_counter() - w, time.thread_time() - c, 0.0, 0.0), [x.grad for x in xs]
+        w, c = time.perf_counter() - w, time.thread_time() - c
+        return (w, c, 0.0, 0.0, faults() - f, 0), [x.grad for x in xs]
     return run
 
 
@@ -108,12 +133,12 @@ def split(stage: Stage, module, plans):
 
     def run():
         xs, outs = stage.forward()
-        w0, c0 = time.perf_counter(), time.thread_time()
+        f0, w0, c0 = faults(), time.perf_counter(), time.thread_time()
         got, work = module.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
-        w1, c1 = time.perf_counter(), time.thread_time()
+        w1, c1, f1 = time.perf_counter(), time.thread_time(), faults()
         module.backward_weight(work)
-        w2, c2 = time.perf_counter(), time.thread_time()
-        return (w1 - w0, c1 - c0, w2 - w1, c2 - c1), got
+        w2, c2, f2 = time.perf_counter(), time.thread_time(), faults()
+        return (w1 - w0, c1 - c0, w2 - w1, c2 - c1, f1 - f0, f2 - f1), got
     return run
 
 
@@ -141,15 +166,17 @@ def measure(stage: Stage, variants: dict, repeats: int, warmup: int = 3) -> dict
 def report(label: str, runs: dict, repeats: int) -> list[str]:
     med = statistics.median
     lines = [f"{label}: medians of {repeats} (ms)",
-             f"  {'variant':24s} {'clock':5s} {'B or I':>7s} {'W':>7s} {'I + W':>7s} {'(I+W)/B':>8s} {'(I+W)-B':>8s}"]
+             f"  {'variant':24s} {'clock':5s} {'B or I':>7s} {'W':>7s} {'I + W':>7s} {'(I+W)/B':>8s} {'(I+W)-B':>8s}"
+             f"  page faults (B or I, W)"]
     for clock, k in (("wall", 0), ("cpu", 1)):
         b = med(t[k] for t in runs["B"])
-        lines.append(f"  {'B (fused backward)':24s} {clock:5s} {b * 1e3:7.2f}")
+        flt = lambda name: f"{med(t[4] for t in runs[name]):.0f}, {med(t[5] for t in runs[name]):.0f}"
+        lines.append(f"  {'B (fused backward)':24s} {clock:5s} {b * 1e3:7.2f} {'':35s}{flt('B')}")
         for name in list(runs)[1:]:
             i, w = med(t[k] for t in runs[name]), med(t[k + 2] for t in runs[name])
             both = med(t[k] + t[k + 2] for t in runs[name])
             lines.append(f"  {name:24s} {clock:5s} {i * 1e3:7.2f} {w * 1e3:7.2f} {both * 1e3:7.2f} {both / b:8.3f} "
-                         f"{(both - b) * 1e3:8.2f}")
+                         f"{(both - b) * 1e3:8.2f}  {flt(name)}")
     return lines
 
 
@@ -195,17 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--other", default=None, help="another tree's src folder, measured beside this one")
     parser.add_argument("--profile", action="store_true", help="cProfile and torch.profiler of this tree's I, W")
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc's heap trimming on (the loop then takes page faults the pipeline does not)")
     args = parser.parse_args(argv)
     if args.layers < 4 or args.repeats < 1:
         parser.error(f"need --layers >= 4 (4 stages) and --repeats >= 1; got {args.layers}, {args.repeats}")
     torch.set_num_threads(1)
+    heap = "glibc defaults" if args.glibc_default else ("heap kept (mallopt)" if keep_heap() else
+                                                         "glibc defaults (mallopt unavailable)")
     args.vocab, args.m = 320, 8
     args.model_args = {"n_layer": args.layers, **({"d_model": args.d_model} if args.d_model else {})}
     setup = Setup.__new__(Setup)
     _local_setup(setup, args)
     other = load_other(args.other) if args.other else None
     print(f"$ python benchmarks/split_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} cores | load average (1 min) at start "
+    print(f"torch {torch.__version__}, 1 thread, {os.cpu_count()} cores, {heap} | load average (1 min) at start "
           f"{os.getloadavg()[0]:.2f}")
     begin = time.perf_counter()
     cases = {"last": ("zb-h1's stage 1 of 2 (loss inside)", 1, 2), "middle": ("zbv's stage 2 of 4", 2, 4)}
