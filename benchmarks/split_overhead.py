@@ -20,10 +20,11 @@ pipeline itself zb-h1's I and W took none (zbv_breakdown.py with the actions' cl
 
 --other SRC loads pipeline/split_plan.py and split_backward.py from another tree's src (e.g. main's) beside this
 tree's, so a before/after pair is measured in the same run. --profile adds cProfile of this tree's I and W
-(cumulative over the repeats, top functions by own time) and torch.profiler's op table of one I + W.
+(cumulative over the repeats, top functions by own time) and torch.profiler's op table of one I + W. --grouped
+times W's weight matmuls that share a saved input (q, k, v) one by one against one matmul per group.
 
     PYTHONPATH=src:benchmarks python benchmarks/split_overhead.py [--stage last|middle|both] [--repeats 41]
-        [--other /work/main/src] [--profile] [--glibc-default] [--d-model 16 --seq 8 --mb 1]
+        [--other /work/main/src] [--profile] [--grouped] [--glibc-default] [--d-model 16 --seq 8 --mb 1]
 """
 
 from __future__ import annotations
@@ -212,6 +213,49 @@ def profile(stage: Stage, repeats: int) -> str:
     return out.getvalue()
 
 
+def grouped(stage: Stage, repeats: int) -> list[str]:
+    """W's weight matmuls that read the same saved input (q, k and v read one layer norm's output): one per item
+    (as W issues them) against one matmul over the items' gradients concatenated, on the gradients I kept;
+    the grouped result checked against the per-item one. Medians of `repeats`, interleaved."""
+    cache = this_plan.SplitPlanCache()
+    xs, outs = stage.forward()
+    _, work = this_split.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
+    by_input: dict[int, list] = {}
+    for item, g in zip(work.layout.items, work.kept):
+        node = work.nodes[item.node]
+        if type(node).__name__ == "AddmmBackward0" and g is not None and item.edges == (2,):
+            by_input.setdefault(node._saved_mat1.data_ptr(), []).append((node._saved_mat1, g, node._saved_mat2))
+    groups = [v for v in by_input.values() if len(v) > 1]
+    if not groups:
+        return ["  no weight matmuls share an input"]
+
+    def apart():
+        return [this_split._weight_grad(x, g, w) for group in groups for x, g, w in group]
+
+    def together():
+        out = []
+        for group in groups:
+            x, sizes = group[0][0], [g.shape[-1] for _, g, _ in group]
+            out += list(torch.cat([g for _, g, _ in group], dim=-1).mH.__matmul__(x).split(sizes))
+        return out
+
+    times = {"apart": [], "together": []}
+    for i in range(3 + repeats):
+        for name, fn in (("apart", apart), ("together", together))[::1 if i % 2 else -1]:
+            start = time.thread_time()
+            got = fn()
+            if i >= 3:
+                times[name].append(time.thread_time() - start)
+            if name == "together":
+                want = [w.mH for w in apart()]
+                assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(want, got))
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    shapes = ", ".join(f"{len(g)} x {tuple(g[0][1].shape)}" for g in groups)
+    return [f"  weight matmuls sharing an input ({len(groups)} groups: {shapes}), thread CPU ms, medians of {repeats}:",
+            f"    one matmul per item {med['apart']:.2f}, one per group over concatenated gradients "
+            f"{med['together']:.2f} ({med['together'] / med['apart']:.3f})"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=["last", "middle", "both"], default="both")
@@ -222,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--other", default=None, help="another tree's src folder, measured beside this one")
     parser.add_argument("--profile", action="store_true", help="cProfile and torch.profiler of this tree's I, W")
+    parser.add_argument("--grouped", action="store_true",
+                        help="time W's matmuls sharing an input one by one against one matmul per group")
     parser.add_argument("--glibc-default", action="store_true",
                         help="leave glibc's heap trimming on (the loop then takes page faults the pipeline does not)")
     args = parser.parse_args(argv)
@@ -247,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         if other is not None:
             variants["I, W (--other)"] = split(stage, *other)
         print("\n".join(report(label, measure(stage, variants, args.repeats), args.repeats)))
+        if args.grouped:
+            print("\n".join(grouped(stage, args.repeats)))
         if args.profile:
             print(profile(stage, args.repeats))
     print(f"load average (1 min) at end {os.getloadavg()[0]:.2f}; wall time {time.perf_counter() - begin:.0f} s")
