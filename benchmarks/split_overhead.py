@@ -20,11 +20,14 @@ pipeline itself zb-h1's I and W took none (zbv_breakdown.py with the actions' cl
 
 --other SRC loads pipeline/split_plan.py and split_backward.py from another tree's src (e.g. main's) beside this
 tree's, so a before/after pair is measured in the same run. --profile adds cProfile of this tree's I and W
-(cumulative over the repeats, top functions by own time) and torch.profiler's op table of one I + W. --grouped
-times W's weight matmuls that share a saved input (q, k, v) one by one against one matmul per group.
+(cumulative over the repeats, top functions by own time) and, from torch.profiler, the matmuls' time in B, I
+and W by operand shape. --grouped
+times W's weight matmuls that share a saved input (q, k, v) one by one against one matmul per group. --parts
+times I and W by segment (the boundary walk, the structure key, each engine call, the weight-side rules, the
+Python around them), beside B and I-alone (autograd.grad to the inputs with nothing captured), interleaved.
 
     PYTHONPATH=src:benchmarks python benchmarks/split_overhead.py [--stage last|middle|both] [--repeats 41]
-        [--other /work/main/src] [--profile] [--grouped] [--glibc-default] [--d-model 16 --seq 8 --mb 1]
+        [--other /work/main/src] [--profile] [--parts] [--grouped] [--glibc-default] [--d-model 16 --seq 8 --mb 1]
 """
 
 from __future__ import annotations
@@ -182,7 +185,7 @@ def report(label: str, runs: dict, repeats: int) -> list[str]:
 
 
 def profile(stage: Stage, repeats: int) -> str:
-    """cProfile of this tree's I and of its W apart, over `repeats` runs each; torch.profiler of one I + W."""
+    """cProfile of this tree's I and of its W apart, over `repeats` runs each; the matmuls by pass."""
     cache = this_plan.SplitPlanCache()
     for _ in range(3):  # warm the plan cache as the runtime's is
         xs, outs = stage.forward()
@@ -202,15 +205,128 @@ def profile(stage: Stage, repeats: int) -> str:
     for name, prof in (("I", pi), ("W", pw)):
         out.write(f"--- cProfile of {name}, {repeats} calls, by own time (cumulative times include callees)\n")
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-    xs, outs = stage.forward()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.profiler.record_function("I"):
-            _, work = this_split.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
-        with torch.profiler.record_function("W"):
-            this_split.backward_weight(work)
-    out.write("--- torch.profiler, one I + W, by self CPU time\n")
-    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    out.write(matmuls_by_pass(stage, cache, repeats))
     return out.getvalue()
+
+
+def matmuls_by_pass(stage: Stage, cache, repeats: int) -> str:
+    """torch.profiler over `repeats` rounds of B then I, W (record_function scopes): aten::mm's self CPU time
+    per pass and operand shapes, so B's matmuls and the split's same matmuls are compared one by one."""
+    scope = torch.profiler.record_function
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(repeats):
+            for name in ("B", "split"):
+                for p in stage.params:
+                    p.grad = None
+                xs, outs = stage.forward()
+                grads = stage.grad_outputs(outs)
+                if name == "B":
+                    with scope("B"):
+                        torch.autograd.backward(outs, [torch.ones_like(o) if g is None else g
+                                                       for o, g in zip(outs, grads)])
+                    continue
+                with scope("I"):
+                    _, work = this_split.backward_input(outs, grads, xs, stage.params, cache)
+                with scope("W"):
+                    this_split.backward_weight(work)
+    spent: dict[tuple[str, str], float] = {}
+    for event in prof.events():
+        if event.name != "aten::mm":
+            continue
+        top = event
+        while top.cpu_parent is not None:
+            top = top.cpu_parent
+        if top.name not in ("B", "I", "W"):
+            continue  # the forward's
+        key = (top.name, " x ".join(str(tuple(s)) for s in event.input_shapes[:2]))
+        spent[key] = spent.get(key, 0.0) + event.self_cpu_time_total / repeats / 1e3
+    lines = [f"--- aten::mm self CPU ms per micro-batch (torch.profiler, {repeats} rounds of B then I, W), by shape:"]
+    for shape in sorted({k[1] for k in spent}):
+        lines.append(f"  {shape:28s} " + "  ".join(f"{p} {spent[(p, shape)]:6.3f}" for p in "BIW" if (p, shape) in spent))
+    total = {p: sum(v for (q, _), v in spent.items() if q == p) for p in "BIW"}
+    lines.append(f"  total: B {total['B']:.3f}, I {total['I']:.3f} + W {total['W']:.3f} = "
+                 f"{total['I'] + total['W']:.3f} ({(total['I'] + total['W']) / total['B']:.3f} of B's)")
+    return "\n".join(lines) + "\n"
+
+
+def parts(stage: Stage, repeats: int) -> list[str]:
+    """Where I + W's time goes, by segment, interleaved with B and with I-alone (autograd.grad to the inputs,
+    nothing captured): this tree's split with its helpers wrapped in timers (walk, structure_key, the engine
+    calls, the weight-side rules), plus the rules run a second time straight after W on the same tensors
+    ("hot": the cost of the matmuls on data in cache). Thread CPU time, medians of `repeats`."""
+    clock, spent = time.thread_time, {}
+    saved = {name: getattr(this_split, name) for name in ("walk", "structure_key", "_run_grad", "_run_backward")}
+    saved_rules = dict(this_split._WEIGHT_SIDE_RULES)
+
+    def timed(label, fn):
+        def run(*args, **kw):
+            start = clock()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[label] = spent.get(label, 0.0) + clock() - start
+        return run
+
+    for name, label in (("walk", "walk"), ("structure_key", "key"), ("_run_grad", "I engine"),
+                        ("_run_backward", "W engine")):
+        setattr(this_split, name, timed(label, saved[name]))
+    for name, rule in saved_rules.items():
+        this_split._WEIGHT_SIDE_RULES[name] = timed("W rules", rule)
+    cache, runs = this_plan.SplitPlanCache(), {}  # a fresh cache: its layouts hold the wrapped rules
+
+    def fused():
+        xs, outs = stage.forward()
+        grads = [torch.ones_like(o) if g is None else g for o, g in zip(outs, stage.grad_outputs(outs))]
+        start = clock()
+        torch.autograd.backward(outs, grads)
+        return {"B": clock() - start}
+
+    def inputs_only():
+        xs, outs = stage.forward()
+        grads = [torch.ones_like(o) if g is None else g for o, g in zip(outs, stage.grad_outputs(outs))]
+        start = clock()
+        torch.autograd.grad(outs, xs, grads, retain_graph=True)
+        return {"I-alone": clock() - start}
+
+    def split():
+        xs, outs = stage.forward()
+        spent.clear()
+        start = clock()
+        _, work = this_split.backward_input(outs, stage.grad_outputs(outs), xs, stage.params, cache)
+        middle = clock()
+        items = [(item, g) for item, g in zip(work.layout.items, work.kept) if item.rule is not None]
+        this_split.backward_weight(work)
+        end = clock()
+        row = {**spent, "I": middle - start, "W": end - middle}
+        again = clock()
+        for item, g in items:
+            saved_rules[type(work.nodes[item.node]).__name__](work.nodes[item.node], g, item.edges)
+        row["W rules, hot"] = clock() - again
+        row["I other Python"] = row["I"] - row["walk"] - row["key"] - row["I engine"]
+        row["W other Python"] = row["W"] - row.get("W rules", 0.0) - row["W engine"]
+        return row
+
+    try:
+        variants = [fused, inputs_only, split]
+        for i in range(3 + repeats):
+            for fn in variants[i % 3:] + variants[:i % 3]:
+                for p in stage.params:
+                    p.grad = None
+                row = fn()
+                if i >= 3:
+                    for k, v in row.items():
+                        runs.setdefault(k, []).append(v)
+    finally:
+        for name, fn in saved.items():
+            setattr(this_split, name, fn)
+        this_split._WEIGHT_SIDE_RULES.update(saved_rules)
+    med = {k: statistics.median(v) * 1e3 for k, v in runs.items()}
+    order = ["B", "I-alone", "I", "walk", "key", "I engine", "I other Python", "W", "W rules", "W rules, hot",
+             "W engine", "W other Python"]
+    return [f"  by segment, thread CPU ms, medians of {repeats} (B, I-alone and I + W interleaved):",
+            "    " + ", ".join(f"{k} {med[k]:.3f}" for k in order[:3]),
+            "    I: " + ", ".join(f"{k} {med[k]:.3f}" for k in order[3:7]),
+            "    W: " + ", ".join(f"{k} {med[k]:.3f}" for k in order[7:])]
 
 
 def grouped(stage: Stage, repeats: int) -> list[str]:
@@ -266,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--other", default=None, help="another tree's src folder, measured beside this one")
     parser.add_argument("--profile", action="store_true", help="cProfile and torch.profiler of this tree's I, W")
+    parser.add_argument("--parts", action="store_true",
+                        help="time I and W by segment (walk, key, engine calls, rules) beside B and I-alone")
     parser.add_argument("--grouped", action="store_true",
                         help="time W's matmuls sharing an input one by one against one matmul per group")
     parser.add_argument("--glibc-default", action="store_true",
@@ -293,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         if other is not None:
             variants["I, W (--other)"] = split(stage, *other)
         print("\n".join(report(label, measure(stage, variants, args.repeats), args.repeats)))
+        if args.parts:
+            print("\n".join(parts(stage, args.repeats)))
         if args.grouped:
             print("\n".join(grouped(stage, args.repeats)))
         if args.profile:

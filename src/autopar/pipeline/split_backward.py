@@ -20,6 +20,12 @@ chain re-runs the chain nodes between its two uses. An output made without the i
 weights-only output) seeds W directly. Which nodes are boundaries is found by walking the graph;
 split_plan.py keeps that analysis per graph structure, so a repeated micro-batch pays one walk.
 
+What I + W costs beyond B (gpt-mini, benchmarks/split_overhead.py --parts --profile): the same matmuls
+run 4-10% slower than in B (W reads gradients and inputs that have left the cache since I; B multiplies
+while they are hot), W's engine call (its own set-up, and AccumulateGrad copies each early gradient, as
+Python holds a reference), the walk and structure key (mostly the first Python touch of each new node),
+and a little Python in each pass (the layout is flat so that it is loops over numbers).
+
 What is held between I and W: the graph (I keeps it, as the weight branches need the saved
 activations) plus the gradient at each boundary whose weight half W computes, and the early halves
 (`WeightWork.held_bytes`).
