@@ -26,7 +26,7 @@ times W's weight matmuls that share a saved input (q, k, v) one by one against o
 times I and W by segment (the boundary walk, the structure key, each engine call, the weight-side rules, the
 Python around them), beside B and I-alone (autograd.grad to the inputs with nothing captured), interleaved.
 
-    PYTHONPATH=src:benchmarks python benchmarks/split_overhead.py [--stage last|middle|both] [--repeats 41]
+    PYTHONPATH=src python benchmarks/split_overhead.py [--stage last|middle|both] [--repeats 41]
         [--other /work/main/src] [--profile] [--parts] [--grouped] [--glibc-default] [--d-model 16 --seq 8 --mb 1]
 """
 
