@@ -160,3 +160,51 @@ def test_plan_cache_serves_only_graphs_of_the_same_structure():
             assert (want is None) == (have is None)
             assert want is None or torch.allclose(want, have, rtol=1e-5, atol=1e-7)
     assert cache.misses == 4 and len(cache) == 4
+
+
+def test_changing_structure_between_micro_batches_with_an_input_that_needs_no_gradient():
+    """Micro-batches whose graph changes shape back and forth (a data-dependent branch adds a matmul and a
+    bias add W must call as a node) share one cache: each shape is analysed once, the repeats are served,
+    and every run equals a fused backward. The second input (a mask) needs no gradient, so backward_input
+    answers None for it beside the first's gradient. W lets the kept gradients go (held_bytes 0 after)."""
+    torch.manual_seed(0)
+    norm, a, b = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+    extra = nn.Parameter(torch.randn(8))
+    params = [*norm.parameters(), *a.parameters(), *b.parameters(), extra]
+
+    def forward(x, mask, long):
+        h = a(norm(x)) * mask
+        if long:
+            h = b(h) + extra  # another matmul and a bias add (a boundary W runs by calling its node)
+        return h
+
+    cache = SplitPlanCache()
+    mask = (torch.rand(3, 8) > 0.3).float()
+    for step, long in enumerate([False, True, False, True, True]):
+        x0, grad = torch.randn(3, 8), torch.randn(3, 8)
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        forward(x, mask, long).backward(grad)
+        fused = [x.grad, *(None if p.grad is None else p.grad.clone() for p in params)]
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        got, work = backward_input([forward(x, mask, long)], [grad], [x, mask], params, cache)
+        assert got[1] is None and work.held_bytes > 0
+        kinds = {type(n).__name__ for n in work.boundaries}
+        assert kinds == ({"NativeLayerNormBackward0", "AddmmBackward0", "MmBackward0", "AddBackward0"} if long
+                         else {"NativeLayerNormBackward0", "AddmmBackward0"})
+        backward_weight(work)
+        assert work.held_bytes == 0
+        for want, have in zip(fused, [got[0], *(p.grad for p in params)]):
+            assert (want is None) == (have is None)
+            assert want is None or torch.allclose(want, have, rtol=1e-5, atol=1e-7)
+    assert (cache.misses, cache.hits) == (2, 3)
+
+
+def test_a_gradient_of_the_wrong_shape_is_refused_before_the_engine_runs():
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"gradient of shape \(2, 3\) for an output of shape \(2, 4\)"):
+        backward_input([layer(x)], [torch.randn(2, 3)], [x], list(layer.parameters()))

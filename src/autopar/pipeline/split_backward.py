@@ -20,6 +20,12 @@ chain re-runs the chain nodes between its two uses. An output made without the i
 weights-only output) seeds W directly. Which nodes are boundaries is found by walking the graph;
 split_plan.py keeps that analysis per graph structure, so a repeated micro-batch pays one walk.
 
+What I + W costs beyond B (gpt-mini, benchmarks/split_overhead.py --parts --profile): the same matmuls
+run 4-10% slower than in B (W reads gradients and inputs that have left the cache since I; B multiplies
+while they are hot), W's engine call (its own set-up, and AccumulateGrad copies each early gradient, as
+Python holds a reference), the walk and structure key (mostly the first Python touch of each new node),
+and a little Python in each pass (the layout is flat so that it is loops over numbers).
+
 What is held between I and W: the graph (I keeps it, as the weight branches need the saved
 activations) plus the gradient at each boundary whose weight half W computes, and the early halves
 (`WeightWork.held_bytes`).
@@ -30,6 +36,7 @@ own code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -38,40 +45,59 @@ from .split_plan import GroupPlan, SplitPlan, SplitPlanCache, analyse, node_of, 
 
 
 @dataclass(frozen=True)
+class _Item:
+    """One boundary whose weight half W computes: by a rule from its saved tensors, or by calling the node."""
+
+    node: int  # its number in split_plan.walk's order
+    rule: Callable | None  # its _WEIGHT_SIDE_RULES entry (I captures the gradient at its input 0); None: call it
+    edges: tuple[int, ...]  # the node's edges W computes
+    roots: tuple[tuple[int, int, int], ...]  # per such edge (edge, target node, slot): where W's call is rooted
+
+
+@dataclass(frozen=True)
 class _Layout:
-    """A SplitPlan laid out for the two calls (built once per graph structure, cached with it): what
-    I asks autograd for besides the inputs, and what W does with each answer. Numbers are node
-    numbers of split_plan.walk and positions in the parameter and output lists."""
+    """A SplitPlan laid out for the two calls (built once per graph structure, cached with it), flat so
+    that I and W loop over numbers: what I asks autograd for besides the inputs, and what W does with
+    each answer. Numbers are node numbers of split_plan.walk and positions in the parameter and output
+    lists."""
 
     chained: tuple[bool, ...]  # per output: does it depend on the inputs
     boundaries: tuple[int, ...]  # every boundary node
-    captures: tuple[tuple[int, int, tuple], ...]  # (node, slot or -1 for all its inputs, what it is for):
-    # ("item", i): item i's gradient; ("early", 0): a weight-side gradient W roots at as it is;
-    # ("fallback", g, b): boundary b of fallback group g
-    items: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (boundary, its W edges (k, target, slot))
-    params: tuple[int, ...]  # the parameters of W's one call
+    fixed: tuple[tuple[int, int], ...]  # (node, slot) I captures: each rule item's input 0, then the early edges
+    rules: int  # how many of `fixed` are rule items' (the rest are early edges: W roots at them as they are)
+    spread: tuple[tuple[int, tuple], ...]  # (node, purpose) captured at every input of the node (their number
+    # is read from the node, not assumed): ("item", i) a called item, ("fallback", g, b) boundary b of group g
+    items: tuple[_Item, ...]
+    rule_items: tuple[int, ...] | None  # item positions of the rule captures; None: every item is a rule item
+    params: tuple[int, ...] | None  # the parameters of W's one call; None: all of them, in order
     seeds: tuple[int, ...]  # outputs made without the inputs seeding that call (each once)
     fallback: tuple[GroupPlan, ...]  # groups with a custom autograd.Function boundary
 
 
-def _layout(plan: SplitPlan, order: list[Node]) -> _Layout:
+def _layout(plan: SplitPlan, order: list[Node], num_params: int) -> _Layout:
     """The plan's groups flattened: fallback groups apart, every other group's W work in one list."""
-    captures, items, params, seeds, fallback = [], [], [], [], []
+    items, fixed, early, spread, rule_items, params, seeds, fallback = [], [], [], [], [], [], [], []
     for group in plan.groups:
         if group.fallback:
-            captures += [(b, -1, ("fallback", len(fallback), i)) for i, b in enumerate(group.boundaries)]
+            spread += [(b, ("fallback", len(fallback), i)) for i, b in enumerate(group.boundaries)]
             fallback.append(group)
             continue
         for b, edges in zip(group.boundaries, group.wanted):
             if edges:
-                first_only = type(order[b]).__name__ in _WEIGHT_SIDE_RULES  # a rule reads input 0's gradient
-                captures.append((b, 0 if first_only else -1, ("item", len(items))))
-                items.append((b, edges))
-        captures += [(j, slot, ("early", 0)) for j, slot in group.early]
+                rule = _WEIGHT_SIDE_RULES.get(type(order[b]).__name__)  # a rule reads input 0's gradient only
+                if rule is None:
+                    spread.append((b, ("item", len(items))))
+                else:
+                    fixed.append((b, 0))
+                    rule_items.append(len(items))
+                items.append(_Item(b, rule, tuple(k for k, _, _ in edges), edges))
+        early += group.early
         params += group.params
         seeds += [k for k in group.seeds if k not in seeds]
-    return _Layout(plan.chained, tuple(b for g in plan.groups for b in g.boundaries), tuple(captures),
-                   tuple(items), tuple(params), tuple(seeds), tuple(fallback))
+    every = rule_items == list(range(len(items)))
+    return _Layout(plan.chained, tuple(b for g in plan.groups for b in g.boundaries), tuple(fixed + early),
+                   len(fixed), tuple(spread), tuple(items), None if every else tuple(rule_items),
+                   None if params == list(range(num_params)) else tuple(params), tuple(seeds), tuple(fallback))
 
 
 @dataclass(eq=False)  # compared by identity (fields hold tensors)
@@ -86,20 +112,25 @@ class _Fallback:
 
 @dataclass(eq=False)
 class WeightWork:
-    """What I leaves for W (empty lists when nothing needs a weight gradient)."""
+    """What I leaves for W (nothing to do when `layout` is None and there are no seeds)."""
 
-    nodes: list[Node]  # the graph's nodes in walk order (W's edges name them by number)
-    items: list[tuple[Node, tuple, tuple]]  # (boundary, its W edges, the gradients I kept at its inputs)
-    early: list[tuple[GradientEdge, torch.Tensor]]  # weight-side gradients I computed, with their edges
+    nodes: list[Node]  # the graph's nodes in walk order (the layout names them by number)
+    layout: _Layout | None  # None: a first stage, whose W is the whole backward from `seeds`
+    kept: list  # per layout item, what I captured: a rule item's gradient, a called item's tuple
+    early: list[tuple[GradientEdge, torch.Tensor | None]]  # weight-side edges I computed, with their gradients
     seeds: list[tuple[GradientEdge, torch.Tensor]]  # outputs made without the inputs, with their gradients
     params: list[torch.Tensor]  # what W's one call accumulates
     fallback: list[_Fallback]
-    boundaries: list[Node]  # every boundary node (what the split found; for tests and reports)
+
+    @property
+    def boundaries(self) -> list[Node]:
+        """Every boundary node the split found (for tests and reports)."""
+        return [] if self.layout is None else [self.nodes[b] for b in self.layout.boundaries]
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the gradients kept for W (the graph's saved activations come on top)."""
-        kept = [g for _, _, grads in self.items for g in grads] + [g for _, g in self.early]
+        kept = [g for k in self.kept for g in (k if isinstance(k, tuple) else (k,))] + [g for _, g in self.early]
         kept += [g for group in self.fallback for grads in group.grads.values() for g in grads]
         return sum(g.numel() * g.element_size() for g in kept if g is not None)
 
@@ -120,43 +151,49 @@ def backward_input(outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor 
         # a first stage (token ids): no chain, so I has nothing to compute and W is the whole backward,
         # seeded at the outputs; skipping the walk saved 0.15-0.3 ms a micro-batch (benchmarks/zbv_breakdown.py)
         seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
-        return [None] * len(inputs), WeightWork([], [], [], seeds, list(params), [], [])
+        return [None] * len(inputs), WeightWork([], None, [], [], seeds, list(params), [])
     roots = [node_of(o) for o in outputs]
     order, index, shape = walk(roots)
     key = structure_key(shape, order, index, roots, inputs, params) if cache is not None else None
     layout = cache.get(key) if cache is not None else None
     if layout is None:
-        layout = _layout(analyse(order, index, roots, inputs, params, _EARLY_EDGES), order)
+        layout = _layout(analyse(order, index, roots, inputs, params, _EARLY_EDGES), order, len(params))
         if cache is not None:
             cache.put(key, layout)
-    edges, purposes = [], []
-    for j, slot, purpose in layout.captures:
+    edges = [GradientEdge(order[j], slot) for j, slot in layout.fixed]
+    spread = []  # (purpose, how many edges) of the captures at every input of a node
+    for j, purpose in layout.spread:
         node = order[j]
-        slots = (slot,) if slot >= 0 else range(len(node._input_metadata))
-        edges += [GradientEdge(node, s) for s in slots]
-        purposes += [purpose] * len(slots)
+        count = len(node._input_metadata)
+        edges += [GradientEdge(node, s) for s in range(count)]
+        spread.append((purpose, count))
     wanted = [x for x in inputs if x.requires_grad]
     chained = [(o, g) for o, g, c in zip(outputs, grad_outputs, layout.chained) if c]
-    got = torch.autograd.grad([o for o, _ in chained], wanted + edges, [g for _, g in chained],
-                              retain_graph=True, allow_unused=True) if chained and (wanted or edges) else ()
-    got = list(got) or [None] * (len(wanted) + len(edges))
-    kept: list[list] = [[] for _ in layout.items]
-    early: list[tuple[GradientEdge, torch.Tensor]] = []
+    got = _run_grad([o for o, _ in chained], [g for _, g in chained], wanted + edges) \
+        if chained and (wanted or edges) else [None] * (len(wanted) + len(edges))
+    n, rules, fixed = len(wanted), layout.rules, len(layout.fixed)
+    if layout.rule_items is None:  # every item is a rule item, in order
+        kept = list(got[n:n + rules])
+    else:
+        kept = [None] * len(layout.items)
+        for i, g in zip(layout.rule_items, got[n:n + rules]):
+            kept[i] = g
+    early = list(zip(edges[rules:fixed], got[n + rules:n + fixed]))
     fallback = [_Fallback([params[k] for k in g.params], [order[b] for b in g.boundaries],
                           [(get_gradient_edge(outputs[k]), grad_outputs[k]) for k in g.seeds])
                 for g in layout.fallback]
-    for edge, purpose, g in zip(edges, purposes, got[len(wanted):]):
+    at = n + fixed
+    for purpose, count in spread:
+        grads, at = tuple(got[at:at + count]), at + count
         if purpose[0] == "item":
-            kept[purpose[1]].append(g)
-        elif purpose[0] == "early":
-            if g is not None:
-                early.append((edge, g))
+            kept[purpose[1]] = grads
         else:
-            group = fallback[purpose[1]]
-            group.grads[purpose[2]] = group.grads.get(purpose[2], ()) + (g,)
-    work = WeightWork(order, [(order[b], w, tuple(k)) for (b, w), k in zip(layout.items, kept)], early,
+            fallback[purpose[1]].grads[purpose[2]] = grads
+    work = WeightWork(order, layout, kept, early,
                       [(get_gradient_edge(outputs[k]), grad_outputs[k]) for k in layout.seeds],
-                      [params[k] for k in layout.params], fallback, [order[b] for b in layout.boundaries])
+                      list(params) if layout.params is None else [params[k] for k in layout.params], fallback)
+    if n == len(inputs):
+        return list(got[:n]), work
     by_id = dict(zip(map(id, wanted), got))
     return [by_id.get(id(x)) for x in inputs], work
 
@@ -170,29 +207,48 @@ def backward_weight(work: WeightWork) -> None:
     call rooted at those weight-side edges (off the chain, so only the weight branches run: each
     autograd call walks the graph below its roots, so one call instead of one per group is most of
     the saving). A group with a custom autograd.Function at a boundary takes a backward from its
-    boundary nodes instead, a call of its own.
+    boundary nodes instead, a call of its own. A kept gradient is let go once its item is done.
     """
     for group in work.fallback:
         _through_autograd(group)
-    edges, grads = [], []
-    for node, wanted, kept in work.items:
-        if not kept or all(g is None for g in kept):
-            continue  # no gradient reached it during I: none flows to its weights
-        rule = _WEIGHT_SIDE_RULES.get(type(node).__name__)
-        ks = [k for k, _, _ in wanted]
-        got = rule(node, kept[0], ks) if rule is not None else _call_node(node, kept, ks)
-        for k, j, slot in wanted:
+    edges, grads, nodes, kept = [], [], work.nodes, work.kept
+    for i, item in enumerate(work.layout.items if work.layout is not None else ()):
+        g, kept[i] = kept[i], None
+        if item.rule is not None:
+            if g is None:
+                continue  # no gradient reached it during I: none flows to its weights
+            got = item.rule(nodes[item.node], g, item.edges)
+        else:
+            if not g or all(x is None for x in g):
+                continue
+            got = _call_node(nodes[item.node], g, item.edges)
+        for k, j, slot in item.roots:
             if got[k] is not None:
-                edges.append(GradientEdge(work.nodes[j], slot))
+                edges.append(GradientEdge(nodes[j], slot))
                 grads.append(got[k])
-    for edge, g in work.early + work.seeds:
+    for edge, g in work.early:
+        if g is not None:
+            edges.append(edge)
+            grads.append(g)
+    for edge, g in work.seeds:
         edges.append(edge)
         grads.append(g)
+    work.kept, work.early, work.fallback = [], [], []
     if edges:  # retain: the graph goes with `work`, which the caller drops
         _run_backward(edges, grads, work.params)
-    work.items.clear()
-    work.early.clear()
-    work.fallback.clear()
+
+
+def _run_grad(outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list) -> tuple:
+    """torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True) without its
+    Python per-argument work (the engine checks each root gradient's shape against its output);
+    the public call where torch lacks the engine entry point."""
+    for o, g in zip(outputs, grads):
+        if g.shape != o.shape:
+            raise RuntimeError(f"gradient of shape {tuple(g.shape)} for an output of shape {tuple(o.shape)}")
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    return run(tuple(outputs), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=False)
 
 
 def _run_backward(edges: list[GradientEdge], grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
