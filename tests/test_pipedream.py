@@ -311,11 +311,12 @@ def test_stash_matches_its_single_process_rule(rank_pool, tmp_path, model, world
 
 def test_a_stop_between_drains_applies_the_held_tied_gradients(rank_pool, tmp_path):
     """The tied rule holds a tied weight's last pp - 1 summed gradients until later steps; a stop on a signal
-    between drains applies them as one last update of that weight alone, so none is lost. With plain SGD at a
-    constant rate that update is linear: the stop's checkpoint equals a drain's at the same step, and the runs
-    resumed from the two continue alike (dropping the held gradients fails this)."""
+    between drains applies them as one last update of that weight alone, at the last step's rate, so none is
+    lost. With plain SGD that update is linear: the stop's checkpoint equals a drain's at the same step, and the
+    runs resumed from the two continue alike (dropping the held gradients, or applying them at the next step's
+    rate of the warm-up, fails this)."""
     args = dict(model_args=MODELS["gpt-tiny"], strategy={"pp": 2, "schedule": "pipedream"}, micro_batch_size=2,
-                global_batch_size=2, steps=5, optimizer="sgd", lr=0.2, warmup_steps=0, min_lr_ratio=1.0,
+                global_batch_size=2, steps=5, optimizer="sgd", lr=0.2, warmup_steps=4, min_lr_ratio=1.0,
                 weight_decay=0.0, grad_clip=0.0)
     said = rank_pool(2).run(train_until_signal, "gpt-tiny", str(tmp_path / "stopped"), fault="sigterm:rank=1:step=1",
                             checkpoint_every=0, **args)

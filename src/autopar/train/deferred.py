@@ -82,6 +82,7 @@ class DeferredSteps:
         self.rule = engine.deferred_rule
         self.lag = pp  # per-stage rule: a report is read this many steps after its own (stage 0 is long done)
         self.pending: deque[_Pending] = deque()
+        self.last_rates: list[float] = []  # per-stage rule: each group's rate in the last update
         self.finished: list[Finished] = []
         engine.update_hook = self.apply_oldest
 
@@ -115,8 +116,14 @@ class DeferredSteps:
         """Apply (2BW) or collect every outstanding step: the weights are then the newest. Returns them."""
         self._settle_all()
         held = self.engine.take_held_gradients()
-        if held:  # per-stage rule: gradients the engine delayed (tied weights) as one last update of their own
+        if held:  # per-stage rule: gradients the engine delayed (tied weights) as one last update of their own,
+            # at the rate of the last step (the scheduler has moved on to the next one's)
+            rates = [group["lr"] for group in self.optimizer.param_groups]
+            for group, rate in zip(self.optimizer.param_groups, self.last_rates):
+                group["lr"] = rate
             self._clipped_update(held)
+            for group, rate in zip(self.optimizer.param_groups, rates):
+                group["lr"] = rate
             self.engine.zero_grad()
         out, self.finished = self.finished, []
         return out
@@ -152,6 +159,7 @@ class DeferredSteps:
         """The per-stage rule's update, now, from this rank's gradients only; True if this stage skipped."""
         self.engine.finish_gradients()
         skipped = self._clipped_update(self.engine.clip_groups())
+        self.last_rates = [group["lr"] for group in self.optimizer.param_groups]
         self.scheduler.step()
         self.engine.zero_grad()
         return skipped
