@@ -194,7 +194,30 @@ def report(ranks: list, args) -> str:
                         ("zbv, both", both)):
         t = _simulate(schedules["ours zbv"], 2, args.m, table)
         lines.append(f"    {name}: {t * 1e3:.1f} ({t / p1:.3f})")
+    lines.append(_pp4_prediction(zbv, split, args.m))
     return "\n".join(lines)
+
+
+def _pp4_prediction(zbv: dict, split: float, m: int) -> str:
+    """Issue 21 asks for zb-h1 faster than 1f1b at pp=4, which needs four cores or devices: predict it from
+    this run's four zbv stages run one per rank (a prediction: costs measured with two ranks on this
+    machine, transfers free). 1f1b's B is I + W over the split's overhead (stage 0's I + W is its B)."""
+    from autopar.pipeline.schedules import build_schedule
+    from autopar.pipeline.simulate import simulate as play
+
+    def makespan(schedule: str, cost: dict) -> float:
+        lists = build_schedule(schedule, pp=4, num_microbatches=m)
+        return play(lists, pp=4, num_stages=4, num_microbatches=m,
+                    cost=lambda a: cost[f"{a.stage}{a.op.value}"]).makespan
+
+    cost = dict(zbv)
+    for s in range(4):
+        cost[f"{s}B"] = (zbv[f"{s}I"] + zbv[f"{s}W"]) / (split if s else 1.0)
+    unsplit = {k: v / split if k[-1] in "IW" and k[0] != "0" else v for k, v in cost.items()}
+    one, zb, zb_free = makespan("1f1b", cost), makespan("zb-h1", cost), makespan("zb-h1", unsplit)
+    return (f"  pp=4, the four zbv stages one per rank, a core per rank, free transfers (predictions): 1f1b "
+            f"{one * 1e3:.1f}, zb-h1 {zb * 1e3:.1f} ({zb / one:.3f}), zb-h1 with the split's overhead removed "
+            f"{zb_free * 1e3:.1f} ({zb_free / one:.3f})")
 
 
 def main(argv: list[str] | None = None) -> int:
