@@ -89,10 +89,13 @@ class PipeDreamStashEngine(NoFlushPipelineEngine):
         return super().banner_lines() + [
             f"pipedream: weight stashing, no flush between steps (drains before eval, checkpoints and the end); "
             f"one micro-batch per replica per optimizer step; {held} weight versions on this rank "
-            f"({self.versions.nbytes() / 2**20:.2f} MiB each){'; vertical sync' if self.vertical_sync else ''}"]
+            f"({self.versions.nbytes() / 2**20:.2f} MiB each){'; vertical sync' if self.vertical_sync else ''}"] + (
+            [f"pipedream: {len(self._shared)} weight(s) tied across stages on this rank take their summed gradient "
+             f"{self.tied_delay} step(s) late (--tied-delay; the drain applies what is held)"] if self._shared else [])
 
     def run_info(self) -> dict:
-        return {"weight_version_bytes_rank0": self.versions.nbytes(), "vertical_sync": self.vertical_sync}
+        return {"weight_version_bytes_rank0": self.versions.nbytes(), "vertical_sync": self.vertical_sync,
+                "tied_delay": self.tied_delay}
 
     def stages_of_parameters(self) -> dict[str, list[int]]:
         """Parameter name -> the stages that read it (a tied one: several): what the oracle needs."""
