@@ -156,7 +156,7 @@ class DeferredSteps:
         self._finish(pending, skipped=skipped)
 
     def _update_per_stage(self) -> bool:
-        """The per-stage rule's update, now, from this rank's gradients only; True if this stage skipped."""
+        """The per-stage rule's update, now, from this rank's gradients only; True if some clip group was left out."""
         self.engine.finish_gradients()
         skipped = self._clipped_update(self.engine.clip_groups())
         self.last_rates = [group["lr"] for group in self.optimizer.param_groups]
