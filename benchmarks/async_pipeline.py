@@ -72,7 +72,7 @@ VARIANTS = {"pipedream-tied0": ("pipedream", ["--tied-delay", "0"])}
 
 def per_step(args: argparse.Namespace, schedule: str) -> int:
     """Micro-batches per optimizer step: pipedream updates after every one."""
-    return 1 if schedule.startswith("pipedream") and schedule != "pipedream-2bw" else args.global_batch // args.micro_batch
+    return 1 if VARIANTS.get(schedule, (schedule,))[0] == "pipedream" else args.global_batch // args.micro_batch
 
 
 def run_one(args: argparse.Namespace, schedule: str, pp: int, out: Path) -> list[dict]:

@@ -16,8 +16,9 @@ import pytest
 from autopar import Strategy, TrainConfig
 from autopar.errors import ConfigError
 from autopar.pipeline.async_lowering import lower_calls
-from autopar.pipeline.async_schedules import (runs_of, tied_steps_due, check_stash_versions, check_versions, segment, segment_lists,
-                                              stash_lists, steady_state_bubble, step_time_with_meeting, whole_run)
+from autopar.pipeline.async_schedules import (check_stash_versions, check_versions, runs_of, segment, segment_lists,
+                                              stash_lists, steady_state_bubble, step_time_with_meeting,
+                                              tied_steps_due, whole_run)
 from autopar.pipeline.schedules import build_schedule
 from autopar.pipeline.simulate import check, simulate
 from autopar.strategies import resolve
