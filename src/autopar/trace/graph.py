@@ -293,27 +293,32 @@ def _assign_blocks(exported: ExportedProgram, stacks: list[str], children: dict[
 
 
 def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost], user_inputs: tuple) -> None:
-    """Forward FLOPs per node, by running the graph on meta tensors under a flop counter."""
-    graph_module = exported.graph_module
+    """Forward FLOPs per node, each operation run alone on the fake values the trace recorded.
 
-    class Counter(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            if n.op != "call_function":
-                return super().run_node(n)
-            with FlopCounterMode(display=False) as counter:
-                result = super().run_node(n)
+    Every node's inputs carry the shapes export saw (`node.meta["val"]`, fake tensors of the
+    trace's own fake mode), so each operation is replayed on those under a flop counter: no
+    data is read, nothing is rerun on real or meta tensors (a model built for real makes
+    tensors on its input's device, copies constants, views transposed results; replaying the
+    graph on meta broke on each). Counting is an estimate for balancing cuts and must never
+    break a run: an operation that cannot be replayed alone counts zero."""
+    del user_inputs  # the recorded fake values already carry the inputs' shapes
+
+    def fake(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return value.meta.get("val")
+        if isinstance(value, (list, tuple)):
+            return type(value)(fake(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fake(v) for k, v in value.items()}
+        return value
+
+    for n in exported.graph.nodes:
+        if n.op != "call_function" or n.name not in nodes or not callable(n.target):
+            continue
+        args, kwargs = fake(n.args), fake(n.kwargs)
+        try:
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                n.target(*args, **kwargs)
             nodes[n.name].flops = counter.get_total_flops()
-            return result
-
-    args = []
-    sig = exported.graph_signature
-    state = {**exported.state_dict, **exported.constants}
-    user = iter(user_inputs)
-    for spec in sig.input_specs:
-        if spec.kind == InputKind.USER_INPUT:
-            value = next(user)
-        else:
-            value = state[spec.target]
-        args.append(value.to("meta") if isinstance(value, torch.Tensor) else value)
-    with torch.no_grad():
-        Counter(graph_module).run(*args)
+        except Exception:  # an estimate only: an op that cannot be replayed alone counts zero
+            nodes[n.name].flops = 0
