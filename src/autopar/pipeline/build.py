@@ -104,7 +104,7 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
         traced_on = (next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
                      if built_for_real else torch.device("meta"))
         model.train()  # the training graph (dropout nodes on), as whole-model engines run it
-        graph = trace(model, *_traced_call(model, example_batch, traced_on))
+        graph = trace(model, *_traced_call(model, example_batch, traced_on), device=device)
         check_stage_count(graph, pp, chunks)
         partition = make_partition(graph, num_stages, method=partition_method)
     elif partition.num_stages != num_stages:

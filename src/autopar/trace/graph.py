@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ModelError
 from ..models.materialize import tied_groups
+from .fake_device import export_on_device
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -176,19 +177,28 @@ def _trace_hint(exc: Exception) -> str:
     return "Make the failing operation traceable by torch.export (non-strict), or pass a model whose forward takes only tensors"
 
 
-def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> ModelGraph:
+def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
+          device: torch.device | None = None) -> ModelGraph:
     """Export `model` on the given inputs (meta tensors are fine) and cost every node.
 
     Called as the model is called: `model(*example_inputs, **example_kwargs)`; every input
     must be a tensor (a graph input the pipeline can carry and tp can split into sub-batches).
+    `device`: where a model on meta will train; it is traced as if it lived there (fake_device.py), so code
+    that branches on its tensors' device records the branch that will run.
     """
     example_kwargs = dict(example_kwargs or {})
     for key, value in [*enumerate(example_inputs), *example_kwargs.items()]:
         if not isinstance(value, torch.Tensor):
             raise ModelError(f"cannot trace {type(model).__name__} with input {key!r} of type "
                              f"{type(value).__name__}: traced inputs must be tensors")
+    on_meta = all(t.is_meta for t in [*model.parameters(), *model.buffers(), *example_inputs,
+                                       *example_kwargs.values()])
     try:
-        exported = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs, strict=False)
+        exported = None
+        if device is not None and torch.device(device).type != "meta" and on_meta:
+            exported = export_on_device(model, tuple(example_inputs), example_kwargs, torch.device(device))
+        if exported is None:
+            exported = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs, strict=False)
     except Exception as exc:  # export reports many kinds of failure; name the op and the way out
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first[:400]}. "

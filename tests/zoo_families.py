@@ -1,0 +1,235 @@
+"""More Hugging Face families for the model zoo, and the batches of the heads they add.
+
+Each family is built from its default config (`AutoConfig.for_model`) with only tiny widths set
+(hidden 32, 2 layers, 4 heads, a vocabulary of 128, 4 experts), plus the ids a tiny vocabulary
+needs where a default id lies outside it; dropout and `use_cache` stay as they come. Gemma 2
+and 3 get a sliding window of 8 (a width, shorter than the 16-token batches), so their
+sliding-window layers really mask something.
+
+The heads beyond tests/zoo_models.py's causal / mlm / seq2seq:
+  speech-seq2seq  Whisper: float log-mel features (the main input), decoder ids and labels.
+  image-class     ViT: float images and one class per image.
+  clip-image      CLIP's image classifier (CLIPForImageClassification): CLIP's vision tower
+                  with a linear head on its mean patch embedding, trained on classes. CLIP's
+                  own contrastive loss needs an image-text batch and a loss the model computes
+                  from its own two towers; the classifier trains CLIP's vision transformer (its
+                  pre-norm, quick-gelu, class embedding) with a loss autopar computes from logits.
+
+Module level (no test code) so the rank pool's spawned workers can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+IGNORE = -100
+SEQ = 16
+VOCAB = 128
+SAMPLES = 32
+IMAGE, PATCH, CHANNELS, CLASSES = 16, 4, 3, 10
+MELS, FRAMES = 8, 16  # Whisper: 8 mel bins, 16 frames (its convolutions halve them to 8 positions)
+
+_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64)
+_MOE = dict(num_experts_per_tok=2)
+_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # for defaults outside a 128-token vocabulary
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               image_size=IMAGE, patch_size=PATCH, num_channels=CHANNELS)
+
+MORE_HF_FAMILIES: dict[str, tuple[str, dict]] = {
+    # mixture of experts: a router, top-k and per-expert MLPs
+    "mixtral": ("causal", dict(_DECODER, num_key_value_heads=2, num_local_experts=4, **_MOE)),
+    "qwen2_moe": ("causal", dict(_DECODER, num_key_value_heads=2, num_experts=4, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, **_MOE, **_IDS)),
+    # sliding windows, soft-capping, sandwich norms
+    "gemma2": ("causal", dict(_DECODER, num_key_value_heads=2, head_dim=8, sliding_window=8)),
+    "gemma3_text": ("causal", dict(_DECODER, num_key_value_heads=2, head_dim=8, sliding_window=8)),
+    # partial rotary, parallel attention and MLP, multi-query
+    "gpt_neox": ("causal", dict(_DECODER)),
+    "gptj": ("causal", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, bos_token_id=0,
+                            eos_token_id=0)),
+    "falcon": ("causal", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bos_token_id=1,
+                              eos_token_id=2)),
+    "stablelm": ("causal", dict(_DECODER, num_key_value_heads=2)),
+    "starcoder2": ("causal", dict(_DECODER, num_key_value_heads=2, **_IDS)),
+    "mistral": ("causal", dict(_DECODER, num_key_value_heads=2)),
+    "qwen2": ("causal", dict(_DECODER, num_key_value_heads=2, **_IDS)),
+    "phi": ("causal", dict(_DECODER)),
+    # a selective state-space scan instead of attention
+    "mamba": ("causal", dict(hidden_size=32, state_size=8, num_hidden_layers=2)),
+    # encoders
+    "electra": ("mlm", dict(embedding_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=64)),
+    # encoder-decoders
+    "bart": ("seq2seq", dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                             max_position_embeddings=64)),
+    "whisper": ("speech-seq2seq", dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                       num_mel_bins=MELS, max_source_positions=FRAMES // 2,
+                                       max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                       decoder_start_token_id=1)),
+    # vision
+    "vit": ("image-class", dict(_VISION, num_labels=CLASSES)),
+    "clip": ("clip-image", dict(vision_config=_VISION, text_config=dict(hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB),
+                                projection_dim=32, num_labels=CLASSES)),
+}
+
+# the token ids the batches use, where the family's are not zoo_models' (pad 0)
+PAD_IDS = {"falcon": 0, "gptj": 0, "gpt_neox": 0, "stablelm": 0, "mixtral": 0, "mistral": 0, "phi": 0,
+           "bart": 1}
+DECODER_START = {"bart": 2, "whisper": 1}
+
+
+def auto_class(head: str) -> Any:
+    import transformers
+    return {"causal": transformers.AutoModelForCausalLM, "mlm": transformers.AutoModelForMaskedLM,
+            "seq2seq": transformers.AutoModelForSeq2SeqLM,
+            "speech-seq2seq": transformers.AutoModelForSpeechSeq2Seq,
+            "image-class": transformers.AutoModelForImageClassification,
+            "clip-image": transformers.AutoModelForImageClassification}[head]
+
+
+def config_of(family: str, widths: dict) -> Any:
+    import transformers
+    vocab = {} if family in ("vit", "clip") else {"vocab_size": VOCAB}
+    return transformers.AutoConfig.for_model(family, **vocab, **widths)
+
+
+def more_hf_model(family: str, head: str, **widths: Any) -> nn.Module:
+    """`family` from its default config with only `widths` changed, built under the current default device."""
+    import transformers
+    from autopar.models.hf import quiet_transformers
+
+    with quiet_transformers(transformers):
+        config = config_of(family, widths)
+        return auto_class(head).from_config(config)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def padded_seq2seq(pad_id: int, start_id: int, seed: int = 3) -> list[dict]:
+    """BART: a right-padded source with its mask, a right-padded decoder input starting with the
+    decoder start id, with its mask, labels the next target token (-100 on pads)."""
+    g = _generator(seed)
+    samples = []
+    for _ in range(SAMPLES):
+        src_len = int(torch.randint(SEQ - 6, SEQ + 1, (), generator=g))
+        tgt_len = int(torch.randint(SEQ // 2 - 3, SEQ // 2 + 1, (), generator=g))
+        source = torch.randint(3, VOCAB, (SEQ,), generator=g)
+        source[src_len:] = pad_id
+        target = torch.randint(3, VOCAB, (SEQ // 2,), generator=g)
+        decoder_inputs = torch.cat([torch.tensor([start_id]), target[:-1]])
+        decoder_mask = (torch.arange(SEQ // 2) < tgt_len).long()
+        decoder_inputs[tgt_len:] = pad_id
+        labels = torch.where(decoder_mask.bool(), target, torch.full_like(target, IGNORE))
+        samples.append({"input_ids": source, "attention_mask": (torch.arange(SEQ) < src_len).long(),
+                        "decoder_input_ids": decoder_inputs, "decoder_attention_mask": decoder_mask,
+                        "labels": labels})
+    return samples
+
+
+def speech_seq2seq(pad_id: int = 0, start_id: int = 1, seed: int = 9) -> list[dict]:
+    """Whisper: float log-mel features (the main input, `inputs`), a right-padded decoder input
+    starting with the decoder start id with its mask, labels the next token (-100 on pads)."""
+    g = _generator(seed)
+    samples = []
+    for _ in range(SAMPLES):
+        tgt_len = int(torch.randint(SEQ // 2 - 3, SEQ // 2 + 1, (), generator=g))
+        target = torch.randint(3, VOCAB, (SEQ // 2,), generator=g)
+        decoder_inputs = torch.cat([torch.tensor([start_id]), target[:-1]])
+        decoder_mask = (torch.arange(SEQ // 2) < tgt_len).long()
+        decoder_inputs[tgt_len:] = pad_id
+        samples.append({"inputs": torch.randn(MELS, FRAMES, generator=g),
+                        "decoder_input_ids": decoder_inputs, "decoder_attention_mask": decoder_mask,
+                        "labels": torch.where(decoder_mask.bool(), target, torch.full_like(target, IGNORE))})
+    return samples
+
+
+def labelled_images(seed: int = 10) -> list[dict]:
+    """Float images (the main input, `inputs`) and one class each."""
+    g = _generator(seed)
+    return [{"inputs": torch.randn(CHANNELS, IMAGE, IMAGE, generator=g),
+             "labels": torch.randint(0, CLASSES, (), generator=g)} for _ in range(SAMPLES)]
+
+
+def more_hf_data(family: str) -> list[dict]:
+    from zoo_models import left_padded_lm, padded_mlm
+
+    head, widths = MORE_HF_FAMILIES[family]
+    pad = PAD_IDS.get(family, widths.get("pad_token_id", 0))
+    if head == "causal":
+        return left_padded_lm(pad)
+    if head == "mlm":
+        return padded_mlm(pad, mask_id=4, token_types=False)
+    if head == "seq2seq":
+        return padded_seq2seq(pad, DECODER_START[family])
+    if head == "speech-seq2seq":
+        return speech_seq2seq(pad, DECODER_START[family])
+    return labelled_images()
+
+
+# ----------------------------------------------------------------------------- training
+
+
+BUILDS = ("meta", "real")
+STEPS, GLOBAL_BATCH = 2, 8
+
+
+def build(family: str, how: str) -> nn.Module:
+    """On meta (autopar initialises it, seeded) or for real (seeded here, the same in every process)."""
+    head, widths = MORE_HF_FAMILIES[family]
+    if how == "meta":
+        with torch.device("meta"):
+            return more_hf_model(family, head, **widths)
+    torch.manual_seed(0)
+    return more_hf_model(family, head, **widths)
+
+
+def train_family(family: str, how: str, out: str, *, strategy: dict | None = None,
+                 micro_batch_size: int = GLOBAL_BATCH) -> dict:
+    """Train `family` built `how` for STEPS steps through autopar.Trainer (on every rank of a pool): the
+    per-step losses and this rank's parameters by name (tp slices gathered)."""
+    import autopar
+    from helpers import whole_parameters
+
+    config = autopar.TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size,
+                                 lr=1e-3, warmup_steps=0, adam_eps=1e-6, out=out, progress=False, timeout_s=60)
+    trainer = autopar.Trainer(build(family, how), more_hf_data(family), strategy=autopar.Strategy(**(strategy or {})),
+                              config=config)
+    try:
+        result = trainer.train()
+        return {"losses": result.losses, "params": whole_parameters(trainer)}
+    finally:
+        trainer.close()
+
+
+def train_families(cases: list[tuple[str, str]], out: str, **kwargs: Any) -> dict:
+    """`train_family` for many (family, build) cases in one pool task: a failing case is reported by its
+    error (type, message and whether autopar raised it), not raised, so the others still run."""
+    import os
+    import traceback
+
+    import autopar
+
+    results = {}
+    for family, how in cases:
+        folder = os.path.join(out, f"{family}-{how}")
+        try:
+            results[(family, how)] = train_family(family, how, folder, **kwargs)
+        except Exception as exc:  # judged by the test
+            metrics = os.path.join(folder, "metrics.jsonl")
+            stepped = os.path.exists(metrics) and bool(open(metrics).read().strip())
+            results[(family, how)] = {"error": f"{type(exc).__name__}: {exc}", "stepped": stepped,
+                                      "autopar_error": isinstance(exc, autopar.AutoparError),
+                                      "trace": traceback.format_exc()[-3000:]}
+    return results
