@@ -153,7 +153,8 @@ class StageModule(nn.Module):
         self._out_spec = graph.exported.call_spec.out_spec if self.is_last else None
         signature = graph.exported.graph_signature.input_specs
         names = {s.target: s.arg.name for s in signature}
-        persistent = {s.target: s.persistent is not False for s in signature}
+        # a constant made in forward is no state of the model: kept out of the stage's state_dict (checkpoints)
+        persistent = {s.target: s.kind == InputKind.BUFFER and s.persistent is not False for s in signature}
         state = graph.exported.state_dict
         for fqn in spec.params:
             _set_by_path(self, fqn, torch.empty_like(state[graph.export_name(fqn)], device="meta"), buffer=False)
@@ -283,8 +284,11 @@ def lifted_constant_values(model: nn.Module, graph: ModelGraph, device: torch.de
     zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
     again = trace(real, tuple(zeros(a) for a in graph.example_args),
                   {k: zeros(v) for k, v in graph.example_kwargs.items()})
+    # only the constants made in forward: the copy's buffers (non-persistent ones sit with the constants too) were
+    # never initialised, and the stage takes those from the materialised model
+    made = {spec.target for spec in again.exported.graph_signature.input_specs if spec.kind == InputKind.CONSTANT_TENSOR}
     return {k: v.detach().clone() for k, v in again.exported.constants.items()
-            if isinstance(v, torch.Tensor) and not v.is_meta}
+            if k in made and isinstance(v, torch.Tensor) and not v.is_meta}
 
 
 def _swap_device(value: Any, device: torch.device, traced: torch.device) -> Any:
