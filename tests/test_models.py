@@ -216,6 +216,24 @@ def test_hf_arguments_override_config_and_aliases_resolve():
     assert info.args["n_embd"] == 32 and "hidden_size" not in info.args
 
 
+def test_hf_model_type_arguments_reach_the_config_constructor():
+    """`--model hf:qwen2 --model-arg num_hidden_layers=4`: fields derived from an argument follow it (Qwen2's
+    layer_types, one entry per layer), through the command line's own parsing."""
+    from autopar.cli import build_parser, resolve_job
+    job = resolve_job(build_parser().parse_args(["train", "--model", "hf:qwen2", "--model-arg", "num_hidden_layers=4"]))
+    model, info = build_model(job.model.name, job.model.args)
+    assert len(model.model.layers) == 4 and len(model.config.layer_types) == 4
+    assert info.args["num_hidden_layers"] == 4 and model.config.hidden_size == 64  # the small defaults stay
+
+
+def test_hf_construction_failure_names_the_model_and_the_argument():
+    """A failure inside the model's own construction code (an unknown activation: a KeyError in a layer's
+    __init__) is one ModelError that names the model and the argument, never a transformers traceback."""
+    with pytest.raises(ModelError, match=r"cannot build hf:qwen2 with model arguments \{'hidden_act': 'nope'\}: "
+                                         r"KeyError"):
+        build_model("hf:qwen2", {"hidden_act": "nope"})
+
+
 # --------------------------------------------------------------------------- bad input
 
 

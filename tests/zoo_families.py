@@ -79,6 +79,12 @@ MORE_HF_FAMILIES: dict[str, tuple[str, dict]] = {
                                 projection_dim=32, num_labels=CLASSES)),
 }
 
+# Constructs another part of autopar is being taught, by (family, build, layout); the tests mark them xfail
+# strict, so the fix shows as an unexpected pass. tests/zoo_models.py leaves these families out of CASES.
+_FROZEN = ("Whisper's sinusoidal encoder positions are a frozen parameter (requires_grad=False); the stage "
+           "builder trains it under pp and tp while one process leaves it")
+KNOWN_FAILURES = {("whisper", how, layout): _FROZEN for how in ("meta", "real") for layout in ("pp2", "tp2")}
+
 # the token ids the batches use, where the family's are not zoo_models' (pad 0)
 PAD_IDS = {"falcon": 0, "gptj": 0, "gpt_neox": 0, "stablelm": 0, "mixtral": 0, "mistral": 0, "phi": 0,
            "bart": 1}
@@ -214,15 +220,20 @@ def train_family(family: str, how: str, out: str, *, strategy: dict | None = Non
 
 
 def train_families(cases: list[tuple[str, str]], out: str, **kwargs: Any) -> dict:
-    """`train_family` for many (family, build) cases in one pool task: a failing case is reported by its
-    error (type, message and whether autopar raised it), not raised, so the others still run."""
+    """`train_family` for many (family, build) cases in one pool task (one start-up for all). A failing case is
+    reported by its error (type, message, whether autopar raised it, whether a step ran), not raised; the cases
+    after it are not run (a rank that failed may have left its peers mid-collective) and say so."""
     import os
     import traceback
 
     import autopar
 
-    results = {}
+    results: dict = {}
+    failed = None
     for family, how in cases:
+        if failed is not None:
+            results[(family, how)] = {"error": f"not run: {failed} failed before it in the same batch"}
+            continue
         folder = os.path.join(out, f"{family}-{how}")
         try:
             results[(family, how)] = train_family(family, how, folder, **kwargs)
@@ -231,5 +242,6 @@ def train_families(cases: list[tuple[str, str]], out: str, **kwargs: Any) -> dic
             stepped = os.path.exists(metrics) and bool(open(metrics).read().strip())
             results[(family, how)] = {"error": f"{type(exc).__name__}: {exc}", "stepped": stepped,
                                       "autopar_error": isinstance(exc, autopar.AutoparError),
-                                      "trace": traceback.format_exc()[-3000:]}
+                                      "traceback": traceback.format_exc()[-4000:]}
+            failed = f"{family} ({how})"
     return results

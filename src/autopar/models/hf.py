@@ -104,13 +104,18 @@ def import_transformers(name: str) -> Any:
     return transformers
 
 
-def _strict_error() -> type[Exception]:
-    """huggingface_hub's config validation error class, if this version has one."""
+@contextmanager
+def construction_errors(name: str, model_args: dict[str, Any]) -> Iterator[None]:
+    """Any failure of the config's or the model's own construction code (a validation error, an IndexError
+    deep in a layer's __init__) becomes one ModelError naming the model and the arguments given."""
     try:
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:
-        return ValueError
-    return StrictDataclassError
+        yield
+    except ModelError:
+        raise
+    except Exception as exc:  # transformers' construction code raises many kinds; all mean these arguments
+        reason = " ".join(str(exc).split())  # one line: the CLI prints errors as one line
+        given = f"with model arguments {model_args}" if model_args else "with its default arguments"
+        raise ModelError(f"cannot build {name} {given}: {type(exc).__name__}: {reason}") from exc
 
 
 @contextmanager
@@ -163,17 +168,12 @@ def build_hf(
     model_cls = getattr(transformers, spec.model_class)
     with quiet_transformers(transformers):
         resolved = _resolve_args(name, spec, config_cls, model_args, vocab_size)
-        try:
-            # Config validation errors (huggingface_hub's strict dataclass errors are not
-            # ValueErrors) and shape errors in the modules are both bad model_args.
+        # Config validation errors (huggingface_hub's strict dataclass errors are not
+        # ValueErrors) and shape errors in the modules are both bad model_args.
+        with construction_errors(name, model_args):
             config = config_cls(**resolved)
             with device:
                 model = model_cls(config)
-        except (ValueError, TypeError, AssertionError, _strict_error()) as exc:
-            reason = " ".join(str(exc).split())  # one line: the CLI prints errors as one line
-            raise ModelError(
-                f"cannot build {name} with model arguments {model_args}: {reason}"
-            ) from exc
     info = ModelInfo(
         name=name,
         task=spec.task,
@@ -255,16 +255,24 @@ def _build_causal_lm(name: str, config: Any, device: torch.device) -> nn.Module:
 
 def _apply_args(name: str, config: Any, model_args: dict[str, Any]) -> dict[str, Any]:
     """Set model_args on a config (coerced to the attribute's type); unknown names are refused."""
-    aliases = getattr(type(config), "attribute_map", {}) or {}
-    applied = {}
+    applied = _checked_args(name, config, model_args)
+    for key, value in applied.items():
+        setattr(config, key, value)
+    return applied
+
+
+def _checked_args(name: str, reference: Any, model_args: dict[str, Any]) -> dict[str, Any]:
+    """model_args by the config's own attribute names (aliases resolved), coerced to the types of `reference`'s
+    values; unknown names are refused."""
+    aliases = getattr(type(reference), "attribute_map", {}) or {}
+    checked = {}
     for key, value in model_args.items():
         canon = aliases.get(key, key)
-        if canon.startswith("_") or not hasattr(config, canon) or callable(getattr(config, canon)):
-            raise ModelError(f"unknown model argument '{key}' for {name}: {type(config).__name__} has no such "
+        if canon.startswith("_") or not hasattr(reference, canon) or callable(getattr(reference, canon)):
+            raise ModelError(f"unknown model argument '{key}' for {name}: {type(reference).__name__} has no such "
                              f"attribute")
-        applied[canon] = coerce_value(name, key, value, getattr(config, canon))
-        setattr(config, canon, applied[canon])
-    return applied
+        checked[canon] = coerce_value(name, key, value, getattr(reference, canon))
+    return checked
 
 
 def build_hf_model_type(name: str, model_args: dict[str, Any], vocab_size: int | None,
@@ -290,13 +298,13 @@ def build_hf_model_type(name: str, model_args: dict[str, Any], vocab_size: int |
         defaults.update({k: 0.0 for k, v in reference.to_dict().items()
                          if isinstance(v, float) and ("dropout" in k or "pdrop" in k)})
         defaults["vocab_size"] = vocab_size if vocab_size is not None else DEFAULT_VOCAB_SIZE
-        try:
-            config = transformers.AutoConfig.for_model(model_type, **defaults)
-            applied = _apply_args(name, config, model_args)
+        defaults = {aliases.get(k, k): v for k, v in defaults.items()}
+        applied = _checked_args(name, reference, model_args)
+        # given to the constructor, not set afterwards: fields derived from others follow them (Qwen2's
+        # layer_types has one entry per layer, so num_hidden_layers set on a built config left it short)
+        with construction_errors(name, model_args):
+            config = transformers.AutoConfig.for_model(model_type, **{**defaults, **applied})
             model = _build_causal_lm(name, config, device)
-        except (ValueError, TypeError, AssertionError, AttributeError, _strict_error()) as exc:
-            reason = " ".join(str(exc).split())
-            raise ModelError(f"cannot build {name} with model arguments {model_args}: {reason}") from exc
     return model, _info(name, config, model, {**defaults, **applied})
 
 
@@ -319,7 +327,8 @@ def build_hf_folder(name: str, model_args: dict[str, Any], device: torch.device)
             raise ModelError(f"{name}: config.json cannot be read: {' '.join(str(exc).split())}") from None
         config.use_cache = False
         applied = _apply_args(name, config, model_args)
-        model = _build_causal_lm(name, config, device)
+        with construction_errors(name, model_args):
+            model = _build_causal_lm(name, config, device)
     return model, _info(name, config, model, applied)
 
 
