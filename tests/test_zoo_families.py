@@ -80,3 +80,29 @@ def test_family_layout_matches_single_process(rank_pool, tmp_path_factory, famil
         assert first.keys() == second.keys()
         for key in first:
             assert torch.equal(first[key], second[key]), (key, float((first[key] - second[key]).abs().max()))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_experts_stay_whole_under_tp_and_the_plan_says_so(family):
+    """Under tp the experts (3-d weights read by a grouped matrix product) and the router are whole on every
+    rank, and the plan's table names them; attention (and Qwen2-MoE's shared expert) is split. Traced on meta
+    as if on the CPU, as a pipeline traces it: the routing's histogram takes the CPU's branch."""
+    from torch.utils.data import default_collate
+
+    from autopar.models.hf import turn_off_kv_cache
+    from autopar.tensor_parallel import plan_tensor_parallel
+    from autopar.trace import trace
+    from autopar.train.fields import traced_call
+    from zoo_families import build, more_hf_data
+
+    model = build(family, "meta")
+    turn_off_kv_cache(model)
+    graph = trace(model, *traced_call(default_collate(more_hf_data(family)[:MICRO])), device=torch.device("cpu"))
+    histograms = [n for n in graph.graph.nodes if "histc" in str(n.target)]
+    assert histograms and all(n.args[0].meta["val"].dtype.is_floating_point for n in histograms)
+    plan = plan_tensor_parallel(graph, 2)
+    experts = [name for name, _ in model.named_parameters() if ".experts." in name]
+    assert experts and set(experts) <= set(plan.replicated_params), sorted(set(experts) - set(plan.replicated_params))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in plan.table()
+    assert "model.layers.0.mlp.gate.weight" in plan.replicated_params
+    assert "model.layers.0.self_attn.q_proj.weight" in plan.params
