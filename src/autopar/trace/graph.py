@@ -316,9 +316,28 @@ def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost], user_inp
         if n.op != "call_function" or n.name not in nodes or not callable(n.target):
             continue
         args, kwargs = fake(n.args), fake(n.kwargs)
+        if _is_attention(n.target):
+            nodes[n.name].flops = _attention_flops(*args[:3])
+            continue
         try:
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 n.target(*args, **kwargs)
             nodes[n.name].flops = counter.get_total_flops()
         except Exception:  # an estimate only: an op that cannot be replayed alone counts zero
             nodes[n.name].flops = 0
+
+
+def _is_attention(target: Any) -> bool:
+    return getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention
+
+
+def _attention_flops(q: Any, k: Any, v: Any) -> int:
+    """Scaled dot-product attention's two matmuls, counted from shapes.
+
+    Counted here, not by the flop counter: which kernel the op dispatches to depends on the
+    device the model was built on (the math path on meta, counted; a fused CPU kernel on a
+    model built for real, which the counter does not know), and the count must not."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return 0
+    batch = q.numel() // (q.shape[-2] * q.shape[-1])  # every leading dimension: batch and heads
+    return 2 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
