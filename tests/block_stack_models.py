@@ -20,6 +20,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(width))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
@@ -168,8 +171,10 @@ def train(cases: list[tuple[str, str, dict]], out: str) -> list[dict]:
     from helpers import whole_parameters
     results = []
     for i, (name, device, strategy) in enumerate(cases):
-        config = autopar.TrainConfig(steps=2, global_batch_size=8, micro_batch_size=4, lr=1e-2, warmup_steps=0,
-                                     out=f"{out}/{i}", progress=False, timeout_s=60)
+        # adam_eps 1e-6: a key bias's gradient is zero up to rounding (softmax ignores a shift), and Adam
+        # would scale that noise up to a step of lr with eps 1e-8 (see zoo_models.train_case)
+        config = autopar.TrainConfig(steps=2, global_batch_size=8, micro_batch_size=4, lr=1e-3, adam_eps=1e-6,
+                                     warmup_steps=0, out=f"{out}/{i}", progress=False, timeout_s=60)
         trainer = autopar.Trainer(build(name, device), token_data(), strategy=autopar.Strategy(**strategy),
                                   config=config)
         result = trainer.train()

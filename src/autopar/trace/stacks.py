@@ -7,8 +7,9 @@ Users hold them in many ways, and all of them count:
   blocks may alternate), or an nn.Sequential of two or more modules, as written;
 - an nn.ModuleDict or plain attributes of one module (`self.h0 .. self.h3`): the children
   that repeat, that is two or more modules made of modules (not bare nn.Linear or norms) of
-  one class with the same parameter names and shapes. A ModuleDict of unlike entries (the
-  `transformer = ModuleDict(wte=..., h=ModuleList(...), ln_f=...)` of many GPTs) is no stack;
+  one class with the same parameter names and shapes. A ModuleDict whose entries all repeat
+  is one stack even when two block classes alternate; one of unlike entries (the
+  `transformer = ModuleDict(wte=..., h=ModuleList(...), ln_f=...)` of many GPTs) is no stack,
   the ModuleList inside it is.
 
 Of all candidates, the one holding the most parameters is chosen: the outermost stack, since
@@ -77,14 +78,22 @@ def _is_block(module: nn.Module) -> bool:
 
 
 def _repeated_groups(path: str, module: nn.Module) -> list[Stack]:
-    """The children of `module` that repeat: two or more blocks of one signature, one Stack per signature."""
+    """The children of `module` that repeat: two or more blocks of one signature, one Stack per signature.
+
+    A ModuleDict whose every entry repeats is one stack, in key order, like a ModuleList whose
+    block classes alternate."""
     groups: dict[tuple, list[tuple[str, nn.Module]]] = {}
     for name, child in module.named_children():
         if _is_block(child):
             groups.setdefault(_signature(child), []).append((name, child))
-    kind = "ModuleDict" if isinstance(module, nn.ModuleDict) else "attributes"
-    return [Stack(path, kind, tuple(n for n, _ in group), tuple(type(c).__name__ for _, c in group))
-            for group in groups.values() if len(group) >= 2]
+    repeated = [group for group in groups.values() if len(group) >= 2]
+    if isinstance(module, nn.ModuleDict):
+        if sum(len(group) for group in repeated) == len(module):
+            return [Stack(path, "ModuleDict", tuple(module.keys()), tuple(type(c).__name__ for c in module.values()))]
+        return [Stack(path, "ModuleDict", tuple(n for n, _ in group), tuple(type(c).__name__ for _, c in group))
+                for group in repeated]
+    return [Stack(path, "attributes", tuple(n for n, _ in group), tuple(type(c).__name__ for _, c in group))
+            for group in repeated]
 
 
 def candidate_stacks(model: nn.Module) -> list[Stack]:
@@ -163,7 +172,7 @@ def find_stacks(model: nn.Module) -> list[Stack]:
         alike = len(set(candidate.classes)) == 1
         if alike and count >= floor and not any(_overlap(candidate, c) for c in chosen):
             chosen.append(candidate)
-    return [c for c in candidates if c in chosen] + [c for c in chosen if c not in candidates]
+    return [c for c in candidates if c in chosen]  # outer before inner; trace() puts them in forward order
 
 
 def find_layers(model: nn.Module) -> str | None:
