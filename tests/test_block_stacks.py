@@ -170,3 +170,15 @@ def test_pp2_and_zero3_train_like_one_process_and_name_the_stack(rank_pool, tmp_
                 assert got["params"].keys() == expected[(name, device)]["params"].keys(), case
                 assert f"ZeRO-3: one FSDP2 unit per layer of {described} (4 units), plus one for the rest of the " \
                        f"model" in got["banner"], case
+
+
+def test_autopar_plan_names_the_stack_cut(capsys):
+    import json
+
+    from autopar.cli import main
+    assert main(["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "16"]) == 0
+    assert "layers cut: blocks (ModuleList, 2 x Block); layers per stage 1, 1" in capsys.readouterr().out.splitlines()
+    assert main(["plan", "--model", "gpt-tiny", "--pp", "2", "--seq-len", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stacks"] == [{"path": "blocks", "kind": "ModuleList", "layers": ["blocks.0", "blocks.1"],
+                                 "classes": ["Block", "Block"]}] and result["layers_per_stage"] == [1, 1]

@@ -100,7 +100,8 @@ def candidate_stacks(model: nn.Module) -> list[Stack]:
     """Every container or group of repeated layers in the model, outer before inner."""
     found = []
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 1 or isinstance(module, nn.Sequential) and len(module) >= 2:
+        as_written = isinstance(module, nn.ModuleList) or isinstance(module, nn.Sequential) and len(module) >= 2
+        if as_written and len(module) >= 1:
             kind = "ModuleList" if isinstance(module, nn.ModuleList) else "Sequential"
             names = tuple(name for name, _ in module.named_children())
             found.append(Stack(path, kind, names, tuple(type(c).__name__ for c in module.children())))
@@ -183,4 +184,5 @@ def find_layers(model: nn.Module) -> str | None:
 
 def in_order(stack: Stack, order: list[int]) -> Stack:
     """`stack` with its members in the given order (the order the forward ran them)."""
-    return replace(stack, members=tuple(stack.members[i] for i in order), classes=tuple(stack.classes[i] for i in order))
+    return replace(stack, members=tuple(stack.members[i] for i in order),
+                   classes=tuple(stack.classes[i] for i in order))
