@@ -37,6 +37,7 @@ from .dropout import dropout_step
 from .errors import ConfigError, DataError, Preempted, TrainingError
 from .launch import ATTEMPT_ENV, restart_attempt
 from .mesh import ProcessMesh
+from .models.materialize import attach_init_fn
 from .search.auto import Measured, Plan
 from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
@@ -70,7 +71,7 @@ class Trainer:
                  loss_fn: LossFn | None = None, forward_fn: Callable[[nn.Module, Batch], Any] | None = None,
                  job_config: JobConfig | None = None, run_info: dict[str, Any] | None = None,
                  pretrained: Any = None, run_files: dict[str, str] | None = None,
-                 label_convention: str | None = None):
+                 label_convention: str | None = None, init_fn: Callable[[nn.Module], None] | None = None):
         """
         loss_fn(output, batch) -> scalar: a mean over the micro-batch's samples. Default: token
             cross-entropy against batch["labels"] (-100 ignored), averaged over the global batch.
@@ -79,6 +80,10 @@ class Trainer:
             its own loss does), any other model's labels[i] is the target of output position i. "aligned":
             labels are token-aligned for every model. Default: the train data's `label_convention` attribute
             (autopar's built-in datasets say "aligned": their labels are the next tokens already), else "model".
+        init_fn(model): initialises a model built on meta, instead of its reset_parameters / init_weights rules:
+            for a constructor that does more than they can see (nanoGPT's re-initialisation by name). Run on the
+            whole model under the seed on every rank, so every layout gets one process's values.
+            `autopar.replay_init(lambda: MyModel(...))` reruns the constructor itself (models/materialize.py).
         forward_fn(model, batch) -> output. Default: model(batch["input_ids"] or batch["inputs"], **other fields).
         job_config / run_info: written to the run folder (the CLI passes its full config).
         strategy: a Strategy, `Strategy.auto(...)` (searched when training starts), or a Plan (`plan_auto`).
@@ -88,6 +93,8 @@ class Trainer:
         """
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Trainer needs an nn.Module as the model, got {type(model).__name__}")
+        if init_fn is not None:
+            attach_init_fn(model, init_fn)
         self.model, self.train_data, self.eval_data = model, train_data, eval_data
         self.plan = strategy if isinstance(strategy, Plan) else None
         self.strategy = Strategy() if self.plan is not None or strategy is None else strategy
