@@ -66,6 +66,7 @@ def test_label_convention_follows_the_model_class():
         {"llama": True, "gpt2": True, "bert": False, "t5": False}
     assert not any(label_shift(m, "aligned") for m in models.values())
     assert not label_shift(torch.nn.Linear(2, 2), "model")  # not Hugging Face: labels are token-aligned
+    assert label_shift(torch.nn.Linear(2, 2), "causal") and label_shift(models["bert"], "causal")
     with pytest.raises(ConfigError, match="label_convention"):
         label_shift(models["llama"], "shifted")
     assert next_token_targets(torch.tensor([[-100, 5, 6, 7]])).tolist() == [[5, 6, 7, -100]]

@@ -78,7 +78,8 @@ class Trainer:
         label_convention: how the default loss lines labels up with the output (train/loss.py). "model" follows
             the model: a Hugging Face causal LM's labels are its input ids (scored against the next position, as
             its own loss does), any other model's labels[i] is the target of output position i. "aligned":
-            labels are token-aligned for every model. Default: the train data's `label_convention` attribute
+            labels are token-aligned for every model; "causal": labels are the input ids for every model (scored
+            against the next position). Default: the train data's `label_convention` attribute
             (autopar's built-in datasets say "aligned": their labels are the next tokens already), else "model".
         init_fn(model): initialises a model built on meta, instead of its reset_parameters / init_weights rules:
             for a constructor that does more than they can see (nanoGPT's re-initialisation by name). Run on the

@@ -281,7 +281,8 @@ def materialize(module: nn.Module, device: str | torch.device = "cpu", *, seed: 
     Same seed, same device type -> bit-identical weights on every call and every rank.
     A module that is not on the meta device is only moved (its weights are kept).
     Every parameter and buffer must be set by a rule: its module's (or an ancestor's)
-    `reset_parameters`, or the model's `init_weights()` / `_init_weights(module)`. One that no rule
+    `reset_parameters`, or the model's `init_weights()` / `_init_weights(module)`, or else by the init
+    function attached to the model (`attach_init_fn`), which replaces the rules. One that no rule
     covers (a bare nn.Parameter on a model without an init method) or that the init leaves
     unwritten is a ModelError naming it, never NaN or garbage trained on silently.
     """

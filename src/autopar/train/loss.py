@@ -65,10 +65,12 @@ def tokens_in(batch: Batch) -> int:
     return batch["input_ids"].numel() if "input_ids" in batch else len(main_input(batch))
 
 
-LABEL_CONVENTIONS = ("model", "aligned")
+LABEL_CONVENTIONS = ("model", "aligned", "causal")
 """How `labels` line up with the output. "model": the model's own convention (a Hugging Face causal LM's
 labels are its input ids, shifted inside its loss; every other model's are token-aligned). "aligned": labels
-are already token-aligned for every model (autopar's built-in data: the next token at each position)."""
+are token-aligned for every model (autopar's built-in data: the next token at each position). "causal":
+labels are the input ids for every model, scored against the next position (Hugging Face's causal-LM data
+for a model of one's own)."""
 
 
 def label_shift(model: Any, convention: str) -> bool:
@@ -76,8 +78,9 @@ def label_shift(model: Any, convention: str) -> bool:
     if convention not in LABEL_CONVENTIONS:
         raise ConfigError(f"label_convention must be one of {list(LABEL_CONVENTIONS)}, got {convention!r}: "
                           f"'model' follows the model's own convention (Hugging Face causal LMs take labels equal "
-                          f"to the input ids), 'aligned' means labels[i] is the target of output position i")
-    return convention == "model" and shifts_labels(model)
+                          f"to the input ids), 'aligned' means labels[i] is the target of output position i, "
+                          f"'causal' that labels[i + 1] is")
+    return convention == "causal" or (convention == "model" and shifts_labels(model))
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
