@@ -23,7 +23,9 @@ GLOBAL_BATCH = 8
 _DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64)
 FAMILIES = {  # family: (head, config, padding)
-    "llama": ("causal", _DECODER, "left"),
+    # pad_token_id: an embedding padding_idx, whose row no lookup may move (left padding scores the pad
+    # position before the first real token, as Hugging Face's loss does)
+    "llama": ("causal", dict(_DECODER, pad_token_id=0), "left"),
     "gpt2": ("causal", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "right"),
     "bert": ("mlm", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
