@@ -43,10 +43,13 @@ def eager_micro_batch(index: int):
     Keep it open over the micro-batch's backward too, so that a recomputation there is
     caught (eager.py). Outside a step scope, nothing changes (torch's own dropout).
     """
-    from .eager import LayoutFreeDropoutMode
+    from .eager import LayoutFreeDropoutMode, RandomOpScan
     with micro_batch(index) as scope:
         if scope is None:
             yield
+        elif scope.scan_random_ops:
+            with RandomOpScan() as scan, LayoutFreeDropoutMode(scope, scan):
+                yield
         else:
             with LayoutFreeDropoutMode(scope):
                 yield
