@@ -31,9 +31,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from . import ops
 from .random_ops import ALWAYS_DRAWING, RECURRENT, draws, recurrent_draws, refusal
 from .scope import DropoutScope
@@ -64,6 +63,30 @@ _RRELUS = {F.rrelu: _RRELU, torch.rrelu: _TORCH_RRELU, torch.rrelu_: _TORCH_RREL
 _SDPA = (("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
          (None, None, None, None, 0.0, False, None, False))
 _MHA_DROPOUT, _MHA_TRAINING = 10, 13  # positions of dropout_p and training in F.multi_head_attention_forward
+
+
+def _dispatch_mode_base() -> type:
+    """torch's base class for dispatch modes, torch.utils._python_dispatch.TorchDispatchMode (a private module,
+    though torch's extension guide documents the class). Without it, a stand-in refuses what needs it (the
+    attention dropout of nn.MultiheadAttention, the first-step scan) rather than letting torch draw."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        return TorchDispatchMode
+    except ImportError:
+        class Unavailable:
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def __enter__(self):
+                raise ModelError("this torch has no TorchDispatchMode (torch.utils._python_dispatch), which layout-"
+                                 "free attention dropout in nn.MultiheadAttention needs: set its dropout to 0")
+
+            def __exit__(self, *exc) -> bool:
+                return False
+        return Unavailable
+
+
+TorchDispatchMode = _dispatch_mode_base()
 
 
 def _bind(names: tuple, defaults: tuple, args: tuple, kwargs: dict) -> list:
