@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.dropout import dropout_numbering, dropout_step, eager_micro_batch, replace_dropout_nodes
+from autopar.dropout import dropout_numbering, dropout_step, eager_micro_batch, micro_batch, replace_dropout_nodes
 from autopar.errors import ModelError
 from random_ops_models import MODELS, REFUSED, EncoderLM, train_all
 
@@ -107,26 +107,44 @@ class AllRandomOps(nn.Module):
         return F.dropout2d(x.unsqueeze(-1), 0.1, self.training).squeeze(-1)
 
 
-def test_eager_equals_traced_for_every_layout_free_op():
+class Seq2Seq(nn.Module):
+    """nn.Transformer (encoder and decoder layers: self- and cross-attention dropout) at its default dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Transformer(16, 4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32,
+                                          batch_first=True)
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(target.shape[1])
+        return self.transformer(source, target, tgt_mask=causal, tgt_is_causal=True)
+
+
+@pytest.mark.parametrize("build,draws", [(AllRandomOps, 8), (Seq2Seq, 10)], ids=["all-ops", "nn.Transformer"])
+def test_eager_equals_traced_for_every_layout_free_op(build, draws):
     """The whole model run eagerly and its exported graph with replaced nodes draw the same numbers: the
     eager call order and the graph's node order number the ops alike."""
     torch.manual_seed(0)
-    model, x = AllRandomOps(), torch.randn(4, 6, 16)
-    graph = torch.export.export(model, (x[:2],), strict=False).module()  # traced for micro-batches of 2
+    model = build()
+    inputs = (torch.randn(4, 6, 16),) if build is AllRandomOps else (torch.randn(4, 6, 16), torch.randn(4, 5, 16))
+    first_two = tuple(x[:2] for x in inputs)
+    graph = torch.export.export(model, first_two, strict=False).module()  # traced for micro-batches of 2
     numbering = dropout_numbering(graph.graph)
-    assert replace_dropout_nodes(graph, numbering, batch=2) == len(numbering) == 8
+    assert replace_dropout_nodes(graph, numbering, batch=2) == len(numbering) == draws
     with dropout_step(5, 2, [[0, 1], [2, 3]]):
         for index, rows in enumerate((slice(0, 2), slice(2, 4))):
             with eager_micro_batch(index):
-                eager = model(x[rows])
-            from autopar.dropout import micro_batch
+                eager = model(*(x[rows] for x in inputs))
             with micro_batch(index):
-                traced = graph(x[rows])
+                traced = graph(*(x[rows] for x in inputs))
             assert torch.allclose(eager, traced, rtol=1e-5, atol=1e-6), (eager - traced).abs().max()
     with dropout_step(5, 2, [[0, 1, 2, 3]]), eager_micro_batch(0):
-        whole = model(x)
+        whole = model(*inputs)
     with dropout_step(5, 2, [[0, 1], [2, 3]]), eager_micro_batch(1):
-        assert torch.allclose(whole[2:], model(x[2:]), rtol=1e-5, atol=1e-6)  # a sample keeps its draws
+        second = model(*(x[2:] for x in inputs))
+    assert torch.allclose(whole[2:], second, rtol=1e-5, atol=1e-6)  # a sample keeps its draws in any micro-batch
+    model.eval()
+    assert not torch.allclose(model(*inputs), whole)  # dropout really ran
 
 
 def test_alpha_dropout_keeps_selu_statistics():

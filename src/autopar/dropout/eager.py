@@ -129,11 +129,11 @@ class LayoutFreeDropoutMode(TorchFunctionMode):
             if training:
                 return ops.rrelu(x, float(lower), float(upper), self._take_op(), self.scope, inplace=bool(inplace))
         elif func is torch.native_dropout:
-            x, p, train = args[0], float(_argument(args, kwargs, 1, "p", 0.5)), _argument(args, kwargs, 2, "train", None)
-            if train is not False:  # None: training, as torch reads it
-                op = self._take_op()
-                kept = ops.keep(tuple(x.shape), p, op, self.scope, device=x.device)
-                return x * (kept.to(x.dtype).div_(1.0 - p) if p < 1 else torch.zeros((), dtype=x.dtype)), kept
+            x, p = args[0], float(_argument(args, kwargs, 1, "p", 0.5))
+            if _argument(args, kwargs, 2, "train", None) is not False:  # None: training, as torch reads it
+                kept = ops.keep(tuple(x.shape), p, self._take_op(), self.scope, device=x.device)
+                noise = kept.to(x.dtype)
+                return x * (noise.div_(1.0 - p) if p < 1 else noise), kept  # as ops.dropout_noise computes it
         elif func is F.scaled_dot_product_attention:
             q, k, v, mask, p, causal, scale, gqa = _bind(*_SDPA, args, kwargs)
             if p and p > 0:
