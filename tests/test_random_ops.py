@@ -189,3 +189,16 @@ def test_lstm_dropout_is_refused_eager_and_traced():
     dropout_numbering(torch.export.export(lstm, (x,), strict=False).graph)
     with dropout_step(0, 0, [[0, 1]], scan_random_ops=True), eager_micro_batch(0):
         lstm(x)
+
+
+@pytest.mark.parametrize("draw", [
+    lambda x: x + torch.rand(x.shape), lambda x: x * torch.bernoulli(torch.full_like(x, 0.5)),
+    lambda x: x.clone().bernoulli_(0.5), lambda x: x.clone().uniform_(), lambda x: x[torch.randperm(2)],
+    lambda x: x + torch.multinomial(x.softmax(-1), 1), lambda x: F.gumbel_softmax(x),
+    lambda x: x + torch.normal(0.0, 1.0, x.shape)],
+    ids=["rand", "bernoulli", "bernoulli_", "uniform_", "randperm", "multinomial", "gumbel_softmax", "normal"])
+def test_every_visible_draw_is_refused_on_every_step(draw):
+    """Not only in the scanned first step: a torch call that draws is refused in any training step."""
+    with dropout_step(0, 7, [[0, 1]]), eager_micro_batch(0), pytest.raises(ModelError, match="layout"):
+        draw(torch.ones(2, 4))
+    draw(torch.ones(2, 4))  # outside a training step (evaluation, the user's own code): torch's own draw
