@@ -150,14 +150,22 @@ class GraphDropout(nn.Module):
                              shard=self.shard, cache=self._keys)
 
 
+def _kind(target) -> tuple[str, bool]:
+    """(kind, in place) of a numbered node's target."""
+    if target is SDPA:
+        return "attention", False
+    if target in RRELU:
+        return "rrelu", RRELU[target]
+    return ELEMENTWISE[target]
+
+
 def replace_dropout_nodes(module: fx.GraphModule, numbering: dict[str, int], batch: int) -> int:
     """Replace the numbered dropout nodes of a piece by GraphDropout modules; returns how many."""
     graph, count = module.graph, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.name not in numbering:  # a placeholder may carry the name
             continue
-        kind, inplace = ("attention", False) if node.target is SDPA else ("rrelu", RRELU[node.target]) \
-            if node.target in RRELU else ELEMENTWISE[node.target]
+        kind, inplace = _kind(node.target)
         value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         drops = kind in ("attention", "rrelu") or float(_arg(node, 1, "p", 0.5)) > 0  # p = 0: the identity anyway
         if drops and isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] % batch):
