@@ -3,8 +3,9 @@
 - an nn.TransformerEncoder language model (batch_first, torch's default dropout 0.1 on the
   attention weights inside nn.MultiheadAttention and on both residual branches), built for
   real and on meta;
-- a model whose own attention calls F.scaled_dot_product_attention(dropout_p=0.1);
-- a self-normalising model with nn.AlphaDropout, F.feature_alpha_dropout and nn.RReLU;
+- a model whose own attention calls F.scaled_dot_product_attention(dropout_p=0.1), its
+  blocks alternating with self-normalising ones (nn.AlphaDropout, F.feature_alpha_dropout,
+  nn.RReLU);
 - a model that adds torch.randn noise in training (noise injection), which autopar refuses.
 
 Module level (no test code) so the rank pool's spawned workers can import it.
@@ -59,20 +60,6 @@ class SdpaBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class SdpaLM(nn.Module):
-    def __init__(self, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList([SdpaBlock() for _ in range(layers)])
-        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
 class SeluBlock(nn.Module):
     """A self-normalising MLP block: SELU with alpha dropout, then a randomized leaky ReLU."""
 
@@ -87,18 +74,23 @@ class SeluBlock(nn.Module):
         return x + self.rrelu(self.down(h))
 
 
-class SeluLM(nn.Module):
-    def __init__(self, layers: int = 2):
+class MixedRandomLM(nn.Module):
+    """Attention blocks with dropout on their weights alternating with self-normalising blocks."""
+
+    def __init__(self, pairs: int = 2):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.Sequential(*[SeluBlock() for _ in range(layers)])
-        self.head = nn.Linear(WIDTH, VOCAB)
+        self.blocks = nn.ModuleList([block for _ in range(pairs) for block in (SdpaBlock(), SeluBlock())])
+        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(input_ids)))
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
 
 
-class NoisyLM(SdpaLM):
+class NoisyLM(MixedRandomLM):
     """Gaussian noise added to the embeddings in training (noise injection): drawn with torch.randn_like."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -127,8 +119,7 @@ def _for_real(cls: type):
 MODELS = {
     "encoder-real": _for_real(EncoderLM),
     "encoder-meta": _on_meta(EncoderLM),
-    "sdpa-dropout": _on_meta(SdpaLM),
-    "selu-rrelu": _on_meta(SeluLM),
+    "sdpa-alpha-rrelu": _on_meta(MixedRandomLM),
 }
 REFUSED = {"noise-injection": _on_meta(NoisyLM)}
 
