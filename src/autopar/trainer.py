@@ -104,6 +104,7 @@ class Trainer:
         self.job_config, self.run_info = job_config, dict(run_info or {})
         self.pretrained, self.extra_run_files = pretrained, dict(run_files or {})
         self.pretrained_bytes_read = 0
+        self.random_ops_checked = False  # the first step scans a model run whole for random draws (dropout/eager.py)
         self.step_times_s: list[float] = []
         convention = label_convention or getattr(train_data, "label_convention", "model")
         self.shift_labels = label_shift(model, convention) and loss_fn is None  # a custom loss sees labels as given
@@ -264,7 +265,7 @@ class Trainer:
         """
         cfg = self.config
         batches, samples, loss_fn = self._step_inputs(step, poison_loss)
-        with dropout_step(cfg.seed, step, samples):  # masks as one process draws them (autopar/dropout)
+        with dropout_step(cfg.seed, step, samples, scan_random_ops=self._first_scan()):  # masks as one process draws
             total = self.engine.forward_backward(batches, loss_fn)
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         # [loss share, bad gradient norm, stop requested], summed over every rank that holds a loss share
@@ -286,6 +287,12 @@ class Trainer:
         tokens = sum(tokens_in(b) for b in batches) * self.mesh.dp_size
         return StepResult(loss, grad_norm, tokens, skipped=skipped, stop=stop > 0, peak_bytes=int(peak_bytes))
 
+    def _first_scan(self) -> bool:
+        """True on this trainer's first step only: it checks every operation for random draws (~20% of a small
+        model's step on the whole-model engines); later steps check only the torch calls the model makes."""
+        first, self.random_ops_checked = not self.random_ops_checked, True
+        return first
+
     def _run_step(self, step: int, *, stop_requested: bool = False, poison_loss: bool = False) -> list[Finished]:
         """Step `step`, and every step whose result is known now (in order): the step itself on a synchronous
         engine; on a deferred one (train/deferred.py) the steps settled during this one, possibly none."""
@@ -299,7 +306,7 @@ class Trainer:
         batches, samples, loss_fn = self._step_inputs(step, poison_loss)
 
         def forward_backward() -> torch.Tensor:
-            with dropout_step(cfg.seed, step, samples):
+            with dropout_step(cfg.seed, step, samples, scan_random_ops=self._first_scan()):
                 return self.engine.forward_backward(batches, loss_fn)
         return self.deferred.step(step, forward_backward, tokens=sum(tokens_in(b) for b in batches) * self.mesh.dp_size,
                                   stop_requested=stop_requested, began=began)
