@@ -82,13 +82,14 @@ def _generator(seed: int) -> torch.Generator:
 
 
 def left_padded_lm(pad_id: int = 0, seed: int = 1) -> list[dict]:
-    """Causal LM: up to 6 pad tokens on the left, masked out; labels are the next token (-100 on pads)."""
+    """Causal LM: up to 6 pad tokens on the left, masked out; labels as Hugging Face's collators make them:
+    the input ids, -100 on pads (the model's loss scores each position against the next label)."""
     g = _generator(seed)
     samples = []
     for _ in range(SAMPLES):
-        tokens = torch.randint(3, VOCAB, (SEQ + 1,), generator=g)
+        tokens = torch.randint(3, VOCAB, (SEQ,), generator=g)
         pad = int(torch.randint(0, 7, (), generator=g))
-        inputs, labels = tokens[:-1].clone(), tokens[1:].clone()
+        inputs, labels = tokens.clone(), tokens.clone()
         inputs[:pad], labels[:pad] = pad_id, IGNORE
         mask = torch.ones(SEQ, dtype=torch.long)
         mask[:pad] = 0
