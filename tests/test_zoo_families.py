@@ -106,3 +106,25 @@ def test_moe_experts_stay_whole_under_tp_and_the_plan_says_so(family):
     assert "model.layers.0.mlp.experts.gate_up_proj" in plan.table()
     assert "model.layers.0.mlp.gate.weight" in plan.replicated_params
     assert "model.layers.0.self_attn.q_proj.weight" in plan.params
+
+
+def test_experts_looped_over_by_the_data_are_refused_with_the_way_out():
+    """Mixtral loaded with experts_implementation='eager' loops over the experts the router picked: a count only
+    the data knows, which no traced graph (pp, tp) can hold. One autopar error, at the trace (before any step),
+    names the loop and what works: pp=1 tp=1, or the grouped experts."""
+    import transformers
+    from torch.utils.data import default_collate
+
+    from autopar.errors import ModelError
+    from autopar.models.hf import quiet_transformers, turn_off_kv_cache
+    from autopar.trace import trace
+    from autopar.train.fields import traced_call
+    from zoo_families import config_of, more_hf_data
+
+    with quiet_transformers(transformers), torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config_of("mixtral", MORE_HF_FAMILIES["mixtral"][1]),
+                                                              experts_implementation="eager")
+    turn_off_kv_cache(model)
+    with pytest.raises(ModelError, match=r"loops over a tensor's values \(at .*modeling_mixtral.py:\d+: for expert_idx "
+                                         r"in .*pp=1 and tp=1.*experts_implementation='grouped_mm'"):
+        trace(model, *traced_call(default_collate(more_hf_data("mixtral")[:MICRO])), device=torch.device("cpu"))

@@ -26,6 +26,7 @@ inputs are those tensors, in the order `ModelGraph.input_keys` names.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,12 +120,30 @@ def _layer_index(path: str, stack: Stack, position: dict[str, int]) -> int | Non
     return position.get(path[len(prefix):].split(".", 1)[0])
 
 
+def _data_dependent_site(exc: Exception) -> tuple[str, str] | None:
+    """(file:line, code) of the model's line that needed a tensor's value: the innermost frame outside torch,
+    autopar and generated code, else the call torch's message names (installed packages, e.g. transformers)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((_TORCH_DIR, _AUTOPAR_DIR, "<")) and "site-packages" not in f.filename]
+    if frames:
+        return f"{frames[-1].filename}:{frames[-1].lineno}", (frames[-1].line or "").strip()
+    named = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s+(.+)', str(exc))
+    return (f"{named[-1][0]}:{named[-1][1]}", named[-1][2].strip()) if named else None
+
+
 def _trace_hint(exc: Exception) -> str:
     """What to do about a torch.export failure, by its real cause."""
     if isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc):
-        frames = [f for f in traceback.extract_tb(exc.__traceback__)
-                  if not f.filename.startswith((_TORCH_DIR, _AUTOPAR_DIR)) and "site-packages" not in f.filename]
-        where = f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+        site = _data_dependent_site(exc)
+        where = f" (at {site[0]}: {site[1]})" if site else ""
+        if site and site[1].startswith("for "):
+            hint = (f"The forward loops over a tensor's values{where}: how many times only the data knows, which a "
+                    f"traced graph cannot do. Loop over a fixed count (every candidate, masked), or train with pp=1 "
+                    f"and tp=1 (data parallelism runs the model as written)")
+            if "expert" in site[1]:
+                hint += ("; a Hugging Face mixture of experts runs every expert as one grouped product when loaded "
+                         "with experts_implementation='grouped_mm' (its default) instead of 'eager'")
+            return hint
         return (f"The forward branches on a tensor's values{where}, which a traced graph cannot do: compute both "
                 f"branches and pick with torch.where, or move the decision out of forward")
     if "FakeTensorDeviceMismatch" in type(exc).__name__ or "found at least two devices" in str(exc):
