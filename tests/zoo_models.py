@@ -424,7 +424,8 @@ CASES: dict[str, Case] = {
 }
 
 # tests/zoo_families.py: more families (built on meta here; tests/test_zoo_families.py runs them built both ways)
-from zoo_families import KNOWN_FAILURES as _MORE_FAILING, MORE_HF_FAMILIES, build as _build_more, more_hf_data  # noqa: E402
+from zoo_families import KNOWN_FAILURES as _MORE_FAILING, MORE_HF_FAMILIES, more_hf_data  # noqa: E402
+from zoo_families import build as _build_more  # noqa: E402
 CASES.update({f"hf:{f}": Case(lambda f=f: _build_more(f, "meta"), lambda f=f: more_hf_data(f))
               for f in MORE_HF_FAMILIES if not any(k[0] == f for k in _MORE_FAILING)})
 

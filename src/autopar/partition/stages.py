@@ -286,7 +286,8 @@ def lifted_constant_values(model: nn.Module, graph: ModelGraph, device: torch.de
                   {k: zeros(v) for k, v in graph.example_kwargs.items()})
     # only the constants made in forward: the copy's buffers (non-persistent ones sit with the constants too) were
     # never initialised, and the stage takes those from the materialised model
-    made = {spec.target for spec in again.exported.graph_signature.input_specs if spec.kind == InputKind.CONSTANT_TENSOR}
+    made = {spec.target for spec in again.exported.graph_signature.input_specs
+            if spec.kind == InputKind.CONSTANT_TENSOR}
     return {k: v.detach().clone() for k, v in again.exported.constants.items()
             if k in made and isinstance(v, torch.Tensor) and not v.is_meta}
 
