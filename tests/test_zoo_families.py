@@ -1,6 +1,6 @@
 """More Hugging Face families (tests/zoo_families.py) train under dp=2, pp=2 and tp=2 to one process's results.
 
-19 families beyond the zoo's 13: mixture of experts (Mixtral, Qwen2-MoE: a router, top-k and
+18 families beyond the zoo's 13: mixture of experts (Mixtral, Qwen2-MoE: a router, top-k and
 experts run as grouped matrix products sized by a histogram of the routing), sliding windows
 and soft-capping (Gemma 2 and 3), partial rotary and parallel blocks (GPT-NeoX, GPT-J, Falcon
 with its multi-query head split by index lists, StableLM, Phi), StarCoder2, Mistral, Qwen2, a
