@@ -11,7 +11,7 @@ initialises it) and for real (seeded, the same in every process), and trains 2 s
 samples through autopar.Trainer; every layout runs 2 micro-batches of 4 on 2 ranks and must
 equal one process on one micro-batch of 8: losses within 1e-5 relative, parameters within 1e-4.
 
-Start-up dominates such small runs, so each layout trains every case in one pool task
+A pool task costs a start-up of its own, so each layout trains every case in one pool task
 (zoo_families.train_families), and the references once in another; the tests read the results.
 """
 
