@@ -45,6 +45,7 @@ THREE_D_MICRO = 2  # 4 samples per replica: two micro-batches through its pipeli
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 JOBS = [(name, build) for name, case in CASES.items() for build in case.builds]
+_references: dict = {}
 _batches: dict = {}
 
 
@@ -58,16 +59,22 @@ def _selected_jobs(request, layout: str) -> list[tuple[str, str]]:
     return sorted(wanted)
 
 
+def references(rank_pool, tmp_path_factory, jobs: list[tuple[str, str]]) -> dict:
+    """The one-process reference of each (case, build); those not yet computed trained in one task."""
+    missing = [job for job in jobs if job not in _references]
+    if missing:
+        out = str(tmp_path_factory.mktemp("zoo-reference"))
+        _references.update(rank_pool(1).run(train_cases, missing, out, timeout=600)[0])
+    return {job: _references[job] for job in jobs}
+
+
 def batch(rank_pool, tmp_path_factory, request, layout: str) -> dict:
-    """Every selected case of `layout` ("single": the one-process reference), trained once in one task."""
+    """Every selected (case, build) of `layout` trained on 2 ranks in one task, once: job -> per-rank results."""
     if layout not in _batches:
-        wanted = {job for one in (LAYOUTS if layout == "single" else [layout]) for job in _selected_jobs(request, one)}
-        jobs = [job for job in JOBS if job in wanted]
+        jobs = _selected_jobs(request, layout)
         out = str(tmp_path_factory.mktemp(f"zoo-{layout}"))
-        world, strategy = (1, {}) if layout == "single" else (2, LAYOUTS[layout])
-        micro = 8 if layout == "single" else MICRO
-        results = rank_pool(world).run(train_cases, jobs, out, strategy=strategy, micro_batch_size=micro,
-                                       timeout=600)
+        results = rank_pool(2).run(train_cases, jobs, out, strategy=LAYOUTS[layout], micro_batch_size=MICRO,
+                                   timeout=600)
         _batches[layout] = {job: [r[job] for r in results] for job in jobs}
     return _batches[layout]
 
@@ -113,7 +120,8 @@ def _params():
 
 @pytest.mark.parametrize("name,build,layout", list(_params()))
 def test_zoo_layout_matches_single_process(rank_pool, tmp_path_factory, request, name, build, layout):
-    expected = batch(rank_pool, tmp_path_factory, request, "single")[name, build][0]
+    every_layouts_jobs = sorted({job for each in LAYOUTS for job in _selected_jobs(request, each)})
+    expected = references(rank_pool, tmp_path_factory, every_layouts_jobs)[name, build]
     assert_trained(expected, "the one-process reference")
     assert all(math.isfinite(x) for x in expected["losses"]), ("the one-process reference itself", expected["losses"])
     results = batch(rank_pool, tmp_path_factory, request, layout)[name, build]
@@ -124,13 +132,12 @@ def test_zoo_layout_matches_single_process(rank_pool, tmp_path_factory, request,
 
 def test_zoo_3d_matches_single_process(rank_pool, tmp_path, tmp_path_factory):
     """dp2 x tp2 x pp2 on 8 ranks: a Hugging Face causal LM and the nanoGPT-style module."""
-    references = rank_pool(1).run(train_cases, THREE_D_JOBS, str(tmp_path_factory.mktemp("zoo-3d-reference")),
-                                  timeout=300)[0]
+    expected = references(rank_pool, tmp_path_factory, THREE_D_JOBS)
     results = rank_pool(8).run(train_cases, THREE_D_JOBS, str(tmp_path), strategy=THREE_D,
                                micro_batch_size=THREE_D_MICRO, timeout=600)
     for job in THREE_D_JOBS:
-        assert_trained(references[job], (job, "the one-process reference"))
-        assert_matches_reference(references[job], [r[job] for r in results])
+        assert_trained(expected[job], (job, "the one-process reference"))
+        assert_matches_reference(expected[job], [r[job] for r in results])
         # ranks 2k and 2k+1 are one tp pair (tp innermost): same stage, same replica
         for first in range(0, 8, 2):
             assert_tp_replicas_bitwise(results[first][job]["params"], results[first + 1][job]["params"])
@@ -166,3 +173,8 @@ def test_meta_nanogpt_with_constructor_init_is_refused(rank_pool, tmp_path):
     replays constructor init on meta, this test goes and CASES["nanogpt"] gets its meta build."""
     results = rank_pool(1).run(refusal, "nanogpt", str(tmp_path), timeout=300)
     assert_refused_early(results, "nothing would set")
+
+
+def test_a_case_with_one_build_says_why():
+    one_way = {name: case for name, case in CASES.items() if case.only is not None}
+    assert all(case.why and case.only in ("meta", "real") for case in one_way.values()), one_way

@@ -1,13 +1,16 @@
 """The model zoo of tests/test_model_zoo.py: models as people build them, and their batches.
 
-Hugging Face families come from `AutoConfig.for_model(family, ...)` with only tiny widths
-(and, where a default id lies outside a tiny vocabulary, the pad/bos/eos ids) set: their
-default dropout and `use_cache` are kept, and they are built on meta like autopar's `hf:`
-models. The user modules are ordinary PyTorch: a Sequential stack, a ViT with bare
-parameters, a U-Net built for real, a classifier with its own loss, a model with two inputs
-and one whose blocks differ. Every dataset is a small in-memory list of dicts, padded with
-attention masks wherever the model takes them, drawn from a fixed seed so every rank and
-every run sees the same samples.
+A case's `build` constructs the model on the current default device; `construct` builds it
+the two ways users do: on meta (autopar materialises it, as for its `hf:` models) and for
+real (seeded, on CPU, the README's default). Hugging Face families come from
+`AutoConfig.for_model(family, ...)` with only tiny widths (and, where a default id lies
+outside a tiny vocabulary, the pad/bos/eos ids) set: their default dropout and `use_cache`
+are kept. The user modules are ordinary PyTorch: a Sequential stack, a ViT with bare
+parameters, a U-Net on float images, a classifier with its own loss, a model with two
+inputs, one whose blocks differ, and a nanoGPT-style GPT (fused qkv, tril mask buffer, tied
+head, init in its constructor). Every dataset is a small in-memory list of dicts, padded
+with attention masks wherever the model takes them, drawn from a fixed seed so every rank
+and every run sees the same samples.
 
 Module level (no test code) so the rank pool's spawned workers can import it.
 """
