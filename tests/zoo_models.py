@@ -390,20 +390,20 @@ class NanoBlock(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    """A GPT in the nanoGPT style: learned positions from `torch.arange(t, device=idx.device)`,
-    the token embedding tied to the head, and initialisation done in the constructor:
-    `self.apply(self._init_weights)`, then every residual projection (`c_proj.weight`, found by
-    name) drawn again with a smaller spread scaled by depth."""
+    """A GPT in the nanoGPT style: its parts in an nn.ModuleDict, learned positions from
+    `torch.arange(t, device=idx.device)`, the token embedding tied to the head, and
+    initialisation done in the constructor: `self.apply(self._init_weights)`, then every
+    residual projection (`c_proj.weight`, found by name) drawn again with a smaller spread
+    scaled by depth."""
 
     def __init__(self, layers: int = 4, width: int = 32, heads: int = 4, context: int = SEQ):
         super().__init__()
         self.layers = layers
-        self.wte, self.wpe = nn.Embedding(VOCAB, width), nn.Embedding(context, width)
-        self.drop = nn.Dropout(DROPOUT)
-        self.h = nn.ModuleList([NanoBlock(width, heads, context) for _ in range(layers)])
-        self.ln_f = nn.LayerNorm(width)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, width), wpe=nn.Embedding(context, width), drop=nn.Dropout(DROPOUT),
+            h=nn.ModuleList([NanoBlock(width, heads, context) for _ in range(layers)]), ln_f=nn.LayerNorm(width)))
         self.lm_head = nn.Linear(width, VOCAB, bias=False)
-        self.wte.weight = self.lm_head.weight  # tied: one matrix reads tokens in and scores them out
+        self.transformer.wte.weight = self.lm_head.weight  # tied: one matrix reads tokens in and scores them out
         self.apply(self._init_weights)
         for name, parameter in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -420,10 +420,10 @@ class NanoGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         b, t = idx.size()
         positions = torch.arange(0, t, dtype=torch.long, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))
-        for block in self.h:
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        for block in self.transformer.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.lm_head(self.transformer.ln_f(x))
 
 
 def images(seed: int = 4) -> list[dict]:
