@@ -179,10 +179,10 @@ def test_tp_that_does_not_divide_heads_is_refused(rank_pool, tmp_path):
 
 def test_meta_nanogpt_with_constructor_init_is_refused(rank_pool, tmp_path):
     """nanoGPT-style init in the constructor (apply(_init_weights), then c_proj re-drawn by name) on
-    meta: refused today with a clear error rather than trained on a half-replayed init. When autopar
-    replays constructor init on meta, this test goes and CASES["nanogpt"] gets its meta build."""
+    meta with no init_fn: refused with a clear error naming the ways that work, rather than trained on
+    a half-done init (CASES["nanogpt"] trains its meta build with replay_init)."""
     results = rank_pool(1).run(refusal, "nanogpt", str(tmp_path), timeout=300)
-    assert_refused_early(results, "nothing would set")
+    assert_refused_early(results, "nothing would set", "init_fn", "replay_init")
 
 
 def test_a_case_with_one_build_says_why():

@@ -487,6 +487,7 @@ class Case:
     loss_fn: Callable | None = None  # None: autopar's token cross-entropy against labels
     only: str | None = None
     why: str = ""
+    meta_init: Callable[[nn.Module], None] | None = None  # the meta build's Trainer(init_fn=...), if it needs one
 
     @property
     def builds(self) -> tuple[str, ...]:
@@ -517,8 +518,8 @@ USER_CASES: dict[str, Case] = {
     "classifier-custom-loss": Case(TextClassifier, classes, smoothed_class_loss),
     "two-input-lm": Case(TwoInputLM, featured_lm),
     "mixed-blocks-lm": Case(MixedBlocksLM, plain_lm),
-    # on meta its constructor's init (c_proj re-drawn by name) is refused today: see REFUSED_CASES
-    "nanogpt": Case(NanoGPT, plain_lm, only="real", why="on meta the constructor's init is refused (REFUSED_CASES)"),
+    # on meta its constructor's init (c_proj re-drawn by name) is replayed (without it: REFUSED_CASES)
+    "nanogpt": Case(NanoGPT, plain_lm, meta_init=autopar.replay_init(NanoGPT)),
 }
 
 CASES: dict[str, Case] = {
@@ -532,10 +533,9 @@ REFUSED_CASES: dict[str, Case] = {
     # 3 heads: tp=2 cannot split attention, which the README promises is a clear error
     "hf:gpt2-3-heads": Case(lambda: hf_model("gpt2", "causal", **{**HF_FAMILIES["gpt2"][1], "n_embd": 48, "n_head": 3}),
                             lambda: hf_data("gpt2")),
-    # on meta, an init done in the constructor (apply(_init_weights), then c_proj re-drawn by name) is
-    # refused today rather than half-replayed; when autopar replays constructor init this becomes a
-    # meta build of CASES["nanogpt"]
-    "nanogpt": Case(NanoGPT, plain_lm, only="meta", why="built for real it is in CASES"),
+    # on meta with no init_fn, an init done in the constructor (apply(_init_weights), then c_proj
+    # re-drawn by name) is refused rather than half-done; CASES["nanogpt"] passes replay_init
+    "nanogpt": Case(NanoGPT, plain_lm, only="meta", why="built for real, or with replay_init, it is in CASES"),
 }
 
 STEPS = 2
@@ -556,7 +556,8 @@ def train_case(name: str, build: str, out: str, *, strategy: dict | None = None,
     config = autopar.TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size,
                                  lr=1e-3, warmup_steps=0, adam_eps=1e-6, out=out, progress=False, timeout_s=60)
     trainer = autopar.Trainer(construct(case, build), case.data(),
-                              strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn)
+                              strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn,
+                              init_fn=case.meta_init if build == "meta" else None)
     try:
         result = trainer.train()
         return {"losses": result.losses, "params": whole_parameters(trainer)}
