@@ -309,7 +309,7 @@ def assert_frozen_and_equal(expected: dict, got: dict, what: str) -> None:
         assert traffic["tied"] == 0, (what, traffic)
 
 
-DP2_CASES = [("gpt-meta", {"dp": 2}), ("gpt-real", {"dp": 2}), ("lora-meta", {"dp": 2}),
+DP2_CASES = [("gpt-meta", {"dp": 2}),
              ("gpt-meta", {"dp": 2, "zero": 1}), ("lora-real", {"dp": 2, "zero": 1}),
              ("gpt-meta", {"dp": 2, "zero": 3}), ("lora-meta", {"dp": 2, "zero": 3}),
              ("gpt-meta", {"pp": 2}), ("gpt-real", {"pp": 2}), ("gpt-tied-meta", {"pp": 2}), ("lora-meta", {"pp": 2}),

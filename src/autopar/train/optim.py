@@ -28,8 +28,9 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]  # a rank holding only
-    # frozen parameters (a pipeline stage of a frozen backbone) steps nothing; check_trainable refuses a whole model
+    groups = [g for g in groups if g["params"]]
+    if not groups:  # a rank holding only frozen parameters (a pipeline stage of a frozen backbone) steps nothing
+        groups = [{"params": [], "weight_decay": 0.0}]
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, foreach=True)
     if config.optimizer == "adagrad":
