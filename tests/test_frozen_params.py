@@ -162,6 +162,8 @@ def _gradient_traffic(engine) -> dict:
     elif hasattr(sync, "buckets"):  # ZeRO 1/2: each flat bucket (padded to a multiple of dp) reduce-scattered
         traffic["dp"] = sum(p.numel() for b in sync.buckets for p in b.params)
         traffic["dp_padding_ok"] = all(b.numel - sum(p.numel() for p in b.params) < sync.world for b in sync.buckets)
+    if hasattr(engine, "flat"):  # gossip: the parameters mixed with the neighbours
+        traffic["mixed"] = sum(p.numel() for p in engine.flat.params)
     return traffic
 
 
@@ -276,14 +278,9 @@ def references(rank_pool, tmp_path_factory) -> dict:
     return _references
 
 
-def assert_frozen_and_equal(expected: dict, got: dict, what: str) -> None:
-    assert max(abs(x - y) / abs(x) for x, y in zip(expected["losses"], got["losses"])) < LOSS_RTOL, \
-        (what, expected["losses"], got["losses"])
-    assert len(got["losses"]) == STEPS, what
-    # the norm is the one process's: frozen parameters are not counted in it
-    assert max(abs(x - y) / abs(x) for x, y in zip(expected["grad_norms"], got["grad_norms"])) < NORM_RTOL, \
-        (what, expected["grad_norms"], got["grad_norms"])
-    assert got["frozen_names"] == expected["frozen_names"] and got["frozen_names"], what
+def assert_frozen_kept(got: dict, what: str) -> None:
+    """What holds under any layout, synchronous or not: frozen parameters untouched and silent."""
+    assert got["frozen_names"], what
     # every frozen parameter this rank holds is still frozen, and holds no gradient or optimizer state
     assert set(got["local_frozen"]) == set(got["local_names"]) & got["frozen_names"], what
     assert got["frozen_with_grad"] == [], (what, got["frozen_with_grad"])
@@ -291,22 +288,38 @@ def assert_frozen_and_equal(expected: dict, got: dict, what: str) -> None:
     assert got["trainable_in_optimizer"] in (True, None), what
     moved = 0
     for name, value in got["params"].items():
+        if name in got["frozen_names"]:  # bitwise: the initial values (weight decay never reached them)
+            assert torch.equal(value, got["initial"][name]), (what, name)
+        else:
+            moved += int(not torch.equal(value, got["initial"][name]))
+    assert moved or got["trainable_numel"] == 0, (what, "no trainable parameter moved")
+    # gradient (and gossip's parameter) traffic: the trainable elements only; no tied sum for a frozen tie
+    traffic = got["traffic"]
+    for kind in ("dp", "mixed"):
+        if kind in traffic:
+            assert traffic[kind] == got["trainable_numel"], (what, traffic, got["trainable_numel"], got["frozen_numel"])
+    assert traffic.get("dp_padding_ok", True), what
+    if "tied" in what:
+        assert traffic["tied"] == 0, (what, traffic)
+
+
+def assert_frozen_and_equal(expected: dict, got: dict, what: str) -> None:
+    """assert_frozen_kept, and the one process's losses, norms and parameters (frozen ones bitwise)."""
+    assert_frozen_kept(got, what)
+    assert got["frozen_names"] == expected["frozen_names"], what
+    assert len(got["losses"]) == STEPS, what
+    assert max(abs(x - y) / abs(x) for x, y in zip(expected["losses"], got["losses"])) < LOSS_RTOL, \
+        (what, expected["losses"], got["losses"])
+    # the norm is the one process's: frozen parameters are not counted in it
+    assert max(abs(x - y) / abs(x) for x, y in zip(expected["grad_norms"], got["grad_norms"])) < NORM_RTOL, \
+        (what, expected["grad_norms"], got["grad_norms"])
+    for name, value in got["params"].items():
         want = expected["params"][name]
         assert value.shape == want.shape, (what, name)
-        if name in got["frozen_names"]:  # bitwise: the initial values, and one process's
-            assert torch.equal(value, got["initial"][name]), (what, name)
+        if name in got["frozen_names"]:
             assert torch.equal(value, want), (what, name)
         else:
             assert (value - want).abs().max() < PARAM_ATOL, (what, name, float((value - want).abs().max()))
-            moved += int(not torch.equal(value, got["initial"][name]))
-    assert moved or got["trainable_numel"] == 0, (what, "no trainable parameter moved")
-    # gradient traffic: the buckets hold the trainable elements only; no tied sum for a frozen tie
-    traffic = got["traffic"]
-    if "dp" in traffic:
-        assert traffic["dp"] == got["trainable_numel"], (what, traffic, got["trainable_numel"], got["frozen_numel"])
-        assert traffic.get("dp_padding_ok", True), what
-    if "tied" in what:
-        assert traffic["tied"] == 0, (what, traffic)
 
 
 DP2_CASES = [("gpt-meta", {"dp": 2}),
@@ -318,12 +331,14 @@ DP2_CASES = [("gpt-meta", {"dp": 2}),
              ("gpt-meta", {"pp": 2, "recompute": "all"}),
              ("gpt-meta", {"tp": 2}), ("gpt-real", {"tp": 2}), ("gpt-tied-meta", {"tp": 2}), ("lora-meta", {"tp": 2}),
              ("gpt-meta", {"tp": 2, "tp_subbatches": 2})]
+GOSSIP_CASE = ("gpt-meta", {"dp": 2, "dp_mode": "gossip"})  # not one process's SGD: frozen parameters checked only
 
 
 def test_frozen_parameters_stay_frozen_on_two_ranks(rank_pool, tmp_path, tmp_path_factory):
     expected = references(rank_pool, tmp_path_factory)
-    results = rank_pool(2).run(train_cases, DP2_CASES, str(tmp_path), GLOBAL_BATCH // 2, timeout=600)
+    results = rank_pool(2).run(train_cases, DP2_CASES + [GOSSIP_CASE], str(tmp_path), GLOBAL_BATCH // 2, timeout=600)
     for rank, per_case in enumerate(results):
+        assert_frozen_kept(per_case[-1], f"{GOSSIP_CASE} rank {rank}")
         for (name, strategy), got in zip(DP2_CASES, per_case):
             what = f"{name} {strategy} rank {rank}"
             assert_frozen_and_equal(expected[name], got, what)
@@ -352,6 +367,17 @@ def test_frozen_parameters_stay_frozen_in_3d(rank_pool, tmp_path, tmp_path_facto
     for rank, per_case in enumerate(results):
         for (name, strategy), got in zip(cases, per_case):
             assert_frozen_and_equal(expected[name], got, f"{name} {strategy} rank {rank}")
+
+
+def test_sparse_embeddings_never_shard_a_frozen_table():
+    """EmbRace would replace a sparse table by a trainable shard: a frozen table stays dense and frozen."""
+    from autopar.sparse.classify import classify_tables
+
+    model = freeze_embedding_and_first_block(CausalLM(layers=1))
+    tables = classify_tables(model, lambda: model(torch.zeros(1, SEQ, dtype=torch.long)), threshold=2.0, group=None)
+    kinds = {t.param_name: t.sparse for t in tables}
+    assert kinds == {"tok.weight": False, "pos.weight": True}, kinds  # a threshold above 1: all others sparse
+    assert "frozen" in next(t.reason for t in tables if t.param_name == "tok.weight")
 
 
 @pytest.mark.parametrize("world,strategy", [(1, {}), (2, {"pp": 2})], ids=["single", "pp2"])
