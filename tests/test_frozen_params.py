@@ -12,9 +12,11 @@ Models (written here, in the styles users write them): a GPT-style causal LM wit
 embedding and first block frozen (built on meta, as the zoo builds, and for real); the same
 with the head tied to the frozen embedding (one Parameter: frozen wherever it is read); and a
 LoRA-style LM whose every linear is a frozen base plus trainable adapters A and B.
-Layouts: dp2, pp2, tp2, ZeRO 1 and 3 with dp2, a resume from a ZeRO-1 checkpoint, and
-dp2 x tp2 x pp2, each against one process (losses within 1e-5 relative).
-A model with nothing to train is refused with a clear error.
+Layouts: dp2, pp2 (1f1b, zb-h1's split backward, recomputation, a stage with nothing to train), tp2
+(with sub-batches too), ZeRO 1 and 3 with dp2, a resume from a ZeRO-1 checkpoint, and dp2 x tp2 x pp2
+with ZeRO 1, each against one process (losses within 1e-5 relative); gossip (frozen parameters only:
+it is not one process's SGD) and the sparse-embedding classification. A model with nothing to train
+is refused with a clear error.
 """
 
 from __future__ import annotations
