@@ -51,7 +51,7 @@ from .train.resume import agree_on_resume_checkpoint
 from .train.loss import (Batch, LossFn, align_labels, as_batch, default_forward, label_shift, main_input, target_count,
                          tokens_in)
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
-from .train.optim import build_scheduler
+from .train.optim import build_scheduler, check_trainable
 from .train.run_folder import config_toml, log_restart, non_finite_message, truncate_metrics, write_run_folder
 from .train.watchdog import Watchdog
 from .timing import StepTimer
@@ -113,6 +113,7 @@ class Trainer:
 
     def _validate(self) -> Resolved:
         """Every check that needs no communication (strategies.resolve), so each rank fails the same way, early."""
+        check_trainable(self.model)
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
         if self.strategy.confirm and self.plan is None and not self.strategy.plan:
             raise ConfigError(f"--confirm {self.strategy.confirm} runs the top plans as separate short jobs, which "

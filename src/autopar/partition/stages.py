@@ -120,7 +120,9 @@ def _check_crossings(graph: ModelGraph, specs: list[StageSpec]) -> None:
 # ---------------------------------------------------------------------------- modules
 
 
-def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True) -> None:
+def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True,
+                 requires_grad: bool = True) -> None:
+    """Register `value` at `fqn`; a parameter keeps the model's `requires_grad` (a frozen one stays frozen)."""
     *path, leaf = fqn.split(".")
     module = root
     for part in path:
@@ -130,7 +132,7 @@ def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool
     if buffer:
         module.register_buffer(leaf, value, persistent=persistent)
     else:
-        module.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
+        module.register_parameter(leaf, nn.Parameter(value, requires_grad=requires_grad and value.is_floating_point()))
 
 
 class StageModule(nn.Module):
@@ -156,7 +158,9 @@ class StageModule(nn.Module):
         persistent = {s.target: s.persistent is not False for s in signature}
         state = graph.exported.state_dict
         for fqn in spec.params:
-            _set_by_path(self, fqn, torch.empty_like(state[graph.export_name(fqn)], device="meta"), buffer=False)
+            traced = state[graph.export_name(fqn)]  # the model's Parameter: its requires_grad is the user's
+            _set_by_path(self, fqn, torch.empty_like(traced, device="meta"), buffer=False,
+                         requires_grad=traced.requires_grad)
         # lifted tensor constants (made in forward): their values, for materialize_stage; None where the
         # trace on meta knows only the shape (see lifted_constant_values)
         self.constants: dict[str, torch.Tensor | None] = {}

@@ -62,7 +62,7 @@ class LocalStages(nn.Module):
                 try:
                     existing = self.get_parameter(name)
                 except AttributeError:
-                    _set_by_path(self, name, p.data, buffer=False)
+                    _set_by_path(self, name, p.data, buffer=False, requires_grad=p.requires_grad)
                     if adopt:
                         _assign(self, name, p)
                     existing = self.get_parameter(name)
@@ -164,6 +164,13 @@ class PipelineEngine(EngineBase):
                                            + "\n(budget per pipeline rank, from --memory-budget-mb)\n")
         return files
 
+    def _trained_ties(self) -> list[tuple[str, list[int]]]:
+        """(name, owning stages) of the parameters read by several stages whose gradients are summed between
+        them: a frozen one (requires_grad False, as the model's single Parameter says on every rank) has none."""
+        graph = self.partition.graph
+        return [(fqn, stages) for fqn, stages in sorted(self.partition.shared.items())
+                if graph.exported.state_dict[graph.export_name(fqn)].requires_grad]
+
     def _shared_groups(self, device: torch.device, placement: str,
                        timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
         """One group per tied parameter whose owning stages sit on different pp ranks."""
@@ -172,7 +179,7 @@ class PipelineEngine(EngineBase):
         coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
         backend = backend_for(device.type)
         result = []
-        for fqn, owner_stages in sorted(self.partition.shared.items()):
+        for fqn, owner_stages in self._trained_ties():
             pp_ranks = sorted({stage_to_rank(s, self.pp, self.num_stages, placement) for s in owner_stages})
             if len(pp_ranks) < 2:
                 continue
@@ -197,7 +204,7 @@ class PipelineEngine(EngineBase):
         """
         table, backend = self.mesh.table, backend_for(device.type)
         result, self._tied_names = [], {}
-        for fqn, owner_stages in sorted(self.partition.shared.items()):
+        for fqn, owner_stages in self._trained_ties():
             owners = sorted(set(owner_stages))
             if len(owners) < 2:
                 continue
