@@ -41,7 +41,8 @@ from ..trace.failure import describe_node, describe_user_frame, failing_node
 
 ANSWER_S = 3.0  # a failing rank waits this long for every peer's answer before tearing its groups down,
 RELEASED_S = 15.0  # ... then this long more, for the peers it released
-CAUSE_S = 5.0  # a rank whose collective failed looks this long for the error of the rank that failed
+CAUSE_S = 2.0  # a rank whose collective failed looks this long for the error of the rank that failed (written
+# before that rank released it: the wait covers the store's latency only)
 HEAD_START_S = 1.0  # a rank raising another's error waits this long, so the failing rank is seen (and reported
 # by the launcher) first
 POLL_S = 0.02
@@ -130,6 +131,13 @@ def _raise_shared(exc: Exception, section: int, phase: str, convert: Callable[[E
             board.release_peers(exc, forget)  # a peer blocked on this rank (a chain of stages) is released in turn
             time.sleep(HEAD_START_S)
             raise board.error_of(*cause) from exc
+        if not isinstance(exc, AutoparError):  # a peer went away without a word (killed, out of memory)
+            message = (f"rank {board.rank} of {board.world} lost contact with another rank {phase} "
+                       f"({type(exc).__name__}: {_first_line(exc)}); that rank stopped without a message "
+                       f"(killed, out of memory) or did not answer within the timeout: the launcher names it")
+            board.write(board.rank, {"kind": "DistributedError", "message": message, "own": message})
+            board.release_peers(exc, forget)
+            raise DistributedError(message) from exc
     error = convert(exc)
     kind = type(error).__name__ if isinstance(error, AutoparError) else "DistributedError"
     line = str(error) if isinstance(error, AutoparError) else (
@@ -142,11 +150,11 @@ def _raise_shared(exc: Exception, section: int, phase: str, convert: Callable[[E
         answers = board.answers(RELEASED_S)
     if error is exc and not isinstance(exc, AutoparError):
         raise exc  # a bug: its traceback is the report; the peers raise its one line
-    if len(answers) == board.world and all(a.get("own") == line for a in answers.values()):
+    if len(answers) == board.world and all(a["kind"] not in ("ok", "followed") for a in answers.values()):
         if error is exc:
-            raise exc  # every rank failed alike (a refusal): each says it as it is
+            raise exc  # every rank failed on its own (a refusal each found): each says it as it is
         raise error from exc
-    raise type(error)(message) from exc
+    raise type(error)(message) from exc  # the others raise this same line
 
 
 class _Board:
