@@ -458,9 +458,9 @@ class Trainer:
 
     def _forget_engine(self) -> None:
         """After a failure: drop what holds this run's process groups, so they can be torn down (shared_failure)."""
-        if hasattr(self, "engine"):
-            self.engine.close()
-        for name in ("engine", "mesh", "dp_group", "optimizer", "scheduler", "deferred"):
+        with contextlib.suppress(Exception):  # (no engine yet; or closing it fails too: the failure is the report)
+            self.__dict__.pop("engine").close()
+        for name in ("mesh", "dp_group", "optimizer", "scheduler", "deferred"):
             self.__dict__.pop(name, None)
 
     def _discard_fresh_run_dir(self) -> None:

@@ -255,8 +255,8 @@ class PipelineRuntime:
                 raise
             raise ModelError(f"stage {stage} of {self.num_stages} failed at run time in {describe_node(node)}: "
                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                             f"; the op traced fine on fake values, so it is this batch's values that fail it: "
-                             f"run the model on the same batch in one process to reproduce it") from exc
+                             f"; the op traced on fake values and fails on real ones: run the model on the same "
+                             f"batch in one process to reproduce it, and fix it in the model") from exc
         if stage == self.num_stages - 1:
             return (loss_fn(out, batch),)
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sysconfig
 import types
 
 import torch
@@ -20,8 +21,15 @@ from torch import fx, nn
 
 _GENERATED = "<eval_with_key>"  # the file name torch.fx gives the code it generates
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?::[^=]*)?=")
-_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, os) if getattr(m, "__file__", None))
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _AUTOPAR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _is_library(path: str) -> bool:
+    """torch, autopar, Python's own modules or generated code: not the model's (transformers' files are)."""
+    in_stdlib = path.startswith(_STDLIB) and not any(d in path for d in ("site-packages", "dist-packages"))
+    return in_stdlib or path.startswith((_TORCH, _AUTOPAR, "<"))
 
 
 def _frames(tb: types.TracebackType | None) -> list[tuple[types.FrameType, int]]:
@@ -51,7 +59,7 @@ def _last_user_line(stack_trace: str) -> str | None:
     entries = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', stack_trace or "")
     if not entries:
         return None
-    user = [e for e in entries if not e[0].startswith(_LIBRARIES)] or entries
+    user = [e for e in entries if not _is_library(e[0])] or entries
     path, line, code = user[-1]
     return f"{path}:{line}: {code.strip()}"
 
@@ -83,8 +91,7 @@ def describe_user_frame(exc: BaseException, model: nn.Module | None = None) -> s
     user's own code in `exc`'s traceback, and the module path of its `self` when it is part of `model` (or of
     a copy of it that a frame on the way holds); None when the traceback never enters user code."""
     frames = _frames(exc.__traceback__)
-    user = [(f, line) for f, line in frames
-            if not f.f_code.co_filename.startswith((*_LIBRARIES, _AUTOPAR, "<"))]
+    user = [(f, line) for f, line in frames if not _is_library(f.f_code.co_filename)]
     if not user:
         return None
     frame, line = user[-1]
