@@ -130,14 +130,14 @@ def _raise_shared(exc: Exception, section: int, phase: str, convert: Callable[[E
             board.write(board.rank, {"kind": "followed", "rank": cause[0]})
             board.release_peers(exc, forget)  # a peer blocked on this rank (a chain of stages) is released in turn
             time.sleep(HEAD_START_S)
-            raise board.error_of(*cause) from exc
+            raise board.error_of(*cause) from None  # the lost connection is a consequence: the cause is above
         if not isinstance(exc, AutoparError):  # a peer went away without a word (killed, out of memory)
             message = (f"rank {board.rank} of {board.world} lost contact with another rank {phase} "
                        f"({type(exc).__name__}: {_first_line(exc)}); that rank stopped without a message "
                        f"(killed, out of memory) or did not answer within the timeout: the launcher names it")
             board.write(board.rank, {"kind": "DistributedError", "message": message, "own": message})
             board.release_peers(exc, forget)
-            raise DistributedError(message) from exc
+            raise DistributedError(message) from None  # (the message quotes the connection error)
     error = convert(exc)
     kind = type(error).__name__ if isinstance(error, AutoparError) else "DistributedError"
     line = str(error) if isinstance(error, AutoparError) else (
