@@ -135,7 +135,7 @@ def test_b_a_stage_failing_at_run_time_names_its_module_on_every_rank(rank_pool,
     message = results[1]["message"]
     assert results[0]["message"] == message, results
     assert message.startswith("rank 1 of 2 failed in step 1: stage 1 of 2 failed at run time in "
-                              "layers.3.offsets (Embedding)"), message
+                              "layers.3.offsets (Embedding) of LM, at "), message
     assert "return x + self.fc(x) + self.offsets(ids)" in message and "IndexError" in message, message
 
 

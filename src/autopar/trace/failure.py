@@ -15,6 +15,7 @@ import os
 import re
 import sysconfig
 import types
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -65,14 +66,17 @@ def _last_user_line(stack_trace: str) -> str | None:
 
 
 def describe_node(node: fx.Node) -> str:
-    """'layers.3.offsets (Embedding), at model.py:41: return x + self.offsets(ids) (graph node embedding_1,
-    aten.embedding.default)': what the user recognises of one graph node."""
-    stack = node.meta.get("nn_module_stack") or {}
+    """'layers.3.offsets (Embedding) of LM, at model.py:41: return x + self.offsets(ids) (graph node embedding_1,
+    embedding.default)': what the user recognises of one graph node."""
+    def short(kind: Any) -> str:
+        return kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
     text = "the model"
     if stack:
-        path, kind = list(stack.values())[-1]
-        kind = kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
-        text = f"{path or 'the model'} ({kind})"
+        path, kind = stack[-1]
+        model = short(stack[0][1]) if not stack[0][0] else None  # the outermost entry: the model itself
+        text = f"{path} ({short(kind)}) of {model}" if path and model else f"{path or model or 'the model'} ({short(kind)})"
     where = _last_user_line(node.meta.get("stack_trace", ""))
     if where:
         text += f", at {where}"
@@ -82,7 +86,8 @@ def describe_node(node: fx.Node) -> str:
 
 def _module_path(module: nn.Module, roots: list[nn.Module]) -> str | None:
     """`module`'s path from the outermost of `roots` that holds it (the longest path found)."""
-    paths = [path for root in roots for path, sub in root.named_modules(remove_duplicate=False) if sub is module]
+    unique = {id(root): root for root in roots}.values()
+    paths = [path for root in unique for path, sub in root.named_modules(remove_duplicate=False) if sub is module]
     return max(paths, key=len) or "the model" if paths else None
 
 
