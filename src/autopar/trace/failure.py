@@ -42,7 +42,10 @@ def _frames(tb: types.TracebackType | None) -> list[tuple[types.FrameType, int]]
 
 
 def failing_node(exc: BaseException) -> fx.Node | None:
-    """The graph node whose generated line raised `exc` (the innermost one), or None outside graph code."""
+    """The graph node whose generated line raised `exc` (the innermost one), or None outside graph code.
+
+    Relies on torch.fx naming its generated code '<eval_with_key>.N' and writing one `name = op(...)`
+    line per node (torch 2.13); where that changes, this finds nothing and messages name no node."""
     for frame, line in reversed(_frames(exc.__traceback__)):
         if not frame.f_code.co_filename.startswith(_GENERATED):
             continue
@@ -76,7 +79,9 @@ def describe_node(node: fx.Node) -> str:
     if stack:
         path, kind = stack[-1]
         model = short(stack[0][1]) if not stack[0][0] else None  # the outermost entry: the model itself
-        text = f"{path} ({short(kind)}) of {model}" if path and model else f"{path or model or 'the model'} ({short(kind)})"
+        text = f"{path or model or 'the model'} ({short(kind)})"
+        if path and model:
+            text += f" of {model}"
     where = _last_user_line(node.meta.get("stack_trace", ""))
     if where:
         text += f", at {where}"
