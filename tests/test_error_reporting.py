@@ -150,5 +150,5 @@ def test_c_command_line_peer_names_the_rank_that_failed(tmp_path):
     peer = [line for line in lines if line.startswith("autopar: error (rank 0 of 2): rank 1 of 2 failed in step 1: "
                                                       "RuntimeError: injected fault")]
     assert peer, done.stderr
-    assert "Connection closed" not in done.stderr, done.stderr
+    assert "Connection closed" not in done.stderr and done.stderr.count("Traceback") == 1, done.stderr  # rank 1's
     assert lines[-1].startswith("autopar launch: rank 1 failed (exit code 1)"), done.stderr
