@@ -48,6 +48,7 @@ from .train.faults import Fault
 from .train.fields import example_call
 from .train.interrupt import StopRequest
 from .train.resume import agree_on_resume_checkpoint
+from .train.shared_failure import failures_shared, run_set_up
 from .train.loss import (Batch, LossFn, align_labels, as_batch, default_forward, label_shift, main_input, target_count,
                          tokens_in)
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
@@ -377,7 +378,7 @@ class Trainer:
             destroy_groups(groups)
 
     def _train(self) -> TrainResult:
-        self._setup()
+        run_set_up(self._setup, model=self.model, timeout_s=self.config.timeout_s, forget=self._forget_engine)
         if self.loop is not None:  # e.g. the parameter server: servers serve, workers run ahead
             return self.loop(self)
         cfg = self.config
@@ -406,7 +407,7 @@ class Trainer:
         watchdog = Watchdog(cfg.hang_timeout_s, rank=rank, run_dir=self.run_dir)
         timer = StepTimer(self.device)  # CUDA events on GPU: timing adds no host wait
         try:
-            with stop_request, watchdog:
+            with stop_request, watchdog, failures_shared(lambda: watchdog.phase, forget=self._forget_engine):
                 seconds: dict[int, float] = {}  # step number -> this rank's time for it (its own call)
                 for step in range(start, cfg.steps):
                     watchdog.progress(f"step {step + 1}")
@@ -476,8 +477,16 @@ class Trainer:
         finally:
             progress.close()
             metrics.close()
-            self.engine.close()
+            if hasattr(self, "engine"):  # (gone after a failure: _forget_engine)
+                self.engine.close()
         return self.close_run(result)
+
+    def _forget_engine(self) -> None:
+        """After a failure: drop what holds this run's process groups, so they can be torn down (shared_failure)."""
+        with contextlib.suppress(Exception):  # (no engine yet; or closing it fails too: the failure is the report)
+            self.__dict__.pop("engine").close()
+        for name in ("mesh", "dp_group", "optimizer", "scheduler", "deferred"):
+            self.__dict__.pop(name, None)
 
     def _discard_fresh_run_dir(self) -> None:
         """A run that fails before its first step leaves no run folder behind (unless it existed before)."""
