@@ -31,6 +31,7 @@ class DropoutScope:
     step: int
     micro_batches: tuple[tuple[int, ...], ...]
     samples: torch.Tensor | None = None  # int64 [B]: the current micro-batch's global sample indices
+    index: int | None = None  # which of the step's micro-batches (its position in `micro_batches`)
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
     # per-element hashes by layout, shared by the step's micro-batches (they depend on shapes only)
     element_keys: dict = field(default_factory=dict, compare=False, repr=False)
@@ -72,7 +73,7 @@ def micro_batch(index: int):
     if not 0 <= index < len(scope.micro_batches):
         raise RuntimeError(f"micro-batch {index} is outside the step's {len(scope.micro_batches)} micro-batches")
     samples = torch.tensor(scope.micro_batches[index], dtype=torch.int64)
-    return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples,
+    return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples, index,
                                   element_keys=scope.element_keys))
 
 

@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..mesh import ProcessMesh, stage_rank_table
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
+from ..running_stats import RunningStatsReplay, batch_norm_layers
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
 from .hetero_boundary import HeteroBoundary
@@ -134,6 +135,10 @@ class PipelineEngine(EngineBase):
             self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
                                       master_weights=param_dtype != torch.float32,
                                       deferred=[p for p, _, _ in self._shared])
+        # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
+        # the stage's replicas in one process's order after each step (running_stats/)
+        momenta = {name: m.momentum for name, m in batch_norm_layers(model).items()}
+        self.running_stats = RunningStatsReplay(self.module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size)
         self.last_step = None  # the runtime's record of the last training step (timing read on demand)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
@@ -218,7 +223,8 @@ class PipelineEngine(EngineBase):
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
             self.pipe.first_stage_inputs(batch)
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
-        step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
+        with self.running_stats.step(len(batches)):
+            step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
         self.last_step = step
         if isinstance(self.sync, SHARDED):  # tied weights summed before (zero 1/2) or after (zero 3) dp
             with self.waits.timed("data_parallel"):  # (the tied sum inside it counts as data-parallel here)

@@ -1,0 +1,119 @@
+"""Replaying one process's running-statistics updates from every replica's recorded micro-batches.
+
+The global batch's micro-batches in one process's order are replica 0's micro-batches
+0..A-1, then replica 1's, and so on (data/sampler.py gives each replica a contiguous slice of
+the global batch, cut into micro-batches in order). At the end of a step the replicas of a
+stage (its dp group; tp ranks hold the same replicated statistics and replay alike) gather
+their records, one flat tensor each, and every one of them applies the same updates in that
+order to its own buffers, on the device and without a host read:
+
+    num_batches_tracked += 1
+    m = momentum, or 1 / num_batches_tracked when momentum is None (a cumulative average)
+    running_mean <- (1 - m) running_mean + m * mean
+    running_var  <- (1 - m) running_var  + m * unbiased variance
+
+computed in float64 and rounded to the buffer's dtype after each micro-batch, as the kernel
+rounds its buffer. A micro-batch a layer did not run in (a branch it skipped) is no update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .record import StepStatistics, recording
+
+
+@dataclass
+class _Layer:
+    name: str
+    momentum: float | None
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor | None
+
+    @property
+    def channels(self) -> int:
+        return self.running_mean.numel()
+
+
+class RunningStatsReplay:
+    """This rank's BatchNorm buffers, kept as one process keeps them over the global batch's micro-batches.
+
+    `holder`: the module whose buffers this rank trains (the whole model, or its pipeline stages under
+    the model's names); `momenta`: layer name -> momentum (None: cumulative average), from the user's
+    model; `group`: the replicas of this rank's stage (None: one replica)."""
+
+    def __init__(self, holder: nn.Module, momenta: dict[str, float | None], group, dp_rank: int, dp_size: int):
+        buffers = dict(holder.named_buffers())
+        prefix = lambda layer: f"{layer}." if layer else ""  # noqa: E731
+        self.layers = [_Layer(name, momentum, buffers[f"{prefix(name)}running_mean"],
+                              buffers[f"{prefix(name)}running_var"], buffers.get(f"{prefix(name)}num_batches_tracked"))
+                       for name, momentum in sorted(momenta.items()) if f"{prefix(name)}running_mean" in buffers]
+        self.group, self.dp_rank, self.dp_size = group, dp_rank, dp_size
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    @contextlib.contextmanager
+    def step(self, micro_batches: int) -> Iterator[None]:
+        """Around one step's forwards and backwards of `micro_batches` local micro-batches: record, then replay."""
+        if not self.layers:
+            yield
+            return
+        stats = StepStatistics()
+        with recording(stats):
+            yield
+        self._replay(self._gather(stats, micro_batches), micro_batches * self.dp_size)
+
+    def _gather(self, stats: StepStatistics, micro_batches: int) -> torch.Tensor:
+        """[global micro-batch, per layer: (present, mean..., var...)] in float64, every replica's rows in order."""
+        device = self.layers[0].running_mean.device
+        width = sum(1 + 2 * layer.channels for layer in self.layers)
+        local = torch.zeros(micro_batches, width, dtype=torch.float64, device=device)
+        for i in range(micro_batches):
+            offset = 0
+            for layer in self.layers:
+                found = stats.values.get((layer.name, i))
+                if found is not None:
+                    local[i, offset] = 1.0
+                    local[i, offset + 1:offset + 1 + layer.channels] = found[0].reshape(-1)
+                    local[i, offset + 1 + layer.channels:offset + 1 + 2 * layer.channels] = found[1].reshape(-1)
+                offset += 1 + 2 * layer.channels
+        if self.dp_size == 1:
+            return local
+        tagged = torch.cat([torch.full((micro_batches, 1), float(self.dp_rank), dtype=torch.float64, device=device),
+                            local], dim=1)  # each part says whose it is: ordered by the sampler's dp rank
+        parts = [torch.empty_like(tagged) for _ in range(self.dp_size)]
+        dist.all_gather(parts, tagged, group=self.group)
+        by_replica = torch.stack(parts)  # [replicas, micro-batches, 1 + width]
+        order = torch.argsort(by_replica[:, 0, 0])
+        return by_replica[order, :, 1:].reshape(self.dp_size * micro_batches, width)
+
+    @torch.no_grad()
+    def _replay(self, rows: torch.Tensor, total: int) -> None:
+        offset = 0
+        for layer in self.layers:
+            c = layer.channels
+            present = rows[:, offset]
+            means, variances = rows[:, offset + 1:offset + 1 + c], rows[:, offset + 1 + c:offset + 1 + 2 * c]
+            offset += 1 + 2 * c
+            mean = layer.running_mean.reshape(-1)
+            var = layer.running_var.reshape(-1)
+            counter = layer.num_batches_tracked
+            count = (counter.to(torch.float64) if counter is not None
+                     else torch.zeros((), dtype=torch.float64, device=rows.device))
+            for g in range(total):
+                count = count + present[g]
+                factor = (torch.full_like(count, layer.momentum) if layer.momentum is not None
+                          else 1.0 / count.clamp_min(1.0))
+                factor = factor * present[g]  # a micro-batch the layer skipped changes nothing
+                mean.copy_(((1 - factor) * mean.double() + factor * means[g]).to(mean.dtype))
+                var.copy_(((1 - factor) * var.double() + factor * variances[g]).to(var.dtype))
+            if counter is not None:
+                counter.copy_(count.to(counter.dtype))

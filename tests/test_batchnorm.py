@@ -1,0 +1,89 @@
+"""BatchNorm's running statistics under dp, pp and tp equal one process's (autopar/running_stats).
+
+The reference is one process over the same micro-batches: global batch 8, micro-batches of 2,
+so 4 micro-batches accumulated per step, in order. A layout splits that global batch as the
+sampler does (data/sampler.py): replica r of dp takes the contiguous micro-batches
+r * (4 / dp) ... and a pipeline runs all of its replica's micro-batches through every stage.
+Forward normalisation uses each micro-batch's own statistics, so the losses match; the running
+buffers must too, and so the eval loss (eval mode reads them) and the saved model.
+
+Models (tests/bn_models.py): a CNN with BatchNorm2d in an nn.Sequential of residual blocks,
+on meta and built for real, and an MLP with BatchNorm1d (one of them momentum=None, the
+cumulative average).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bn_models import refusal, train_many
+
+LOSS_RTOL = 1e-5
+# The running statistics are replayed from each micro-batch's (mean, unbiased variance) as the
+# kernel computed them, rounded to fp32; torch's CPU kernel keeps its variance sum a little more
+# precisely inside the update, so a replayed buffer may differ from one process's in the last bits.
+STATS_RTOL, STATS_ATOL = 1e-5, 1e-6
+MODELS = ("cnn-meta", "cnn-real", "mlp-meta")
+LAYOUTS = {"dp2": {"dp": 2}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}
+
+
+def _compare(expected: dict, got: dict, where: str, *, whole: bool) -> None:
+    assert all(math.isfinite(x) for x in expected["losses"]), expected["losses"]
+    for want, have in zip(expected["losses"], got["losses"], strict=True):
+        assert abs(want - have) <= LOSS_RTOL * abs(want), (where, expected["losses"], got["losses"])
+    if whole:  # dp and tp: every rank holds every buffer (pp: its stage's; the caller checks they add up)
+        assert got["buffers"].keys() == expected["buffers"].keys(), where
+    for key, value in got["buffers"].items():
+        want = expected["buffers"][key]
+        if key.endswith("num_batches_tracked"):
+            assert torch.equal(value, want), (where, key, value, want)
+        else:
+            torch.testing.assert_close(value, want, rtol=STATS_RTOL, atol=STATS_ATOL, msg=f"{where}: {key}")
+    assert abs(expected["eval_loss"] - got["eval_loss"]) <= LOSS_RTOL * abs(expected["eval_loss"]), \
+        (where, expected["eval_loss"], got["eval_loss"])
+
+
+def test_running_statistics_match_one_process(rank_pool, tmp_path):
+    reference = rank_pool(1).run(train_many, [(m, str(tmp_path / f"one-{m}"), {}) for m in MODELS], timeout=300)[0]
+    for ref in reference:  # the reference itself tracked every micro-batch: 2 steps x 4 micro-batches
+        counts = [int(v) for k, v in ref["buffers"].items() if k.endswith("num_batches_tracked")]
+        assert counts and all(c == 8 for c in counts), counts
+    cases = [(m, str(tmp_path / f"{layout}-{m}"), strategy) for layout, strategy in LAYOUTS.items() for m in MODELS]
+    results = rank_pool(2).run(train_many, cases, timeout=600)
+    for rank, per_rank in enumerate(results):
+        for (model, _, strategy), got in zip(cases, per_rank, strict=True):
+            expected = reference[MODELS.index(model)]
+            _compare(expected, got, f"{model} {strategy} rank {rank}", whole=strategy.get("pp", 1) == 1)
+    for (model, _, strategy), *per_rank in zip(cases, *results, strict=True):
+        held = {key for got in per_rank for key in got["buffers"]}
+        assert held == reference[MODELS.index(model)]["buffers"].keys(), (model, strategy)
+    for (model, _, strategy), first, second in zip(cases, results[0], results[1], strict=True):
+        if strategy.get("pp", 1) == 1:  # replicas (and tp ranks) hold one process's buffers, bitwise alike
+            for key in first["buffers"]:
+                assert torch.equal(first["buffers"][key], second["buffers"][key]), (model, strategy, key)
+
+
+def test_running_statistics_dp2_pp2(rank_pool, tmp_path):
+    """dp x pp: each stage's replicas gather their micro-batches' statistics, in the global order."""
+    reference = rank_pool(1).run(train_many, [("cnn-meta", str(tmp_path / "one"), {})], timeout=300)[0][0]
+    results = rank_pool(4).run(train_many, [("cnn-meta", str(tmp_path / "dp2pp2"), {"dp": 2, "pp": 2})],
+                               timeout=300)
+    for rank, (got,) in enumerate(results):
+        _compare(reference, got, f"dp2 pp2 rank {rank}", whole=False)
+    assert {key for (got,) in results for key in got["buffers"]} == reference["buffers"].keys()
+
+
+@pytest.mark.parametrize("strategy", [{"dp": 2}, {"pp": 2}], ids=["dp2", "pp2"])
+def test_instance_norm_with_running_statistics_is_refused(rank_pool, tmp_path, strategy):
+    for got in rank_pool(2).run(refusal, "instance-norm", str(tmp_path), strategy, timeout=300):
+        assert got["autopar_error"], got
+        assert "norm" in got["message"] and "InstanceNorm2d" in got["message"], got["message"]
+
+
+def test_synchronised_statistics_are_refused_for_now(rank_pool, tmp_path):
+    for got in rank_pool(2).run(refusal, "cnn-meta", str(tmp_path), {"dp": 2}, batchnorm="sync", timeout=300):
+        assert got["autopar_error"], got
+        assert "batchnorm" in got["message"] and "exact" in got["message"], got["message"]
