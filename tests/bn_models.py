@@ -136,9 +136,9 @@ def train_bn(name: str, out: str, strategy: dict | None = None, micro_batch_size
         trainer.close()
 
 
-def train_many(cases: list[tuple[str, str, dict]]) -> list[dict]:
-    """Several (model, out, strategy) trainings in one pool task."""
-    return [train_bn(name, out, strategy) for name, out, strategy in cases]
+def train_many(cases: list[tuple]) -> list[dict]:
+    """Several (model, out, strategy[, micro-batch size]) trainings in one pool task."""
+    return [train_bn(name, out, strategy, *rest) for name, out, strategy, *rest in cases]
 
 
 def refusal(name: str, out: str, strategy: dict | None = None, **strategy_fields) -> dict:

@@ -28,6 +28,15 @@ LOSS_RTOL = 1e-5
 STATS_RTOL, STATS_ATOL = 1e-5, 1e-6
 MODELS = ("cnn-meta", "cnn-real", "mlp-meta")
 LAYOUTS = {"dp2": {"dp": 2}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}
+_references: list = []
+
+
+def references(rank_pool, tmp_path_factory) -> list[dict]:
+    """One process over the same micro-batches, per model of MODELS (trained once, shared by the tests)."""
+    if not _references:
+        out = tmp_path_factory.mktemp("bn-reference")
+        _references.extend(rank_pool(1).run(train_many, [(m, str(out / m), {}) for m in MODELS], timeout=300)[0])
+    return _references
 
 
 def _compare(expected: dict, got: dict, where: str, *, whole: bool) -> None:
@@ -46,8 +55,8 @@ def _compare(expected: dict, got: dict, where: str, *, whole: bool) -> None:
         (where, expected["eval_loss"], got["eval_loss"])
 
 
-def test_running_statistics_match_one_process(rank_pool, tmp_path):
-    reference = rank_pool(1).run(train_many, [(m, str(tmp_path / f"one-{m}"), {}) for m in MODELS], timeout=300)[0]
+def test_running_statistics_match_one_process(rank_pool, tmp_path, tmp_path_factory):
+    reference = references(rank_pool, tmp_path_factory)
     for ref in reference:  # the reference itself tracked every micro-batch: 2 steps x 4 micro-batches
         counts = [int(v) for k, v in ref["buffers"].items() if k.endswith("num_batches_tracked")]
         assert counts and all(c == 8 for c in counts), counts
@@ -66,14 +75,19 @@ def test_running_statistics_match_one_process(rank_pool, tmp_path):
                 assert torch.equal(first["buffers"][key], second["buffers"][key]), (model, strategy, key)
 
 
-def test_running_statistics_dp2_pp2(rank_pool, tmp_path):
-    """dp x pp: each stage's replicas gather their micro-batches' statistics, in the global order."""
-    reference = rank_pool(1).run(train_many, [("cnn-meta", str(tmp_path / "one"), {})], timeout=300)[0][0]
-    results = rank_pool(4).run(train_many, [("cnn-meta", str(tmp_path / "dp2pp2"), {"dp": 2, "pp": 2})],
-                               timeout=300)
-    for rank, (got,) in enumerate(results):
-        _compare(reference, got, f"dp2 pp2 rank {rank}", whole=False)
-    assert {key for (got,) in results for key in got["buffers"]} == reference["buffers"].keys()
+def test_running_statistics_dp2_pp2(rank_pool, tmp_path, tmp_path_factory):
+    """dp x pp: each stage's replicas gather their micro-batches' statistics, in the global order; with
+    --batchnorm sync and one micro-batch of 4 per replica, the stages normalise the global batch of 8 together."""
+    reference = references(rank_pool, tmp_path_factory)[MODELS.index("cnn-meta")]
+    whole_batch = rank_pool(1).run(train_many, [("cnn-meta", str(tmp_path / "one-8"), {}, 8)], timeout=300)[0][0]
+    cases = [("cnn-meta", str(tmp_path / "dp2pp2"), {"dp": 2, "pp": 2}),
+             ("cnn-meta", str(tmp_path / "dp2pp2-sync"), {"dp": 2, "pp": 2, "batchnorm": "sync"}, 4)]
+    results = rank_pool(4).run(train_many, cases, timeout=300)
+    for rank, (exact, sync) in enumerate(results):
+        _compare(reference, exact, f"dp2 pp2 rank {rank}", whole=False)
+        _compare(whole_batch, sync, f"dp2 pp2 sync rank {rank}", whole=False)
+    for case in range(2):
+        assert {key for per_rank in results for key in per_rank[case]["buffers"]} == reference["buffers"].keys()
 
 
 @pytest.mark.parametrize("strategy", [{"dp": 2}, {"pp": 2}], ids=["dp2", "pp2"])
@@ -83,7 +97,25 @@ def test_instance_norm_with_running_statistics_is_refused(rank_pool, tmp_path, s
         assert "norm" in got["message"] and "InstanceNorm2d" in got["message"], got["message"]
 
 
-def test_synchronised_statistics_are_refused_for_now(rank_pool, tmp_path):
-    for got in rank_pool(2).run(refusal, "cnn-meta", str(tmp_path), {"dp": 2}, batchnorm="sync", timeout=300):
-        assert got["autopar_error"], got
-        assert "batchnorm" in got["message"] and "exact" in got["message"], got["message"]
+def test_synchronised_statistics_match_one_process_on_the_whole_batch(rank_pool, tmp_path):
+    """--batchnorm sync: with one micro-batch of 4 per replica, dp2 normalises the global batch of 8 as one
+    process running it as a single micro-batch does (forward, backward and running statistics)."""
+    models = ("cnn-meta", "mlp-meta")
+    reference = rank_pool(1).run(train_many, [(m, str(tmp_path / f"one-{m}"), {}, 8) for m in models],
+                                 timeout=300)[0]
+    cases = [(m, str(tmp_path / f"sync-{m}"), {"dp": 2, "batchnorm": "sync"}, 4) for m in models]
+    results = rank_pool(2).run(train_many, cases, timeout=300)
+    for rank, per_rank in enumerate(results):
+        for model, expected, got in zip(models, reference, per_rank, strict=True):
+            _compare(expected, got, f"sync {model} rank {rank}", whole=True)
+    for first, second in zip(*results, strict=True):
+        for key in first["buffers"]:
+            assert torch.equal(first["buffers"][key], second["buffers"][key]), key
+    exact = rank_pool(2).run(train_many, [("cnn-meta", str(tmp_path / "exact"), {"dp": 2}, 4)], timeout=300)[0][0]
+    assert abs(exact["losses"][0] - reference[0]["losses"][0]) > 1e-3, "sync must differ from exact statistics"
+
+
+def test_unknown_batchnorm_mode_is_refused(rank_pool, tmp_path):
+    got = rank_pool(1).run(refusal, "cnn-meta", str(tmp_path), {}, batchnorm="global", timeout=300)[0]
+    assert got["autopar_error"], got
+    assert "batchnorm" in got["message"] and "exact" in got["message"] and "global" in got["message"], got

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..mesh import ProcessMesh, stage_rank_table
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
-from ..running_stats import RunningStatsReplay, batch_norm_layers
+from ..running_stats import GraphBatchNorm, RunningStatsReplay, batch_norm_layers
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
 from .hetero_boundary import HeteroBoundary
@@ -137,8 +137,15 @@ class PipelineEngine(EngineBase):
                                       deferred=[p for p, _, _ in self._shared])
         # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
         # the stage's replicas in one process's order after each step (running_stats/)
+        # (--batchnorm sync: normalised over the stage's replicas' micro-batches together; nothing to gather)
         momenta = {name: m.momentum for name, m in batch_norm_layers(model).items()}
-        self.running_stats = RunningStatsReplay(self.module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size)
+        sync = strategy.batchnorm == "sync" and mesh.dp_size > 1
+        self.running_stats = RunningStatsReplay(self.module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size,
+                                                gather=not sync)
+        for stage in self.stages.values():
+            for piece_module in stage.modules():
+                if isinstance(piece_module, GraphBatchNorm) and sync:
+                    piece_module.sync_group = mesh.group("dp")
         self.last_step = None  # the runtime's record of the last training step (timing read on demand)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:

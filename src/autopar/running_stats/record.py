@@ -9,6 +9,9 @@ dropout scope's (the trainer and the pipeline runtime open `micro_batch(i)` arou
 forward and recomputation); outside a step scope the i-th call of a layer counts as
 micro-batch i. A recomputation records the same values again under the same index.
 
+With `--batchnorm sync` the forward normalises with the statistics of every replica's
+micro-batch together instead (sync.py) and records those.
+
 Outside a recording step (evaluation, a measurement of the stages) nothing is recorded: a
 whole model runs as torch runs it, and a traced stage leaves its buffers alone in training
 mode and reads them in eval mode (a traced node's `training` flag is baked in: the module
@@ -18,6 +21,7 @@ that replaces it honours the stage's mode, as an eager BatchNorm does).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -26,6 +30,7 @@ from torch import fx, nn
 
 from ..dropout.scope import active_scope
 from .layers import batch_norm_layer, batch_norm_layers, counter_layer
+from .sync import synchronised_batch_norm
 
 
 class StepStatistics:
@@ -58,15 +63,32 @@ def recording(stats: StepStatistics) -> Iterator[StepStatistics]:
 
 
 class EagerBatchNorms:
-    """Hooks on the BatchNorms of a model run whole (data parallelism, ZeRO-3)."""
+    """Hooks on the BatchNorms of a model run whole (data parallelism, ZeRO-3).
 
-    def __init__(self, model: nn.Module):
+    `sync_group`: `--batchnorm sync` over these replicas; each BatchNorm instance then gets a forward of
+    its own (sync.py) while the engine lives, since a hook cannot change what a forward computes."""
+
+    def __init__(self, model: nn.Module, sync_group=None):
         self.layers = batch_norm_layers(model)
         self._saved: dict[str, tuple] = {}
         self._handles = []
+        self.sync_group = sync_group
         for name, module in self.layers.items():
+            if sync_group is not None:
+                module.forward = functools.partial(self._synchronised, name, module)
+                continue
             self._handles.append(module.register_forward_pre_hook(lambda m, args, n=name: self._before(n, m)))
             self._handles.append(module.register_forward_hook(lambda m, args, out, n=name: self._after(n, m)))
+
+    def _synchronised(self, name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return type(module).forward(module, x)
+        module._check_input_dim(x)
+        out, mean, var = synchronised_batch_norm(x, module.weight, module.bias, module.eps, self.sync_group)
+        stats = _ACTIVE.get()
+        if stats is not None:
+            stats.add(name, mean, var)
+        return out
 
     def _before(self, name: str, module: nn.Module) -> None:
         if not module.training or _ACTIVE.get() is None:
@@ -90,6 +112,8 @@ class EagerBatchNorms:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for module in self.layers.values():
+            module.__dict__.pop("forward", None)
 
 
 class GraphBatchNorm(nn.Module):
@@ -98,6 +122,7 @@ class GraphBatchNorm(nn.Module):
     def __init__(self, layer: str, source: str):
         super().__init__()
         self.layer, self.source = layer, source
+        self.sync_group = None  # --batchnorm sync: the stage's replicas (the pipeline engine sets it)
 
     def extra_repr(self) -> str:
         return f"{self.layer}, node={self.source}"
@@ -107,8 +132,11 @@ class GraphBatchNorm(nn.Module):
                 cudnn_enabled: bool) -> torch.Tensor:
         if not self.training:  # eval mode: the running statistics, as an eager BatchNorm in eval mode
             return torch.batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, eps, cudnn_enabled)
-        mean, var = torch.zeros_like(running_mean), torch.zeros_like(running_var)
-        out = torch.batch_norm(x, weight, bias, mean, var, True, 1.0, eps, cudnn_enabled)
+        if self.sync_group is not None:
+            out, mean, var = synchronised_batch_norm(x, weight, bias, eps, self.sync_group)
+        else:
+            mean, var = torch.zeros_like(running_mean), torch.zeros_like(running_var)
+            out = torch.batch_norm(x, weight, bias, mean, var, True, 1.0, eps, cudnn_enabled)
         stats = _ACTIVE.get()
         if stats is not None:
             stats.add(self.layer, mean, var)

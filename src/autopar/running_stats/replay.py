@@ -47,15 +47,17 @@ class RunningStatsReplay:
 
     `holder`: the module whose buffers this rank trains (the whole model, or its pipeline stages under
     the model's names); `momenta`: layer name -> momentum (None: cumulative average), from the user's
-    model; `group`: the replicas of this rank's stage (None: one replica)."""
+    model; `group`: the replicas of this rank's stage, of which this is `dp_rank`; `gather`: False where
+    every replica already recorded the same statistics (--batchnorm sync, sync.py)."""
 
-    def __init__(self, holder: nn.Module, momenta: dict[str, float | None], group, dp_rank: int, dp_size: int):
+    def __init__(self, holder: nn.Module, momenta: dict[str, float | None], group, dp_rank: int, dp_size: int,
+                 gather: bool = True):
         buffers = dict(holder.named_buffers())
         prefix = lambda layer: f"{layer}." if layer else ""  # noqa: E731
         self.layers = [_Layer(name, momentum, buffers[f"{prefix(name)}running_mean"],
                               buffers[f"{prefix(name)}running_var"], buffers.get(f"{prefix(name)}num_batches_tracked"))
                        for name, momentum in sorted(momenta.items()) if f"{prefix(name)}running_mean" in buffers]
-        self.group, self.dp_rank, self.dp_size = group, dp_rank, dp_size
+        self.group, self.dp_rank, self.dp_size = group, dp_rank, dp_size if gather else 1
 
     def __bool__(self) -> bool:
         return bool(self.layers)

@@ -83,10 +83,13 @@ class DataParallelEngine(EngineBase):
 
 
 def whole_model_running_stats(module: nn.Module, mesh: ProcessMesh) -> tuple[EagerBatchNorms, RunningStatsReplay]:
-    """A whole model's BatchNorms recorded per micro-batch and replayed over the replicas (running_stats/)."""
-    batch_norms = EagerBatchNorms(module)
+    """A whole model's BatchNorms recorded per micro-batch and replayed over the replicas (running_stats/);
+    with --batchnorm sync, normalised over the replicas' micro-batches together."""
+    sync = mesh.strategy.batchnorm == "sync" and mesh.dp_size > 1
+    batch_norms = EagerBatchNorms(module, sync_group=mesh.group("dp") if sync else None)
     momenta = {name: m.momentum for name, m in batch_norms.layers.items()}
-    return batch_norms, RunningStatsReplay(module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size)
+    return batch_norms, RunningStatsReplay(module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size,
+                                           gather=not sync)
 
 
 def accumulate_gradients(module: nn.Module, forward_fn: Callable, autocast: Callable, batches: list[Batch],
