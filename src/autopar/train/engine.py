@@ -86,7 +86,9 @@ def whole_model_running_stats(module: nn.Module, mesh: ProcessMesh) -> tuple[Eag
     """A whole model's BatchNorms recorded per micro-batch and replayed over the replicas (running_stats/);
     with --batchnorm sync, normalised over the replicas' micro-batches together."""
     sync = mesh.strategy.batchnorm == "sync" and mesh.dp_size > 1
-    batch_norms = EagerBatchNorms(module, sync_group=mesh.group("dp") if sync else None)
+    # one replica: torch's own updates are one process's, bitwise; nothing to record
+    batch_norms = EagerBatchNorms(module if mesh.dp_size > 1 else nn.Module(),
+                                  sync_group=mesh.group("dp") if sync else None)
     momenta = {name: m.momentum for name, m in batch_norms.layers.items()}
     return batch_norms, RunningStatsReplay(module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size,
                                            gather=not sync)
