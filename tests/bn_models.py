@@ -119,13 +119,13 @@ def running_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_bn(name: str, out: str, strategy: dict | None = None, micro_batch_size: int = MICRO,
-             **strategy_fields) -> dict:
+             optimizer: str = "sgd", **strategy_fields) -> dict:
     """Train model `name` for STEPS steps; its losses, eval loss and this rank's running statistics."""
     build, data = MODELS[name]
     # SGD: a bias just before a norm has a gradient that is zero up to rounding, which Adam would turn into
     # a step of lr either way (a difference between layouts that is Adam's, not the statistics')
     config = autopar.TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size,
-                                 optimizer="sgd", lr=0.1, warmup_steps=0, eval_batches=1, out=out, progress=False, timeout_s=60)
+                                 optimizer=optimizer, lr=0.1, warmup_steps=0, eval_batches=1, out=out, progress=False, timeout_s=60)
     trainer = autopar.Trainer(build(), data(STEPS * GLOBAL_BATCH, seed=1), eval_data=data(GLOBAL_BATCH, seed=2),
                               strategy=autopar.Strategy(**(strategy or {}), **strategy_fields), config=config,
                               loss_fn=class_loss)
@@ -137,7 +137,7 @@ def train_bn(name: str, out: str, strategy: dict | None = None, micro_batch_size
 
 
 def train_many(cases: list[tuple]) -> list[dict]:
-    """Several (model, out, strategy[, micro-batch size]) trainings in one pool task."""
+    """Several (model, out, strategy[, micro-batch size[, optimizer]]) trainings in one pool task."""
     return [train_bn(name, out, strategy, *rest) for name, out, strategy, *rest in cases]
 
 
