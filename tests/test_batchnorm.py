@@ -62,6 +62,8 @@ def test_running_statistics_match_one_process(rank_pool, tmp_path, tmp_path_fact
         assert counts and all(c == 8 for c in counts), counts
     cases = [(m, str(tmp_path / f"{layout}-{m}"), strategy) for layout, strategy in LAYOUTS.items() for m in MODELS
              if not (layout == "tp2" and m == "cnn-real")]  # a model built for real: dp and pp cover it
+    # recomputation runs a stage's forward again (its statistics are recorded once per micro-batch)
+    cases.append(("cnn-meta", str(tmp_path / "pp2-recompute"), {"pp": 2, "recompute": "all"}))
     # ZeRO-3 (FSDP2, its own engine) needs an optimizer with state; the CNN has no bias before a norm, whose
     # gradient, zero up to rounding, Adagrad would turn into a full step either way
     zero3 = ("cnn-meta", str(tmp_path / "zero3"), {"dp": 2, "zero": 3}, 2, "adagrad")
@@ -127,3 +129,50 @@ def test_unknown_batchnorm_mode_is_refused(rank_pool, tmp_path):
     got = rank_pool(1).run(refusal, "cnn-meta", str(tmp_path), {}, batchnorm="global", timeout=300)[0]
     assert got["autopar_error"], got
     assert "batchnorm" in got["message"] and "exact" in got["message"] and "global" in got["message"], got
+
+
+class _CountingNet(torch.nn.Module):
+    """A forward that updates a buffer of its own in place (a step counter): not a BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(inputs)
+
+
+def test_traced_forward_that_updates_another_buffer_is_refused():
+    """pp and tp trace the model: a buffer updated in place would be updated per stage copy, so it is refused."""
+    from autopar.errors import ModelError
+    from autopar.trace import trace
+    with pytest.raises(ModelError, match="calls"):
+        trace(_CountingNet().train(), (torch.zeros(2, 4),))
+
+
+@pytest.mark.parametrize("strategy,world,words", [
+    ({"dp_mode": "gossip"}, 2, ("stem.1", "BatchNorm2d", "gossip")),
+    ({"dp_mode": "async"}, 3, ("BatchNorm2d", "parameter-server")),
+    ({"tp": 2, "tp_subbatches": 2}, 2, ("BatchNorm2d", "--tp-subbatches")),
+], ids=["gossip", "async", "tp-subbatches"])
+def test_batchnorm_under_layouts_that_cannot_keep_its_statistics_is_refused(strategy, world, words):
+    """Checked in strategies.resolve (on every rank, and in the launcher): before any process group or step."""
+    import autopar
+    from autopar.strategies import resolve
+    from bn_models import SmallCNN
+    config = autopar.TrainConfig(steps=1, global_batch_size=8, micro_batch_size=2, optimizer="sgd")
+    with pytest.raises(autopar.AutoparError) as caught:
+        resolve(autopar.Strategy(**strategy), config, world, model=SmallCNN())
+    assert all(w in str(caught.value) for w in words), str(caught.value)
+
+
+def test_sync_batchnorm_module_is_refused_where_statistics_would_differ():
+    import autopar
+    from autopar.strategies import resolve
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.SyncBatchNorm(4))
+    config = autopar.TrainConfig(steps=1, global_batch_size=8, micro_batch_size=2)
+    with pytest.raises(autopar.AutoparError, match="SyncBatchNorm"):
+        resolve(autopar.Strategy(dp=2), config, 2, model=model)
+    resolve(autopar.Strategy(), config, 1, model=model)  # one process: its statistics are the reference
