@@ -74,6 +74,8 @@ def ensure_world_of_one() -> None:
 class RandomTokens(torch.utils.data.Dataset):
     """Fixed random token windows: the same batches for the eager loop and the trainer."""
 
+    label_convention = "aligned"  # labels are the next tokens (the eager loop scores them unshifted)
+
     def __init__(self, n: int, seq_len: int, seed: int = 0):
         generator = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, VOCAB, (n, seq_len + 1), generator=generator)

@@ -112,8 +112,9 @@ def reference(rank_pool, tmp_path_factory, family: str, drop: tuple[str, ...] = 
 def test_every_field_reaches_the_model(rank_pool, tmp_path, tmp_path_factory, family, strategy):
     expected = reference(rank_pool, tmp_path_factory, family)
     without = reference(rank_pool, tmp_path_factory, family, DROPPED[family])
-    # the test can tell: dropping the field changes the losses by far more than the tolerance
-    assert max_relative_difference(expected["losses"], without["losses"]) > 1e-3, (expected, without)
+    # the test can tell: dropping the field changes the losses by far more than the tolerance (1e-5); gpt2's
+    # left-padding mask moves its next-token loss by about 4e-4 at this random init
+    assert max_relative_difference(expected["losses"], without["losses"]) > 1e-4, (expected, without)
     results = rank_pool(2).run(train, family, str(tmp_path), strategy=strategy)
     for rank, got in enumerate(results):
         assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, expected, got)

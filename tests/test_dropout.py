@@ -130,12 +130,6 @@ def test_eval_mode_and_no_step_keep_torch_behaviour():
         assert torch.equal(model(ids), model(ids))  # bitwise: the same ops on the same input, twice
 
 
-def test_alpha_dropout_is_refused():
-    from autopar.errors import ConfigError
-    with dropout_step(0, 0, [[0, 1]]), eager_micro_batch(0), pytest.raises(ConfigError, match="alpha_dropout"):
-        torch.nn.functional.alpha_dropout(torch.ones(2, 3), 0.2, True)
-
-
 # ---------------------------------------------------------------------------- every layout
 
 

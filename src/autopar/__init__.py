@@ -8,9 +8,11 @@
 from .autoplan import plan_auto
 from .config import DataConfig, JobConfig, LaunchConfig, ModelConfig, Strategy, TrainConfig
 from .errors import AutoparError
+from .models.materialize import replay_init
 from .search.auto import Plan
 from .trainer import Trainer, TrainResult
 from .version import __version__
 
 __all__ = ["Trainer", "TrainResult", "Strategy", "TrainConfig", "JobConfig", "ModelConfig", "DataConfig",
-           "LaunchConfig", "AutoparError", "__version__", "plan_auto", "Plan"]
+           "LaunchConfig", "AutoparError", "__version__", "plan_auto", "Plan",
+           "replay_init"]

@@ -37,6 +37,7 @@ from .dropout import dropout_step
 from .errors import ConfigError, DataError, Preempted, TrainingError
 from .launch import ATTEMPT_ENV, restart_attempt
 from .mesh import ProcessMesh
+from .models.materialize import attach_init_fn
 from .search.auto import Measured, Plan
 from .strategies import Resolved, resolve
 from .train import checkpoint as ckpt
@@ -47,7 +48,8 @@ from .train.faults import Fault
 from .train.fields import example_call
 from .train.interrupt import StopRequest
 from .train.resume import agree_on_resume_checkpoint
-from .train.loss import Batch, LossFn, as_batch, default_forward, main_input, target_count, tokens_in
+from .train.loss import (Batch, LossFn, align_labels, as_batch, default_forward, label_shift, main_input, target_count,
+                         tokens_in)
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
 from .train.optim import build_scheduler
 from .train.run_folder import config_toml, log_restart, non_finite_message, truncate_metrics, write_run_folder
@@ -68,10 +70,21 @@ class Trainer:
                  config: TrainConfig | None = None, eval_data: Dataset | None = None,
                  loss_fn: LossFn | None = None, forward_fn: Callable[[nn.Module, Batch], Any] | None = None,
                  job_config: JobConfig | None = None, run_info: dict[str, Any] | None = None,
-                 pretrained: Any = None, run_files: dict[str, str] | None = None):
+                 pretrained: Any = None, run_files: dict[str, str] | None = None,
+                 label_convention: str | None = None, init_fn: Callable[[nn.Module], None] | None = None):
         """
         loss_fn(output, batch) -> scalar: a mean over the micro-batch's samples. Default: token
             cross-entropy against batch["labels"] (-100 ignored), averaged over the global batch.
+        label_convention: how the default loss lines labels up with the output (train/loss.py). "model" follows
+            the model: a Hugging Face causal LM's labels are its input ids (scored against the next position, as
+            its own loss does), any other model's labels[i] is the target of output position i. "aligned":
+            labels are token-aligned for every model; "causal": labels are the input ids for every model (scored
+            against the next position). Default: the train data's `label_convention` attribute
+            (autopar's built-in datasets say "aligned": their labels are the next tokens already), else "model".
+        init_fn(model): initialises a model built on meta, instead of its reset_parameters / init_weights rules:
+            for a constructor that does more than they can see (nanoGPT's re-initialisation by name). Run on the
+            whole model under the seed on every rank, so every layout gets one process's values.
+            `autopar.replay_init(lambda: MyModel(...))` reruns the constructor itself (models/materialize.py).
         forward_fn(model, batch) -> output. Default: model(batch["input_ids"] or batch["inputs"], **other fields).
         job_config / run_info: written to the run folder (the CLI passes its full config).
         strategy: a Strategy, `Strategy.auto(...)` (searched when training starts), or a Plan (`plan_auto`).
@@ -81,6 +94,8 @@ class Trainer:
         """
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Trainer needs an nn.Module as the model, got {type(model).__name__}")
+        if init_fn is not None:
+            attach_init_fn(model, init_fn)
         self.model, self.train_data, self.eval_data = model, train_data, eval_data
         self.plan = strategy if isinstance(strategy, Plan) else None
         self.strategy = Strategy() if self.plan is not None or strategy is None else strategy
@@ -89,7 +104,10 @@ class Trainer:
         self.job_config, self.run_info = job_config, dict(run_info or {})
         self.pretrained, self.extra_run_files = pretrained, dict(run_files or {})
         self.pretrained_bytes_read = 0
+        self.random_ops_checked = False  # the first step scans a model run whole for random draws (dropout/eager.py)
         self.step_times_s: list[float] = []
+        convention = label_convention or getattr(train_data, "label_convention", "model")
+        self.shift_labels = label_shift(model, convention) and loss_fn is None  # a custom loss sees labels as given
 
     # ------------------------------------------------------------------ set-up
 
@@ -195,7 +213,7 @@ class Trainer:
         return self.loss_fn is None
 
     def load(self, indices: list[int], data: Dataset) -> Batch:
-        batch = default_collate([as_batch(data[i]) for i in indices])
+        batch = align_labels(default_collate([as_batch(data[i]) for i in indices]), self.shift_labels)
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor:
@@ -247,7 +265,7 @@ class Trainer:
         """
         cfg = self.config
         batches, samples, loss_fn = self._step_inputs(step, poison_loss)
-        with dropout_step(cfg.seed, step, samples):  # masks as one process draws them (autopar/dropout)
+        with dropout_step(cfg.seed, step, samples, scan_random_ops=self._first_scan()):  # masks as one process draws
             total = self.engine.forward_backward(batches, loss_fn)
         grad_norm = self.engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         # [loss share, bad gradient norm, stop requested], summed over every rank that holds a loss share
@@ -269,6 +287,12 @@ class Trainer:
         tokens = sum(tokens_in(b) for b in batches) * self.mesh.dp_size
         return StepResult(loss, grad_norm, tokens, skipped=skipped, stop=stop > 0, peak_bytes=int(peak_bytes))
 
+    def _first_scan(self) -> bool:
+        """True on this trainer's first step only: it checks every operation for random draws (~20% of a small
+        model's step on the whole-model engines); later steps check only the torch calls the model makes."""
+        first, self.random_ops_checked = not self.random_ops_checked, True
+        return first
+
     def _run_step(self, step: int, *, stop_requested: bool = False, poison_loss: bool = False) -> list[Finished]:
         """Step `step`, and every step whose result is known now (in order): the step itself on a synchronous
         engine; on a deferred one (train/deferred.py) the steps settled during this one, possibly none."""
@@ -282,7 +306,7 @@ class Trainer:
         batches, samples, loss_fn = self._step_inputs(step, poison_loss)
 
         def forward_backward() -> torch.Tensor:
-            with dropout_step(cfg.seed, step, samples):
+            with dropout_step(cfg.seed, step, samples, scan_random_ops=self._first_scan()):
                 return self.engine.forward_backward(batches, loss_fn)
         return self.deferred.step(step, forward_backward, tokens=sum(tokens_in(b) for b in batches) * self.mesh.dp_size,
                                   stop_requested=stop_requested, began=began)

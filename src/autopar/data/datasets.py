@@ -1,8 +1,11 @@
 """Fixed-length training samples cut from a token stream.
 
 A sample is a dict {"input_ids": LongTensor[seq], "labels": LongTensor[seq]}; labels of
--100 are ignored by the loss. Samples are a pure function of their index (masked-LM
-masking is seeded by the index), so any data-parallel layout sees identical batches.
+-100 are ignored by the loss. Labels are token-aligned: labels[i] is the target of output
+position i (the next token, for causal windows), for every model, Hugging Face causal LMs
+included: each dataset says so with `label_convention = "aligned"`, which the Trainer reads.
+Samples are a pure function of their index (masked-LM masking is seeded by the index), so
+any data-parallel layout sees identical batches.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ IGNORE_INDEX = -100
 
 class CausalLMWindows(Dataset):
     """Non-overlapping windows; labels are the inputs shifted by one token."""
+
+    label_convention = "aligned"  # a window of seq_len + 1 tokens gives seq_len targets, none lost to a shift
 
     def __init__(self, tokens: torch.Tensor, seq_len: int):
         if tokens.numel() < seq_len + 1:
@@ -35,6 +40,8 @@ class CausalLMWindows(Dataset):
 
 class MaskedLMWindows(Dataset):
     """BERT-style masking: 15% of positions are targets; of those 80% <mask>, 10% random, 10% kept."""
+
+    label_convention = "aligned"
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, *, mask_id: int, random_vocab: int,
                  seed: int, mask_prob: float = 0.15):

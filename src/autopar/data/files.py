@@ -121,6 +121,8 @@ class InstructionSamples(Dataset):
     one, and positions count from 0 either way, so every logit the loss reads is the unpadded record's
     (tests/test_hf_io.py). A mask would be one more field to trace and carry through every pipeline stage."""
 
+    label_convention = "aligned"  # labels are the next tokens already (data/datasets.py)
+
     def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor):
         self.input_ids, self.labels = input_ids, labels
 

@@ -1,4 +1,4 @@
-"""Dropout that every parallel layout draws exactly as one process would.
+"""Dropout (and every other random op) that every parallel layout draws exactly as one process would.
 
 Each mask is a function of (seed, step, global sample index, operation number, element
 index) only (mask.py), so data, pipeline and tensor parallelism, the micro-batch size,
@@ -7,9 +7,28 @@ activations get the same mask on every tp rank (replicated parameters stay ident
 
 - scope.py: the trainer opens `dropout_step(seed, step, micro_batches)`; the engines open
   `micro_batch(i)` around micro-batch i (and again when they recompute it);
-- eager.py: a model run whole gets its dropout calls intercepted (`eager_micro_batch`);
-- graph.py: pipeline / tensor-parallel stage pieces get their dropout nodes replaced;
-- ops.py: the dropout and attention-dropout arithmetic both use.
+- eager.py: a model run whole gets its random calls intercepted (`eager_micro_batch`);
+- graph.py: pipeline / tensor-parallel stage pieces get their random nodes replaced;
+- ops.py: the dropout, alpha-dropout, rrelu and attention-dropout arithmetic both use;
+- random_ops.py: which operations draw, and the refusal for those not made layout-free.
+
+Which random op gets which treatment (random_ops.py):
+
+- layout-free: F.dropout, dropout1d/2d/3d, torch.dropout / feature_dropout /
+  native_dropout (and in-place forms), alpha_dropout, feature_alpha_dropout, rrelu in
+  training, F.scaled_dot_product_attention with dropout_p > 0, and the attention dropout
+  inside nn.MultiheadAttention (nn.Transformer, TransformerEncoderLayer/DecoderLayer;
+  their fused fast path runs only in eval, where nothing is drawn);
+- refused with a ModelError before the first optimizer step, on every rank: any other op
+  that draws in a training forward (rand/randn/randint/*_like/randperm/normal/bernoulli/
+  multinomial/poisson, Tensor.uniform_/normal_/bernoulli_/..., F.gumbel_softmax, the
+  dropout between nn.LSTM/GRU/RNN layers, fused attention kernels with dropout). Its draws
+  would depend on the layout; there is no opt-in to run them anyway.
+
+Traced stages are checked node by node when they are built. A model run whole has its
+visible torch calls checked on every step, and every aten op of its first step scanned
+(eager.RandomOpScan), which also finds draws inside torch's composite functions; a draw
+hidden in a composite that only a later step reaches is not caught.
 
 Cost, measured with benchmarks/dropout_cost.py (gpt-tiny, dropout 0.1 on embeddings,
 residual branches and attention weights; one process, one CPU thread, forward + backward +
@@ -17,12 +36,14 @@ AdamW; median of 20 alternating steps), batch 8 x 128 tokens on a quiet 2-core X
 1.23x torch's own dropout step time eager, 1.14x traced (docs/benchmarks.md; an earlier run
 on a heavily loaded machine gave 1.22-1.35x, and 1.02-1.23x at 8 x 32 tokens). The hash is ~10 int64 element-wise passes per dropped element
 (per-element halves cached per step), and attention dropout gives up the fused attention
-kernel for the written-out form, which dominates at long sequences.
+kernel for the written-out form, which dominates at long sequences. Not measured: the
+first eager step's scan (a Python call per aten op: ~20% of gpt-tiny's CPU step, once per
+run), nn.MultiheadAttention's dropout on accelerators (the math attention backend is
+pinned for that call), rrelu and alpha dropout (a float draw or an affine correction on
+top of the mask).
 
-Not covered: random ops other than dropout (torch.rand in a forward) still use the
-process's stream (the trainer seeds one stream per tp group); a model that checkpoints its
-own layers under a whole-model engine is refused when it drops during backward (eager.py);
-alpha dropout is refused.
+Not covered: a model that checkpoints its own layers under a whole-model engine is refused
+when it drops during backward (eager.py).
 """
 
 from __future__ import annotations
@@ -43,10 +64,13 @@ def eager_micro_batch(index: int):
     Keep it open over the micro-batch's backward too, so that a recomputation there is
     caught (eager.py). Outside a step scope, nothing changes (torch's own dropout).
     """
-    from .eager import LayoutFreeDropoutMode
+    from .eager import LayoutFreeDropoutMode, RandomOpScan
     with micro_batch(index) as scope:
         if scope is None:
             yield
+        elif scope.scan_random_ops:
+            with RandomOpScan() as scan, LayoutFreeDropoutMode(scope, scan):
+                yield
         else:
             with LayoutFreeDropoutMode(scope):
                 yield

@@ -1,11 +1,13 @@
-"""Layout-free dropout in traced graphs: dropout nodes of pipeline stage pieces become modules.
+"""Layout-free randomness in traced graphs: random nodes of pipeline / tensor-parallel stage pieces become modules.
 
-Every stage piece is a slice of one exported graph, so a dropout node's number is its
-position among the dropout nodes of the *whole* graph (`dropout_numbering`): every stage
+Every stage piece is a slice of one exported graph, so a random node's number is its
+position among the random nodes of the *whole* graph (`dropout_numbering`): every stage
 agrees, and the number equals the call order eager.py counts in a whole-model forward.
 Nodes replaced: aten.dropout, aten.feature_dropout (channel masks), aten.native_dropout,
-and aten.scaled_dot_product_attention with dropout_p > 0 (written out, ops.attention).
-Alpha dropout with p > 0 is refused.
+aten.alpha_dropout, aten.feature_alpha_dropout (and the in-place forms), aten.rrelu in
+training, and aten.scaled_dot_product_attention with dropout_p > 0 (written out,
+ops.attention; nn.MultiheadAttention exports to it). Any other node that draws
+(aten.randn, aten.bernoulli, an RNN with dropout, ...) is refused (random_ops.py).
 
 The replacing module reads the active micro-batch scope (scope.py) at run time. It
 honours the stage's train/eval mode (a traced node cannot: its `train` flag is baked in).
@@ -24,13 +26,19 @@ from torch import fx, nn
 
 from ..errors import ModelError
 from . import ops
+from .random_ops import draws, refusal, stack_hint
 from .scope import active_scope
 
 aten = torch.ops.aten
 
-ELEMENTWISE = {aten.dropout.default: "dropout", aten.native_dropout.default: "native",
-               aten.feature_dropout.default: "channel"}
-REFUSED = {aten.alpha_dropout.default, aten.feature_alpha_dropout.default}
+# node target -> (kind, in place): kind picks the ops.py computation
+ELEMENTWISE = {aten.dropout.default: ("dropout", False), aten.dropout_.default: ("dropout", True),
+               aten.native_dropout.default: ("native", False),
+               aten.feature_dropout.default: ("channel", False), aten.feature_dropout_.default: ("channel", True),
+               aten.alpha_dropout.default: ("alpha", False), aten.alpha_dropout_.default: ("alpha", True),
+               aten.feature_alpha_dropout.default: ("feature_alpha", False),
+               aten.feature_alpha_dropout_.default: ("feature_alpha", True)}
+RRELU = {aten.rrelu.default: False, aten.rrelu_.default: True}  # (self, lower, upper, training, generator)
 SDPA = aten.scaled_dot_product_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -42,35 +50,38 @@ def _arg(node: fx.Node, index: int, name: str, default):
 
 
 def draws_mask(node: fx.Node) -> bool:
-    """Whether the node is a dropout that draws a mask in training (the eager call order counts the same)."""
+    """Whether the node is a layout-free random op that draws in training (the eager call order counts the same)."""
     if node.op != "call_function":
         return False
     if node.target in ELEMENTWISE:
-        return bool(_arg(node, 2, "train", False))
+        return _arg(node, 2, "train", None) is not False if node.target is aten.native_dropout.default \
+            else bool(_arg(node, 2, "train", False))
+    if node.target in RRELU:
+        return bool(_arg(node, 3, "training", False))
     if node.target is SDPA:
         return float(_arg(node, 4, "dropout_p", 0.0) or 0.0) > 0
     return False
 
 
 def dropout_numbering(graph: fx.Graph) -> dict[str, int]:
-    """Node name -> operation number, in graph order (compute on the whole traced graph)."""
+    """Node name -> operation number, in graph order (compute on the whole traced graph).
+
+    Any other node that draws random numbers is refused here (random_ops.py), before a stage runs."""
     numbering = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in REFUSED and _arg(node, 2, "train", False) \
-                and float(_arg(node, 1, "p", 0.0)) > 0:
-            raise ModelError(f"{node.target} at {node.name} is not supported with layout-independent dropout; use "
-                             f"dropout or set its probability to 0")
         if draws_mask(node):
             numbering[node.name] = len(numbering)
+        elif node.op == "call_function" and draws(node.target, node.args, node.kwargs):
+            raise refusal(str(node.target), stack_hint(node))
     return numbering
 
 
 class GraphDropout(nn.Module):
-    """One dropout node of a stage piece: layout-free mask number `op` over `batch`-sample micro-batches."""
+    """One random node of a stage piece: layout-free draws of operation `op` over `batch`-sample micro-batches."""
 
-    def __init__(self, kind: str, op: int, batch: int, source: str):
+    def __init__(self, kind: str, op: int, batch: int, source: str, inplace: bool = False):
         super().__init__()
-        self.kind, self.op, self.batch, self.source = kind, op, batch, source
+        self.kind, self.op, self.batch, self.source, self.inplace = kind, op, batch, source, inplace
         self.shard: ops.TPShard | None = None
         self._keys: dict = {}  # per-element hashes: the shapes are static
 
@@ -92,21 +103,37 @@ class GraphDropout(nn.Module):
     def forward(self, *args, subbatch: int = 0, **kwargs):
         if self.kind == "attention":
             return self._attention(subbatch, *args, **kwargs)
+        if self.kind == "rrelu":
+            return self._rrelu(subbatch, *args, **kwargs)
         x, p = args[0], float(args[1] if len(args) > 1 else kwargs.get("p", 0.5))
         scope = self._scope(subbatch) if self.training else None
         if self.training and p > 0 and scope is None:  # outside a trainer step (e.g. memory measurement)
             return self._native(x, p)
         if not self.training or p == 0:
             return (x, torch.ones_like(x, dtype=torch.bool)) if self.kind == "native" else x
+        if self.kind in ("alpha", "feature_alpha"):
+            return ops.alpha_dropout(x, p, self.op, scope, channel=self.kind == "feature_alpha", shard=self.shard,
+                                     inplace=self.inplace, cache=self._keys)
         noise = ops.dropout_noise(tuple(x.shape), p, self.op, scope, dtype=x.dtype, device=x.device,
                                   channel=self.kind == "channel", shard=self.shard, cache=self._keys)
-        out = x * noise
+        out = x.mul_(noise) if self.inplace else x * noise
         return (out, noise != 0) if self.kind == "native" else out
 
     def _native(self, x: torch.Tensor, p: float):
         if self.kind == "native":
             return torch.native_dropout(x, p, True)
-        return (torch.feature_dropout if self.kind == "channel" else torch.dropout)(x, p, True)
+        name = {"dropout": "dropout", "channel": "feature_dropout", "alpha": "alpha_dropout",
+                "feature_alpha": "feature_alpha_dropout"}[self.kind]
+        return getattr(torch, name + ("_" if self.inplace else ""))(x, p, True)
+
+    def _rrelu(self, subbatch: int, x: torch.Tensor, lower: float = 1.0 / 8, upper: float = 1.0 / 3, *_, **__):
+        scope = self._scope(subbatch) if self.training else None
+        if not self.training:  # eval: the mean slope, as torch's rrelu
+            return F.rrelu(x, lower, upper, training=False, inplace=self.inplace)
+        if scope is None:
+            return (torch.rrelu_ if self.inplace else torch.rrelu)(x, lower, upper, True)
+        return ops.rrelu(x, float(lower), float(upper), self.op, scope, shard=self.shard, inplace=self.inplace,
+                         cache=self._keys)
 
     def _attention(self, subbatch: int, *args, **kwargs):
         values = list(args) + [None] * (len(_SDPA_ARGS) - len(args))
@@ -123,21 +150,30 @@ class GraphDropout(nn.Module):
                              shard=self.shard, cache=self._keys)
 
 
+def _kind(target) -> tuple[str, bool]:
+    """(kind, in place) of a numbered node's target."""
+    if target is SDPA:
+        return "attention", False
+    if target in RRELU:
+        return "rrelu", RRELU[target]
+    return ELEMENTWISE[target]
+
+
 def replace_dropout_nodes(module: fx.GraphModule, numbering: dict[str, int], batch: int) -> int:
     """Replace the numbered dropout nodes of a piece by GraphDropout modules; returns how many."""
     graph, count = module.graph, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.name not in numbering:  # a placeholder may carry the name
             continue
-        kind = "attention" if node.target is SDPA else ELEMENTWISE[node.target]
+        kind, inplace = _kind(node.target)
         value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        drops = kind == "attention" or float(_arg(node, 1, "p", 0.5)) > 0  # p = 0 stays the identity anyway
+        drops = kind in ("attention", "rrelu") or float(_arg(node, 1, "p", 0.5)) > 0  # p = 0: the identity anyway
         if drops and isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] % batch):
             raise ModelError(f"dropout {node.name} acts on a tensor of shape {list(value.shape)} whose leading "
                              f"dimension is not a multiple of the micro-batch's {batch} samples; layout-independent "
                              f"dropout needs the batch as the leading dimension (or set this dropout to 0)")
         name = f"layout_free_{node.name}"
-        module.add_module(name, GraphDropout(kind, numbering[node.name], batch, node.name))
+        module.add_module(name, GraphDropout(kind, numbering[node.name], batch, node.name, inplace))
         with graph.inserting_after(node):
             replacement = graph.call_module(name, node.args, dict(node.kwargs))
         replacement.meta = dict(node.meta)

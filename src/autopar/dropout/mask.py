@@ -95,14 +95,25 @@ def element_keys(ids: torch.Tensor) -> torch.Tensor:
     return mix32(ids ^ 0x5BD1E995)
 
 
-def keep_mask(keys: torch.Tensor, elements: torch.Tensor, p: float) -> torch.Tensor:
-    """bool [B, *elements.shape]: True where sample b keeps the element.
+def element_hash(keys: torch.Tensor, elements: torch.Tensor) -> torch.Tensor:
+    """int64 [B, *elements.shape] in [0, 2**32): the hash of (sample b's key, element).
 
     Both halves are already well mixed (3 rounds each), so combining them takes two rounds
     (the xor-multiply-xor-multiply of a "lowbias32"-style hash), on the activation's size.
     """
     h = elements.unsqueeze(0) ^ keys.view(-1, *([1] * elements.dim()))
-    return _mix32_(h, 2) >= threshold(p)
+    return _mix32_(h, 2)
+
+
+def keep_mask(keys: torch.Tensor, elements: torch.Tensor, p: float) -> torch.Tensor:
+    """bool [B, *elements.shape]: True where sample b keeps the element."""
+    return element_hash(keys, elements) >= threshold(p)
+
+
+def uniform(keys: torch.Tensor, elements: torch.Tensor, low: float, high: float, dtype: torch.dtype) -> torch.Tensor:
+    """[B, *elements.shape] of `dtype`: low + (high - low) * u, u = hash / 2**32 in [0, 1) (rrelu's slopes)."""
+    u = element_hash(keys, elements).to(torch.float64).mul_(2.0 ** -32)
+    return u.mul_(high - low).add_(low).to(dtype)
 
 
 def shard_positions(size: int, segments: Sequence[int], rank: int, tp: int) -> torch.Tensor:

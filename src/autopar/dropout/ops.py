@@ -1,4 +1,4 @@
-"""Dropout and attention-dropout computed with layout-free masks (mask.py) for one micro-batch.
+"""Dropout, alpha dropout, rrelu and attention-dropout computed with layout-free draws (mask.py) for one micro-batch.
 
 Both the eager interception (eager.py) and the rewritten graph nodes (graph.py) call these,
 so every engine runs the same operations on the same masks. The batch is the leading
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelError
-from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions
+from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions, uniform
 from .scope import DropoutScope
 
 
@@ -52,30 +52,77 @@ def _element_keys(shape: tuple[int, ...], batch: int, *, channel: bool, shard: T
     return keys
 
 
+def _draws(shape: tuple[int, ...], op: int, scope: DropoutScope, *, device: torch.device, channel: bool,
+           shard: TPShard | None, cache: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-sample keys [B], per-element keys) of operation `op` for an activation of `shape`."""
+    samples = scope.samples_on(device)
+    cache = scope.element_keys if cache is None else cache
+    elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=cache)
+    return sample_keys(scope.seed, scope.step, op, samples), elements
+
+
+def _as_activation(values: torch.Tensor, shape: tuple[int, ...], channel: bool) -> torch.Tensor:
+    """[B, *per-sample] draws back in the activation's shape (channel draws broadcast over the rest)."""
+    values = values.reshape(shape[0], *values.shape[2:])
+    return values.reshape(*values.shape, *([1] * (len(shape) - 2))) if channel else values
+
+
+def keep(shape: tuple[int, ...], p: float, op: int, scope: DropoutScope, *, device: torch.device,
+         channel: bool = False, shard: TPShard | None = None, cache: dict | None = None) -> torch.Tensor:
+    """bool: which elements (channel: which (sample, channel) pairs, broadcastable) operation `op` keeps."""
+    keys, elements = _draws(shape, op, scope, device=device, channel=channel, shard=shard, cache=cache)
+    return _as_activation(keep_mask(keys, elements, p), shape, channel)
+
+
 def dropout_noise(shape: tuple[int, ...], p: float, op: int, scope: DropoutScope, *, dtype: torch.dtype,
                   device: torch.device, channel: bool = False, shard: TPShard | None = None,
                   cache: dict | None = None) -> torch.Tensor:
     """keep / (1 - p) for an activation of `shape` (channel: one draw per (sample, channel), broadcast)."""
-    samples = scope.samples_on(device)
-    cache = scope.element_keys if cache is None else cache
-    elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=cache)
-    keep = keep_mask(sample_keys(scope.seed, scope.step, op, samples), elements, p)
-    keep = keep.reshape(shape[0], *keep.shape[2:])
-    if channel:
-        keep = keep.reshape(*keep.shape, *([1] * (len(shape) - 2)))
+    kept = keep(shape, p, op, scope, device=device, channel=channel, shard=shard, cache=cache)
     if p >= 1.0:
-        return torch.zeros(keep.shape, dtype=dtype, device=device)
-    return keep.to(dtype).div_(1.0 - p)
+        return torch.zeros(kept.shape, dtype=dtype, device=device)
+    return kept.to(dtype).div_(1.0 - p)
 
 
 def dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, channel: bool = False,
             shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
     """x * keep / (1 - p), as torch's dropout computes it, with the layout-free mask of operation `op`."""
-    if channel and x.dim() < 2:
-        raise ModelError(f"channel dropout needs a batched input [N, C, ...], got shape {list(x.shape)}")
+    _check_channel(x, channel)
     noise = dropout_noise(tuple(x.shape), p, op, scope, dtype=x.dtype, device=x.device, channel=channel,
                           shard=shard, cache=cache)
     return x.mul_(noise) if inplace else x * noise
+
+
+# torch's SELU constants' product (alpha * scale): alpha dropout sets dropped units to SELU's negative saturation
+_ALPHA = 1.7580993408473766
+
+
+def alpha_dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, channel: bool = False,
+                  shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
+    """Alpha dropout as torch computes it (mean and variance kept for SELU), with the mask of operation `op`:
+    a kept element becomes a * x, a dropped one a * (-alpha) + alpha * a * p, a = ((alpha^2 p + 1)(1 - p))^-1/2."""
+    _check_channel(x, channel)
+    if p >= 1.0:
+        return x.mul_(0.0) if inplace else x * 0.0
+    kept = keep(tuple(x.shape), p, op, scope, device=x.device, channel=channel, shard=shard, cache=cache).to(x.dtype)
+    a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
+    shift = kept.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * p)
+    return x.mul_(kept.mul_(a)).add_(shift) if inplace else (x * kept.mul_(a)).add_(shift)
+
+
+def rrelu(x: torch.Tensor, lower: float, upper: float, op: int, scope: DropoutScope, *,
+          shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
+    """Randomized leaky ReLU in training: x where x > 0, else x * r with r ~ U(lower, upper) drawn per element
+    from operation `op`'s hash (torch's gradient too: r below zero, 1 above)."""
+    keys, elements = _draws(tuple(x.shape), op, scope, device=x.device, channel=False, shard=shard, cache=cache)
+    slopes = _as_activation(uniform(keys, elements, lower, upper, x.dtype), tuple(x.shape), False)
+    noise = torch.where(x > 0, torch.ones((), dtype=x.dtype, device=x.device), slopes)
+    return x.mul_(noise) if inplace else x * noise
+
+
+def _check_channel(x: torch.Tensor, channel: bool) -> None:
+    if channel and x.dim() < 2:
+        raise ModelError(f"channel dropout needs a batched input [N, C, ...], got shape {list(x.shape)}")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, p: float,

@@ -31,6 +31,7 @@ class DropoutScope:
     step: int
     micro_batches: tuple[tuple[int, ...], ...]
     samples: torch.Tensor | None = None  # int64 [B]: the current micro-batch's global sample indices
+    scan_random_ops: bool = False  # check every aten operation of a model run whole for draws (eager.py)
     index: int | None = None  # which of the step's micro-batches (its position in `micro_batches`)
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
     # per-element hashes by layout, shared by the step's micro-batches (they depend on shapes only)
@@ -60,9 +61,13 @@ def _activate(scope: DropoutScope | None) -> Iterator[DropoutScope | None]:
         _ACTIVE.reset(token)
 
 
-def dropout_step(seed: int, step: int, micro_batches: Sequence[Sequence[int]]):
-    """Scope of one optimizer step: micro_batches[i] are the global sample indices of micro-batch i."""
-    return _activate(DropoutScope(seed, step, tuple(tuple(int(g) for g in mb) for mb in micro_batches)))
+def dropout_step(seed: int, step: int, micro_batches: Sequence[Sequence[int]], *, scan_random_ops: bool = False):
+    """Scope of one optimizer step: micro_batches[i] are the global sample indices of micro-batch i.
+
+    scan_random_ops: a model run whole has every aten operation checked for random draws
+    the layout-free set does not cover (eager.py); the trainer asks for it on a run's first step."""
+    return _activate(DropoutScope(seed, step, tuple(tuple(int(g) for g in mb) for mb in micro_batches),
+                                  scan_random_ops=scan_random_ops))
 
 
 def micro_batch(index: int):
@@ -73,8 +78,8 @@ def micro_batch(index: int):
     if not 0 <= index < len(scope.micro_batches):
         raise RuntimeError(f"micro-batch {index} is outside the step's {len(scope.micro_batches)} micro-batches")
     samples = torch.tensor(scope.micro_batches[index], dtype=torch.int64)
-    return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples, index,
-                                  element_keys=scope.element_keys))
+    return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples, scope.scan_random_ops,
+                                  index, element_keys=scope.element_keys))
 
 
 def checkpoint_context_fn():

@@ -5,12 +5,17 @@ need; each rank (and the single-process reference run) then materialises what it
 with the same seed, which is what makes every copy bit-identical without broadcasting
 weights. `Module.to_empty` replaces every Parameter separately, silently un-tying shared
 weights (e.g. the embedding / output head), so ties are recorded first and restored after.
+
+A model whose constructor initialises more than any rule here can see (nanoGPT re-initialises
+its output projections by name after `apply(_init_weights)`) gets an init function attached
+(`attach_init_fn`, the Trainer's `init_fn`): it then replaces the rules. `replay_init` makes one
+that reruns the constructor itself for real and copies the values.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -50,6 +55,61 @@ def retie(module: nn.Module, params: TieGroups, buffers: TieGroups) -> None:
                     owner._parameters[attr] = shared
                 else:
                     owner._buffers[attr] = shared
+
+
+InitFn = Callable[[nn.Module], None]
+"""Sets every parameter and buffer of the (materialised, uninitialised) whole model it is given."""
+
+INIT_FN_ATTRIBUTE = "_autopar_init_fn"
+"""Where `attach_init_fn` keeps the function on the model: it travels with the model through every copy a
+layout makes (a pipeline stage materialises a deep copy), so each rank initialises exactly as one process."""
+
+
+def attach_init_fn(module: nn.Module, init_fn: InitFn) -> None:
+    """Initialise `module` (built on meta) with `init_fn(module)` instead of the rules `materialize` follows.
+
+    `init_fn` runs on the whole model, under the run's seed, on every rank: a rank that keeps only a pipeline
+    stage or a tensor-parallel slice runs it too (the tensors it drops share one scratch buffer meanwhile), so
+    the random stream advances as in one process and the tensors it keeps get one process's values."""
+    if not callable(init_fn):
+        raise ModelError(f"init_fn must be a function taking the model, got {type(init_fn).__name__}")
+    if not _has_meta(module):
+        raise ModelError(f"init_fn initialises a model built on the meta device, but {type(module).__name__} "
+                         f"holds real weights, which are trained as they are; build it on meta "
+                         f"(with torch.device('meta'): ...) or drop init_fn")
+    module.__dict__[INIT_FN_ATTRIBUTE] = init_fn
+
+
+def _attached_init(module: nn.Module) -> InitFn | None:
+    return module.__dict__.get(INIT_FN_ATTRIBUTE)
+
+
+def replay_init(build: Callable[[], nn.Module]) -> InitFn:
+    """An init function that reruns the model's constructor: `build()` (e.g. `lambda: GPT(config)`) builds the
+    model for real on the CPU, under the run's seed, and every parameter and buffer is copied from it by name.
+
+    The values are those of the model built for real after `torch.manual_seed(seed)`, whatever the
+    constructor does (`apply(_init_weights)`, re-initialisation by name, buffers it computes). Cost: one whole
+    copy of the model in host memory (fp32: 4 bytes a parameter) on every rank while it materialises, freed
+    after; a model that does not fit there needs an init function that initialises in place instead."""
+
+    def replay(module: nn.Module) -> None:
+        with torch.device("cpu"):
+            real = build()
+        if not isinstance(real, nn.Module):
+            raise ModelError(f"replay_init's function must build the model, got {type(real).__name__}")
+        sources = {**dict(real.named_parameters()), **dict(real.named_buffers())}
+        with torch.no_grad():
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                source = sources.get(name)
+                if source is None or source.shape != tensor.shape or source.is_meta:
+                    seen = "missing" if source is None else f"{tuple(source.shape)} on {source.device}"
+                    raise ModelError(f"replay_init: the model it builds has no real {name!r} of shape "
+                                     f"{tuple(tensor.shape)} ({seen}); its function must build the same model, "
+                                     f"for real (not on meta)")
+                tensor.copy_(source)
+
+    return replay
 
 
 def _has_meta(module: nn.Module) -> bool:
@@ -122,10 +182,11 @@ def _model_init(module: nn.Module):
 def check_init_rules(module: nn.Module) -> None:
     """Fail early (the same way on every rank) when a meta-built tensor has no rule to initialise it.
 
-    A model with its own init method is trusted here (`materialize` checks the result); otherwise every
-    parameter and buffer must belong to a module with `reset_parameters` (itself or an ancestor).
+    A model with its own init method or an attached init function is trusted here (`materialize` checks the
+    result); otherwise every parameter and buffer must belong to a module with `reset_parameters` (itself or an
+    ancestor).
     """
-    if _model_init(module) is not None:
+    if _model_init(module) is not None or _attached_init(module) is not None:
         return
     covered: set[str] = set()
     for path, sub in module.named_modules():
@@ -146,9 +207,18 @@ def check_init_rules(module: nn.Module) -> None:
 def _uninitialised_message(module: nn.Module, missing: list[str], why: str) -> str:
     shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
     them = "it" if len(missing) == 1 else "them"
-    return (f"{type(module).__name__} was built on the meta device, where tensors hold no values, and nothing "
-            f"would set {shown}: {why.format(them=them)}. Give the model an init_weights() (or "
-            f"_init_weights(module)) that sets {them}, or build the model for real (not on meta)")
+    name = type(module).__name__
+    return (f"{name} was built on the meta device, where tensors hold no values, and nothing would set {shown}: "
+            f"{why.format(them=them)}. Without editing the model: pass the Trainer "
+            f"init_fn=autopar.replay_init(lambda: {name}(...)) (reruns the constructor for real on the CPU under the "
+            f"seed and copies the values: one whole copy of the model in host memory while it materialises), or "
+            f"init_fn=a function that initialises the whole model given to it; or give the model an init_weights() "
+            f"(or _init_weights(module)) that sets {them}; or build the model for real (not on meta)")
+
+
+def _leaves_unwritten(module: nn.Module) -> str:
+    who = "its init_fn" if _attached_init(module) is not None else "the model's init"
+    return who + " leaves {them} unwritten"
 
 
 def _fill_sentinels(module: nn.Module) -> dict[int, int]:
@@ -186,7 +256,12 @@ def _unwritten(module: nn.Module, versions: dict[int, int], only: set[str] | Non
 def _initialise(module: nn.Module) -> None:
     """Every submodule's reset_parameters (children first, as construction runs them), then the model's own
     init; a model with `init_weights()` (our GPT, transformers' PreTrainedModel: it also refills
-    non-persistent buffers such as rotary inv_freq) is left to that alone."""
+    non-persistent buffers such as rotary inv_freq) is left to that alone, and one with an attached init
+    function to that."""
+    attached = _attached_init(module)
+    if attached is not None:
+        attached(module)
+        return
     if callable(getattr(module, "init_weights", None)):
         _clear_hf_init_flags(module)
         module.init_weights()
@@ -206,7 +281,8 @@ def materialize(module: nn.Module, device: str | torch.device = "cpu", *, seed: 
     Same seed, same device type -> bit-identical weights on every call and every rank.
     A module that is not on the meta device is only moved (its weights are kept).
     Every parameter and buffer must be set by a rule: its module's (or an ancestor's)
-    `reset_parameters`, or the model's `init_weights()` / `_init_weights(module)`. One that no rule
+    `reset_parameters`, or the model's `init_weights()` / `_init_weights(module)`, or else by the init
+    function attached to the model (`attach_init_fn`), which replaces the rules. One that no rule
     covers (a bare nn.Parameter on a model without an init method) or that the init leaves
     unwritten is a ModelError naming it, never NaN or garbage trained on silently.
     """
@@ -226,7 +302,7 @@ def materialize(module: nn.Module, device: str | torch.device = "cpu", *, seed: 
         _initialise(module)
     missing = _unwritten(module, versions)
     if missing:
-        raise ModelError(_uninitialised_message(module, missing, "the model's init leaves {them} unwritten"))
+        raise ModelError(_uninitialised_message(module, missing, _leaves_unwritten(module)))
     return module
 
 
@@ -277,7 +353,7 @@ def materialize_partial(module: nn.Module, keep: set[str], device: str | torch.d
     kept_names = {path for pid, places in owners.items() if pid in kept_ids for _, _, path in places}
     missing = _unwritten(module, versions, only=kept_names)  # the others share scratch: not checkable here
     if missing:
-        raise ModelError(_uninitialised_message(module, missing, "the model's init leaves {them} unwritten"))
+        raise ModelError(_uninitialised_message(module, missing, _leaves_unwritten(module)))
     for pid, places in owners.items():
         if pid not in kept_ids:
             old = places[0][0]._parameters[places[0][1]]

@@ -1,7 +1,9 @@
-"""Reading a model's output: the logits, whatever container the model returns them in."""
+"""Reading a model's output: the logits, whatever container the model returns them in, and which label
+each output position is scored against (`shifts_labels`)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -17,3 +19,29 @@ def logits_of(output: Any) -> torch.Tensor:
         return output[0]
     raise TypeError(f"cannot find logits in the model output of type {type(output).__name__}; "
                     f"pass forward_fn/loss_fn to the Trainer")
+
+
+def _hf_causal_class_names() -> set[str]:
+    """Class names Hugging Face maps to its causal-LM head (GPT2LMHeadModel, LlamaForCausalLM, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def shifts_labels(model: Any) -> bool:
+    """Whether `model` scores output position i against labels[i + 1]: a Hugging Face causal LM.
+
+    Hugging Face causal LMs take labels equal to the input ids and shift them inside their loss
+    (every HF collator builds labels that way); masked LMs and encoder-decoders score position i
+    against labels[i]. Decided from the model's class (the causal-LM mapping of its auto classes, or a
+    class named *ForCausalLM), never from the data. Any other model's labels are token-aligned.
+    """
+    transformers = sys.modules.get("transformers")  # a Hugging Face model has imported it already
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return False
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    causal = _hf_causal_class_names()
+    return any(cls.__name__ in causal or cls.__name__.endswith("ForCausalLM") for cls in type(model).__mro__)

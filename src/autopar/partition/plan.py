@@ -91,18 +91,34 @@ class Partition:
         """
         source = materialize_partial(copy.deepcopy(model), set(self.specs[index].params), device, seed=seed)
         stage = self.build_stage(index)
-        if any(v is None for v in stage.constants.values()):
-            stage.constants.update(lifted_constant_values(model, self.graph, torch.device(device)))
+        unknown = [fqn for fqn, value in stage.constants.items() if value is None]
+        if unknown:  # only those: the re-trace's copy holds no init, so its buffers are garbage
+            values = lifted_constant_values(model, self.graph, torch.device(device))
+            stage.constants.update({fqn: values[fqn] for fqn in unknown if fqn in values})
         return materialize_stage(stage, source)
+
+    def layers_per_stage(self) -> list[int]:
+        """How many repeated layers each stage holds (the prelude and postlude are not layers)."""
+        layers = {path for stack in self.graph.stacks for path in stack.member_paths}
+        return [sum(name in layers for name in spec.blocks) for spec in self.specs]
+
+    def layers_line(self) -> str:
+        """Which stack was cut and how its layers fell: a badly balanced cut shows here, not only in the speed."""
+        if not self.graph.stacks:
+            return "layers cut: none (no repeated layers found: the model is one block)"
+        per_stage = ", ".join(str(n) for n in self.layers_per_stage())
+        return (f"layers cut: {'; '.join(stack.describe() for stack in self.graph.stacks)}; "
+                f"layers per stage {per_stage}")
 
     def to_dict(self) -> dict:
         return {"method": self.method, "bounds": self.bounds, "shared_parameters": self.shared,
+                "stacks": [stack.to_dict() for stack in self.graph.stacks], "layers_per_stage": self.layers_per_stage(),
                 "stages": [vars(s) for s in self.stages],
                 "boundaries": [[{**vars(v), "shape": list(v.shape)} for v in b] for b in self.boundaries]}
 
     def table(self) -> str:
         slowest = max(s.est_time_s for s in self.stages) or 1.0
-        lines = [f"partition: {self.num_stages} stages, method {self.method}",
+        lines = [f"partition: {self.num_stages} stages, method {self.method}", self.layers_line(),
                  f"{'stage':>5}  {'blocks':<34} {'params':>11} {'est time':>10} {'load':>5} {'act/mb':>10} "
                  f"{'memory':>10}"]
         for s in self.stages:
@@ -162,7 +178,8 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
     if graph.layers_path is None and num_stages > 1:
         raise ModelError(f"{num_stages} pipeline stages need a stack of blocks to cut between, and the traced model "
                          f"has none: hold the repeated layers in an nn.ModuleList or an nn.Sequential of at least 2 "
-                         f"modules, or use pp=1 (tensor and data parallelism need no stack)")
+                         f"modules, an nn.ModuleDict or attributes of one module (two or more blocks of one class and "
+                         f"shape), or use pp=1 (tensor and data parallelism need no stack)")
     blocks = graph.blocks
     cut_values = crossings(graph)
     elem = _param_bytes(graph)

@@ -281,14 +281,18 @@ def lifted_constant_values(model: nn.Module, graph: ModelGraph, device: torch.de
     A trace on meta knows only their shapes, so the model is traced once more with its
     tensors on `device`: this costs an uninitialised copy of the whole model there, paid only
     by models that make such constants. Names agree because the same code runs in the same order.
+    Only constants made in forward are returned: the exported program keeps non-persistent
+    buffers (rotary inv_freq) among its constants too, and the copy's are uninitialised memory.
     """
     from ..trace import trace
     real = copy.deepcopy(model).to_empty(device=device)
     zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
     again = trace(real, tuple(zeros(a) for a in graph.example_args),
                   {k: zeros(v) for k, v in graph.example_kwargs.items()})
+    made_in_forward = {s.target for s in again.exported.graph_signature.input_specs
+                       if s.kind == InputKind.CONSTANT_TENSOR}
     return {k: v.detach().clone() for k, v in again.exported.constants.items()
-            if isinstance(v, torch.Tensor) and not v.is_meta}
+            if k in made_in_forward and isinstance(v, torch.Tensor) and not v.is_meta}
 
 
 def _swap_device(value: Any, device: torch.device, traced: torch.device) -> Any:

@@ -154,8 +154,8 @@ class PipelineEngine(EngineBase):
         return self.tensor_parallel.loss_sum(output, batch, IGNORE_INDEX)
 
     def banner_lines(self) -> list[str]:
-        """What this engine chose that the run should say at its start: the TP split, the recomputation."""
-        lines = []
+        """What this engine chose that the run should say at its start: the layers cut, the TP split, the recomputation."""
+        lines = [self.partition.layers_line()] if self.partition.num_stages > 1 else []
         if self.tensor_parallel is not None:
             lines.append(self.tensor_parallel.plan.summary() + " (tp_plan.txt)")
         if self.recompute_report is not None:

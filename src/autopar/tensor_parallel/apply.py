@@ -50,17 +50,21 @@ class ReduceFromTP(nn.Module):
 
 
 class VocabLookup(nn.Module):
-    """embedding(weight_shard, ids) for a vocabulary split in contiguous ranges, summed over ranks."""
+    """embedding(weight_shard, ids) for a vocabulary split in contiguous ranges, summed over ranks.
 
-    def __init__(self, start: int, part: int, group: dist.ProcessGroup):
+    `padding_idx` (the whole vocabulary's, -1 for none): the row `nn.Embedding(padding_idx=...)` never
+    gives a gradient, kept so on the rank that holds it (a scored pad position must not move it)."""
+
+    def __init__(self, start: int, part: int, group: dist.ProcessGroup, padding_idx: int = -1):
         super().__init__()
         self.start, self.part, self.group = start, part, group
+        self.local_padding = padding_idx - start if start <= padding_idx < start + part else None
 
     def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.start + self.part)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        out = torch.nn.functional.embedding(local, weight, padding_idx=self.local_padding)
+        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.ProcessGroup) -> int:
@@ -127,8 +131,9 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
             changed += 1
         if node.name in plan.embeddings:
             part = plan.embeddings[node.name] // plan.tp
-            name = _add(module, f"tp_vocab_{node.name}", VocabLookup(rank * part, part, group))
             weight, ids = node.args[:2]
+            padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            name = _add(module, f"tp_vocab_{node.name}", VocabLookup(rank * part, part, group, padding_idx))
             with graph.inserting_after(node):
                 lookup = graph.call_module(name, (weight, ids))
             node.replace_all_uses_with(lookup)

@@ -1,5 +1,6 @@
 """Model -> graph of operations with per-node and per-block cost (the proxy graph)."""
 
-from .graph import Block, ModelGraph, NodeCost, find_layers, find_stacks, trace
+from .graph import Block, ModelGraph, NodeCost, trace
+from .stacks import Stack, find_layers, find_stacks
 
-__all__ = ["Block", "ModelGraph", "NodeCost", "find_layers", "find_stacks", "trace"]
+__all__ = ["Block", "ModelGraph", "NodeCost", "Stack", "find_layers", "find_stacks", "trace"]

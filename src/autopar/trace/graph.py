@@ -9,15 +9,14 @@ which keeps every reshape size a constant that later passes (tensor parallelism)
 Nodes are grouped into contiguous *blocks*, the units a pipeline cut may fall between:
 the prelude (everything before the first repeated layer: embeddings, masks, rotary
 tables), one block per repeated layer, and the postlude (final norm, head). The repeated
-layers are the children of the model's *stacks* (an nn.ModuleList, or an nn.Sequential of
-two or more): its largest stack (found from parameter counts, not from names) plus any
-other stack of like layers at least half its size (an encoder-decoder's encoder.block and
-decoder.block), in forward order; a model with no stack is one block (tensor parallelism
-works on the graph and needs no cut); the
-code between two stacks (the encoder's final norm, the decoder's embedding) joins the
-block before it. A cut between blocks is where few tensors cross: the hidden state, plus
-any value a later layer still needs (attention mask, position embeddings, the encoder's
-output), which the stage builder carries.
+layers are the members of the model's *stacks* (trace/stacks.py: a ModuleList, a Sequential,
+the repeated blocks of a ModuleDict or of a module's attributes; the outermost holding the
+most parameters, plus an encoder-decoder's second stack), numbered in the order the forward
+runs them; a model with no stack is one block (tensor parallelism works on the graph and
+needs no cut); the code between two stacks (the encoder's final norm, the decoder's
+embedding) joins the block before it. A cut between blocks is where few tensors cross: the
+hidden state, plus any value a later layer still needs (attention mask, position
+embeddings, the encoder's output), which the stage builder carries.
 
 The model is traced on every input its forward takes from the batch (the main input
 positional, the other fields as keywords: `train.loss.forward_inputs`); the graph's user
@@ -41,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..errors import ModelError
 from ..models.materialize import tied_groups
 from ..running_stats import check_traced_buffer_updates, traceable_cumulative_averages
+from .stacks import Stack, find_stacks, in_order
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -80,12 +80,12 @@ class ModelGraph:
     exported: ExportedProgram
     nodes: dict[str, NodeCost]
     blocks: list[Block]
-    layers_path: str | None  # FQN of the (first) stack of repeated layers ("": the model itself; None: no stack)
+    layers_path: str | None  # FQN of the module holding the first stack ("": the model itself; None: no stack)
     param_numel: dict[str, int]  # primary FQN -> elements
     tied: list[list[str]]  # groups of FQNs naming one tensor (primary name first)
     example_inputs: tuple  # the user inputs, flat, in the graph's order
     export_names: dict[str, str] = field(default_factory=dict)  # primary FQN -> the exported program's name
-    stacks: list[str] = field(default_factory=list)  # every ModuleList of repeated layers, in forward order
+    stacks: list[Stack] = field(default_factory=list)  # every stack of repeated layers that ran, in forward order
     input_keys: list[int | str] = field(default_factory=list)  # per user input: positional index or keyword
     example_args: tuple = ()
     example_kwargs: dict = field(default_factory=dict)
@@ -111,53 +111,10 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _is_stack(module: nn.Module) -> bool:
-    """A container of blocks called one after another: an nn.ModuleList, or an nn.Sequential of >= 2."""
-    if isinstance(module, nn.ModuleList):
-        return len(module) >= 1
-    return isinstance(module, nn.Sequential) and len(module) >= 2
-
-
-def find_layers(model: nn.Module) -> str | None:
-    """The stack (ModuleList or Sequential) holding the most parameters: the model's repeated layers.
-
-    None when the model has no stack: it is then one block (tensor parallelism needs no cut)."""
-    best, best_params = None, -1
-    for path, module in model.named_modules():
-        if _is_stack(module):
-            count = sum(p.numel() for p in module.parameters())
-            if count > best_params:
-                best, best_params = path, count
-    return best
-
-
-def find_stacks(model: nn.Module) -> list[str]:
-    """Every stack of repeated layers (in named_modules order; `trace` puts them in forward order).
-
-    The largest stack (find_layers), plus each other stack that neither contains nor sits
-    inside a chosen one, holds layers of one class, and has at least half the largest one's
-    parameters: the encoder and decoder stacks of a T5 or BART, but not the per-block
-    sub-layer lists inside them nor a small list of heads. Empty when the model has no stack.
-    """
-    largest = find_layers(model)
-    if largest is None:
-        return []
-    size = {path: sum(p.numel() for p in m.parameters()) for path, m in model.named_modules() if _is_stack(m)}
-    chosen = [largest]
-    for path, count in size.items():
-        module = model.get_submodule(path)
-        nested = any(path.startswith(c + ".") or c.startswith(path + ".") or path == c or c == "" or path == ""
-                     for c in chosen)
-        alike = len({type(child) for child in module}) == 1
-        if not nested and alike and 2 * count >= size[largest]:
-            chosen.append(path)
-    return [path for path in size if path in chosen]
-
-
-def _layer_index(path: str, layers: str, position: dict[str, int]) -> int | None:
-    """Which child of the stack `layers` the module at `path` is in (a Sequential's children may be named)."""
-    prefix = layers + "." if layers else ""
-    if not path.startswith(prefix) or path == layers:
+def _layer_index(path: str, stack: Stack, position: dict[str, int]) -> int | None:
+    """Which member of `stack` the module at `path` is in (None: outside its layers)."""
+    prefix = stack.path + "." if stack.path else ""
+    if not path.startswith(prefix) or path == stack.path:
         return None
     return position.get(path[len(prefix):].split(".", 1)[0])
 
@@ -211,9 +168,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     export_names = {primary[id(params[spec.target])]: spec.target for spec in exported.graph_signature.input_specs
                     if spec.kind == InputKind.PARAMETER}
     param_numel = {fqn: params[fqn].numel() for fqn in canonical.values()}
-    children = {path: {name: i for i, (name, _) in enumerate(model.get_submodule(path).named_children())}
-                for path in stacks}
-    nodes, blocks, stacks = _assign_blocks(exported, stacks, children, canonical)
+    nodes, blocks, stacks = _assign_blocks(exported, stacks, canonical)
     keys = _input_keys(exported, len(example_inputs))
     flat = tuple(example_inputs[k] if isinstance(k, int) else example_kwargs[k] for k in keys)
     _count_flops(exported, nodes, flat)
@@ -223,7 +178,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
         block.activation_bytes += cost.out_bytes
     for block in blocks:
         block.num_params = sum(param_numel[p] for p in block.params)
-    return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=stacks[0] if stacks else None, param_numel=param_numel,
+    return ModelGraph(exported=exported, nodes=nodes, blocks=blocks, layers_path=stacks[0].path if stacks else None, param_numel=param_numel,
                       tied=tied_groups(model)[0], example_inputs=flat, export_names=export_names,
                       stacks=stacks, input_keys=keys, example_args=tuple(example_inputs),
                       example_kwargs=example_kwargs)
@@ -248,39 +203,40 @@ def _input_keys(exported: ExportedProgram, num_args: int) -> list[int | str]:
     return keys
 
 
-def _layer_key(stack: list[tuple[str, Any]], stacks: list[str],
-               children: dict[str, dict[str, int]]) -> tuple[int, int] | None:
+def _layer_key(module_stack: list[tuple[str, Any]], stacks: list[Stack],
+               children: list[dict[str, int]]) -> tuple[int, int] | None:
     """(stack, layer) of the innermost repeated layer an operation ran in, or None."""
     found = None
-    for path, _ in stack:
-        for k, layers in enumerate(stacks):
-            if (i := _layer_index(path, layers, children[layers])) is not None:
+    for path, _ in module_stack:
+        for k, stack in enumerate(stacks):
+            if (i := _layer_index(path, stack, children[k])) is not None:
                 found = (k, i)
     return found
 
 
-def _assign_blocks(exported: ExportedProgram, stacks: list[str], children: dict[str, dict[str, int]],
-                   canonical: dict[str, str]) -> tuple[dict[str, NodeCost], list[Block], list[str]]:
+def _assign_blocks(exported: ExportedProgram, stacks: list[Stack],
+                   canonical: dict[str, str]) -> tuple[dict[str, NodeCost], list[Block], list[Stack]]:
     """Give every operation a block index, non-decreasing in graph order (so blocks are contiguous).
 
-    Layers are numbered in the order the graph first runs them, so an encoder's layers come
-    before its decoder's; returns the stacks that ran, in that order.
+    Layers are numbered in the order the graph first runs them (attribute-held blocks in the
+    order forward calls them; an encoder's layers before its decoder's); returns the stacks
+    that ran, in that order, each holding the members that ran, in that order.
     """
+    children = [{name: i for i, name in enumerate(stack.members)} for stack in stacks]
     calls = [n for n in exported.graph.nodes if n.op == "call_function"]
     layer_of = {}
     for n in calls:
-        stack = list(n.meta.get("nn_module_stack", {}).values())
-        path = stack[-1][0] if stack else ""
-        layer_of[n.name] = (path, _layer_key(stack, stacks, children))
+        module_stack = list(n.meta.get("nn_module_stack", {}).values())
+        path = module_stack[-1][0] if module_stack else ""
+        layer_of[n.name] = (path, _layer_key(module_stack, stacks, children))
     seen_layers = list(dict.fromkeys(key for _, key in layer_of.values() if key is not None))
     if stacks and not seen_layers:
-        raise ModelError(f"no operation ran inside the repeated layers {', '.join(stacks)}; cannot cut the model")
+        raise ModelError(f"no operation ran inside the repeated layers {'; '.join(s.describe() for s in stacks)}; "
+                         f"cannot cut the model")
     position = {layer: k + 1 for k, layer in enumerate(seen_layers)}  # block 0 is the prelude
-    names = {path: list(kids) for path, kids in children.items()}
-    prefix = {path: path + "." if path else "" for path in stacks}
-    blocks = ([Block("prelude")] + [Block(f"{prefix[stacks[k]]}{names[stacks[k]][i]}") for k, i in seen_layers]
+    blocks = ([Block("prelude")] + [Block(stacks[k].member_path(i)) for k, i in seen_layers]
               + [Block("postlude")] if seen_layers else [Block("model")])  # no stack: one block, nothing to cut
-    ran = [stacks[k] for k in dict.fromkeys(k for k, _ in seen_layers)]
+    ran = [in_order(stacks[k], [i for j, i in seen_layers if j == k]) for k in dict.fromkeys(k for k, _ in seen_layers)]
     nodes: dict[str, NodeCost] = {}
     current = 0
     last_layer_op = max((i for i, n in enumerate(calls) if layer_of[n.name][1] is not None), default=len(calls))
@@ -325,9 +281,28 @@ def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost], user_inp
         if n.op != "call_function" or n.name not in nodes or not callable(n.target):
             continue
         args, kwargs = fake(n.args), fake(n.kwargs)
+        if _is_attention(n.target):
+            nodes[n.name].flops = _attention_flops(*args[:3])
+            continue
         try:
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 n.target(*args, **kwargs)
             nodes[n.name].flops = counter.get_total_flops()
         except Exception:  # an estimate only: an op that cannot be replayed alone counts zero
             nodes[n.name].flops = 0
+
+
+def _is_attention(target: Any) -> bool:
+    return getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention
+
+
+def _attention_flops(q: Any, k: Any, v: Any) -> int:
+    """Scaled dot-product attention's two matmuls, counted from shapes.
+
+    Counted here, not by the flop counter: which kernel the op dispatches to depends on the
+    device the model was built on (the math path on meta, counted; a fused CPU kernel on a
+    model built for real, which the counter does not know), and the count must not."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return 0
+    batch = q.numel() // (q.shape[-2] * q.shape[-1])  # every leading dimension: batch and heads
+    return 2 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])

@@ -7,8 +7,10 @@ DTensors that torch's optimizers, clipping and distributed checkpoints already u
 pp or tp, the pipeline engine shards each stage (one FSDP2 unit per stage) over its dp group
 instead: zero/fully_sharded.py.
 
-Every child of every nn.ModuleList (the transformer blocks of an unmodified model) becomes one
-FSDP unit, then the root (embeddings, head, norms). Gradients are summed, not averaged
+Every repeated layer the pipeline would cut between (trace/stacks.py: the blocks of a ModuleList,
+Sequential, ModuleDict or of a module's attributes) becomes one FSDP unit, then the root
+(embeddings, head, norms, and everything else); a model with no stack is one unit, gathered
+whole. Gradients are summed, not averaged
 (divide factor 1: the trainer pre-scales each replica's loss, see train/loss.py).
 Under --dtype bf16, FSDP2's MixedPrecisionPolicy gathers bf16 parameters and reduce-scatters bf16
 gradients into the fp32 sharded parameters (the masters) and fp32 gradient shards; unlike the
@@ -30,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from ..trace import Stack, find_stacks
 from .base import EngineBase
 from .engine import (LossFn, accumulate_gradients, broadcast_from_first_replica, whole_model_eval_sums,
                      whole_model_running_stats)
@@ -51,17 +54,24 @@ class FullyShardedEngine(EngineBase):
         dp_mesh = mesh.device_mesh["dp"]
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype,
                                       output_dtype=None, cast_forward_inputs=True)
-        self.units: list[FSDPModule] = []
-        for child in list(self.module.modules()):
-            if isinstance(child, nn.ModuleList):
-                for block in child:
-                    self.units.append(fully_shard(block, mesh=dp_mesh, mp_policy=policy))
+        self.stacks: list[Stack] = find_stacks(self.module)
+        self.unit_paths = [path for stack in self.stacks for path in stack.member_paths
+                           if next(self.module.get_submodule(path).parameters(), None) is not None]
+        self.units: list[FSDPModule] = [fully_shard(self.module.get_submodule(path), mesh=dp_mesh, mp_policy=policy)
+                                        for path in self.unit_paths]
         self.units.append(fully_shard(self.module, mesh=dp_mesh, mp_policy=policy))
         for unit in self.units:
             unit.set_gradient_divide_factor(1.0)  # a sum, as the trainer pre-scales each replica's loss
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
         self.params = list({id(p): p for p in self.module.parameters() if p.requires_grad}.values())
         self.batch_norms, self.running_stats = whole_model_running_stats(self.module, mesh)
+
+    def banner_lines(self) -> list[str]:
+        """Which modules are gathered one at a time: the peak memory depends on it."""
+        if not self.unit_paths:
+            return ["ZeRO-3: one FSDP2 unit, the whole model (no repeated layers found), gathered at once"]
+        return [f"ZeRO-3: one FSDP2 unit per layer of {'; '.join(s.describe() for s in self.stacks)} "
+                f"({len(self.unit_paths)} units), plus one for the rest of the model"]
 
     @contextlib.contextmanager
     def _no_sync(self):
