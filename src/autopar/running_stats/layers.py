@@ -20,9 +20,10 @@ from ..errors import ConfigError, ModelError
 aten = torch.ops.aten
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 BATCH_NORM_OP = aten.batch_norm.default
-# kernels that update running statistics although their schema does not say they write them
-STATS_UPDATING_OPS = (aten.native_batch_norm.default, aten._batch_norm_impl_index.default,
-                      aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default, aten.instance_norm.default)
+# kernels that update running statistics (their 4th argument) although their schema does not say they write them
+STATS_UPDATING_OPS = tuple(getattr(aten, name).default for name in (
+    "native_batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm", "instance_norm")
+    if hasattr(aten, name))
 REPLAYED = "torch's nn.BatchNorm1d/2d/3d"
 
 
@@ -145,7 +146,7 @@ def check_traced_buffer_updates(graph: fx.Graph, buffer_of: dict[str, str], mode
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in STATS_UPDATING_OPS:
+        if node.target in STATS_UPDATING_OPS and len(node.args) > 3 and isinstance(node.args[3], fx.Node):
             raise ModelError(f"{_module_of(node)} in {model_name} updates running statistics in forward "
                              f"({node.target}), which pipeline and tensor-parallel stages cannot keep as one process "
                              f"does; autopar keeps them for {REPLAYED} only (or use track_running_stats=False)")
