@@ -83,7 +83,6 @@ class EagerBatchNorms:
     def _synchronised(self, name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not module.training:
             return type(module).forward(module, x)
-        module._check_input_dim(x)
         out, mean, var = synchronised_batch_norm(x, module.weight, module.bias, module.eps, self.sync_group)
         stats = _ACTIVE.get()
         if stats is not None:

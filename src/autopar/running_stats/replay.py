@@ -77,45 +77,63 @@ class RunningStatsReplay:
         """[global micro-batch, per layer: (present, mean..., var...)] in float64, every replica's rows in order."""
         device = self.layers[0].running_mean.device
         width = sum(1 + 2 * layer.channels for layer in self.layers)
-        local = torch.zeros(micro_batches, width, dtype=torch.float64, device=device)
+        one, zero = (torch.full((1,), v, dtype=torch.float64, device=device) for v in (1.0, 0.0))
+        parts = []  # one concatenation, not a copy per (micro-batch, layer)
         for i in range(micro_batches):
-            offset = 0
             for layer in self.layers:
                 found = stats.values.get((layer.name, i))
-                if found is not None:
-                    local[i, offset] = 1.0
-                    local[i, offset + 1:offset + 1 + layer.channels] = found[0].reshape(-1)
-                    local[i, offset + 1 + layer.channels:offset + 1 + 2 * layer.channels] = found[1].reshape(-1)
-                offset += 1 + 2 * layer.channels
+                if found is None:
+                    parts += [zero, torch.zeros(2 * layer.channels, dtype=torch.float64, device=device)]
+                else:
+                    parts += [one, found[0].reshape(-1).to(torch.float64), found[1].reshape(-1).to(torch.float64)]
+        local = torch.cat(parts).view(micro_batches, width)
         if self.dp_size == 1:
             return local
         tagged = torch.cat([torch.full((micro_batches, 1), float(self.dp_rank), dtype=torch.float64, device=device),
                             local], dim=1)  # each part says whose it is: ordered by the sampler's dp rank
-        parts = [torch.empty_like(tagged) for _ in range(self.dp_size)]
-        dist.all_gather(parts, tagged, group=self.group)
-        by_replica = torch.stack(parts)  # [replicas, micro-batches, 1 + width]
+        gathered = [torch.empty_like(tagged) for _ in range(self.dp_size)]
+        dist.all_gather(gathered, tagged, group=self.group)
+        by_replica = torch.stack(gathered)  # [replicas, micro-batches, 1 + width]
         order = torch.argsort(by_replica[:, 0, 0])
         return by_replica[order, :, 1:].reshape(self.dp_size * micro_batches, width)
 
     @torch.no_grad()
     def _replay(self, rows: torch.Tensor, total: int) -> None:
-        offset = 0
+        """The updates of `total` micro-batches, every layer of one buffer dtype at once (one loop over the
+        micro-batches, not over layers x micro-batches: a ResNet has dozens of norms)."""
+        offsets, offset = [], 0
         for layer in self.layers:
-            c = layer.channels
-            present = rows[:, offset]
-            means, variances = rows[:, offset + 1:offset + 1 + c], rows[:, offset + 1 + c:offset + 1 + 2 * c]
-            offset += 1 + 2 * c
-            mean = layer.running_mean.reshape(-1)
-            var = layer.running_var.reshape(-1)
-            counter = layer.num_batches_tracked
-            count = (counter.to(torch.float64) if counter is not None
-                     else torch.zeros((), dtype=torch.float64, device=rows.device))
-            for g in range(total):
-                count = count + present[g]
-                factor = (torch.full_like(count, layer.momentum) if layer.momentum is not None
-                          else 1.0 / count.clamp_min(1.0))
-                factor = factor * present[g]  # a micro-batch the layer skipped changes nothing
-                mean.copy_(((1 - factor) * mean.double() + factor * means[g]).to(mean.dtype))
-                var.copy_(((1 - factor) * var.double() + factor * variances[g]).to(var.dtype))
-            if counter is not None:
-                counter.copy_(count.to(counter.dtype))
+            offsets.append(offset)
+            offset += 1 + 2 * layer.channels
+        by_dtype: dict[torch.dtype, list[tuple[_Layer, int]]] = {}
+        for layer, start in zip(self.layers, offsets):
+            by_dtype.setdefault(layer.running_mean.dtype, []).append((layer, start))
+        for dtype, group in by_dtype.items():
+            self._replay_group(rows, total, dtype, group)
+
+    @staticmethod
+    def _replay_group(rows: torch.Tensor, total: int, dtype: torch.dtype, group: list[tuple[_Layer, int]]) -> None:
+        device = rows.device
+        widths = [layer.channels for layer, _ in group]
+        layer_of_channel = torch.tensor([i for i, c in enumerate(widths) for _ in range(c)], device=device)
+        per_channel = lambda per_layer: per_layer[..., layer_of_channel]  # noqa: E731 (no host read, unlike repeat_interleave)
+        present = rows[:, [start for _, start in group]]  # [micro-batches, layers]: 0 where a layer did not run
+        means = torch.cat([rows[:, s + 1:s + 1 + layer.channels] for layer, s in group], dim=1)
+        variances = torch.cat([rows[:, s + 1 + layer.channels:s + 1 + 2 * layer.channels] for layer, s in group], dim=1)
+        mean = torch.cat([layer.running_mean.reshape(-1).double() for layer, _ in group])
+        var = torch.cat([layer.running_var.reshape(-1).double() for layer, _ in group])
+        count = torch.stack([layer.num_batches_tracked.double() if layer.num_batches_tracked is not None
+                             else torch.zeros((), dtype=torch.float64, device=device) for layer, _ in group])
+        cumulative = torch.tensor([layer.momentum is None for layer, _ in group], device=device)
+        momentum = torch.tensor([0.0 if layer.momentum is None else layer.momentum for layer, _ in group],
+                                dtype=torch.float64, device=device)
+        for g in range(total):
+            count = count + present[g]
+            factor = per_channel(torch.where(cumulative, 1.0 / count.clamp_min(1.0), momentum) * present[g])
+            mean = ((1 - factor) * mean + factor * means[g]).to(dtype).double()  # rounded as the buffer is
+            var = ((1 - factor) * var + factor * variances[g]).to(dtype).double()
+        for (layer, _), m, v, c in zip(group, mean.split(widths), var.split(widths), count):
+            layer.running_mean.copy_(m.view_as(layer.running_mean))
+            layer.running_var.copy_(v.view_as(layer.running_var))
+            if layer.num_batches_tracked is not None:
+                layer.num_batches_tracked.copy_(c)
