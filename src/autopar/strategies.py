@@ -296,7 +296,10 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
     (dataclasses.replace(strategy, dp=None, tp=1, pp=1) if searched else strategy).resolved(world)
 
     def accept(candidate: Strategy, candidate_config: TrainConfig) -> None:
-        _entry_and_check(candidate.resolved(world), candidate_config, world, custom_forward)
+        resolved = candidate.resolved(world)
+        entry, _, _ = _entry_and_check(resolved, candidate_config, world, custom_forward)
+        if model is not None:  # e.g. no --tp-subbatches for a model with BatchNorm
+            _check_running_stats(model, entry, resolved, world)
 
     strategy, config, plan = resolve_choice(strategy, config, world, model=model, example=example, plan=plan,
                                             model_name=model_name, accept=accept)
