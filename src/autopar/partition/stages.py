@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from ..dropout import checkpoint_context_fn, dropout_numbering, replace_dropout_nodes
 from ..errors import ModelError
+from ..running_stats import replace_batch_norm_nodes
 from ..trace import ModelGraph
 
 
@@ -181,6 +182,9 @@ class StageModule(nn.Module):
         self._pieces = nn.ModuleList(
             _stage_graph_module(graph, piece, names, is_last=self.is_last and piece is per_block[-1])
             for piece in per_block)
+        buffer_of = {s.arg.name: s.target for s in signature if s.kind == InputKind.BUFFER}
+        for piece in self._pieces:  # BatchNorm: statistics recorded per micro-batch, replayed after the step
+            replace_batch_norm_nodes(piece, buffer_of)
         numbering = dropout_numbering(graph.graph)  # whole-graph order: every stage numbers alike
         if numbering:
             batch = graph.example_inputs[0].shape[0]

@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..mesh import ProcessMesh, stage_rank_table
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
+from ..running_stats import GraphBatchNorm, RunningStatsReplay, batch_norm_layers
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
 from .hetero_boundary import HeteroBoundary
@@ -134,6 +135,17 @@ class PipelineEngine(EngineBase):
             self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
                                       master_weights=param_dtype != torch.float32,
                                       deferred=[p for p, _, _ in self._shared])
+        # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
+        # the stage's replicas in one process's order after each step (running_stats/)
+        # (--batchnorm sync: normalised over the stage's replicas' micro-batches together; nothing to gather)
+        momenta = {name: m.momentum for name, m in batch_norm_layers(model).items()}
+        sync = strategy.batchnorm == "sync" and mesh.dp_size > 1
+        self.running_stats = RunningStatsReplay(self.module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size,
+                                                gather=not sync)
+        for stage in self.stages.values():
+            for piece_module in stage.modules():
+                if isinstance(piece_module, GraphBatchNorm) and sync:
+                    piece_module.sync_group = mesh.group("dp")
         self.last_step = None  # the runtime's record of the last training step (timing read on demand)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
@@ -225,7 +237,8 @@ class PipelineEngine(EngineBase):
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
             self.pipe.first_stage_inputs(batch)
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
-        step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
+        with self.running_stats.step(len(batches)):
+            step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
         self.last_step = step
         if isinstance(self.sync, SHARDED):  # tied weights summed before (zero 1/2) or after (zero 3) dp
             with self.waits.timed("data_parallel"):  # (the tied sum inside it counts as data-parallel here)
