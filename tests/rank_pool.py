@@ -39,9 +39,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            outcome = (True, fn(*args, **kwargs))
         except BaseException as exc:  # report everything, including assertion errors, to the test
-            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        # a failure shared by tearing this rank's groups down (autopar/train/shared_failure.py): restart the pool
+        torn_down = not dist.is_initialized()
+        results.put((rank, *outcome, torn_down))
+        if torn_down:
+            return
         _drop_subgroups(dist)
     dist.destroy_process_group()
 
@@ -53,7 +58,7 @@ def _drop_subgroups(dist) -> None:
     clears DTensor's sharding caches, which would otherwise hand a later task's FSDP2 DTensors an earlier
     task's destroyed mesh groups (its meshes compare equal by shape)."""
     from autopar.distributed import destroy_groups, process_groups
-    if dist.is_initialized():  # (a task that tore the default group down: the pool restarts anyway)
+    if dist.is_initialized():
         destroy_groups(process_groups())
 
 
@@ -84,7 +89,8 @@ class RankPool:
         failures: dict[int, str] = {}
         try:
             for _ in range(self.world_size):
-                rank, ok, value = self._results.get(timeout=timeout)
+                rank, ok, value, torn_down = self._results.get(timeout=timeout)
+                self.broken |= torn_down
                 (results if ok else failures)[rank] = value
         except queue.Empty:
             self.broken = True

@@ -189,3 +189,42 @@ def test_partial_materialisation_allocates_only_what_is_kept():
     partial = materialize_partial(copy.deepcopy(model), keep, "cpu", seed=0)
     real = {n for n, p in partial.named_parameters(remove_duplicate=False) if not p.is_meta}
     assert real == keep | {"tok_emb.weight"}  # the tied alias of lm_head.weight
+
+
+class RotaryScaledLM(nn.Module):
+    """On meta: a non-persistent buffer its reset_parameters fills (rotary frequencies, like Falcon's
+    inv_freq) and a constant made in forward, whose value a trace on meta does not know."""
+
+    def __init__(self, width: int = 16, vocab: int = 64):
+        super().__init__()
+        self.width = width
+        self.embed = nn.Embedding(vocab, width)
+        self.register_buffer("inv_freq", torch.empty(width // 2), persistent=False)
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(3)])
+        self.head = nn.Linear(width, vocab)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq.copy_(1.0 / 10000 ** (torch.arange(0, self.width, 2).float() / self.width))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(ids.shape[1], device=ids.device)[:, None] * self.inv_freq[None]
+        x = self.embed(ids) * torch.cos(angles).repeat(1, 2)
+        residual_scale = torch.tensor([0.5], device=ids.device)  # a lifted constant
+        for layer in self.layers:
+            x = x + residual_scale * layer(x)
+        return self.head(x)
+
+
+def test_stages_of_a_meta_model_get_its_buffers_and_forward_constants_right():
+    """The re-trace that finds a forward constant's value runs on an uninitialised copy: its
+    non-persistent buffers (garbage there) must not replace the stage's initialised ones."""
+    with torch.device("meta"):
+        model = RotaryScaledLM()
+    ids = torch.randint(0, 64, SHAPE)
+    graph = trace(model, (torch.zeros(SHAPE, dtype=torch.long, device="meta"),))
+    part = partition(graph, 2, method="uniform")
+    full = materialize(copy.deepcopy(model), "cpu", seed=3)
+    stages = [part.materialize_stage(i, model, "cpu", seed=3) for i in range(2)]
+    assert torch.equal(stages[0].get_buffer("inv_freq"), full.inv_freq)
+    assert "inv_freq" not in stages[0].constants and None not in stages[-1].constants.values()
+    assert torch.equal(run_stages(stages, ids), full(ids))

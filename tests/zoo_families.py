@@ -15,7 +15,8 @@ The heads beyond tests/zoo_models.py's causal / mlm / seq2seq:
                   from its own two towers; the classifier trains CLIP's vision transformer (its
                   pre-norm, quick-gelu, class embedding) with a loss autopar computes from logits.
 
-Module level (no test code) so the rank pool's spawned workers can import it.
+Module level (no test code) so the rank pool's spawned workers can import it; tests/zoo_models.py adds
+these families to the zoo's CASES.
 """
 
 from __future__ import annotations
@@ -79,11 +80,11 @@ MORE_HF_FAMILIES: dict[str, tuple[str, dict]] = {
                                 projection_dim=32, num_labels=CLASSES)),
 }
 
-# Constructs another part of autopar is being taught, by (family, build, layout); the tests mark them xfail
-# strict, so the fix shows as an unexpected pass. tests/zoo_models.py leaves these families out of CASES.
+# Constructs another part of autopar is being taught, by zoo (case, build, layout); test_model_zoo marks them
+# strict xfails, so the fix shows as an unexpected pass.
 _FROZEN = ("Whisper's sinusoidal encoder positions are a frozen parameter (requires_grad=False); the stage "
            "builder trains it under pp and tp while one process leaves it")
-KNOWN_FAILURES = {("whisper", how, layout): _FROZEN for how in ("meta", "real") for layout in ("pp2", "tp2")}
+KNOWN_FAILURES = {("hf:whisper", how, layout): _FROZEN for how in ("meta", "real") for layout in ("pp2", "tp2")}
 
 # the token ids the batches use, where the family's are not zoo_models' (pad 0)
 PAD_IDS = {"falcon": 0, "gptj": 0, "gpt_neox": 0, "stablelm": 0, "mixtral": 0, "mistral": 0, "phi": 0,
@@ -182,66 +183,3 @@ def more_hf_data(family: str) -> list[dict]:
     if head == "speech-seq2seq":
         return speech_seq2seq(pad, DECODER_START[family])
     return labelled_images()
-
-
-# ----------------------------------------------------------------------------- training
-
-
-BUILDS = ("meta", "real")
-STEPS, GLOBAL_BATCH = 2, 8
-
-
-def build(family: str, how: str) -> nn.Module:
-    """On meta (autopar initialises it, seeded) or for real (seeded here, the same in every process)."""
-    head, widths = MORE_HF_FAMILIES[family]
-    if how == "meta":
-        with torch.device("meta"):
-            return more_hf_model(family, head, **widths)
-    torch.manual_seed(0)
-    return more_hf_model(family, head, **widths)
-
-
-def train_family(family: str, how: str, out: str, *, strategy: dict | None = None,
-                 micro_batch_size: int = GLOBAL_BATCH) -> dict:
-    """Train `family` built `how` for STEPS steps through autopar.Trainer (on every rank of a pool): the
-    per-step losses and this rank's parameters by name (tp slices gathered)."""
-    import autopar
-    from helpers import whole_parameters
-
-    config = autopar.TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size,
-                                 lr=1e-3, warmup_steps=0, adam_eps=1e-6, out=out, progress=False, timeout_s=60)
-    trainer = autopar.Trainer(build(family, how), more_hf_data(family), strategy=autopar.Strategy(**(strategy or {})),
-                              config=config)
-    try:
-        result = trainer.train()
-        return {"losses": result.losses, "params": whole_parameters(trainer)}
-    finally:
-        trainer.close()
-
-
-def train_families(cases: list[tuple[str, str]], out: str, **kwargs: Any) -> dict:
-    """`train_family` for many (family, build) cases in one pool task (one start-up for all). A failing case is
-    reported by its error (type, message, whether autopar raised it, whether a step ran), not raised; the cases
-    after it are not run (a rank that failed may have left its peers mid-collective) and say so."""
-    import os
-    import traceback
-
-    import autopar
-
-    results: dict = {}
-    failed = None
-    for family, how in cases:
-        if failed is not None:
-            results[(family, how)] = {"error": f"not run: {failed} failed before it in the same batch"}
-            continue
-        folder = os.path.join(out, f"{family}-{how}")
-        try:
-            results[(family, how)] = train_family(family, how, folder, **kwargs)
-        except Exception as exc:  # judged by the test
-            metrics = os.path.join(folder, "metrics.jsonl")
-            stepped = os.path.exists(metrics) and bool(open(metrics).read().strip())
-            results[(family, how)] = {"error": f"{type(exc).__name__}: {exc}", "stepped": stepped,
-                                      "autopar_error": isinstance(exc, autopar.AutoparError),
-                                      "traceback": traceback.format_exc()[-4000:]}
-            failed = f"{family} ({how})"
-    return results

@@ -1,19 +1,23 @@
 """The model zoo of tests/test_model_zoo.py: models as people build them, and their batches.
 
-Hugging Face families come from `AutoConfig.for_model(family, ...)` with only tiny widths
-(and, where a default id lies outside a tiny vocabulary, the pad/bos/eos ids) set: their
-default dropout and `use_cache` are kept, and they are built on meta like autopar's `hf:`
-models. The user modules are ordinary PyTorch: a Sequential stack, a ViT with bare
-parameters, a U-Net built for real, a classifier with its own loss, a model with two inputs
-and one whose blocks differ. Every dataset is a small in-memory list of dicts, padded with
-attention masks wherever the model takes them, drawn from a fixed seed so every rank and
-every run sees the same samples.
+A case's `build` constructs the model on the current default device; `construct` builds it
+the two ways users do: on meta (autopar materialises it, as for its `hf:` models) and for
+real (seeded, on CPU, the README's default). Hugging Face families come from
+`AutoConfig.for_model(family, ...)` with only tiny widths (and, where a default id lies
+outside a tiny vocabulary, the pad/bos/eos ids) set: their default dropout and `use_cache`
+are kept. The user modules are ordinary PyTorch: a Sequential stack, a ViT with bare
+parameters, a U-Net on float images, a classifier with its own loss, a model with two
+inputs, one whose blocks differ, and a nanoGPT-style GPT (fused qkv, tril mask buffer, tied
+head, init in its constructor). Every dataset is a small in-memory list of dicts, padded
+with attention masks wherever the model takes them, drawn from a fixed seed so every rank
+and every run sees the same samples.
 
 Module level (no test code) so the rank pool's spawned workers can import it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +39,8 @@ DROPOUT = 0.1  # the user modules' default, like most published models
 
 
 def hf_model(family: str, head: str, **widths: Any) -> nn.Module:
-    """`family` from its default config with only `widths` changed, built on meta with `head`."""
+    """`family` from its default config with only `widths` changed, with `head`, built on the
+    current default device (the harness chooses meta or real, see `construct`)."""
     import transformers
     from autopar.models.hf import quiet_transformers
 
@@ -43,8 +48,7 @@ def hf_model(family: str, head: str, **widths: Any) -> nn.Module:
             "seq2seq": transformers.AutoModelForSeq2SeqLM}[head]
     with quiet_transformers(transformers):
         config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, **widths)
-        with torch.device("meta"):
-            return auto.from_config(config)
+        return auto.from_config(config)
 
 
 _DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -220,6 +224,8 @@ class ViT(nn.Module):
         self.drop = nn.Dropout(DROPOUT)
         self.blocks = nn.ModuleList([Block(width, causal=False, qkv="timm") for _ in range(layers)])
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, classes)
+        if callable(self.reset_parameters):  # built for real, the bare parameters get values here
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.cls_token, std=0.02)
@@ -242,7 +248,7 @@ class ViTWithoutInit(ViT):
 
 class UNet(nn.Module):
     """A small U-Net: two down levels, a bottleneck, two up levels joined to the down levels by
-    long skips (concatenation), on float images; built for real, not on meta."""
+    long skips (concatenation), on float images."""
 
     def __init__(self, channels: int = 8):
         super().__init__()
@@ -339,6 +345,88 @@ class MixedBlocksLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class NanoAttention(nn.Module):
+    """Causal self-attention as nanoGPT writes it: one fused `c_attn` cut into q, k and v, the
+    mask a registered lower-triangular buffer, dropout on the softmax matrix, and heads merged
+    back with `transpose(1, 2).contiguous().view(B, T, C)`."""
+
+    def __init__(self, width: int, heads: int, context: int):
+        super().__init__()
+        self.heads, self.width = heads, width
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(DROPOUT), nn.Dropout(DROPOUT)
+        self.register_buffer("bias", torch.tril(torch.ones(context, context)).view(1, 1, context, context))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.width, dim=2)
+        q, k, v = (y.view(B, T, self.heads, C // self.heads).transpose(1, 2) for y in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        scores = scores.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        weights = self.attn_dropout(F.softmax(scores, dim=-1))
+        y = (weights @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(DROPOUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, width: int, heads: int, context: int):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(width), NanoAttention(width, heads, context)
+        self.ln_2, self.mlp = nn.LayerNorm(width), NanoMLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """A GPT in the nanoGPT style: its parts in an nn.ModuleDict, learned positions from
+    `torch.arange(t, device=idx.device)`, the token embedding tied to the head, and
+    initialisation done in the constructor: `self.apply(self._init_weights)`, then every
+    residual projection (`c_proj.weight`, found by name) drawn again with a smaller spread
+    scaled by depth."""
+
+    def __init__(self, layers: int = 4, width: int = 32, heads: int = 4, context: int = SEQ):
+        super().__init__()
+        self.layers = layers
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, width), wpe=nn.Embedding(context, width), drop=nn.Dropout(DROPOUT),
+            h=nn.ModuleList([NanoBlock(width, heads, context) for _ in range(layers)]), ln_f=nn.LayerNorm(width)))
+        self.lm_head = nn.Linear(width, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied: one matrix reads tokens in and scores them out
+        self.apply(self._init_weights)
+        for name, parameter in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.size()
+        positions = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
 def images(seed: int = 4) -> list[dict]:
     """Float images and their (fixed random) classes."""
     g = _generator(seed)
@@ -384,88 +472,123 @@ def mse_loss(output: torch.Tensor, batch: dict) -> torch.Tensor:
     return F.mse_loss(output, batch["labels"])
 
 
-def _on_meta(cls: type) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        with torch.device("meta"):
-            return cls()
-    return build
-
-
-def _for_real(cls: type) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        torch.manual_seed(0)  # the same weights in every process
-        return cls()
-    return build
-
-
 # ----------------------------------------------------------------------------- the cases
+
+BUILDS = ("meta", "real")
 
 
 @dataclass(frozen=True)
 class Case:
+    """A zoo model: `build` constructs it on the current default device (no arguments), `data`
+    gives its samples. `only`: the one build the case has, and `why` says why not the other."""
+
     build: Callable[[], nn.Module]
     data: Callable[[], list[dict]]
     loss_fn: Callable | None = None  # None: autopar's token cross-entropy against labels
+    only: str | None = None
+    why: str = ""
+    meta_init: Callable[[nn.Module], None] | None = None  # the meta build's Trainer(init_fn=...), if it needs one
+
+    @property
+    def builds(self) -> tuple[str, ...]:
+        return BUILDS if self.only is None else (self.only,)
+
+
+def construct(case: Case, build: str) -> nn.Module:
+    """Build `case` the way users do: on meta (autopar materialises it) or for real, seeded, so
+    every process holds the same weights."""
+    if build == "meta":
+        with torch.device("meta"):
+            return case.build()
+    if build == "real":
+        torch.manual_seed(0)
+        return case.build()
+    raise ValueError(f"build {build!r}: one of {BUILDS}")
+
+
+def _hf_case(family: str) -> Case:
+    head, widths = HF_FAMILIES[family]
+    return Case(lambda: hf_model(family, head, **widths), lambda: hf_data(family))
 
 
 USER_CASES: dict[str, Case] = {
-    "sequential-lm": Case(_on_meta(SequentialLM), plain_lm),
-    "vit-bare-params": Case(_on_meta(ViT), images),
-    "unet-real-float": Case(_for_real(UNet), denoising, mse_loss),
-    "classifier-custom-loss": Case(_on_meta(TextClassifier), classes, smoothed_class_loss),
-    "two-input-lm": Case(_on_meta(TwoInputLM), featured_lm),
-    "mixed-blocks-lm": Case(_on_meta(MixedBlocksLM), plain_lm),
+    "sequential-lm": Case(SequentialLM, plain_lm),
+    "vit-bare-params": Case(ViT, images),
+    "unet-float": Case(UNet, denoising, mse_loss),
+    "classifier-custom-loss": Case(TextClassifier, classes, smoothed_class_loss),
+    "two-input-lm": Case(TwoInputLM, featured_lm),
+    "mixed-blocks-lm": Case(MixedBlocksLM, plain_lm),
+    # on meta its constructor's init (c_proj re-drawn by name) is replayed (without it: REFUSED_CASES)
+    "nanogpt": Case(NanoGPT, plain_lm, meta_init=autopar.replay_init(NanoGPT)),
 }
 
 CASES: dict[str, Case] = {
-    **{f"hf:{family}": Case(lambda f=family: hf_model(f, HF_FAMILIES[f][0], **HF_FAMILIES[f][1]),
-                            lambda f=family: hf_data(f)) for family in HF_FAMILIES},
+    **{f"hf:{family}": _hf_case(family) for family in HF_FAMILIES},
     **USER_CASES,
 }
 
-# tests/zoo_families.py: more families (built on meta here; tests/test_zoo_families.py runs them built both ways)
-from zoo_families import KNOWN_FAILURES as _MORE_FAILING, MORE_HF_FAMILIES, more_hf_data  # noqa: E402
-from zoo_families import build as _build_more  # noqa: E402
-CASES.update({f"hf:{f}": Case(lambda f=f: _build_more(f, "meta"), lambda f=f: more_hf_data(f))
-              for f in MORE_HF_FAMILIES if not any(k[0] == f for k in _MORE_FAILING)})
+# tests/zoo_families.py: 18 more families, with the batches of the heads they add
+from zoo_families import MORE_HF_FAMILIES, more_hf_data, more_hf_model  # noqa: E402
+CASES.update({f"hf:{f}": Case(lambda f=f: more_hf_model(f, MORE_HF_FAMILIES[f][0], **MORE_HF_FAMILIES[f][1]),
+                              lambda f=f: more_hf_data(f)) for f in MORE_HF_FAMILIES})
 
 REFUSED_CASES: dict[str, Case] = {
     # on meta with no rule for cls_token/pos_embed: a clear error naming them, never NaN losses
-    "vit-without-init": Case(_on_meta(ViTWithoutInit), images),
+    "vit-without-init": Case(ViTWithoutInit, images, only="meta", why="for real its bare parameters hold garbage"),
     # 3 heads: tp=2 cannot split attention, which the README promises is a clear error
     "hf:gpt2-3-heads": Case(lambda: hf_model("gpt2", "causal", **{**HF_FAMILIES["gpt2"][1], "n_embd": 48, "n_head": 3}),
                             lambda: hf_data("gpt2")),
+    # on meta with no init_fn, an init done in the constructor (apply(_init_weights), then c_proj
+    # re-drawn by name) is refused rather than half-done; CASES["nanogpt"] passes replay_init
+    "nanogpt": Case(NanoGPT, plain_lm, only="meta", why="built for real, or with replay_init, it is in CASES"),
 }
 
 STEPS = 2
 GLOBAL_BATCH = 8
 
 
-def train_case(name: str, out: str, *, strategy: dict | None = None, micro_batch_size: int = GLOBAL_BATCH) -> dict:
-    """Train zoo case `name` for STEPS steps through autopar.Trainer (runs on every rank of a pool).
-
-    Returns the per-step losses and this rank's parameters by name (tp slices gathered)."""
+def train_case(name: str, build: str, out: str, *, strategy: dict | None = None,
+               micro_batch_size: int = GLOBAL_BATCH, refused: bool = False) -> dict:
+    """Train zoo case `name`, built `build`, for STEPS steps through autopar.Trainer (runs on every
+    rank of a pool). Returns the per-step losses and this rank's parameters by name (tp slices gathered)."""
     from helpers import whole_parameters
 
-    case = CASES[name] if name in CASES else REFUSED_CASES[name]
+    case = (REFUSED_CASES if refused else CASES)[name]
     # adam_eps 1e-6, not 1e-8: a gradient that is zero up to rounding (a key bias, whose gradient softmax's
     # shift invariance makes exactly zero; a pad row) is ~1e-9 here, and Adam divides it by its own root, so
     # with eps 1e-8 rounding noise moves such a weight by a good part of lr (1e-4 seen on an AMD EPYC in
     # vit tp2); 1e-6 leaves every real gradient (>= 1e-5 here) normalised as before.
     config = autopar.TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size,
                                  lr=1e-3, warmup_steps=0, adam_eps=1e-6, out=out, progress=False, timeout_s=60)
-    trainer = autopar.Trainer(case.build(), case.data(),
-                              strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn)
-    result = trainer.train()
-    got = {"losses": result.losses, "params": whole_parameters(trainer)}
-    trainer.close()
-    return got
+    trainer = autopar.Trainer(construct(case, build), case.data(),
+                              strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn,
+                              init_fn=case.meta_init if build == "meta" else None)
+    try:
+        result = trainer.train()
+        return {"losses": result.losses, "params": whole_parameters(trainer)}
+    finally:
+        trainer.close()
+
+
+def train_cases(jobs: list[tuple[str, str]], out: str, **kwargs: Any) -> dict[tuple[str, str], dict]:
+    """Train every (case, build) of `jobs` in one pool task (starting a task costs more than a tiny
+    model's 2 steps). A case that raises gives {"error": traceback} and the next case still runs."""
+    import traceback
+
+    results = {}
+    for index, (name, build) in enumerate(jobs):
+        try:
+            results[name, build] = train_case(name, build, str(Path(out) / str(index)), **kwargs)
+        except Exception as exc:  # the test of that case reports it
+            results[name, build] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+    return results
 
 
 def refusal(name: str, out: str, *, strategy: dict | None = None, micro_batch_size: int = GLOBAL_BATCH) -> dict:
-    """Train a case that must be refused: the error (type and message) and whether any step ran."""
+    """Train a case of REFUSED_CASES that must be refused: the error (type and message) and whether any step ran."""
     try:
-        train_case(name, out, strategy=strategy, micro_batch_size=micro_batch_size)
+        train_case(name, REFUSED_CASES[name].builds[0], out, strategy=strategy, micro_batch_size=micro_batch_size,
+                   refused=True)
     except Exception as exc:  # the test judges the type
         metrics = Path(out) / "metrics.jsonl"
         return {"error": type(exc).__name__, "autopar_error": isinstance(exc, autopar.AutoparError),

@@ -28,6 +28,7 @@ from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpo
 from .pipeline.async_stash_engine import PipeDreamStashEngine
 from .pipeline.async_schedules import check_no_flush
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
+from .running_stats import check_batch_norm_subbatches, check_running_stats
 from .search.auto import Example, Plan, resolve_choice
 from .search.cluster import cluster_for_ranks
 from .sparse.engine import SparseEmbeddingEngine, SparseOptions, check_sparse_setup
@@ -295,13 +296,28 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
     (dataclasses.replace(strategy, dp=None, tp=1, pp=1) if searched else strategy).resolved(world)
 
     def accept(candidate: Strategy, candidate_config: TrainConfig) -> None:
-        _entry_and_check(candidate.resolved(world), candidate_config, world, custom_forward)
+        resolved = candidate.resolved(world)
+        entry, _, _ = _entry_and_check(resolved, candidate_config, world, custom_forward)
+        if model is not None:  # e.g. no --tp-subbatches for a model with BatchNorm
+            _check_running_stats(model, entry, resolved, world)
 
     strategy, config, plan = resolve_choice(strategy, config, world, model=model, example=example, plan=plan,
                                             model_name=model_name, accept=accept)
     strategy = strategy.resolved(world)
     entry, config, accumulation = _entry_and_check(strategy, config, world, custom_forward)
+    if model is not None:
+        _check_running_stats(model, entry, strategy, world)
     return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation, plan=plan)
+
+
+REPLAYING_ENTRIES = ("pipeline", "zero-3", "data-parallel")  # their engines keep BatchNorm statistics exactly
+
+
+def _check_running_stats(model: nn.Module, entry: StrategyEntry, strategy: Strategy, world: int) -> None:
+    """Layers with running statistics the chosen strategy cannot keep as one process does: refused here."""
+    layout = f"strategy {entry.name} (dp={strategy.dp} tp={strategy.stage_tp or strategy.tp} pp={strategy.pp})"
+    check_running_stats(model, layout=layout, replays=entry.name in REPLAYING_ENTRIES, processes=world)
+    check_batch_norm_subbatches(model, strategy.tp_subbatches)
 
 
 def _entry_and_check(strategy: Strategy, config: TrainConfig, world: int,

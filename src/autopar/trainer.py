@@ -48,10 +48,11 @@ from .train.faults import Fault
 from .train.fields import example_call
 from .train.interrupt import StopRequest
 from .train.resume import agree_on_resume_checkpoint
+from .train.shared_failure import failures_shared, run_set_up
 from .train.loss import (Batch, LossFn, align_labels, as_batch, default_forward, label_shift, main_input, target_count,
                          tokens_in)
 from .train.metrics import MetricsLog, Progress, peak_memory_bytes
-from .train.optim import build_scheduler
+from .train.optim import build_scheduler, check_trainable
 from .train.run_folder import config_toml, log_restart, non_finite_message, truncate_metrics, write_run_folder
 from .train.watchdog import Watchdog
 from .timing import StepTimer
@@ -113,6 +114,7 @@ class Trainer:
 
     def _validate(self) -> Resolved:
         """Every check that needs no communication (strategies.resolve), so each rank fails the same way, early."""
+        check_trainable(self.model)
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
         if self.strategy.confirm and self.plan is None and not self.strategy.plan:
             raise ConfigError(f"--confirm {self.strategy.confirm} runs the top plans as separate short jobs, which "
@@ -376,7 +378,7 @@ class Trainer:
             destroy_groups(groups)
 
     def _train(self) -> TrainResult:
-        self._setup()
+        run_set_up(self._setup, model=self.model, timeout_s=self.config.timeout_s, forget=self._forget_engine)
         if self.loop is not None:  # e.g. the parameter server: servers serve, workers run ahead
             return self.loop(self)
         cfg = self.config
@@ -405,7 +407,7 @@ class Trainer:
         watchdog = Watchdog(cfg.hang_timeout_s, rank=rank, run_dir=self.run_dir)
         timer = StepTimer(self.device)  # CUDA events on GPU: timing adds no host wait
         try:
-            with stop_request, watchdog:
+            with stop_request, watchdog, failures_shared(lambda: watchdog.phase, forget=self._forget_engine):
                 seconds: dict[int, float] = {}  # step number -> this rank's time for it (its own call)
                 for step in range(start, cfg.steps):
                     watchdog.progress(f"step {step + 1}")
@@ -475,8 +477,16 @@ class Trainer:
         finally:
             progress.close()
             metrics.close()
-            self.engine.close()
+            if hasattr(self, "engine"):  # (gone after a failure: _forget_engine)
+                self.engine.close()
         return self.close_run(result)
+
+    def _forget_engine(self) -> None:
+        """After a failure: drop what holds this run's process groups, so they can be torn down (shared_failure)."""
+        with contextlib.suppress(Exception):  # (no engine yet; or closing it fails too: the failure is the report)
+            self.__dict__.pop("engine").close()
+        for name in ("mesh", "dp_group", "optimizer", "scheduler", "deferred"):
+            self.__dict__.pop(name, None)
 
     def _discard_fresh_run_dir(self) -> None:
         """A run that fails before its first step leaves no run folder behind (unless it existed before)."""

@@ -45,6 +45,7 @@ from .strategy import (  # noqa: F401 (re-exported: autopar.config is where call
     SEARCH_MODES,
     ZERO_LEVELS,
     DTYPES,
+    BATCHNORM_MODES,
     BOUNDARY_TRANSFERS,
     STAGE_TP_SCHEDULES,
     Strategy,

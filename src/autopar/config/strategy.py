@@ -34,6 +34,9 @@ ZERO_LEVELS = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "bf16-autocast")
 # How pipeline boundary tensors move (pipeline/hetero_boundary.py; the methods are resharding/planner.py's).
 BOUNDARY_TRANSFERS = ("direct", "send_recv", "scatter_gather", "broadcast", "auto")
+# BatchNorm statistics (running_stats/): exact is one process's over the same micro-batches; sync normalises
+# with the statistics of the replicas' micro-batches together (torch's SyncBatchNorm).
+BATCHNORM_MODES = ("exact", "sync")
 
 
 @dataclass(kw_only=True)
@@ -69,6 +72,12 @@ class Strategy:
                                   "compute (Merak); must divide the micro-batch size")
     zero: int = _f(0, "ZeRO level over each dp group: 0 (replicated), 1 (optimizer state sharded), 2 (and "
                       "gradients), 3 (and parameters, FSDP2; dp only)")
+    batchnorm: str = _f("exact", f"BatchNorm statistics: {'|'.join(BATCHNORM_MODES)}. exact: one process's over the "
+                                 "same micro-batches (each normalised with its own statistics; the running buffers "
+                                 "updated once per micro-batch of the global batch, in order, on every rank). sync: "
+                                 "micro-batch i of every replica normalised together, with their joint statistics "
+                                 "(as torch's SyncBatchNorm, on any device; one process running dp x the "
+                                 "micro-batch size when each replica has one micro-batch)")
     # How data-parallel replicas combine their work (synchronous all-reduce by default).
     dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
                                    "average with neighbours only) | async (parameter server, bounded staleness)")
@@ -115,6 +124,9 @@ class Strategy:
         if self.boundary not in BOUNDARY_TRANSFERS:
             raise ConfigError(f"strategy.boundary (--boundary) must be one of {choices(BOUNDARY_TRANSFERS)}, "
                               f"got {self.boundary!r}")
+        if self.batchnorm not in BATCHNORM_MODES:
+            raise ConfigError(f"strategy.batchnorm (--batchnorm) must be one of {choices(BATCHNORM_MODES)}, "
+                              f"got {self.batchnorm!r}")
         if self.stage_tp is not None:
             return self._resolved_stage_tp(world_size)
         for name in ("tp", "pp"):

@@ -32,6 +32,7 @@ class DropoutScope:
     micro_batches: tuple[tuple[int, ...], ...]
     samples: torch.Tensor | None = None  # int64 [B]: the current micro-batch's global sample indices
     scan_random_ops: bool = False  # check every aten operation of a model run whole for draws (eager.py)
+    index: int | None = None  # which of the step's micro-batches (its position in `micro_batches`)
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
     # per-element hashes by layout, shared by the step's micro-batches (they depend on shapes only)
     element_keys: dict = field(default_factory=dict, compare=False, repr=False)
@@ -78,7 +79,7 @@ def micro_batch(index: int):
         raise RuntimeError(f"micro-batch {index} is outside the step's {len(scope.micro_batches)} micro-batches")
     samples = torch.tensor(scope.micro_batches[index], dtype=torch.int64)
     return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples, scope.scan_random_ops,
-                                  element_keys=scope.element_keys))
+                                  index, element_keys=scope.element_keys))
 
 
 def checkpoint_context_fn():

@@ -114,8 +114,9 @@ class GossipEngine(EngineBase):
         self.links = links or Links(LinkModel(), group=group, timeout_s=timeout_s)
         global_ranks = [dist.get_global_rank(group, i) for i in range(self.replicas)]
         self.mixer = GossipMixer(self.topology, self.links, mesh.dp_rank, global_ranks)
-        self.flat = FlatParameters(self.module.parameters())
-        self.params = [p for p in self.flat.params if p.requires_grad]  # gradients stay local
+        # only trainable parameters are mixed: frozen ones are equal on every replica and never change
+        self.flat = FlatParameters(p for p in self.module.parameters() if p.requires_grad)
+        self.params = self.flat.params  # gradients stay local
         self.group = group
         self._combine_pending = False  # atc: the optimizer stepped, neighbours not yet combined
         self._version = 0

@@ -91,8 +91,10 @@ class Partition:
         """
         source = materialize_partial(copy.deepcopy(model), set(self.specs[index].params), device, seed=seed)
         stage = self.build_stage(index)
-        if any(v is None for v in stage.constants.values()):
-            stage.constants.update(lifted_constant_values(model, self.graph, torch.device(device)))
+        unknown = [fqn for fqn, value in stage.constants.items() if value is None]
+        if unknown:  # only those: the re-trace's copy holds no init, so its buffers are garbage
+            values = lifted_constant_values(model, self.graph, torch.device(device))
+            stage.constants.update({fqn: values[fqn] for fqn in unknown if fqn in values})
         return materialize_stage(stage, source)
 
     def layers_per_stage(self) -> list[int]:

@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from ..dropout import checkpoint_context_fn, dropout_numbering, replace_dropout_nodes
 from ..errors import ModelError
+from ..running_stats import replace_batch_norm_nodes
 from ..trace import ModelGraph
 
 
@@ -120,7 +121,9 @@ def _check_crossings(graph: ModelGraph, specs: list[StageSpec]) -> None:
 # ---------------------------------------------------------------------------- modules
 
 
-def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True) -> None:
+def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool, persistent: bool = True,
+                 requires_grad: bool = True) -> None:
+    """Register `value` at `fqn`; a parameter keeps the model's `requires_grad` (a frozen one stays frozen)."""
     *path, leaf = fqn.split(".")
     module = root
     for part in path:
@@ -130,7 +133,7 @@ def _set_by_path(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool
     if buffer:
         module.register_buffer(leaf, value, persistent=persistent)
     else:
-        module.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
+        module.register_parameter(leaf, nn.Parameter(value, requires_grad=requires_grad and value.is_floating_point()))
 
 
 class StageModule(nn.Module):
@@ -157,7 +160,9 @@ class StageModule(nn.Module):
         persistent = {s.target: s.kind == InputKind.BUFFER and s.persistent is not False for s in signature}
         state = graph.exported.state_dict
         for fqn in spec.params:
-            _set_by_path(self, fqn, torch.empty_like(state[graph.export_name(fqn)], device="meta"), buffer=False)
+            traced = state[graph.export_name(fqn)]  # the model's Parameter: its requires_grad is the user's
+            _set_by_path(self, fqn, torch.empty_like(traced, device="meta"), buffer=False,
+                         requires_grad=traced.requires_grad)
         # lifted tensor constants (made in forward): their values, for materialize_stage; None where the
         # trace on meta knows only the shape (see lifted_constant_values)
         self.constants: dict[str, torch.Tensor | None] = {}
@@ -178,6 +183,9 @@ class StageModule(nn.Module):
         self._pieces = nn.ModuleList(
             _stage_graph_module(graph, piece, names, is_last=self.is_last and piece is per_block[-1])
             for piece in per_block)
+        buffer_of = {s.arg.name: s.target for s in signature if s.kind == InputKind.BUFFER}
+        for piece in self._pieces:  # BatchNorm: statistics recorded per micro-batch, replayed after the step
+            replace_batch_norm_nodes(piece, buffer_of)
         numbering = dropout_numbering(graph.graph)  # whole-graph order: every stage numbers alike
         if numbering:
             batch = graph.example_inputs[0].shape[0]
@@ -278,18 +286,18 @@ def lifted_constant_values(model: nn.Module, graph: ModelGraph, device: torch.de
     A trace on meta knows only their shapes, so the model is traced once more with its
     tensors on `device`: this costs an uninitialised copy of the whole model there, paid only
     by models that make such constants. Names agree because the same code runs in the same order.
+    Only constants made in forward are returned: the exported program keeps non-persistent
+    buffers (rotary inv_freq) among its constants too, and the copy's are uninitialised memory.
     """
     from ..trace import trace
     real = copy.deepcopy(model).to_empty(device=device)
     zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
     again = trace(real, tuple(zeros(a) for a in graph.example_args),
                   {k: zeros(v) for k, v in graph.example_kwargs.items()})
-    # only the constants made in forward: the copy's buffers (non-persistent ones sit with the constants too) were
-    # never initialised, and the stage takes those from the materialised model
-    made = {spec.target for spec in again.exported.graph_signature.input_specs
-            if spec.kind == InputKind.CONSTANT_TENSOR}
+    made_in_forward = {s.target for s in again.exported.graph_signature.input_specs
+                       if s.kind == InputKind.CONSTANT_TENSOR}
     return {k: v.detach().clone() for k, v in again.exported.constants.items()
-            if k in made and isinstance(v, torch.Tensor) and not v.is_meta}
+            if k in made_in_forward and isinstance(v, torch.Tensor) and not v.is_meta}
 
 
 def _swap_device(value: Any, device: torch.device, traced: torch.device) -> Any:

@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..mesh import ProcessMesh, stage_rank_table
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
+from ..running_stats import GraphBatchNorm, RunningStatsReplay, batch_norm_layers
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
 from .hetero_boundary import HeteroBoundary
@@ -62,7 +63,7 @@ class LocalStages(nn.Module):
                 try:
                     existing = self.get_parameter(name)
                 except AttributeError:
-                    _set_by_path(self, name, p.data, buffer=False)
+                    _set_by_path(self, name, p.data, buffer=False, requires_grad=p.requires_grad)
                     if adopt:
                         _assign(self, name, p)
                     existing = self.get_parameter(name)
@@ -134,6 +135,17 @@ class PipelineEngine(EngineBase):
             self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
                                       master_weights=param_dtype != torch.float32,
                                       deferred=[p for p, _, _ in self._shared])
+        # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
+        # the stage's replicas in one process's order after each step (running_stats/)
+        # (--batchnorm sync: normalised over the stage's replicas' micro-batches together; nothing to gather)
+        momenta = {name: m.momentum for name, m in batch_norm_layers(model).items()}
+        sync = strategy.batchnorm == "sync" and mesh.dp_size > 1
+        self.running_stats = RunningStatsReplay(self.module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size,
+                                                gather=not sync)
+        for stage in self.stages.values():
+            for piece_module in stage.modules():
+                if isinstance(piece_module, GraphBatchNorm) and sync:
+                    piece_module.sync_group = mesh.group("dp")
         self.last_step = None  # the runtime's record of the last training step (timing read on demand)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
@@ -164,6 +176,13 @@ class PipelineEngine(EngineBase):
                                            + "\n(budget per pipeline rank, from --memory-budget-mb)\n")
         return files
 
+    def _trained_ties(self) -> list[tuple[str, list[int]]]:
+        """(name, owning stages) of the parameters read by several stages whose gradients are summed between
+        them: a frozen one (requires_grad False, as the model's single Parameter says on every rank) has none."""
+        graph = self.partition.graph
+        return [(fqn, stages) for fqn, stages in sorted(self.partition.shared.items())
+                if graph.exported.state_dict[graph.export_name(fqn)].requires_grad]
+
     def _shared_groups(self, device: torch.device, placement: str,
                        timeout_s: float) -> list[tuple[nn.Parameter, Any, bool]]:
         """One group per tied parameter whose owning stages sit on different pp ranks."""
@@ -172,7 +191,7 @@ class PipelineEngine(EngineBase):
         coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
         backend = backend_for(device.type)
         result = []
-        for fqn, owner_stages in sorted(self.partition.shared.items()):
+        for fqn, owner_stages in self._trained_ties():
             pp_ranks = sorted({stage_to_rank(s, self.pp, self.num_stages, placement) for s in owner_stages})
             if len(pp_ranks) < 2:
                 continue
@@ -197,7 +216,7 @@ class PipelineEngine(EngineBase):
         """
         table, backend = self.mesh.table, backend_for(device.type)
         result, self._tied_names = [], {}
-        for fqn, owner_stages in sorted(self.partition.shared.items()):
+        for fqn, owner_stages in self._trained_ties():
             owners = sorted(set(owner_stages))
             if len(owners) < 2:
                 continue
@@ -218,7 +237,8 @@ class PipelineEngine(EngineBase):
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
             self.pipe.first_stage_inputs(batch)
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
-        step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
+        with self.running_stats.step(len(batches)):
+            step = self.runtime.run(self.actions, batches, loss_fn=loss_fn, record=True, sync_context=sync)
         self.last_step = step
         if isinstance(self.sync, SHARDED):  # tied weights summed before (zero 1/2) or after (zero 3) dp
             with self.waits.timed("data_parallel"):  # (the tied sum inside it counts as data-parallel here)

@@ -32,6 +32,9 @@ import torch
 from torch import nn
 
 from ..dropout import micro_batch
+from ..errors import AutoparError, ModelError
+from ..trace.failure import describe_node, failing_node
+from ..train.shared_failure import lost_peer
 from ..timing import Clock, WaitTally
 from .actions import Action, Op, stage_to_rank
 from .p2p import P2P, Pending
@@ -243,8 +246,17 @@ class PipelineRuntime:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def _forward(self, stage: int, x: tuple, batch: dict, loss_fn: Callable[[Any, dict], torch.Tensor]) -> tuple:
-        with self.autocast():
-            out = self.stages[stage](*x)
+        try:
+            with self.autocast():
+                out = self.stages[stage](*x)
+        except Exception as exc:
+            node = None if isinstance(exc, AutoparError) or lost_peer(exc) else failing_node(exc)
+            if node is None:  # not an op of the model's graph (a peer went away, an autopar check): as it is
+                raise
+            raise ModelError(f"stage {stage} of {self.num_stages} failed at run time in {describe_node(node)}: "
+                             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                             f"; the op traced on fake values and fails on real ones: run the model on the same "
+                             f"batch in one process to reproduce it, and fix it in the model") from exc
         if stage == self.num_stages - 1:
             return (loss_fn(out, batch),)
         return out

@@ -66,6 +66,8 @@ class TwoWeightVersions(nn.Module):
         t = int(self.step)
         leaves = self._leaves.get(t)
         for i, p in enumerate(self._params):
+            if not p.requires_grad:  # frozen: no gradient to hand on
+                continue
             grad = leaves[i].grad if leaves is not None else None
             p.grad = grad if grad is not None else torch.zeros_like(p)
 
@@ -172,6 +174,8 @@ class StashedVersions:
         """Micro-batch `microbatch`'s gradient (on its leaves) becomes the Parameters' .grad; its stash is dropped."""
         _, leaves = self._leaves.pop(microbatch, (None, None))
         for i, p in enumerate(self._params):
+            if not p.requires_grad:  # frozen: no gradient to hand on
+                continue
             grad = leaves[i].grad if leaves is not None else None
             p.grad = grad if grad is not None else torch.zeros_like(p)
 

@@ -88,7 +88,9 @@ def classify_tables(model: nn.Module, run_forward: Callable[[], None], *, thresh
         rows = int(touched[path].sum())
         density = rows / max(1, m.num_embeddings)
         ties = _other_uses(model, m, path)
-        if ties:
+        if not m.weight.requires_grad:
+            sparse, reason = False, "frozen (requires_grad False): no gradient, nothing to exchange; kept as it is"
+        elif ties:
             sparse, reason = False, f"tied to {ties[0]}: its gradient is dense, so it stays in the all-reduce"
         elif m.max_norm is not None:
             sparse, reason = False, "max_norm renormalises rows on read; kept dense"

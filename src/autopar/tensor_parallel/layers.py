@@ -73,8 +73,9 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group = group
         start, part = _shard(weight.shape[0], group, "out_features")
-        self.weight = nn.Parameter(weight.detach()[start:start + part].clone())
-        self.bias = nn.Parameter(bias.detach()[start:start + part].clone()) if bias is not None else None
+        self.weight = nn.Parameter(weight.detach()[start:start + part].clone(), requires_grad=weight.requires_grad)
+        self.bias = (nn.Parameter(bias.detach()[start:start + part].clone(), requires_grad=bias.requires_grad)
+                     if bias is not None else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup) -> ColumnParallelLinear:
@@ -91,8 +92,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group = group
         start, part = _shard(weight.shape[1], group, "in_features")
-        self.weight = nn.Parameter(weight.detach()[:, start:start + part].clone())
-        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        self.weight = nn.Parameter(weight.detach()[:, start:start + part].clone(), requires_grad=weight.requires_grad)
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad) if bias is not None else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup) -> RowParallelLinear:
@@ -111,7 +112,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.start, part = _shard(weight.shape[0], group, "vocab_size")
         self.end = self.start + part
-        self.weight = nn.Parameter(weight.detach()[self.start:self.end].clone())
+        self.weight = nn.Parameter(weight.detach()[self.start:self.end].clone(), requires_grad=weight.requires_grad)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: dist.ProcessGroup) -> VocabParallelEmbedding:

@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ModelError
 from ..models.materialize import tied_groups
+from ..running_stats import check_traced_buffer_updates, traceable_cumulative_averages
 from .fake_device import export_on_device
 from .stacks import Stack, find_stacks, in_order
 
@@ -170,11 +171,12 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
     on_meta = all(t.is_meta for t in [*model.parameters(), *model.buffers(), *example_inputs,
                                        *example_kwargs.values()])
     try:
-        exported = None
-        if device is not None and torch.device(device).type != "meta" and on_meta:
-            exported = export_on_device(model, tuple(example_inputs), example_kwargs, torch.device(device))
-        if exported is None:
-            exported = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs, strict=False)
+        with traceable_cumulative_averages(model):
+            exported = None
+            if device is not None and torch.device(device).type != "meta" and on_meta:
+                exported = export_on_device(model, tuple(example_inputs), example_kwargs, torch.device(device))
+            if exported is None:
+                exported = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs, strict=False)
     except Exception as exc:  # export reports many kinds of failure; name the op and the way out
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first[:400]}. "
@@ -184,6 +186,7 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
         raise ModelError(f"{type(model).__name__} updates buffers or inputs in forward "
                          f"({', '.join(str(s.target) for s in mutated[:3])}); pipeline partitioning does not "
                          f"support that yet")
+    check_traced_buffer_updates(exported.graph, buffer_names(exported), type(model).__name__)
     stacks = find_stacks(model)
     # A tied weight is named as the model's own named_parameters() names it (its first alias),
     # so stages, checkpoints and optimizers agree with the unpartitioned model.
@@ -208,6 +211,12 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
                       tied=tied_groups(model)[0], example_inputs=flat, export_names=export_names,
                       stacks=stacks, input_keys=keys, example_args=tuple(example_inputs),
                       example_kwargs=example_kwargs)
+
+
+def buffer_names(exported: ExportedProgram) -> dict[str, str]:
+    """Placeholder name -> buffer FQN of a traced graph's buffer inputs."""
+    return {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs
+            if spec.kind == InputKind.BUFFER}
 
 
 def _input_keys(exported: ExportedProgram, num_args: int) -> list[int | str]:

@@ -100,9 +100,9 @@ def _get_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     its shards, and its fp32 master weights stand for the parameters (bf16 runs save fp32)."""
     if not hasattr(optimizer, "whole_state_dict"):
         return get_state_dict(model, optimizer)
-    masters = optimizer.whole_params()
+    masters = optimizer.whole_params()  # trainable parameters only: frozen ones (no master) are saved as they are
     primary = {id(p): name for name, p in model.named_parameters()}
-    model_sd = {k: masters[primary[id(v)]] if id(v) in primary else v.detach()
+    model_sd = {k: masters[primary[id(v)]] if primary.get(id(v)) in masters else v.detach()
                 for k, v in model.state_dict(keep_vars=True).items()}
     return model_sd, optimizer.whole_state_dict()
 

@@ -30,6 +30,7 @@ from ..dropout import eager_micro_batch
 from ..errors import AutoparError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
+from ..running_stats import EagerBatchNorms, RunningStatsReplay
 from ..zero import ShardedGradients, gradient_sync, to_compute_dtype
 from .base import EngineBase
 from .loss import Batch, count_targets, token_loss_sum
@@ -49,15 +50,17 @@ class DataParallelEngine(EngineBase):
         to_compute_dtype(self.module.parameters(), param_dtype)
         self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=zero,
                                   master_weights=param_dtype != torch.float32, per_micro_batch=True)
+        self.batch_norms, self.running_stats = whole_model_running_stats(self.module, mesh)
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
-        if isinstance(self.sync, ShardedGradients) and self.sync.per_micro_batch:  # zero 2: reduce each micro-batch
+        with self.running_stats.step(len(batches)):  # BatchNorm buffers: one process's updates, after the step
+            if isinstance(self.sync, ShardedGradients) and self.sync.per_micro_batch:  # zero 2: reduce each one
+                return accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn,
+                                            after_each=self.sync.finish)
             total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn,
-                                         after_each=self.sync.finish)
+                                         self.sync.no_sync)
+            self.sync.finish()
             return total
-        total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn, self.sync.no_sync)
-        self.sync.finish()
-        return total
 
     def clip_gradients(self, max_norm: float) -> float:
         if isinstance(self.sync, ShardedGradients):
@@ -76,6 +79,19 @@ class DataParallelEngine(EngineBase):
 
     def close(self) -> None:
         self.sync.remove()
+        self.batch_norms.remove()
+
+
+def whole_model_running_stats(module: nn.Module, mesh: ProcessMesh) -> tuple[EagerBatchNorms, RunningStatsReplay]:
+    """A whole model's BatchNorms recorded per micro-batch and replayed over the replicas (running_stats/);
+    with --batchnorm sync, normalised over the replicas' micro-batches together."""
+    sync = mesh.strategy.batchnorm == "sync" and mesh.dp_size > 1
+    # one replica: torch's own updates are one process's, bitwise; nothing to record
+    batch_norms = EagerBatchNorms(module if mesh.dp_size > 1 else nn.Module(),
+                                  sync_group=mesh.group("dp") if sync else None)
+    momenta = {name: m.momentum for name, m in batch_norms.layers.items()}
+    return batch_norms, RunningStatsReplay(module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size,
+                                           gather=not sync)
 
 
 def accumulate_gradients(module: nn.Module, forward_fn: Callable, autocast: Callable, batches: list[Batch],

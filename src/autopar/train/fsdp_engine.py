@@ -34,7 +34,8 @@ from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from ..trace import Stack, find_stacks
 from .base import EngineBase
-from .engine import LossFn, accumulate_gradients, broadcast_from_first_replica, whole_model_eval_sums
+from .engine import (LossFn, accumulate_gradients, broadcast_from_first_replica, whole_model_eval_sums,
+                     whole_model_running_stats)
 from .loss import Batch
 
 
@@ -63,6 +64,7 @@ class FullyShardedEngine(EngineBase):
             unit.set_gradient_divide_factor(1.0)  # a sum, as the trainer pre-scales each replica's loss
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
         self.params = list({id(p): p for p in self.module.parameters() if p.requires_grad}.values())
+        self.batch_norms, self.running_stats = whole_model_running_stats(self.module, mesh)
 
     def banner_lines(self) -> list[str]:
         """Which modules are gathered one at a time: the peak memory depends on it."""
@@ -80,7 +82,8 @@ class FullyShardedEngine(EngineBase):
             self.module.set_requires_gradient_sync(True)
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
-        return accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn, self._no_sync)
+        with self.running_stats.step(len(batches)):  # BatchNorm buffers: one process's updates, after the step
+            return accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn, self._no_sync)
 
     def clip_gradients(self, max_norm: float) -> float:
         device = self.params[0].device
@@ -112,4 +115,4 @@ class FullyShardedEngine(EngineBase):
                              for p in self.params if p.grad is not None)}
 
     def close(self) -> None:
-        pass
+        self.batch_norms.remove()

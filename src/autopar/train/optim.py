@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..errors import ModelError
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -28,6 +29,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    if not groups:  # a rank holding only frozen parameters (a pipeline stage of a frozen backbone) steps nothing
+        groups = [{"params": [], "weight_decay": 0.0}]
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, foreach=True)
     if config.optimizer == "adagrad":
@@ -37,6 +40,20 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
                                 foreach=True)
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.adam_eps,
                              foreach=True)
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a model with nothing to train (every parameter frozen) before any rank builds anything.
+
+    Frozen parameters (requires_grad False) are kept as they are under every layout and get neither
+    gradients nor optimizer state; a tied weight is one Parameter, so it is frozen wherever it is read."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    if any(p.requires_grad for p in params):
+        return
+    what = (f"all {len(params)} parameters ({sum(p.numel() for p in params):,} elements) have requires_grad=False"
+            if params else "it has no parameters")
+    raise ModelError(f"{type(model).__name__} has nothing to train: {what}. Unfreeze what should train "
+                     f"(e.g. module.requires_grad_(True) on a head or adapters) before passing it to the Trainer")
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:

@@ -59,6 +59,11 @@ class Watchdog:
         self._phase = phase
         self._last = time.monotonic()
 
+    @property
+    def phase(self) -> str:
+        """What this rank is doing now ('step 7'), for messages."""
+        return self._phase
+
     def __enter__(self) -> Watchdog:
         if self.timeout_s > 0:
             self._last = time.monotonic()

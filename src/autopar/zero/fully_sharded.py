@@ -65,6 +65,8 @@ class FullyShardedStages:
             unit.set_gradient_divide_factor(1.0)  # a sum, as the trainer pre-scales each replica's loss
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
         self.params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
+        # where norms are summed, also on a rank whose stages are all frozen
+        self.device = next((local_tensor(p).device for m in modules for p in m.parameters()), torch.device("cpu"))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -89,8 +91,7 @@ class FullyShardedStages:
 
     def squared_norms(self, kind: Callable[[nn.Parameter], int | None], kinds: int = 1) -> torch.Tensor:
         """Squared gradient norms summed per `kind(param)` (None: not counted), fp64, over the dp shards."""
-        device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
-        squares = torch.zeros(kinds, dtype=torch.float64, device=device)
+        squares = torch.zeros(kinds, dtype=torch.float64, device=self.device)
         for p, grad in self.grad_pieces():
             k = kind(p)
             if k is not None:

@@ -88,10 +88,14 @@ class ShardedGradients:
         self.per_micro_batch = per_micro_batch and level >= 2
         self.reduce_by_all_reduce = level == 1 and dist.get_backend(group) == "gloo"
         unique: dict[int, nn.Parameter] = {}
+        devices = []
         for p in params:
+            devices.append(p.device)
             if p.requires_grad:
                 unique.setdefault(id(p), p)
         self.params = list(unique.values())
+        # where norms are summed, also on a rank holding only frozen parameters (no bucket to read it from)
+        self.device = devices[0] if devices else torch.device("cpu")
         late = {id(p) for p in deferred}
         ordered = [p for p in reversed(self.params) if id(p) not in late]
         cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
@@ -269,8 +273,7 @@ class ShardedGradients:
 
     def squared_norms(self, kind: Callable[[nn.Parameter], int | None], kinds: int = 1) -> torch.Tensor:
         """Squared gradient norms summed per `kind(param)` (None: not counted), fp64, over every replica."""
-        device = self.buckets[0].device if self.buckets else torch.device("cpu")
-        squares = torch.zeros(kinds, dtype=torch.float64, device=device)
+        squares = torch.zeros(kinds, dtype=torch.float64, device=self.device)
         for bucket in self.buckets:
             pieces = list(bucket.pieces(self.rank))
             same = {kind(p) for p, *_ in pieces}

@@ -144,6 +144,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """(element-wise keys, scalar keys) of the inner optimizer's per-parameter state."""
         self.ensure_state()
         sample = next(iter(self.inner.state.values()), None)
+        if sample is None and not self.grads.buckets:  # nothing trainable here (a pipeline stage of frozen layers)
+            return [], []
         if sample is None:
             raise RuntimeError("this replica's shard holds no parameter; use fewer replicas for so small a model")
         elementwise = sorted(k for k, v in sample.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -174,7 +176,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """{"state": {name: {key: whole tensor}}, "param_groups": [...]}: torch's get_state_dict layout."""
         elementwise, scalars = self._state_keys()
         state: dict[str, dict[str, Any]] = {}
-        sample = next(iter(self.inner.state.values()))
+        sample = next(iter(self.inner.state.values()), {})  # empty: no trainable parameter on this rank
         for bucket, master in zip(self.grads.buckets, self._masters):
             for key in elementwise:
                 flat = torch.zeros_like(master)
