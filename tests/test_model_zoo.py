@@ -28,7 +28,6 @@ import math
 import pytest
 import torch
 
-from zoo_families import KNOWN_FAILURES as MORE_KNOWN_FAILURES
 from zoo_models import CASES, refusal, train_cases
 
 LAYOUTS = {"dp2": {"dp": 2}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}
@@ -44,7 +43,7 @@ THREE_D_MICRO = 2  # 4 samples per replica: two micro-batches through its pipeli
 
 # (case, build, layout) -> why it fails today, for a construct another part of autopar owns; each is
 # a strict xfail, so the fix that makes it pass must remove it here.
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {**MORE_KNOWN_FAILURES}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 JOBS = [(name, build) for name, case in CASES.items() for build in case.builds]
 _references: dict = {}

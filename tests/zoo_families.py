@@ -80,12 +80,6 @@ MORE_HF_FAMILIES: dict[str, tuple[str, dict]] = {
                                 projection_dim=32, num_labels=CLASSES)),
 }
 
-# Constructs another part of autopar is being taught, by zoo (case, build, layout); test_model_zoo marks them
-# strict xfails, so the fix shows as an unexpected pass.
-_FROZEN = ("Whisper's sinusoidal encoder positions are a frozen parameter (requires_grad=False); the stage "
-           "builder trains it under pp and tp while one process leaves it")
-KNOWN_FAILURES = {("hf:whisper", how, layout): _FROZEN for how in ("meta", "real") for layout in ("pp2", "tp2")}
-
 # the token ids the batches use, where the family's are not zoo_models' (pad 0)
 PAD_IDS = {"falcon": 0, "gptj": 0, "gpt_neox": 0, "stablelm": 0, "mixtral": 0, "mistral": 0, "phi": 0,
            "bart": 1}
