@@ -117,9 +117,9 @@ class MlpBlock(nn.Module):
 class AttributeBlocksLM(nn.Module):
     """Blocks held as attributes h0..h3 and called one by one in forward."""
 
-    def __init__(self, vocab: int = VOCAB, width: int = WIDTH):
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, seq: int = SEQ):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(SEQ, width)
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(seq, width)
         self.h0, self.h1, self.h2, self.h3 = MlpBlock(width), MlpBlock(width), MlpBlock(width), MlpBlock(width)
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)

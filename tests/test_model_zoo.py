@@ -3,10 +3,13 @@
 Cases (tests/zoo_models.py): 13 Hugging Face families from their default configs (dropout
 and use_cache as they come; only widths, and ids a tiny vocabulary needs, set) with padded
 batches and attention masks (left-padded causal LM, masked LM with padding and BERT's
-token_type_ids, T5 with decoder inputs and both masks); and 7 user modules (a Sequential
+token_type_ids, T5 with decoder inputs and both masks); and 11 user modules (a Sequential
 stack, a ViT with bare parameters initialised by its reset_parameters, a U-Net on float
 images with an MSE loss, a classifier with its own loss, a model with two tensor inputs, a
-model whose blocks differ, a nanoGPT-style GPT with tied weights and constructor init).
+model whose blocks differ, a nanoGPT-style GPT with tied weights and constructor init
+(replayed on meta), a llama with nn.ModuleDict layers and rotary tables made in forward,
+blocks held as attributes, torch's nn.TransformerEncoder at its default dropout, a
+fine-tune with a frozen embedding and first block).
 
 Every case is built both ways users build models: on meta (autopar materialises it) and for
 real (seeded, on CPU, the README's default); a case that has only one build says why in the

@@ -506,6 +506,32 @@ def construct(case: Case, build: str) -> nn.Module:
     raise ValueError(f"build {build!r}: one of {BUILDS}")
 
 
+def module_dict_llama() -> nn.Module:
+    """A llama written with its layers in an nn.ModuleDict and its rotary table made in forward."""
+    from block_stack_models import DictLlama
+    return DictLlama(vocab=VOCAB)
+
+
+def attribute_blocks_lm() -> nn.Module:
+    """Blocks held as attributes h0..h3, each with an nn.Sequential MLP inside."""
+    from block_stack_models import AttributeBlocksLM
+    return AttributeBlocksLM(vocab=VOCAB, seq=SEQ)
+
+
+def transformer_encoder_lm() -> nn.Module:
+    """torch's own nn.TransformerEncoder at its default dropout (0.1, inside its attention too)."""
+    from random_ops_models import EncoderLM
+    return EncoderLM()
+
+
+def frozen_backbone_lm() -> nn.Module:
+    """A fine-tune: the token embedding and the first block frozen, the rest trained."""
+    model = SequentialLM()
+    model.embed.requires_grad_(False)
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
 def _hf_case(family: str) -> Case:
     head, widths = HF_FAMILIES[family]
     return Case(lambda: hf_model(family, head, **widths), lambda: hf_data(family))
@@ -520,6 +546,10 @@ USER_CASES: dict[str, Case] = {
     "mixed-blocks-lm": Case(MixedBlocksLM, plain_lm),
     # on meta its constructor's init (c_proj re-drawn by name) is replayed (without it: REFUSED_CASES)
     "nanogpt": Case(NanoGPT, plain_lm, meta_init=autopar.replay_init(NanoGPT)),
+    "llama-module-dict": Case(module_dict_llama, plain_lm),
+    "attribute-blocks": Case(attribute_blocks_lm, plain_lm),
+    "transformer-encoder": Case(transformer_encoder_lm, plain_lm),
+    "frozen-backbone": Case(frozen_backbone_lm, plain_lm),
 }
 
 CASES: dict[str, Case] = {
