@@ -1,9 +1,12 @@
 """The model zoo: models as people build them train under dp=2, pp=2 and tp=2 to one process's losses.
 
-Cases (tests/zoo_models.py): 13 Hugging Face families from their default configs (dropout
-and use_cache as they come; only widths, and ids a tiny vocabulary needs, set) with padded
-batches and attention masks (left-padded causal LM, masked LM with padding and BERT's
-token_type_ids, T5 with decoder inputs and both masks); and 11 user modules (a Sequential
+Cases (tests/zoo_models.py, tests/zoo_families.py): 31 Hugging Face families from their
+default configs (dropout and use_cache as they come; only widths, and ids a tiny vocabulary
+needs, set) with padded batches and attention masks (left-padded causal LMs with Hugging
+Face's labels, masked LMs with padding and BERT's token_type_ids, T5 and BART with decoder
+inputs and both masks, Whisper on log-mel features, ViT and CLIP's vision tower on images;
+mixtures of experts (Mixtral, Qwen2-MoE) with every expert on every rank, Mamba); and 11
+user modules (a Sequential
 stack, a ViT with bare parameters initialised by its reset_parameters, a U-Net on float
 images with an MSE loss, a classifier with its own loss, a model with two tensor inputs, a
 model whose blocks differ, a nanoGPT-style GPT with tied weights and constructor init
