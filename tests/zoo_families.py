@@ -118,27 +118,6 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def padded_seq2seq(pad_id: int, start_id: int, seed: int = 3) -> list[dict]:
-    """BART: a right-padded source with its mask, a right-padded decoder input starting with the
-    decoder start id, with its mask, labels the next target token (-100 on pads)."""
-    g = _generator(seed)
-    samples = []
-    for _ in range(SAMPLES):
-        src_len = int(torch.randint(SEQ - 6, SEQ + 1, (), generator=g))
-        tgt_len = int(torch.randint(SEQ // 2 - 3, SEQ // 2 + 1, (), generator=g))
-        source = torch.randint(3, VOCAB, (SEQ,), generator=g)
-        source[src_len:] = pad_id
-        target = torch.randint(3, VOCAB, (SEQ // 2,), generator=g)
-        decoder_inputs = torch.cat([torch.tensor([start_id]), target[:-1]])
-        decoder_mask = (torch.arange(SEQ // 2) < tgt_len).long()
-        decoder_inputs[tgt_len:] = pad_id
-        labels = torch.where(decoder_mask.bool(), target, torch.full_like(target, IGNORE))
-        samples.append({"input_ids": source, "attention_mask": (torch.arange(SEQ) < src_len).long(),
-                        "decoder_input_ids": decoder_inputs, "decoder_attention_mask": decoder_mask,
-                        "labels": labels})
-    return samples
-
-
 def speech_seq2seq(pad_id: int = 0, start_id: int = 1, seed: int = 9) -> list[dict]:
     """Whisper: float log-mel features (the main input, `inputs`), a right-padded decoder input
     starting with the decoder start id with its mask, labels the next token (-100 on pads)."""
@@ -173,7 +152,8 @@ def more_hf_data(family: str) -> list[dict]:
     if head == "mlm":
         return padded_mlm(pad, mask_id=4, token_types=False)
     if head == "seq2seq":
-        return padded_seq2seq(pad, DECODER_START[family])
+        from zoo_models import padded_seq2seq  # (zoo_models imports this file at its end)
+        return padded_seq2seq(pad, DECODER_START[family], lowest_id=3)
     if head == "speech-seq2seq":
         return speech_seq2seq(pad, DECODER_START[family])
     return labelled_images()

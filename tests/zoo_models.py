@@ -121,18 +121,20 @@ def padded_mlm(pad_id: int, mask_id: int, token_types: bool, seed: int = 2) -> l
     return samples
 
 
-def padded_seq2seq(pad_id: int = 0, seed: int = 3) -> list[dict]:
-    """T5: a right-padded source with its mask, a right-padded decoder input (starting with the pad
-    id, T5's decoder start) with its mask, labels the next target token (-100 on pads)."""
+def padded_seq2seq(pad_id: int = 0, start_id: int | None = None, lowest_id: int = 2, seed: int = 3) -> list[dict]:
+    """T5 and BART: a right-padded source with its mask, a right-padded decoder input starting with
+    the decoder start id (T5's is the pad id, the default) with its mask, labels the next target
+    token (-100 on pads); tokens drawn from lowest_id up, above the special ids."""
+    start_id = pad_id if start_id is None else start_id
     g = _generator(seed)
     samples = []
     for _ in range(SAMPLES):
         src_len = int(torch.randint(SEQ - 6, SEQ + 1, (), generator=g))
         tgt_len = int(torch.randint(SEQ // 2 - 3, SEQ // 2 + 1, (), generator=g))
-        source = torch.randint(2, VOCAB, (SEQ,), generator=g)
+        source = torch.randint(lowest_id, VOCAB, (SEQ,), generator=g)
         source[src_len:] = pad_id
-        target = torch.randint(2, VOCAB, (SEQ // 2,), generator=g)
-        decoder_inputs = torch.cat([torch.tensor([pad_id]), target[:-1]])
+        target = torch.randint(lowest_id, VOCAB, (SEQ // 2,), generator=g)
+        decoder_inputs = torch.cat([torch.tensor([start_id]), target[:-1]])
         decoder_mask = (torch.arange(SEQ // 2) < tgt_len).long()
         decoder_inputs[tgt_len:] = pad_id
         labels = torch.where(decoder_mask.bool(), target, torch.full_like(target, IGNORE))
