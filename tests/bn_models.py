@@ -100,11 +100,34 @@ def features(count: int, seed: int) -> list[dict]:
              "labels": torch.randint(0, CLASSES, (), generator=gen)} for _ in range(count)]
 
 
+class SharedNormBlock(nn.Module):
+    """Two convolutions normalised by one BatchNorm: the module runs twice in each forward."""
+
+    def __init__(self, width: int = 8, inputs: int = 8):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(inputs, width, 3, padding=1), nn.Conv2d(width, width, 3, padding=1)
+        self.norm = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.norm(self.conv2(F.relu(self.norm(self.conv1(x))))))
+
+
+class SharedNormNet(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.blocks = nn.Sequential(SharedNormBlock(width, inputs=3), SharedNormBlock(width))
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(inputs).mean(dim=(2, 3)))
+
+
 MODELS = {
     "cnn-meta": (_on_meta(SmallCNN), images),
     "cnn-real": (_for_real(SmallCNN), images),
     "mlp-meta": (_on_meta(BatchNormMLP), features),
     "instance-norm": (_for_real(InstanceNormNet), images),
+    "shared-norm": (_for_real(SharedNormNet), images),
 }
 
 

@@ -107,6 +107,17 @@ def test_instance_norm_with_running_statistics_is_refused(rank_pool, tmp_path, s
         assert "norm" in got["message"] and "InstanceNorm2d" in got["message"], got["message"]
 
 
+@pytest.mark.parametrize("strategy", [{"dp": 2}, {"pp": 2}], ids=["dp2", "pp2"])
+def test_batchnorm_called_twice_in_a_forward_is_refused(rank_pool, tmp_path, strategy):
+    """One process updates the statistics once per call; the replay keeps one call per micro-batch, so a
+    shared BatchNorm must be refused on every rank, never replayed once (dp: at its second call in the
+    first step; pp: when the model is traced, before any step)."""
+    for got in rank_pool(2).run(refusal, "shared-norm", str(tmp_path), strategy, timeout=300):
+        assert got["autopar_error"], got
+        message = got["message"]
+        assert "blocks.0.norm" in message and ("more than once" in message or "2 times" in message), message
+
+
 def test_synchronised_statistics_match_one_process_on_the_whole_batch(rank_pool, tmp_path):
     """--batchnorm sync: with one micro-batch of 4 per replica, dp2 normalises the global batch of 8 as one
     process running it as a single micro-batch does (forward, backward and running statistics)."""

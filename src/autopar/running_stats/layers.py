@@ -142,7 +142,17 @@ def check_traced_buffer_updates(graph: fx.Graph, buffer_of: dict[str, str], mode
     `buffer_of`: placeholder name -> buffer FQN. A BatchNorm's batch_norm node and its counter's
     `add_` are replayed (record.py); any other in-place write to a buffer, or a kernel that updates
     running statistics of another kind, is refused with the module that does it."""
-    layers = {layer for n in graph.nodes if (layer := batch_norm_layer(n, buffer_of)) is not None}
+    calls: dict[str, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if (layer := batch_norm_layer(n, buffer_of)) is not None:
+            calls.setdefault(layer, []).append(n)
+    for layer, nodes in calls.items():
+        if len(nodes) > 1:  # each stage would replay its own calls on its own copy of the buffers
+            raise ModelError(f"{_module_of(nodes[0])} in {model_name} runs {len(nodes)} times in one forward (a "
+                             f"module shared between places, or called in a loop): one process updates its running "
+                             f"statistics once per call, which autopar replays for one call per micro-batch only; "
+                             f"give each call its own BatchNorm, or set track_running_stats=False on it")
+    layers = set(calls)
     for node in graph.nodes:
         if node.op != "call_function":
             continue

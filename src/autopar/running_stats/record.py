@@ -29,6 +29,7 @@ import torch
 from torch import fx, nn
 
 from ..dropout.scope import active_scope
+from ..errors import ModelError
 from .layers import batch_norm_layer, batch_norm_layers, counter_layer
 from .sync import synchronised_batch_norm
 
@@ -39,15 +40,25 @@ class StepStatistics:
     def __init__(self) -> None:
         self.values: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._calls: dict[str, int] = {}
+        self._sources: dict[tuple[str, int], str | None] = {}
 
-    def add(self, layer: str, mean: torch.Tensor, var: torch.Tensor) -> None:
+    def add(self, layer: str, mean: torch.Tensor, var: torch.Tensor, source: str | None = None) -> None:
+        """`source`: the traced node that ran (a stage's recomputation runs the same node again and
+        records the same values); None for a whole model's module, which runs once per micro-batch."""
         scope = active_scope()
         if scope is not None and scope.index is not None:
             index = scope.index
         else:  # no step scope (an engine driven directly): calls come in micro-batch order
             index = self._calls.get(layer, 0)
             self._calls[layer] = index + 1
-        self.values[(layer, index)] = (mean.detach(), var.detach())
+        key = (layer, index)
+        if key in self.values and (source is None or self._sources[key] != source):
+            raise ModelError(f"the BatchNorm {layer or 'model'} runs more than once in one micro-batch's forward (a "
+                             f"module shared between places, or called in a loop): one process updates its running "
+                             f"statistics once per call, which autopar replays for one call per micro-batch only; "
+                             f"give each call its own BatchNorm, or set track_running_stats=False on it")
+        self._sources[key] = source
+        self.values[key] = (mean.detach(), var.detach())
 
 
 _ACTIVE: ContextVar[StepStatistics | None] = ContextVar("autopar_running_stats", default=None)
@@ -138,7 +149,7 @@ class GraphBatchNorm(nn.Module):
             out = torch.batch_norm(x, weight, bias, mean, var, True, 1.0, eps, cudnn_enabled)
         stats = _ACTIVE.get()
         if stats is not None:
-            stats.add(self.layer, mean, var)
+            stats.add(self.layer, mean, var, source=self.source)
         return out
 
 
