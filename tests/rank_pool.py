@@ -10,12 +10,14 @@ task, so one broken test cannot poison the next (ranks may be mid-collective).
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 from autopar.launch import free_port
@@ -44,11 +46,27 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         # a failure shared by tearing this rank's groups down (autopar/train/shared_failure.py): restart the pool
         torn_down = not dist.is_initialized()
-        results.put((rank, *outcome, torn_down))
+        results.put((rank, _by_value(outcome), torn_down))
         if torn_down:
             return
         _drop_subgroups(dist)
     dist.destroy_process_group()
+
+
+def _by_value(outcome: tuple) -> bytes:
+    """The outcome as bytes (torch.save), not as tensors in shared memory: each shared tensor holds a file
+    descriptor in the test process for as long as it lives, and a zoo layout returns thousands of parameters
+    (kept in the reference cache), which ran the test process out of descriptors ("received 0 items of
+    ancdata") and broke every later pool task."""
+    import torch
+
+    buffer = io.BytesIO()
+    try:
+        torch.save(outcome, buffer)
+    except Exception as exc:  # an unpicklable result is the task's failure, reported like one
+        buffer = io.BytesIO()
+        torch.save((False, f"the task's result cannot be sent back: {type(exc).__name__}: {exc}"), buffer)
+    return buffer.getvalue()
 
 
 def _drop_subgroups(dist) -> None:
@@ -89,13 +107,17 @@ class RankPool:
         failures: dict[int, str] = {}
         try:
             for _ in range(self.world_size):
-                rank, ok, value, torn_down = self._results.get(timeout=timeout)
+                rank, payload, torn_down = self._results.get(timeout=timeout)
                 self.broken |= torn_down
+                ok, value = torch.load(io.BytesIO(payload), weights_only=False)
                 (results if ok else failures)[rank] = value
         except queue.Empty:
             self.broken = True
             raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout} s "
                                f"(finished: {sorted(results)}, failed: {sorted(failures)})") from None
+        except BaseException:  # results left in the queue would be read by the next task as its own
+            self.broken = True
+            raise
         if failures:
             self.broken = True
             first = min(failures)

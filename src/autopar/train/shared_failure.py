@@ -163,6 +163,7 @@ class _Board:
     def __init__(self, store, section: int):
         self.store, self.section = store, section
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.lost = False  # the store's server (rank 0's process) went away: nothing more will be read
 
     @classmethod
     def open(cls, section: int) -> _Board | None:
@@ -176,11 +177,14 @@ class _Board:
         self.store.set(self.key(rank), json.dumps(outcome))
 
     def read(self, rank: int) -> dict | None:
+        if self.lost:
+            return None
         try:
             if not self.store.check([self.key(rank)]):
                 return None
             return json.loads(self.store.get(self.key(rank)))
-        except (RuntimeError, ValueError):  # the store's server went away with its rank
+        except (RuntimeError, ValueError):  # the store's server went away with its rank: waiting cannot help,
+            self.lost = True  # and the launcher stops this rank a few seconds after that one ended
             return None
 
     def answers(self, wait_s: float) -> dict[int, dict]:
@@ -191,7 +195,7 @@ class _Board:
             for r in range(self.world):
                 if r not in found and (outcome := self.read(r)) is not None:
                     found[r] = outcome
-            if len(found) == self.world or time.monotonic() > deadline:
+            if len(found) == self.world or self.lost or time.monotonic() > deadline:
                 return found
             time.sleep(POLL_S)
 
@@ -203,7 +207,7 @@ class _Board:
                 outcome = self.read(r) if r != self.rank else None
                 if outcome is not None and outcome["kind"] not in ("ok", "followed"):
                     return r, outcome
-            if time.monotonic() > deadline:
+            if self.lost or time.monotonic() > deadline:
                 return None
             time.sleep(POLL_S)
 
@@ -218,6 +222,9 @@ class _Board:
                 raise self.error_of(*failed)
             if len(answers) == self.world:
                 return
+            if self.lost:
+                raise DistributedError(f"rank 0, which keeps the job's key-value store, ended during set-up (rank "
+                                       f"{self.rank} had finished its own): see rank 0's message")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world)) - set(answers))
                 raise DistributedError(f"rank(s) {missing} did not finish set-up within the timeout of "
