@@ -159,6 +159,20 @@ def test_zoo_3d_matches_single_process(rank_pool, tmp_path, tmp_path_factory):
             assert_tp_replicas_bitwise(results[first][job]["params"], results[first + 1][job]["params"])
 
 
+ZERO3_JOBS = [("hf:t5", "meta"), ("hf:t5", "real"), ("llama-module-dict", "real")]
+
+
+def test_zoo_zero3_matches_single_process(rank_pool, tmp_path, tmp_path_factory):
+    """ZeRO-3 (FSDP2 units per layer of the stacks found) on dp2: an encoder-decoder with a shared embedding
+    and nested per-block ModuleLists (once refused by FSDP2 as overlapping units), and ModuleDict layers."""
+    expected = references(rank_pool, tmp_path_factory, ZERO3_JOBS)
+    results = rank_pool(2).run(train_cases, ZERO3_JOBS, str(tmp_path), strategy={"dp": 2, "zero": 3},
+                               micro_batch_size=MICRO, timeout=300)
+    for job in ZERO3_JOBS:
+        assert_trained(expected[job], (job, "the one-process reference"))
+        assert_matches_reference(expected[job], [r[job] for r in results])
+
+
 def assert_refused_early(results: list[dict], *words: str) -> None:
     for rank, got in enumerate(results):
         assert got["error"] is not None, f"rank {rank} trained instead of refusing"
