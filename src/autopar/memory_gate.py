@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import JobConfig
 from .errors import ConfigError
@@ -69,7 +70,7 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
     if memory is None:
         where = "no CUDA device is visible here" if config.device == "cuda" else "this host's memory cannot be read"
         return MemoryVerdict([f"memory not estimated: {where}"])
-    parts = build()
+    parts = estimate_parts(job) or build()
     fit = _fit_model(parts, strategy, config, nproc, memory)
     base = Setting(candidate=candidate_of(strategy, config, resolved.accumulation), world=nproc, dtype=config.dtype,
                    global_batch_size=config.global_batch_size, memory=memory.bytes,
@@ -94,6 +95,52 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
         verdict.warning = (f"the memory model predicts {size(found.high * found.headroom)} per rank with headroom, over "
                            f"the {memory.describe()}, but within its error: starting")
     return verdict
+
+
+@dataclass
+class EstimateParts:
+    """What the estimate needs of a job, as job.JobParts holds it: the model on meta and one sample."""
+
+    job: JobConfig  # with the model's resolved arguments
+    model: Any
+    name: str
+    train_data: Any
+    run_info: dict
+
+
+def estimate_parts(job: JobConfig) -> EstimateParts | None:
+    """The model and a sample without training a tokenizer or reading data files, which build_job does (bpe on the
+    corpus: half a minute) and the ranks do again. The vocabulary is the most the run's tokenizer can have
+    (--vocab-size for word and bpe, the file's for hf:PATH), so the estimate can only be a little high. None
+    where build_job is as cheap and exact (the byte tokenizer on the corpus) or the task has no sample here."""
+    import torch
+
+    from .data import ByteTokenizer, CausalLMWindows, MaskedLMWindows, build_tokenizer, padded_vocab_size
+    from .models import build_model
+    data = job.data
+    if data.tokenizer == "byte" and data.data is None:
+        return None
+    if data.tokenizer == "byte":
+        vocab = ByteTokenizer().vocab_size
+    elif data.tokenizer in ("word", "bpe"):
+        vocab = data.vocab_size
+    elif data.tokenizer.startswith("hf:"):
+        vocab = build_tokenizer(data.tokenizer).vocab_size
+    else:
+        return None
+    model, info = build_model(job.model.name, job.model.args, vocab_size=padded_vocab_size(vocab), device="meta")
+    tokens = torch.zeros(2 * data.seq_len + 2, dtype=torch.long)
+    if info.task == "causal-lm":
+        sample = CausalLMWindows(tokens, data.seq_len)
+    elif info.task == "masked-lm":
+        sample = MaskedLMWindows(tokens, data.seq_len, mask_id=1, random_vocab=2, seed=0)
+    else:
+        return None
+    resolved = dataclasses.replace(job, model=dataclasses.replace(job.model, args=info.args))
+    return EstimateParts(job=resolved, model=model, name=info.name, train_data=sample,
+                         run_info={"model": f"{info.name} ({info.task}, {info.num_params:,} parameters)",
+                                   "tokenizer": f"{data.tokenizer} (at most {vocab} tokens; made when the run "
+                                                f"starts)"})
 
 
 def _fit_model(parts, strategy, config, nproc: int, memory: RankMemory) -> MemoryFit:
@@ -201,7 +248,7 @@ def _runs(s: Setting, job: JobConfig) -> bool:
 
 def dry_run(job: JobConfig, resolved: Resolved, build: Callable, *, gated: bool, force: bool = False) -> None:
     """Print the plan a run would start with and the memory estimate; raise what the run would raise."""
-    parts = build()
+    parts = estimate_parts(job) or build()
     strategy, config = resolved.strategy, resolved.config
     params = sum(p.numel() for p in {id(p): p for p in parts.model.parameters()}.values())
     world = job.launch.nproc
