@@ -118,10 +118,11 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         from .job import run_job
         run_job(job)
         return 0
-    from .memory_gate import check_memory, is_hand_set
+    from .memory_gate import check_memory, dry_run, is_hand_set
     build = _job_builder(job)
-    if getattr(ns, "dry_run", False):
-        return _dry_run(job, build, force=ns.force)
+    if getattr(ns, "dry_run", False):  # every check and the plan, no process
+        dry_run(job, build, lambda checked: _check_before_start(checked, build), force=ns.force)
+        return 0
     hand_set = is_hand_set(job)  # before --strategy auto or --plan makes it a plan
     if job.strategy.search == "auto" or job.strategy.plan:
         from .autoplan import choose_before_launch  # search (or read the plan) once, here; ranks get plan.json
@@ -159,25 +160,6 @@ def _check_before_start(job, build):
     check_before_launch(job)  # the resume folder and the model, once, here
     _check_traced_model(job, resolved.strategy, build)
     return resolved
-
-
-def _dry_run(job, build, *, force: bool) -> int:
-    """`autopar train --dry-run`: resolve the config (and the search or plan, without --confirm's trial runs), run
-    every check and the memory estimate, print the plan; no process starts, no folder is made."""
-    from .memory_gate import dry_run, is_hand_set
-    resolved = None
-    if job.strategy.search == "auto" or job.strategy.plan:
-        from .strategies import resolve
-        from .train.fields import example_call
-        parts = build()
-        resolved = resolve(job.strategy, job.train, job.launch.nproc, model=parts.model, model_name=parts.name,
-                           example=lambda: example_call(parts.model, parts.train_data))
-        if job.strategy.confirm and not job.strategy.plan:
-            print(f"--confirm {job.strategy.confirm}: the trial runs are not made in a dry run", flush=True)
-        job = dataclasses.replace(job, strategy=resolved.strategy, train=resolved.config)
-    checked = _check_before_start(job, build)
-    dry_run(job, resolved or checked, build, gated=is_hand_set(job) and resolved is None, force=force)
-    return 0
 
 
 def _check_traced_model(job, strategy, build=None) -> None:

@@ -246,8 +246,25 @@ def _runs(s: Setting, job: JobConfig) -> bool:
 # ---------------------------------------------------------------------- autopar train --dry-run
 
 
-def dry_run(job: JobConfig, resolved: Resolved, build: Callable, *, gated: bool, force: bool = False) -> None:
-    """Print the plan a run would start with and the memory estimate; raise what the run would raise."""
+def dry_run(job: JobConfig, build: Callable, check: Callable[[JobConfig], Resolved], *, force: bool = False) -> None:
+    """`autopar train --dry-run`: resolve the config (and the search or the plan, without --confirm's trial runs),
+    run `check` (every check a run makes before its ranks start) and the memory estimate, print the plan; no
+    process starts, no folder is made. Raises what the run would raise."""
+    searched = None
+    if job.strategy.search == "auto" or job.strategy.plan:
+        from .train.fields import example_call
+        parts = build()
+        searched = resolve(job.strategy, job.train, job.launch.nproc, model=parts.model, model_name=parts.name,
+                           example=lambda: example_call(parts.model, parts.train_data))
+        if job.strategy.confirm and not job.strategy.plan:
+            print(f"--confirm {job.strategy.confirm}: the trial runs are not made in a dry run", flush=True)
+        job = dataclasses.replace(job, strategy=searched.strategy, train=searched.config)
+    checked = check(job)
+    _print_plan(job, searched or checked, build, gated=searched is None, force=force)
+
+
+def _print_plan(job: JobConfig, resolved: Resolved, build: Callable, *, gated: bool, force: bool) -> None:
+    """The start banner's lines (as the Trainer prints them), the engine, the plan, and the memory estimate."""
     parts = estimate_parts(job) or build()
     strategy, config = resolved.strategy, resolved.config
     params = sum(p.numel() for p in {id(p): p for p in parts.model.parameters()}.values())
