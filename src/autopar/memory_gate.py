@@ -22,9 +22,8 @@ from typing import Any
 from .config import JobConfig
 from .errors import ConfigError
 from .search.cluster import preset, resolve_cluster
-from .search.device_memory import RankMemory, rank_memory
-from .search.memory_fit import (MODEL_ERROR, Fit, MemoryFit, Setting, candidate_of, changes, not_covered, rank_lines,
-                                size)
+from .search.device_memory import RankMemory, rank_memory, size
+from .search.memory_fit import MODEL_ERROR, Fit, MemoryFit, Setting, candidate_of, changes, not_covered, rank_lines
 from .search.profile import profile_graph
 from .strategies import Resolved, resolve
 from .version import __version__
@@ -92,8 +91,8 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
         if suggest:
             lines += _suggestions(fit, base, job, resolved)
     elif not found.fits:
-        verdict.warning = (f"the memory model predicts {size(found.high * found.headroom)} per rank with headroom, over "
-                           f"the {memory.describe()}, but within its error: starting")
+        verdict.warning = (f"the memory model predicts {size(found.high * found.headroom)} per rank with headroom, "
+                           f"over the {memory.describe()}, but within its error: starting")
     return verdict
 
 
@@ -202,7 +201,8 @@ def _suggestions(fit: MemoryFit, base: Setting, job: JobConfig, resolved: Resolv
         other = best(fit.layouts(base, world, memory=memory, hosts=hosts, micro_batch_sizes=lambda per_replica: sorted(
             {max(d for d in range(1, base.candidate.micro_batch_size + 1) if per_replica % d == 0), 1})))
         if other is not None:
-            options.append(("with another process count", other))
+            if same is None or len(other[2]) <= len(same[2]):  # not the same change plus more processes
+                options.append(("with another process count", other))
             break
     if same is None:  # a smaller batch or bf16 activations change what is trained: named only when needed
         batches = []

@@ -24,7 +24,7 @@ class RankMemory:
     source: str
 
     def describe(self) -> str:
-        return f"{self.bytes / GIB:.3g} GiB per rank ({self.source})"
+        return f"{size(self.bytes)} per rank ({self.source})"
 
 
 def host_available_bytes() -> int | None:
@@ -56,10 +56,16 @@ def rank_memory(device: str, ranks_on_host: int, *, memory_per_device_gb: float 
         share = math.ceil(ranks_on_host / count)  # ranks take devices local_rank % count
         shared = f", shared by {share} ranks" if share > 1 else ""
         return RankMemory(smallest.total_memory / share,
-                          f"{smallest.name}: {smallest.total_memory / GIB:.3g} GiB per device{shared}")
+                          f"{smallest.name}: {size(smallest.total_memory)} per device{shared}")
     available = host_available_bytes()
     if available is None:
         return None
     ranks = max(1, ranks_on_host)
-    return RankMemory(available / ranks, f"{available / GIB:.3g} GiB available on this host (MemAvailable) over "
+    return RankMemory(available / ranks, f"{size(available)} available on this host (MemAvailable) over "
                                          f"{ranks} rank{'s' if ranks > 1 else ''}")
+
+
+def size(nbytes: float) -> str:
+    """Bytes as people read them: 3 significant digits (whole numbers from 100 up), in MiB below 1000 MiB."""
+    value, unit = (nbytes / GIB, "GiB") if nbytes >= 1000 * 2**20 else (nbytes / 2**20, "MiB")
+    return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"

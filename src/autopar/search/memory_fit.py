@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ..config import ASYNC_SCHEDULES, Strategy, TrainConfig
 from .cluster import Cluster
 from .cost import Candidate, Estimate, StepModel
+from .device_memory import size
 from .memory import OPTIMIZER_STATE_BYTES
 from .profile import ModelProfile
 from .search import divisors, schedule_valid, zero_valid
@@ -265,10 +266,6 @@ def changes(base: Setting, s: Setting, *, dp_given: bool, micro_batches_given: b
     if s.global_batch_size != base.global_batch_size:
         out.append(f"--global-batch-size {s.global_batch_size}")
     return out
-
-
-def size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.3g} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.3g} MiB"
 
 
 def rank_lines(fit: Fit) -> list[str]:
