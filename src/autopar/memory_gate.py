@@ -186,6 +186,8 @@ def _suggestions(fit: MemoryFit, base: Setting, job: JobConfig, resolved: Resolv
     def best(settings) -> tuple[Setting, Fit, list[str]] | None:
         scored = []
         for s in settings:
+            if not fit.may_fit(s):
+                continue
             found = fit.assess(s)
             if found.fits:
                 flags = changes(base, s, dp_given=dp_given, micro_batches_given=micro_given)

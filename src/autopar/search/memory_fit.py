@@ -30,6 +30,7 @@ from .cost import Candidate, Estimate, StepModel
 from .device_memory import size
 from .memory import OPTIMIZER_STATE_BYTES
 from .profile import ModelProfile
+from .zero_memory import zero_model_state_bytes
 from .search import divisors, schedule_valid, zero_valid
 
 GIB = 2**30
@@ -143,7 +144,10 @@ class Fit:
 
 
 class MemoryFit:
-    """Estimates Settings of one traced model; the StepModels (which cache per-block costs) are shared."""
+    """Estimates Settings of one traced model; the StepModels (which cache per-block costs) are shared.
+
+    Their times only rank the suggestions, so the cores' time-sharing (a second simulation per candidate) is
+    left out of them (cores_per_node=0)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, *, optimizer: str, ranks_per_host: int):
         self.profile, self.cluster, self.optimizer = profile, cluster, optimizer
@@ -154,12 +158,21 @@ class MemoryFit:
         key = (s.dtype, s.global_batch_size, s.stage_budget_mb, s.world)
         if key not in self._models:
             per_node = min(s.world, self.ranks_per_host)
-            cluster = self.cluster.replace(num_devices=s.world, devices_per_node=per_node,
+            cluster = self.cluster.replace(num_devices=s.world, devices_per_node=per_node, cores_per_node=0,
                                            memory_per_device_gb=(s.stage_budget_mb / 1024 if s.stage_budget_mb
                                                                  else s.memory / GIB))
             self._models[key] = StepModel(self.profile, cluster, global_batch_size=s.global_batch_size,
                                           dtype=s.dtype, optimizer=self.optimizer)
         return self._models[key]
+
+    def may_fit(self, s: Setting) -> bool:
+        """False when the model state alone, split as evenly as the degrees allow, is over the memory: most of
+        the configurations near a model far too big are ruled out without simulating their schedules."""
+        c = s.candidate
+        even_share = self.profile.num_params / (c.tp * c.pp)  # no rank holds less (norms stay whole under tp)
+        states = zero_model_state_bytes(int(even_share), zero=c.zero, dp=c.dp, bf16=s.dtype == "bf16",
+                                        optimizer_bytes=float(OPTIMIZER_STATE_BYTES[self.optimizer]))
+        return states.total * self.cluster.memory_headroom <= s.memory
 
     def assess(self, s: Setting) -> Fit:
         model = self.step_model(s)
