@@ -170,3 +170,18 @@ def test_a_cuda_rank_has_its_devices_memory(monkeypatch):
     assert shared.bytes == 40 * GIB and shared.source == "a GPU: 80 GiB per device, shared by 2 ranks"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device_memory.rank_memory("cuda", 2) is None
+
+
+def test_a_model_the_tracer_cannot_take_is_not_gated(monkeypatch, started, capsys):
+    """Data parallelism runs a model whole, traced or not: a failed trace loses the estimate, not the run."""
+    from autopar.errors import ModelError
+
+    def untraceable(*args, **kwargs):
+        raise ModelError("torch.export could not trace it")
+    monkeypatch.setattr("autopar.trace.trace", untraceable)
+    host_with(monkeypatch, 0.01)
+    assert train("--model", "gpt-tiny", "--nproc", "2", "--steps", "1") == 0
+    assert started == [("launch", 2)]
+    assert train("--model", "gpt-tiny", "--nproc", "2", "--dry-run") == 0
+    assert "memory not estimated: the model could not be traced on meta (torch.export could not trace it)" in \
+        capsys.readouterr().out

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import JobConfig
-from .errors import ConfigError
+from .errors import ConfigError, ModelError
 from .search.cluster import preset, resolve_cluster
 from .search.device_memory import RankMemory, rank_memory, size
 from .search.memory_fit import MODEL_ERROR, Fit, MemoryFit, Setting, candidate_of, changes, not_covered, rank_lines
@@ -70,7 +70,10 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
         where = "no CUDA device is visible here" if config.device == "cuda" else "this host's memory cannot be read"
         return MemoryVerdict([f"memory not estimated: {where}"])
     parts = estimate_parts(job) or build()
-    fit = _fit_model(parts, strategy, config, nproc, memory)
+    try:
+        fit = _fit_model(parts, strategy, config, nproc, memory)
+    except ModelError as exc:  # data parallelism runs models the tracer cannot take: the estimate only is lost
+        return MemoryVerdict([f"memory not estimated: the model could not be traced on meta ({exc})"])
     base = Setting(candidate=candidate_of(strategy, config, resolved.accumulation), world=nproc, dtype=config.dtype,
                    global_batch_size=config.global_batch_size, memory=memory.bytes,
                    stage_budget_mb=strategy.memory_budget_mb)
