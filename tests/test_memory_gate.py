@@ -57,7 +57,7 @@ def test_a_run_too_big_for_the_host_is_refused_before_any_rank_starts(monkeypatc
     message = str(refused.value)
     assert "gpt-small with dp=2 tp=1 pp=1 does not fit" in message
     assert "1 GiB per rank (2 GiB available on this host (MemAvailable) over 2 ranks)" in message
-    assert re.search(r"each rank: 1\.\d+ GiB = parameters 328 MiB \+ gradients 328 MiB \+ optimizer 657 MiB", message)
+    assert re.search(r"each rank: 1\.\d+ GiB \(parameters 328 MiB \+ gradients 328 MiB \+ optimizer 657 MiB", message)
     assert f"{1 + MODEL_ERROR:g}x the memory" in message and "--force" in message
     assert started == [] and not (tmp_path / "run").exists()
     # the change it names fits by the same model: the same run with it starts
@@ -71,8 +71,8 @@ def test_the_estimate_is_given_per_pipeline_rank(monkeypatch, started):
     with pytest.raises(ConfigError) as refused:
         train("--model", "gpt-small", "--nproc", "2", "--pp", "2", "--steps", "1")
     message = str(refused.value)
-    assert re.search(r"pipeline rank 0 \(stage 0\): [\d.]+ GiB = parameters 16\d MiB", message), message
-    assert re.search(r"pipeline rank 1 \(stage 1\): [\d.]+ GiB = parameters 16\d MiB", message), message
+    assert re.search(r"pipeline rank 0 \(stage 0\): [\d.]+ GiB \(parameters 16\d MiB", message), message
+    assert re.search(r"pipeline rank 1 \(stage 1\): [\d.]+ GiB \(parameters 16\d MiB", message), message
     assert "with another process count:" in message  # nothing fits on 2 ranks of this host: named as such
     assert started == []
 
@@ -127,7 +127,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(monkeypatch, started, capsys
     assert "autopar" in out and "2 process(es), strategy dp=1 tp=1 pp=2, 136,960 parameters, 4 micro-batch(es) of 8" \
         in out
     assert "model: gpt-tiny (causal-lm, 136,960 parameters)" in out and "engine: pipeline" in out
-    assert re.search(r"pipeline rank 1 \(stage 1\): [\d.]+ MiB = ", out)
+    assert re.search(r"pipeline rank 1 \(stage 1\): [\d.]+ MiB \(parameters ", out)
     assert "memory: 4 GiB per rank (8 GiB available on this host (MemAvailable) over 2 ranks): fits" in out
     assert "dry run: every check passed" in out
     assert started == [] and not (tmp_path / "run").exists()
@@ -150,7 +150,7 @@ def test_gpt_20b_on_one_process_is_refused_by_the_command(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ))
     assert done.returncode == 2, done.stderr
     assert "1 process(es), strategy dp=1 tp=1 pp=1, 19,949,408,256 parameters" in done.stdout
-    assert re.search(r"each rank: 3\d\d GiB = parameters 74\.3 GiB", done.stdout), done.stdout
+    assert re.search(r"each rank: 3\d\d GiB \(parameters 74\.3 GiB", done.stdout), done.stdout
     assert "gpt-20b with dp=1 tp=1 pp=1 does not fit" in done.stderr and "Traceback" not in done.stderr
     assert "with another process count:" in done.stdout and "(rank " not in done.stderr
     assert not (tmp_path / "run").exists()

@@ -28,7 +28,7 @@ from ..config import ASYNC_SCHEDULES, Strategy, TrainConfig
 from .cluster import Cluster
 from .cost import Candidate, Estimate, StepModel
 from .device_memory import size
-from .memory import OPTIMIZER_STATE_BYTES
+from .memory import OPTIMIZER_STATE_BYTES, StageMemory
 from .profile import ModelProfile
 from .zero_memory import zero_model_state_bytes
 from .search import divisors, schedule_valid, zero_valid
@@ -96,23 +96,25 @@ class Setting:
 
 @dataclass(frozen=True)
 class RankFigures:
-    """Predicted bytes of one pipeline rank (the sum of its stages), by piece, without headroom."""
+    """Predicted bytes of one pipeline rank (the sum of its stages), without headroom: the model's total and, to
+    show where it goes, its pieces (StageMemory's fields, whatever they are)."""
 
     rank: int
     stages: tuple[int, ...]
     pieces: dict[str, float]
+    total: float
 
     @property
     def state(self) -> float:
-        return sum(self.pieces[k] for k in STATE_PIECES)
+        return sum(self.pieces.get(k, 0.0) for k in STATE_PIECES)
 
     @property
     def high(self) -> float:
-        return sum(self.pieces.values())
+        return self.total
 
     @property
     def low(self) -> float:
-        return self.state + LOW_ACTIVATION_SHARE * (self.high - self.state)
+        return self.state + LOW_ACTIVATION_SHARE * max(0.0, self.high - self.state)
 
 
 @dataclass
@@ -178,14 +180,14 @@ class MemoryFit:
         model = self.step_model(s)
         estimate = model.evaluate(s.candidate)
         c = s.candidate
+        names = [f.name for f in dataclasses.fields(StageMemory) if f.name != "headroom"]
         ranks = []
         for r in range(c.pp):
             stages = tuple(i for i in range(c.pp * c.chunks) if i % c.pp == r)
-            pieces = {k: 0.0 for k in PIECE_NAMES}
-            for i in stages:
-                for k in PIECE_NAMES:
-                    pieces[k] += getattr(estimate.memory_per_stage[i], k)
-            ranks.append(RankFigures(rank=r, stages=stages, pieces=pieces))
+            mine = [estimate.memory_per_stage[i] for i in stages]
+            pieces = {k: sum(getattr(m, k) for m in mine) for k in names}
+            ranks.append(RankFigures(rank=r, stages=stages, pieces=pieces,
+                                     total=sum(m.total / m.headroom for m in mine)))
         return Fit(setting=s, estimate=estimate, ranks=ranks, headroom=model.cluster.memory_headroom)
 
     # ------------------------------------------------------------------ the configurations nearby
@@ -288,6 +290,7 @@ def rank_lines(fit: Fit) -> list[str]:
     for r in fit.ranks:
         where = "each rank" if c.pp == 1 else (f"pipeline rank {r.rank} (stage{'s' if len(r.stages) > 1 else ''} "
                                                f"{', '.join(map(str, r.stages))})")
-        pieces = " + ".join(f"{PIECE_NAMES[k]} {size(v)}" for k, v in r.pieces.items() if v > 0)
-        lines.append(f"  {where}: {size(r.high)} = {pieces or 'nothing'} (at least {size(r.low)})")
+        pieces = " + ".join(f"{PIECE_NAMES.get(k, k.replace('_', ' '))} {size(v)}" for k, v in r.pieces.items()
+                            if v > 0)
+        lines.append(f"  {where}: {size(r.high)} ({pieces or 'nothing'}; at least {size(r.low)})")
     return lines
