@@ -185,3 +185,12 @@ def test_a_model_the_tracer_cannot_take_is_not_gated(monkeypatch, started, capsy
     assert train("--model", "gpt-tiny", "--nproc", "2", "--dry-run") == 0
     assert "memory not estimated: the model could not be traced on meta (torch.export could not trace it)" in \
         capsys.readouterr().out
+
+
+def test_dry_run_under_torchrun_is_refused(monkeypatch, started):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match="--dry-run checks a run before autopar starts its processes"):
+        train("--model", "gpt-tiny", "--dry-run")
+    assert started == []

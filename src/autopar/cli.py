@@ -115,6 +115,9 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError("under torchrun --max-restarts, pass --out RUN_DIR: a restarted job resumes from the "
                           "checkpoints in that folder, and without it each start would pick a new one")
     if env.launched:
+        if getattr(ns, "dry_run", False):
+            raise ConfigError("--dry-run checks a run before autopar starts its processes, and under torchrun they "
+                              "are started; run `autopar train ... --nproc N --dry-run` without torchrun")
         from .job import run_job
         run_job(job)
         return 0
