@@ -114,15 +114,30 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     if env.launched and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and not job.train.out:
         raise ConfigError("under torchrun --max-restarts, pass --out RUN_DIR: a restarted job resumes from the "
                           "checkpoints in that folder, and without it each start would pick a new one")
-    if not env.launched and (job.strategy.search == "auto" or job.strategy.plan):
+    if env.launched:
+        if getattr(ns, "dry_run", False):
+            raise ConfigError("--dry-run checks a run before autopar starts its processes, and under torchrun they "
+                              "are started; run `autopar train ... --nproc N --dry-run` without torchrun")
+        from .job import run_job
+        run_job(job)
+        return 0
+    from .memory_gate import check_memory, dry_run, is_hand_set
+    build = _job_builder(job)
+    if getattr(ns, "dry_run", False):  # every check and the plan, no process
+        dry_run(job, build, lambda checked: _check_before_start(checked, build), force=ns.force)
+        return 0
+    hand_set = is_hand_set(job)  # before --strategy auto or --plan makes it a plan
+    if job.strategy.search == "auto" or job.strategy.plan:
         from .autoplan import choose_before_launch  # search (or read the plan) once, here; ranks get plan.json
         job, argv = choose_before_launch(job, argv)
-    if not env.launched and (job.launch.nproc > 1 or job.launch.max_restarts > 0):
-        from .strategies import resolve
-        resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
-        from .preflight import check_before_launch
-        check_before_launch(job)  # the resume folder and the model, once, here
-        _check_traced_model(job, resolved.strategy)
+        build = _job_builder(job)
+    resolved = _check_before_start(job, build)  # every check a rank would make first, before any process
+    if hand_set:  # the memory model gates a strategy set by hand; the search checked its own
+        verdict = check_memory(job, resolved, build, force=ns.force)
+        for warning in (verdict.warning, verdict.refusal):
+            if warning:
+                print(f"autopar: warning: {warning}", file=sys.stderr, flush=True)
+    if job.launch.nproc > 1 or job.launch.max_restarts > 0:
         from .launch import launch
         out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
         command = [sys.executable, "-m", "autopar", *argv, "--out", out]
@@ -132,7 +147,25 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _check_traced_model(job, strategy) -> None:
+def _job_builder(job):
+    """build_job(job), made once however many checks ask for it."""
+    import functools
+
+    from .job import build_job
+    return functools.cache(lambda: build_job(job))
+
+
+def _check_before_start(job, build):
+    """strategies.resolve, the resume folder and the model (preflight), and the traced model's checks."""
+    from .preflight import check_before_launch
+    from .strategies import resolve
+    resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
+    check_before_launch(job)  # the resume folder and the model, once, here
+    _check_traced_model(job, resolved.strategy, build)
+    return resolved
+
+
+def _check_traced_model(job, strategy, build=None) -> None:
     """The checks that need the model traced, before ranks start: every tp degree planned on it (heads, width,
     vocabulary) and its pipeline's stage count against its blocks, with the functions the ranks call.
 
@@ -149,7 +182,7 @@ def _check_traced_model(job, strategy) -> None:
     from .tensor_parallel import plan_tensor_parallel
     from .trace import trace
     from .train.fields import example_call
-    parts = build_job(job)
+    parts = build() if build is not None else build_job(job)
     graph = trace(parts.model, *example_call(parts.model, parts.train_data))
     for t in sorted(set(degrees)):
         if t > 1:
@@ -336,6 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (default: gpt-mini on the embedded corpus, 4 processes)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_train_flags(train)
+    train.add_argument("--dry-run", action="store_true", help="resolve the config, run every check before start "
+                       "and the memory estimate, print the plan, and stop: no process starts (exit 0 if the run "
+                       "would start, 2 with the error if it would be refused)")
+    train.add_argument("--force", action="store_true", help="start even when the memory model predicts the run "
+                       "cannot fit in this machine's memory (or the GPU's)")
     launch = sub.add_parser("launch", help="run a script on N local processes (as torchrun would)")
     launch.add_argument("--nproc", type=int, default=2, help="number of processes")
     launch.add_argument("script", help="the Python script to run on every rank")

@@ -104,8 +104,10 @@ class Strategy:
                                 "run as it is; flags that contradict it are refused")
     cluster: str | None = _f(None, "--strategy auto and --boundary auto: cluster TOML (autopar calibrate) or preset "
                                    "name; default cpu-local")
-    memory_per_device_gb: float | None = _f(None, "--strategy auto: memory per device to plan for (GiB); default: "
-                                                  "the cluster's")
+    memory_per_device_gb: float | None = _f(None, "memory per device to plan for (GiB): --strategy auto's search "
+                                                  "(default: the cluster's) and the memory check of a strategy set "
+                                                  "by hand (default: this host's available memory over its ranks, "
+                                                  "or the GPU's)")
     confirm: int = _f(0, "--strategy auto: run the top K plans for a few steps each and keep the fastest measured")
 
     @classmethod
