@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch_internals import foreach_copy_
 from .grads import FlatBucket, ShardedGradients
 
 
@@ -96,8 +97,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for bucket, whole, work in launched:
             if work is not None:
                 work.wait()
-            torch._foreach_copy_([p.data for p in bucket.params],
-                                 [whole[off:off + p.numel()].view_as(p) for p, off in zip(bucket.params, bucket.offsets)])
+            foreach_copy_([p.data for p in bucket.params],
+                          [whole[off:off + p.numel()].view_as(p) for p, off in zip(bucket.params, bucket.offsets)])
 
     def _gather(self, shard: torch.Tensor, bucket: FlatBucket) -> torch.Tensor:
         if self.grads.world == 1:
