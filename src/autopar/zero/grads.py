@@ -95,8 +95,8 @@ class ShardedGradients(HookedBuckets):
                       first_cap_bytes: int | None = None) -> list[ShardedBucket]:
         buckets = []
         for members in group_by_size(params, cap_bytes, first_cap_bytes):
-            bucket = ShardedBucket.of(members, multiple=self.world, shard=0, deferred=deferred)
-            bucket.shard = bucket.numel // self.world
+            shard = -(-sum(p.numel() for p in members) // self.world)
+            bucket = ShardedBucket.of(members, multiple=self.world, shard=shard, deferred=deferred)
             bucket.shard_grad = torch.zeros(bucket.shard, dtype=torch.float32, device=bucket.device)
             buckets.append(bucket)
         return buckets
