@@ -17,7 +17,7 @@ over m steps (the samples of one 1f1b step) so the curves compare like with like
 
     python benchmarks/async_pipeline.py                       # gpt-mini, 300 steps (long on CPU)
     python benchmarks/async_pipeline.py --steps 20 --quick    # smoke test: gpt-tiny, pp 2
-    python benchmarks/async_pipeline.py --out runs/async_pipeline --png docs/benchmarks/async_pipeline.png
+    python benchmarks/async_pipeline.py --out runs/async_pipeline --png runs/async_pipeline.png
     python benchmarks/async_pipeline.py --steps 24 --no-plot    # the bubble table only
     python benchmarks/async_pipeline.py --pp 2 --steps 16 --count-subnormals --no-plot   # denormals? (untimed)
     python benchmarks/async_pipeline.py --steps 16 --tied0 --no-plot   # also pipedream --tied-delay 0
@@ -230,12 +230,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--skip", type=int, default=3, help="steps left out of the step-time median")
     parser.add_argument("--out", default="runs/async_pipeline")
-    parser.add_argument("--png", default="docs/benchmarks/async_pipeline.png")
+    parser.add_argument("--png", default="runs/async_pipeline.png")
     parser.add_argument("--quick", action="store_true", help="gpt-tiny, pp 2, short sequences")
     parser.add_argument("--no-plot", action="store_true", help="the table only")
     parser.add_argument("--flush-denormal", action="store_true",
                         help="ranks flush denormal floats to zero (torch.set_flush_denormal); an A/B knob: "
-                             "--count-subnormals found no denormals in these runs (docs/benchmarks/async_pipeline.md)")
+                             "--count-subnormals found no denormals in these runs (docs/benchmarks.md)")
     parser.add_argument("--count-subnormals", action="store_true",
                         help="count the subnormal floats each rank computes with (benchmarks/subnormal_census.py) "
                              "and print the totals per run; slows every run several times: its times mean nothing")

@@ -1,4 +1,4 @@
-"""Issue 22 item 3 in one command: autopar on one CUDA GPU, measured against eager PyTorch and the models.
+"""What a GPU must confirm, in one command: autopar on one CUDA GPU, measured against eager PyTorch and the models.
 
     PYTHONPATH=src python benchmarks/gpu_check.py [--quick] [--json out.json]
 

@@ -1,4 +1,4 @@
-"""Cross-mesh resharding on gloo: naive vs send/recv vs scatter-gather vs broadcast (issue 17).
+"""Cross-mesh resharding on gloo: naive vs send/recv vs scatter-gather vs broadcast.
 
 One run spawns sender_tp + max(receivers) CPU ranks on one gloo group. A pipeline boundary is
 modelled as Megatron leaves it: the tensor replicated over the sender stage's tp ranks, wanted

@@ -1,4 +1,4 @@
-"""The zero-bubble split's fixed cost in one process (issue 21): a stage's fused backward B against I then W.
+"""The zero-bubble split's fixed cost in one process: a stage's fused backward B against I then W.
 
 One thread, no ranks. A gpt-mini stage as zbv_breakdown.py runs it (6 layers, 4 x 64 tokens, vocabulary 320):
 `last` is the second of 2 stages (zb-h1's stage 1, its loss inside), `middle` the third of 4 (a zbv stage fed an

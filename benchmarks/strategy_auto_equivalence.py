@@ -1,4 +1,4 @@
-"""`autopar train --strategy auto` at 4 and 8 ranks against one process: the same losses (issue 14).
+"""`autopar train --strategy auto` at 4 and 8 ranks against one process: the same losses.
 
 Runs the CLI three ways on gpt-tiny (2 layers, global batch 8, 3 steps): one process with
 dp=1, then `--strategy auto` at each world size (the search picks dp/tp/pp, schedule and

@@ -1,4 +1,4 @@
-"""Predicted vs measured peak memory per pipeline stage, for gpt-tiny at pp=2 (issue 14, item 3).
+"""Predicted vs measured peak memory per pipeline stage, for gpt-tiny at pp=2.
 
 On CPU the trainer's peak is the process's peak resident set (metrics.py), which includes the
 Python, torch and gloo runtime (hundreds of MiB) that the memory model does not predict. So

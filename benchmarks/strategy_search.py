@@ -1,4 +1,4 @@
-"""Validation of the strategy search (issue 14, item 6): predicted vs measured step time and memory.
+"""Validation of the strategy search: predicted vs measured step time and memory.
 
 For each model and world size: profile the model, run the search (timed), take the configurations
 that fit (distinct after deduplication; see CONFIGS below for which), then run every one of them

@@ -1,4 +1,4 @@
-"""Where a training step's CPU goes, beside the strategy search's model of it (issue 14, the time-shared bound).
+"""Where a training step's CPU goes, beside the strategy search's model of it (the time-shared bound).
 
 On a CPU host with more ranks than cores the step model bounds the step by the CPU of the whole step summed
 over the ranks / the cores they get (search/cost.py, step_cpu_terms). This script runs a few configurations
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from strategy_search import GLOBAL_BATCH, MODELS, SEQ_LEN, calibrated_cluster  # noqa: E402
 
-DEFAULT_CONFIGS = (  # rows of docs/benchmarks/data/strategy_search_quiet_w4_probe_2026-11-25.log
+DEFAULT_CONFIGS = (  # configurations of a quiet 4-rank validation run (docs/benchmarks.md)
     "dp=1 tp=1 pp=4 mbs=8 sched=zb-h1",
     "dp=4 tp=1 pp=1 mbs=4 zero=2",
     "dp=1 tp=1 pp=4 mbs=4 sched=1f1b",

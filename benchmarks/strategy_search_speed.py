@@ -1,4 +1,4 @@
-"""How long the strategy search takes for a GPT-20B-sized model on a 64-GPU preset (issue 14: < 60 s).
+"""How long the strategy search takes for a GPT-20B-sized model on a 64-GPU preset (target: < 60 s).
 
 The model (GPT with 44 layers, d_model 6144, 64 heads, vocabulary 50304, 2048-token sequences:
 about 20B parameters) is traced ONCE on the meta device with 2 layers and its per-layer costs

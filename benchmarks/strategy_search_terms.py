@@ -1,6 +1,6 @@
 """Where the strategy search's step model is off, from a saved validation run, and what the memory model reads.
 
-    PYTHONPATH=src python benchmarks/strategy_search_terms.py --fit docs/benchmarks/data/strategy_search_quiet5_2026-11-26.json
+    PYTHONPATH=src python benchmarks/strategy_search_terms.py --fit runs/strategy_search.json  # written by strategy_search.py --out
     PYTHONPATH=src python benchmarks/strategy_search_terms.py --saved
     PYTHONPATH=src python benchmarks/strategy_search_terms.py --collectives CLUSTER.toml
 

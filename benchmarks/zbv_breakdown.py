@@ -1,4 +1,4 @@
-"""Where zbv's step time goes at pp=2 (issue 21): our 1f1b, zb-h1 and zbv against torch's Schedule1F1B and
+"""Where zbv's step time goes at pp=2: our 1f1b, zb-h1 and zbv against torch's Schedule1F1B and
 ScheduleZBVZeroBubble on the same StageModules, in one run, with each rank's work taken apart.
 
 Two ranks (gloo, CPU, one thread each), gpt-mini (6 layers by default, as part 5 of pipeline_schedules.py),
@@ -199,7 +199,7 @@ def report(ranks: list, args) -> str:
 
 
 def _pp4_prediction(zbv: dict, split: float, m: int) -> str:
-    """Issue 21 asks for zb-h1 faster than 1f1b at pp=4, which needs four cores or devices: predict it from
+    """zb-h1 faster than 1f1b at pp=4 needs four cores or devices to be measured: predict it from
     this run's four zbv stages run one per rank (a prediction: costs measured with two ranks on this
     machine, transfers free). 1f1b's B is I + W over the split's overhead (stage 0's I + W is its B)."""
     from autopar.pipeline.schedules import build_schedule

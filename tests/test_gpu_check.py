@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py: without CUDA it measures nothing and says so; its pieces import.
 
-The measurements themselves need a GPU (issue 22 item 3); on CPU the script's functions were
-run once by hand with gpt-tiny (see the report), not here: they train several models."""
+The measurements themselves need a GPU; on CPU the script's functions were
+run once by hand with gpt-tiny, not here: they train several models."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pretrained Hugging Face folders in, fine-tuned under parallel layouts, exported back (issue 19).
+"""Pretrained Hugging Face folders in, fine-tuned under parallel layouts, exported back.
 
 A small random model of each family (gpt2, qwen2, and llama: the example's sharded folder) is saved with
 `save_pretrained` (no network), fine-tuned on prompt/response pairs (loss on the response only) with a BPE

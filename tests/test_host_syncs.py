@@ -1,4 +1,4 @@
-"""No hidden host-device synchronisation in the step loop (issue 22 item 2), counted on CPU.
+"""No hidden host-device synchronisation in the step loop, counted on CPU.
 
 tests/sync_helpers.py counts autopar's calls that read a tensor's value on the host during
 the second of three steps; each must be one of trainer.HOST_SYNCS_PER_STEP, once.

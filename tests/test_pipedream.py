@@ -230,7 +230,7 @@ def test_the_tied_rule_applies_every_step_s_gradient_once_in_its_own_run(delay):
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 4)])
 def test_2bw_calls_are_batched_with_both_ends_in_one_step(pp, m):
-    """Item 2 of issue 18: every transfer of the no-flush lists is in a batched group whose two ends sit
+    """NCCL-safe transfers: every transfer of the no-flush lists is in a batched group whose two ends sit
     in the same optimizer step (the ranks meet between steps), and the whole run still checks."""
     steps, flush = 6, {2, 5}
     compute, warm = {}, True

@@ -1,4 +1,4 @@
-"""Cross-mesh resharding (issue 17): the planner against brute force, its load balance against
+"""Cross-mesh resharding: the planner against brute force, its load balance against
 enumeration, bad layouts refused, and every method executed on four gloo ranks.
 
 The brute force replays a plan element by element: every rank of the destination must end with
@@ -285,7 +285,7 @@ def test_every_method_moves_the_exact_bytes_on_four_gloo_ranks(rank_pool):
 
 def test_the_emulated_links_benchmark_refuses_clearly_without_root_or_iproute2(monkeypatch):
     """benchmarks/emulated_links.py checks before it makes anything (its set-up itself is run by hand:
-    docs/benchmarks/resharding.md)."""
+    docs/benchmarks.md)."""
     import importlib.util
     from pathlib import Path
 

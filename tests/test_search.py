@@ -1,4 +1,4 @@
-"""The strategy search (issue 14): cluster costs, the bubble, the memory pieces, the search against brute force,
+"""The strategy search: cluster costs, the bubble, the memory pieces, the search against brute force,
 MCMC against exhaustive enumeration, refusals of bad cluster files and impossible memory limits."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The strategy search's memory model against a measured peak (issue 14, item 7), and its measuring tools.
+"""The strategy search's memory model against a measured peak, and its measuring tools.
 
 The measured quantity is the one the model predicts: peak bytes of live tensors per rank
 (search/live_memory.py), not the resident set (which holds the Python/torch/gloo runtime).

@@ -1,4 +1,4 @@
-"""`--strategy auto` and `--plan` (issue 14): the searched strategy trains like one process, a plan reruns the
+"""`--strategy auto` and `--plan`: the searched strategy trains like one process, a plan reruns the
 same strategy, and plans or searches that cannot work are refused before training, naming the values."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sparse-embedding communication (EmbRace, issue 6): every mode trains exactly like one process.
+"""Sparse-embedding communication (EmbRace): every mode trains exactly like one process.
 
 - sharded lookups (column- and row-wise) equal nn.Embedding, gradients included: duplicate
   ids, a rank with an empty batch, a width (6) the world size (4) does not divide;

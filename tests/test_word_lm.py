@@ -1,4 +1,4 @@
-"""The word-level tokenizer and the word LMs with untied input embeddings (issue 6, part 1)."""
+"""The word-level tokenizer and the word LMs with untied input embeddings."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 autopar.pipeline.build_local_pipeline as PipelineEngine builds them; torch.distributed.pipelining's),
 recomputation planning with the engine's planner, interleaved timing, and number formatting.
 
-Entry point and method: benchmarks/pipeline_schedules.py, docs/benchmarks/pipeline_schedules.md.
+Entry point and method: benchmarks/pipeline_schedules.py, docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ in an order the schedule decides and sync must happen once, after the last micro
 backward; nor the sparse-embedding and decentralised modes, which must take some
 parameters out of the dense all-reduce. Here the reduction is driven only by gradient
 hooks and an explicit `finish()`, so any runtime can use it. `benchmarks/dp_allreduce.py`
-measures it against DDP on the same model in one run (docs/benchmarks/dp_allreduce.md).
+measures it against DDP on the same model in one run (docs/benchmarks.md).
 
 How it works:
 - parameters go into flat buckets of about `bucket_mb` (the first `first_bucket_mb`, so

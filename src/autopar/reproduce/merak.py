@@ -232,8 +232,8 @@ def assumptions(args, clusters: dict) -> str:
         "grounding (measured on 2 CPU cores, docs/benchmarks.md; not re-run here):",
         "  pipeline simulator vs measured step time, six schedules, pp=2: 0.93-1.00 "
         "(benchmarks/pipeline_schedules.py)",
-        "  memory model vs measured peak, gpt-tiny pp=2: stage 0 +73%, stage 1 -29% before the accuracy work of "
-        "issue 14 (benchmarks/strategy_memory_check.py; benchmarks/strategy_search.py validates step time and "
+        "  memory model vs measured peak, gpt-tiny pp=2: stage 0 +73%, stage 1 -29% before the search's "
+        "accuracy work (benchmarks/strategy_memory_check.py; benchmarks/strategy_search.py validates step time and "
         "memory across configurations)",
         "  sub-pipelined TP: K=2 measured 1.09x slower than K=1 on CPU gloo (compute and all-reduce share the "
         "cores), while the same overlap rule predicts 0.64-0.91x on GPUs (benchmarks/tp_subpipeline.py)"]

@@ -201,7 +201,7 @@ class Degrees:
 
 MAX_PP = 16
 """Deepest pipeline priced: deeper ones cost O(pp^2) to simulate (the study's run time bound); the
-picks often sit at this bound, see docs/benchmarks/merak.md."""
+picks often sit at this bound, see docs/benchmarks.md."""
 MAX_MBS = 8
 """Largest micro-batch priced: the step model's compute is linear in the micro-batch, so larger ones only
 lengthen the pipeline's fill and drain; they matter only where memory forces a choice, and smaller ones fit."""

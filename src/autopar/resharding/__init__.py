@@ -1,4 +1,4 @@
-"""Cross-mesh resharding (issue 17, after Alpa): moving a tensor from one tensor-parallel layout on one
+"""Cross-mesh resharding (after Alpa): moving a tensor from one tensor-parallel layout on one
 set of ranks to another layout on another set, as tiles, each from a load-balanced sender, by
 send/recv, scatter-gather (send 1/t, all-gather at the receivers) or broadcast."""
 

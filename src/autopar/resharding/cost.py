@@ -10,7 +10,7 @@ Ranks of one node may also share one fabric (a CPU host's loopback copies all cr
 bus): a cluster with `node_bandwidth_bytes_per_s` > 0 caps the bytes all ranks of a node move
 together, so a phase lasts at least its busiest node's bytes over that figure (plus the busiest
 rank's latencies). Without the cap, fewer bytes per link always look faster, which is true between
-hosts and false on one host (docs/benchmarks/resharding.md measures both).
+hosts and false on one host (docs/benchmarks.md measures both).
 
 The figures are predictions of a model, never measurements; benchmarks/resharding.py measures.
 """

@@ -91,7 +91,7 @@ class Cluster:
     background_cores: float = 0.0
     """CPU only: cores' worth of CPU the node's ranks burn besides any step's work, taken from cores_per_node by
     the time-shared bound. Each gloo process group keeps a thread that wakes every 10 ms to poll, idle or not:
-    ~1-2 ms of CPU per second each here (docs/benchmarks/strategy_search.md), so a process holding many groups
+    ~1-2 ms of CPU per second each here (docs/benchmarks.md), so a process holding many groups
     (benchmarks/strategy_search.py keeps 22 trainers' alive at once) pays for them in every step. Measured in the
     ranks' launch (calibrate_ranks.background_cores); 0: none counted."""
     time_shared_scale: float = 1.0
@@ -104,7 +104,7 @@ class Cluster:
     node_bandwidth_bytes_per_s: float = 0
     """Bytes per second all ranks of one node move between ranks together (0: no shared cap, each rank's
     link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
-    transfers together move about as fast as one pair's (docs/benchmarks/resharding.md)."""
+    transfers together move about as fast as one pair's (docs/benchmarks.md)."""
 
     # ---------------------------------------------------------------- geometry
 

@@ -48,8 +48,8 @@ PARTITIONS = ("uniform", "parameters", "time")
 ADAM_BYTES_PER_PARAM = 28.0  # AdamW step: reads weight, grad, two moments; writes weight, two moments (fp32)
 SPLIT_SCHEDULES = ("zb-h1", "zbv")  # the schedules whose backward is I + W (pipeline/schedules.py)
 SPLIT_OVERHEAD = 0.15
-"""I + W over a fused backward, where not measured: the runtime's split on CPU measured ~1.15x B (issue 21's
-notes: a second autograd call, the kept gradients read back from memory); a stated estimate, not a datasheet."""
+"""I + W over a fused backward, where not measured: the runtime's split on CPU measured ~1.15x B (the zero-bubble
+benchmark: a second autograd call, the kept gradients read back from memory); a stated estimate, not a datasheet."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ Each profile block is taken as one FSDP2 unit (the embedding and head blocks as 
 CPU cluster (`hide_gathers=False`: a calibrated one, with cores_per_node, or the cpu-local preset;
 ranks time-share cores, and gloo's copies take the cycles the
 compute would use) nothing hides the gathers: benchmarks/zero_memory.py measures FSDP2 well behind
-plain all-reduce there (docs/benchmarks/zero.md).
+plain all-reduce there (docs/benchmarks.md).
 
 Beside the communication, zero 1/2 step only their shard (the optimizer's time / dp) and then copy
 the all-gathered buckets into the parameters (`copy_bytes_per_param`, memory-bandwidth bound).

@@ -2,7 +2,7 @@
 
 A small separate function for the strategy search's memory model (search/memory.py), to replace its
 `params`, `grads` and `optimizer` pieces with these when a plan carries a zero level. The counts
-are those benchmarks/zero_memory.py measures (docs/benchmarks/zero.md), per parameter Ψ of the
+are those benchmarks/zero_memory.py measures (docs/benchmarks.md), per parameter Ψ of the
 stage, with d the dp degree and K the optimizer's fp32 bytes (OPTIMIZER_STATE_BYTES: AdamW 8):
 
   fp32                     params   grads                       optimizer (master + K)
@@ -20,7 +20,7 @@ The level-2 figures hold between micro-batches; during a backward the full gradi
 bucket and is released only when the micro-batch's (or, in the pipeline engine, the step's)
 reductions land, so at the end of a backward it is all alive once more: search/memory.py counts
 it as a transient. benchmarks/zero_memory.py prints these formulas beside the measured bytes (equal
-for every level at dp 2 and 4 under --dtype bf16: docs/benchmarks/zero.md).
+for every level at dp 2 and 4 under --dtype bf16: docs/benchmarks.md).
 """
 
 from __future__ import annotations
