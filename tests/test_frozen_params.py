@@ -157,11 +157,14 @@ def lm_data(seed: int = 3) -> list[dict]:
 
 def _gradient_traffic(engine) -> dict:
     """Elements this rank's gradient collectives carry, read from the structures that issue them."""
+    from autopar.data_parallel import GradientSynchronizer
+    from autopar.zero import ShardedGradients
+
     sync = getattr(engine, "sync", None)
     traffic = {"tied": sum(p.numel() for p, *_ in getattr(engine, "_shared", []))}
-    if hasattr(sync, "_buckets"):  # GradientSynchronizer: each bucket buffer is all-reduced whole
-        traffic["dp"] = sum(b.buffer.numel() for b in sync._buckets)
-    elif hasattr(sync, "buckets"):  # ZeRO 1/2: each flat bucket (padded to a multiple of dp) reduce-scattered
+    if isinstance(sync, GradientSynchronizer):  # each bucket buffer is all-reduced whole
+        traffic["dp"] = sum(b.full.numel() for b in sync.buckets)
+    elif isinstance(sync, ShardedGradients):  # ZeRO 1/2: each flat bucket (padded to a multiple of dp) reduce-scattered
         traffic["dp"] = sum(p.numel() for b in sync.buckets for p in b.params)
         traffic["dp_padding_ok"] = all(b.numel - sum(p.numel() for p in b.params) < sync.world for b in sync.buckets)
     if hasattr(engine, "flat"):  # gossip: the parameters mixed with the neighbours

@@ -22,6 +22,7 @@ _reference: dict = {}
 def train_zero(out: str, **kwargs) -> dict:
     """train_builtin, plus the bytes of optimizer state and gradients this rank holds after training."""
     import autopar.trainer as trainer_module
+    from autopar.zero import ShardedGradients
 
     captured = {}
     original = trainer_module.Trainer.close_run
@@ -35,7 +36,7 @@ def train_zero(out: str, **kwargs) -> dict:
         captured["full_grad_bytes"] = sum(p.grad.numel() * p.grad.element_size()
                                           for p in self.model.parameters() if p.grad is not None)
         sync = getattr(self.engine, "sync", None)
-        if hasattr(sync, "buckets"):  # ZeRO-1/2: full buffers (if kept), landing buffers, fp32 shards
+        if isinstance(sync, ShardedGradients):  # ZeRO-1/2: full buffers (if kept), landing buffers, fp32 shards
             captured["grad_buffer_bytes"] = sum(t.numel() * t.element_size() for b in sync.buckets
                                                 for t in (b.full, b.incoming, b.shard_grad) if t is not None)
             captured["master_bytes"] = optimizer.master_bytes()

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ._torch_internals import backend_options, clear_dtensor_caches, registered_process_groups, tcp_store
 from .errors import DistributedError
 
 
@@ -51,9 +52,7 @@ def backend_for(device: str) -> str:
 
 def group_options(backend: str, timeout_s: float):
     """Backend options carrying our timeout (sub-groups do not inherit the world's)."""
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=timeout_s)
-    return options
+    return backend_options(backend, timeout_s)
 
 
 def init_distributed(device: str, timeout_s: float) -> DistEnv:
@@ -94,9 +93,7 @@ def _fresh_store(env: DistEnv, timeout: timedelta):
     the addresses the previous workers left in the store (same keys), and a rank then connects to a dead
     peer ("Connection refused"); a prefix per restart keeps each attempt's keys apart.
     """
-    from torch.distributed.rendezvous import _create_c10d_store
-    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.rank,
-                               env.world_size, timeout)
+    store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.rank, env.world_size, timeout)
     return dist.PrefixStore(f"autopar/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
@@ -104,9 +101,7 @@ def process_groups() -> set:
     """The sub-groups this process holds now (the default group left out; torch keeps no public list)."""
     if not dist.is_initialized():
         return set()
-    from torch.distributed import distributed_c10d as c10d
-    default = c10d._get_default_group()
-    return {group for group in c10d._world.pg_map if group is not default}
+    return {group for group in registered_process_groups() if group is not dist.group.WORLD}
 
 
 def destroy_groups(groups) -> None:
@@ -123,11 +118,7 @@ def destroy_groups(groups) -> None:
         except (RuntimeError, ValueError):  # already destroyed (by its owner): nothing is left to free
             pass
     if "torch.distributed.tensor" in sys.modules:  # only a process that used DTensor has the caches
-        from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-        _clear_sharding_prop_cache()
-        _gen_transform_infos.cache_clear()
-        clear_redistribute_planner_cache()
+        clear_dtensor_caches()
 
 
 def shutdown() -> None:

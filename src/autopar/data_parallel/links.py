@@ -39,6 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .._torch_internals import work_source_rank
 from ..errors import ConfigError, DistributedError
 
 
@@ -103,11 +104,8 @@ class _Handle:
             raise DistributedError(f"a delayed send failed: {self._error}") from self._error
         if self._work is not None:
             self._work.wait(timedelta(seconds=self._timeout_s))
-            if self._source is None and hasattr(self._work, "_source_rank"):
-                try:
-                    self._source = self._work._source_rank()
-                except RuntimeError:
-                    pass
+            if self._source is None:
+                self._source = work_source_rank(self._work)
         return self._source
 
     def is_completed(self) -> bool:

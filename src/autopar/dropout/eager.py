@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .._torch_internals import dispatch_mode_base, in_backward, in_checkpointed_region
 from ..errors import ConfigError, ModelError
 from . import ops
 from .random_ops import ALWAYS_DRAWING, RECURRENT, draws, recurrent_draws, refusal
@@ -66,24 +67,23 @@ _MHA_DROPOUT, _MHA_TRAINING = 10, 13  # positions of dropout_p and training in F
 
 
 def _dispatch_mode_base() -> type:
-    """torch's base class for dispatch modes, torch.utils._python_dispatch.TorchDispatchMode (a private module,
-    though torch's extension guide documents the class). Without it, a stand-in refuses what needs it (the
-    attention dropout of nn.MultiheadAttention, the first-step scan) rather than letting torch draw."""
-    try:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        return TorchDispatchMode
-    except ImportError:
+    """torch's base class for dispatch modes (its module is private, though torch's extension guide documents
+    the class). Without it, a stand-in refuses what needs it (the attention dropout of nn.MultiheadAttention,
+    the first-step scan) rather than letting torch draw."""
+    base = dispatch_mode_base()
+    if base is None:
         class Unavailable:
             def __init__(self, *args, **kwargs):
                 pass
 
             def __enter__(self):
-                raise ModelError("this torch has no TorchDispatchMode (torch.utils._python_dispatch), which layout-"
+                raise ModelError("this torch has no TorchDispatchMode, which layout-"
                                  "free attention dropout in nn.MultiheadAttention needs: set its dropout to 0")
 
             def __exit__(self, *exc) -> bool:
                 return False
         return Unavailable
+    return base
 
 
 TorchDispatchMode = _dispatch_mode_base()
@@ -227,9 +227,8 @@ def _name(func) -> str:
 def _inside_checkpoint() -> bool:
     """Whether this call runs in a checkpointed region (whose backward-time recomputation torch runs
     without this mode: torch.utils.checkpoint restores only device modes) or in backward itself."""
-    if torch._C._current_autograd_node() is not None:
+    if in_backward():
         return True
     if not torch.is_grad_enabled():  # a training forward with gradients off: reentrant checkpoint (or no_grad)
         return True
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+    return in_checkpointed_region()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._torch_internals import safe_softmax
 from ..errors import ModelError
 from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions, uniform
 from .scope import DropoutScope
@@ -147,6 +148,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     # a query that may attend to nothing (a left-padded row) gets zero weights, as torch's SDPA gives it,
     # not softmax's NaN: the safe softmax is the op SDPA's own math path uses
-    weights = torch.ops.aten._safe_softmax(scores, -1)
+    weights = safe_softmax(scores, -1)
     weights = dropout(weights, p, op, scope, shard=shard, cache=cache)
     return weights @ v

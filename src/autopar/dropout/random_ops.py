@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._torch_internals import op_schema
 from ..errors import ModelError
 
 aten = torch.ops.aten
@@ -39,10 +40,10 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 def _bind(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The operation's arguments by schema name (defaults filled in).
 
-    Reads OpOverload._schema (private, but the only place torch names an aten operation's
-    arguments); without it nothing is named and a tagged operation counts as drawing."""
+    The schema is private (op_schema), but the only place torch names an aten operation's
+    arguments; without it nothing is named and a tagged operation counts as drawing."""
     values = {}
-    for i, argument in enumerate(getattr(getattr(op, "_schema", None), "arguments", ())):
+    for i, argument in enumerate(getattr(op_schema(op), "arguments", ())):
         if i < len(args):
             values[argument.name] = args[i]
         elif argument.name in kwargs:
@@ -56,7 +57,7 @@ def draws(op: Any, args: tuple, kwargs: dict | None = None) -> bool:
     """Whether calling aten operation `op` with these arguments draws random numbers."""
     if _SEEDED not in getattr(op, "tags", ()):
         return False
-    name = getattr(getattr(op, "_schema", None), "name", str(op))
+    name = getattr(op_schema(op), "name", str(op))
     if "sdp_choice" in name or name.endswith("_backward"):  # picks a kernel / replays the forward's draws
         return False
     values = _bind(op, args, kwargs or {})

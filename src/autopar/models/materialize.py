@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .._torch_internals import buffer_table, parameter_table, private_reset, tensor_version
 from ..errors import ModelError
 from .registry import to_device
 
@@ -51,10 +52,10 @@ def retie(module: nn.Module, params: TieGroups, buffers: TieGroups) -> None:
             for path in paths[1:]:
                 owner_path, _, attr = path.rpartition(".")
                 owner = module.get_submodule(owner_path)
-                if attr in owner._parameters:
-                    owner._parameters[attr] = shared
+                if attr in parameter_table(owner):
+                    parameter_table(owner)[attr] = shared
                 else:
-                    owner._buffers[attr] = shared
+                    buffer_table(owner)[attr] = shared
 
 
 InitFn = Callable[[nn.Module], None]
@@ -147,9 +148,6 @@ def _clear_hf_init_flags(module: nn.Module) -> None:
         sub.__dict__.pop("_is_hf_initialized", None)
 
 
-_RESET_METHODS = ("reset_parameters", "_reset_parameters")  # torch's modules; MultiheadAttention uses the second
-
-
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """Submodules, children before their parent: the order in which construction initialises them."""
     for name, child in module.named_children():
@@ -158,11 +156,9 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.M
 
 
 def _reset_method(module: nn.Module):
-    for name in _RESET_METHODS:
-        method = getattr(module, name, None)
-        if callable(method):
-            return method
-    return None
+    """torch's modules' own initialiser (nn.MultiheadAttention names it privately)."""
+    method = getattr(module, "reset_parameters", None)
+    return method if callable(method) else private_reset(module)
 
 
 def _model_init(module: nn.Module):
@@ -231,7 +227,7 @@ def _fill_sentinels(module: nn.Module) -> dict[int, int]:
                 t.fill_(float("nan"))
             else:
                 t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
-                versions[id(t)] = t._version
+                versions[id(t)] = tensor_version(t)
     return versions
 
 
@@ -246,7 +242,7 @@ def _unwritten(module: nn.Module, versions: dict[int, int], only: set[str] | Non
                 stale = bool(torch.isnan(t).any())
             else:
                 sentinel = True if t.dtype == torch.bool else torch.iinfo(t.dtype).max
-                stale = versions.get(id(t)) == t._version and bool((t == sentinel).all())
+                stale = versions.get(id(t)) == tensor_version(t) and bool((t == sentinel).all())
             if stale:
                 found.append(f"{kind} {name!r}")
     return found
@@ -330,22 +326,22 @@ def materialize_partial(module: nn.Module, keep: set[str], device: str | torch.d
         owner_path, _, attr = path.rpartition(".")
         owners.setdefault(id(p), []).append((module.get_submodule(owner_path), attr, path))
     kept_ids = {pid for pid, places in owners.items() if any(path in keep for _, _, path in places)}
-    dropped = [places[0][0]._parameters[places[0][1]] for pid, places in owners.items() if pid not in kept_ids]
+    dropped = [parameter_table(places[0][0])[places[0][1]] for pid, places in owners.items() if pid not in kept_ids]
     scratch: dict[torch.dtype, torch.Tensor] = {}
     for p in dropped:
         size = max(p.numel(), scratch[p.dtype].numel() if p.dtype in scratch else 0)
         scratch[p.dtype] = torch.empty(size, dtype=p.dtype, device=target)
     for pid, places in owners.items():
-        old = places[0][0]._parameters[places[0][1]]
+        old = parameter_table(places[0][0])[places[0][1]]
         data = (torch.empty(old.shape, dtype=old.dtype, device=target) if pid in kept_ids
                 else scratch[old.dtype][:old.numel()].view(old.shape))
         new = nn.Parameter(data, requires_grad=old.requires_grad)
         for owner, attr, _ in places:
-            owner._parameters[attr] = new
+            parameter_table(owner)[attr] = new
     for sub in module.modules():
-        for name, b in list(sub._buffers.items()):
+        for name, b in list(buffer_table(sub).items()):
             if b is not None and b.is_meta:
-                sub._buffers[name] = torch.empty_like(b, device=target)
+                buffer_table(sub)[name] = torch.empty_like(b, device=target)
     retie(module, params, buffers)
     versions = _fill_sentinels(module)
     with seeded(target, seed):
@@ -356,8 +352,8 @@ def materialize_partial(module: nn.Module, keep: set[str], device: str | torch.d
         raise ModelError(_uninitialised_message(module, missing, _leaves_unwritten(module)))
     for pid, places in owners.items():
         if pid not in kept_ids:
-            old = places[0][0]._parameters[places[0][1]]
+            old = parameter_table(places[0][0])[places[0][1]]
             ghost = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=old.requires_grad)
             for owner, attr, _ in places:
-                owner._parameters[attr] = ghost
+                parameter_table(owner)[attr] = ghost
     return module

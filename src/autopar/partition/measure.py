@@ -15,6 +15,7 @@ import time
 import torch
 from torch import nn
 
+from .._torch_internals import tree_leaves
 from ..models.materialize import materialize
 from ..trace import ModelGraph
 from .stages import StageModule, lifted_constant_values, materialize_stage, plan_stages
@@ -47,7 +48,7 @@ def measure_block_times(graph: ModelGraph, model: nn.Module, *, device: str = "c
             began = time.perf_counter()
             out = stage(*inputs)
             if stage.is_last:
-                leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
                 out = (sum(t.float().square().mean() for t in leaves if t.requires_grad),)
             records.append([time.perf_counter() - began, inputs, out])
             values = out

@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
 
+from .._torch_internals import tree_unflatten
 from ..dropout import checkpoint_context_fn, dropout_numbering, replace_dropout_nodes
 from ..errors import ModelError
 from ..running_stats import replace_batch_norm_nodes
@@ -213,7 +214,7 @@ class StageModule(nn.Module):
             else:
                 values = piece(*state, *values)
         if self.is_last:
-            return torch.utils._pytree.tree_unflatten(list(values), self._out_spec)
+            return tree_unflatten(values, self._out_spec)
         return tuple(values)
 
 

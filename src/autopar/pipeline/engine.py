@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch_internals import parameter_table
 from ..config import PARTITION_METHODS
 from ..data.datasets import IGNORE_INDEX
 from ..distributed import backend_for, group_options
@@ -80,7 +81,7 @@ class LocalStages(nn.Module):
 def _assign(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
     owner_path, _, attr = fqn.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
-    owner._parameters[attr] = param
+    parameter_table(owner)[attr] = param
 
 
 class PipelineEngine(EngineBase):

@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from .._torch_internals import engine_backward, engine_grad, input_metadata, saved
 from .split_plan import GroupPlan, SplitPlan, SplitPlanCache, analyse, node_of, structure_key, walk
 
 
@@ -164,7 +165,7 @@ def backward_input(outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor 
     spread = []  # (purpose, how many edges) of the captures at every input of a node
     for j, purpose in layout.spread:
         node = order[j]
-        count = len(node._input_metadata)
+        count = len(input_metadata(node))
         edges += [GradientEdge(node, s) for s in range(count)]
         spread.append((purpose, count))
     wanted = [x for x in inputs if x.requires_grad]
@@ -235,7 +236,9 @@ def backward_weight(work: WeightWork) -> None:
         grads.append(g)
     work.kept, work.early, work.fallback = [], [], []
     if edges:  # retain: the graph goes with `work`, which the caller drops
-        _run_backward(edges, grads, work.params)
+        # without backward()'s per-root Python checks (about 5 us a root, 50 roots here): the rules
+        # above give every root its edge's shape
+        engine_backward(edges, grads, work.params)
 
 
 def _run_grad(outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list) -> tuple:
@@ -245,21 +248,7 @@ def _run_grad(outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: li
     for o, g in zip(outputs, grads):
         if g.shape != o.shape:
             raise RuntimeError(f"gradient of shape {tuple(g.shape)} for an output of shape {tuple(o.shape)}")
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None:
-        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
-    return run(tuple(outputs), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=False)
-
-
-def _run_backward(edges: list[GradientEdge], grads: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-    """torch.autograd.backward(edges, grads, inputs=params), without its per-root Python checks (shape
-    against each edge's metadata: about 5 us a root, 50 roots here); the rules above give every root
-    its edge's shape. Falls back to the public call where torch lacks the engine entry point."""
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None:
-        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
-    else:
-        run(tuple(edges), tuple(grads), True, False, tuple(params), allow_unreachable=True, accumulate_grad=True)
+    return engine_grad(outputs, grads, inputs)
 
 
 def _through_autograd(group: _Fallback) -> None:
@@ -299,7 +288,7 @@ def _fit(node: Node, k: int, g: torch.Tensor) -> torch.Tensor:
     """`g` as the root of W's autograd call at `node`'s edge k: with that edge's shape (a broadcast
     reduced) and dtype, as autograd does between two nodes."""
     child, slot = node.next_functions[k]
-    meta = child._input_metadata[slot]
+    meta = input_metadata(child)[slot]
     if g.shape != meta.shape:
         g = g.sum_to_size(meta.shape)
     return g if g.dtype == meta.dtype else g.to(meta.dtype)
@@ -311,13 +300,13 @@ def _fit(node: Node, k: int, g: torch.Tensor) -> torch.Tensor:
 
 def _addmm(node: Node, g: torch.Tensor, wanted: list[int]) -> dict[int, torch.Tensor]:
     """addmm(self, mat1, mat2) = beta * self + alpha * mat1 @ mat2 (nn.Linear on 2-D input)."""
-    alpha, beta, out = node._saved_alpha, node._saved_beta, {}
+    alpha, beta, out = saved(node, "alpha"), saved(node, "beta"), {}
     if 0 in wanted:  # a bias I could not take early (it gets gradient from elsewhere too)
         out[0] = _fit(node, 0, g if beta == 1 else g * beta)
     if 1 in wanted:
-        out[1] = g @ node._saved_mat2.mH
+        out[1] = g @ saved(node, "mat2").mH
     if 2 in wanted:
-        out[2] = _weight_grad(node._saved_mat1, g, node._saved_mat2)
+        out[2] = _weight_grad(saved(node, "mat1"), g, saved(node, "mat2"))
     return {k: (v if k == 0 or alpha == 1 else v * alpha) for k, v in out.items()}
 
 
@@ -325,9 +314,9 @@ def _mm(node: Node, g: torch.Tensor, wanted: list[int]) -> dict[int, torch.Tenso
     """mm(self, mat2) (nn.Linear without bias on 3-D input)."""
     out = {}
     if 0 in wanted:
-        out[0] = g @ node._saved_mat2.mH
+        out[0] = g @ saved(node, "mat2").mH
     if 1 in wanted:
-        out[1] = _weight_grad(node._saved_self, g, node._saved_mat2)
+        out[1] = _weight_grad(saved(node, "self"), g, saved(node, "mat2"))
     return out
 
 
@@ -342,8 +331,8 @@ def _weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> torc
 def _layer_norm(node: Node, g: torch.Tensor, wanted: list[int]) -> dict[int, torch.Tensor]:
     """native_layer_norm(input, shape, weight, bias): one kernel call for the weight and bias halves."""
     grads = torch.ops.aten.native_layer_norm_backward(
-        g, node._saved_input, list(node._saved_normalized_shape), node._saved_result1, node._saved_result2,
-        node._saved_weight, node._saved_bias, [k in wanted for k in range(3)])
+        g, saved(node, "input"), list(saved(node, "normalized_shape")), saved(node, "result1"), saved(node, "result2"),
+        saved(node, "weight"), saved(node, "bias"), [k in wanted for k in range(3)])
     return {k: grads[k] for k in wanted}
 
 

@@ -25,6 +25,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node, get_gradient_edge
 
+from .._torch_internals import accumulate_grad_type
+
 
 @dataclass(frozen=True)
 class GroupPlan:
@@ -123,7 +125,7 @@ def structure_key(shape: tuple, order: list[Node], index: dict[Node, int], roots
             tuple(map(at, params)))
 
 
-_ACCUMULATE = torch._C._functions.AccumulateGrad  # a leaf's gradient accumulator node
+_ACCUMULATE = accumulate_grad_type()  # a leaf's gradient accumulator node
 
 
 def analyse(order: list[Node], index: dict[Node, int], roots: list[Node | None], inputs: list[torch.Tensor],

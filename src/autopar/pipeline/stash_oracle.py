@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from .._torch_internals import parameter_table
 from ..dropout import active_scope
 from .async_schedules import runs_of, stash_version, tied_steps_due
 from ..train.engine import DataParallelEngine, accumulate_gradients
@@ -71,17 +72,17 @@ class StashOracleEngine(DataParallelEngine):
         self.history[t] = [p.detach().clone() for p in self.params]
         self.history = {v: w for v, w in self.history.items() if v >= max(start, t - self.pp + 1)}
         leaves: dict[tuple[int, int], nn.Parameter] = {}
-        saved = [(owner, attr, owner._parameters[attr]) for owner, attr, _, _ in self.slots]
+        saved = [(owner, attr, parameter_table(owner)[attr]) for owner, attr, _, _ in self.slots]
         try:
             for owner, attr, i, stage in self.slots:
                 v = stash_version(t, stage, pp=self.pp, run_start=start, vertical_sync=self.vertical_sync)
                 if (i, v) not in leaves:
                     leaves[(i, v)] = nn.Parameter(self.history[v][i].clone())
-                owner._parameters[attr] = leaves[(i, v)]
+                parameter_table(owner)[attr] = leaves[(i, v)]
             total = accumulate_gradients(self.module, self.forward_fn, self.autocast, batches, loss_fn)
         finally:
             for owner, attr, original in saved:
-                owner._parameters[attr] = original
+                parameter_table(owner)[attr] = original
         due = tied_steps_due(t, run_start=start, run_end=self.runs[t][1], delay=self.tied_delay)
         for i, p in enumerate(self.params):
             grads = [leaf.grad for (j, _), leaf in leaves.items() if j == i and leaf.grad is not None]

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .._torch_internals import parameter_table
+
 
 def buffer_name(fqn: str) -> str:
     return "older__" + fqn.replace(".", "__")
@@ -116,14 +118,14 @@ class StageSlots:
 
     @contextlib.contextmanager
     def running_on(self, leaves: list[nn.Parameter]) -> Iterator[None]:
-        saved = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in self.slots]
+        saved = [(owner, attr, parameter_table(owner)[attr]) for owner, attr, _ in self.slots]
         try:
             for owner, attr, i in self.slots:
-                owner._parameters[attr] = leaves[i]
+                parameter_table(owner)[attr] = leaves[i]
             yield
         finally:
             for owner, attr, original in saved:
-                owner._parameters[attr] = original
+                parameter_table(owner)[attr] = original
 
 
 class StashedVersions:

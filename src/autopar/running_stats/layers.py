@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 
+from .._torch_internals import op_schema
 from ..errors import ConfigError, ModelError
 
 aten = torch.ops.aten
@@ -124,7 +125,7 @@ def counter_layer(node: fx.Node, buffer_of: dict[str, str]) -> str | None:
 
 def _writes(node: fx.Node) -> list[fx.Node]:
     """The inputs an operation writes in place (its schema's mutable arguments)."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None:
         return []
     written = []

@@ -29,8 +29,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from .._torch_internals import dispatch_mode_base, fsdp_unsharded_tensors, tree_leaves
+
+TorchDispatchMode = dispatch_mode_base()
 
 
 def local_storage(t: torch.Tensor):
@@ -62,15 +64,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, set[int]]:
 
 def fsdp_resizable_tensors(module: nn.Module) -> list[torch.Tensor]:
     """The tensors whose storages FSDP2 resizes in place (its gathered parameters), for every FSDP2
-    unit inside `module`; none without FSDP2. Reads FSDP2's per-parameter state (a private attribute
-    of torch 2.x: `all_gather_outputs`, `_unsharded_inner_tensors`)."""
-    tensors: list[torch.Tensor] = []
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            for fp in (group.fsdp_params if group is not None else ()):
-                tensors += [*fp.all_gather_outputs, *getattr(fp, "_unsharded_inner_tensors", ())]
-    return tensors
+    unit inside `module`; none without FSDP2 (FSDP2's per-parameter state is private)."""
+    return [t for m in module.modules() if isinstance(m, FSDPModule) for t in fsdp_unsharded_tensors(m)]
 
 
 class LiveTensorPeak(TorchDispatchMode):

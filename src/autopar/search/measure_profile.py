@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from .._torch_internals import tree_leaves
 from ..errors import AutoparError
 from .live_memory import LiveTensorPeak, storage_bytes
 from .profile import ModelProfile

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch_internals import foreach_norm
 from ..config import Strategy, TrainConfig
 from ..data_parallel import GradientSynchronizer
 from ..distributed import group_options
@@ -266,7 +267,7 @@ class SparseEmbeddingEngine(EngineBase):
         # per-tensor norms in the gradient's dtype (as clip_grad_norm_ does), combined in float64
         grads = [_values(p.grad) for p in self.dense_params + self.replicated_tables * (self.mode == "allgather")
                  if p.grad is not None]
-        squares = sum(float(n) ** 2 for n in torch._foreach_norm(grads)) if grads else 0.0
+        squares = sum(float(n) ** 2 for n in foreach_norm(grads)) if grads else 0.0
         shards = torch.tensor([sum(float(torch.linalg.vector_norm(_values(ex.weight.grad))) ** 2
                                    for ex in self.exchanges)], dtype=torch.float64)
         if self.exchanges and self.world > 1:

@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from typing import Any
 
+from .._torch_internals import parameter_table
 from ..dropout import shard_dropout
 from ..models.output import logits_of
 from .layers import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
@@ -180,7 +181,7 @@ def shard_parameters(module: nn.Module, plan: TensorParallelPlan, group: dist.Pr
         owner_path, _, leaf = fqn.rpartition(".")
         owner = module.get_submodule(owner_path) if owner_path else module
         local = shard_tensor(param.detach(), shard, rank, tp)
-        owner._parameters[leaf] = nn.Parameter(local, requires_grad=param.requires_grad)
+        parameter_table(owner)[leaf] = nn.Parameter(local, requires_grad=param.requires_grad)
 
 
 def parallelize_stage(stage: nn.Module, plan: TensorParallelPlan, group: dist.ProcessGroup) -> None:

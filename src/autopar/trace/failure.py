@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-_GENERATED = "<eval_with_key>"  # the file name torch.fx gives the code it generates
+from .._torch_internals import is_fx_generated
+
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?::[^=]*)?=")
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
@@ -47,7 +48,7 @@ def failing_node(exc: BaseException) -> fx.Node | None:
     Relies on torch.fx naming its generated code '<eval_with_key>.N' and writing one `name = op(...)`
     line per node (torch 2.13); where that changes, this finds nothing and messages name no node."""
     for frame, line in reversed(_frames(exc.__traceback__)):
-        if not frame.f_code.co_filename.startswith(_GENERATED):
+        if not is_fx_generated(frame.f_code.co_filename):
             continue
         module = frame.f_locals.get("self")
         match = _ASSIGNED.match(linecache.getline(frame.f_code.co_filename, line))

@@ -22,15 +22,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-
-def _fake_mode() -> contextlib.AbstractContextManager | None:
-    """torch's FakeTensorMode (a private module, torch._subclasses), or None where this torch lacks it:
-    the caller then traces on meta as before."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-    except ImportError:
-        return None
-    return FakeTensorMode(allow_non_fake_inputs=False)
+from .._torch_internals import buffer_table, fake_tensor_mode, parameter_table
 
 
 @contextlib.contextmanager
@@ -48,7 +40,7 @@ def _swapped_state(model: nn.Module, device: torch.device, mode) -> Iterator[Non
 
     try:
         for module in model.modules():
-            for table in (module._parameters, module._buffers):
+            for table in (parameter_table(module), buffer_table(module)):
                 for name, t in list(table.items()):
                     if t is not None:
                         saved.append((table, name, t))
@@ -62,7 +54,7 @@ def _swapped_state(model: nn.Module, device: torch.device, mode) -> Iterator[Non
 def export_on_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> ExportedProgram | None:
     """`torch.export` (non-strict) of a meta `model` whose tensors and inputs report `device`; None where fake
     tensors are unavailable (the caller exports on meta)."""
-    mode = _fake_mode()
+    mode = fake_tensor_mode()  # None where this torch lacks it: the caller then traces on meta
     if mode is None:
         return None
     with mode:

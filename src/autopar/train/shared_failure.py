@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import errors
+from .._torch_internals import default_store
 from ..distributed import destroy_groups, process_groups
 from ..errors import AutoparError, DistributedError, ModelError, Preempted
 from ..trace.failure import describe_node, describe_user_frame, failing_node
@@ -259,13 +260,8 @@ class _Board:
 def _job_store():
     """The store of the default process group; None without one, or in a world of one.
 
-    Private API: torch.distributed.distributed_c10d._get_default_store (torch has no public accessor);
-    without it (another torch) failures are raised on their rank only, as before.
+    Without it (a torch lacking the private accessor) failures are raised on their rank only.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-        return _get_default_store()
-    except (ImportError, RuntimeError, ValueError):
-        return None
+    return default_store()

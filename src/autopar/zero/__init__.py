@@ -1,9 +1,9 @@
 """ZeRO: optimizer state, gradients (and parameters) sharded over data-parallel replicas."""
 
-from .grads import FlatBucket, ShardedGradients
+from .grads import ShardedBucket, ShardedGradients
 from .optimizer import ShardedOptimizer
 
-__all__ = ["FlatBucket", "ShardedGradients", "ShardedOptimizer"]
+__all__ = ["ShardedBucket", "ShardedGradients", "ShardedOptimizer"]
 
 
 def gradient_sync(params, group, *, zero: int, master_weights: bool, deferred=(), per_micro_batch: bool = False):

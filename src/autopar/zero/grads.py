@@ -4,8 +4,8 @@ Why our own rather than torch's ZeroRedundancyOptimizer: it shards whole paramet
 replicas (each rank owns some tensors), still needs a full all-reduce of every gradient, and
 sits on top of DDP's reducer; ours shards flat, padded buckets element-wise (every replica owns
 1/dp of every bucket), reduce-scatters straight into that shard and is driven by the same
-gradient hooks and explicit `finish()` as data_parallel/grad_sync.py, so the pipeline runtime and
-tensor parallelism use it unchanged.
+gradient hooks and explicit `finish()` as data_parallel/grad_sync.py (data_parallel/buckets.py holds
+the bookkeeping both share), so the pipeline runtime and tensor parallelism use it unchanged.
 
 Layout: parameters are grouped into buckets of about `bucket_mb` in reverse registration order
 (about the order backward produces them), one dtype per bucket; each bucket is a flat buffer
@@ -33,31 +33,24 @@ search/zero_memory.py); NCCL and other backends reduce-scatter everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data_parallel.buckets import FlatBucket, HookedBuckets, attach_grad, group_by_size, trainable_once
 
-@dataclass
-class FlatBucket:
-    """Parameters flattened one after another; `shard` elements per replica (padded)."""
 
-    params: list[nn.Parameter]
-    offsets: list[int]  # where each parameter starts in the flat bucket
-    numel: int  # padded: a multiple of the group size
+@dataclass(kw_only=True)
+class ShardedBucket(FlatBucket):
+    """A flat bucket padded to a multiple of the group size; `shard` elements per replica. Its full
+    gradient (`full`, the parameters' dtype) is None while released (level 2)."""
+
     shard: int  # elements each replica owns
-    dtype: torch.dtype
-    device: torch.device
     deferred: bool  # launched only by finish(), after the engine's own pre-reduction
-    full: torch.Tensor | None = None  # the full gradient (param dtype); None while released (level 2)
-    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient inside `full`
     shard_grad: torch.Tensor | None = None  # this replica's summed gradient, fp32
     incoming: torch.Tensor | None = None  # reduce-scatter output when it cannot land in shard_grad directly
-    ready: int = 0
-    work: dist.Work | None = field(default=None, repr=False)
     pending_out: torch.Tensor | None = None  # where the reduction in flight lands
 
     def pieces(self, rank: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
@@ -69,7 +62,7 @@ class FlatBucket:
                 yield p, a - off, a - lo, b - a
 
 
-class ShardedGradients:
+class ShardedGradients(HookedBuckets):
     """Reduce-scatters gradients over `group` into this replica's shard of each bucket (ZeRO-1/2)."""
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, level: int,
@@ -87,71 +80,37 @@ class ShardedGradients:
         self.world, self.rank = (self.dp, dist.get_rank(group)) if level >= 1 else (1, 0)
         self.per_micro_batch = per_micro_batch and level >= 2
         self.reduce_by_all_reduce = level == 1 and dist.get_backend(group) == "gloo"
-        unique: dict[int, nn.Parameter] = {}
-        devices = []
-        for p in params:
-            devices.append(p.device)
-            if p.requires_grad:
-                unique.setdefault(id(p), p)
-        self.params = list(unique.values())
+        params = list(params)
         # where norms are summed, also on a rank holding only frozen parameters (no bucket to read it from)
-        self.device = devices[0] if devices else torch.device("cpu")
+        self.device = params[0].device if params else torch.device("cpu")
+        trainable = trainable_once(params)
         late = {id(p) for p in deferred}
-        ordered = [p for p in reversed(self.params) if id(p) not in late]
         cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
-        self.buckets = (self._make_buckets(ordered, cap, deferred=False, first_cap_bytes=first_cap)
-                        + self._make_buckets([p for p in reversed(self.params) if id(p) in late], cap,
-                                             deferred=True))
-        self._slot = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
-        self.sync = True
-        self._next_launch = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._track(trainable, self._make_buckets([p for p in reversed(trainable) if id(p) not in late], cap,
+                                                  deferred=False, first_cap_bytes=first_cap)
+                    + self._make_buckets([p for p in reversed(trainable) if id(p) in late], cap, deferred=True))
         self.zero_grad()
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int, *, deferred: bool,
-                      first_cap_bytes: int | None = None) -> list[FlatBucket]:
-        groups: list[list[nn.Parameter]] = []
-        size = 0
-        for p in params:
-            same_kind = groups and groups[-1][0].dtype == p.dtype and groups[-1][0].device == p.device
-            cap = first_cap_bytes if len(groups) == 1 and first_cap_bytes is not None else cap_bytes
-            if not same_kind or size + p.numel() * p.element_size() > cap:
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += p.numel() * p.element_size()
+                      first_cap_bytes: int | None = None) -> list[ShardedBucket]:
         buckets = []
-        for members in groups:
-            offsets, total = [], 0
-            for p in members:
-                offsets.append(total)
-                total += p.numel()
-            shard = -(-total // self.world)
-            bucket = FlatBucket(params=members, offsets=offsets, numel=shard * self.world, shard=shard,
-                                dtype=members[0].dtype, device=members[0].device, deferred=deferred)
-            bucket.shard_grad = torch.zeros(shard, dtype=torch.float32, device=bucket.device)
+        for members in group_by_size(params, cap_bytes, first_cap_bytes):
+            shard = -(-sum(p.numel() for p in members) // self.world)
+            bucket = ShardedBucket.of(members, multiple=self.world, shard=shard, deferred=deferred)
+            bucket.shard_grad = torch.zeros(bucket.shard, dtype=torch.float32, device=bucket.device)
             buckets.append(bucket)
         return buckets
 
     # ------------------------------------------------------------------ the full gradient buffers
 
-    def _allocate(self, bucket: FlatBucket) -> None:
-        """(Re)create the full gradient buffer and point every `.grad` at its view (adding what autograd left)."""
-        if bucket.full is None:
-            bucket.full = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-            bucket.views = [bucket.full[off:off + p.numel()].view_as(p)
-                            for p, off in zip(bucket.params, bucket.offsets)]
-        for p, view in zip(bucket.params, bucket.views):
-            self._attach(p, view)
-
     @staticmethod
-    def _attach(param: nn.Parameter, view: torch.Tensor) -> None:
-        if param.grad is not view:
-            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                view.add_(param.grad)
-            param.grad = view
+    def _allocate(bucket: ShardedBucket) -> None:
+        """(Re)create the full gradient buffer and point every `.grad` at its view (adding what autograd left)."""
+        bucket.allocate()
+        for p, view in zip(bucket.params, bucket.views):
+            attach_grad(p, view, accumulate=True)
 
-    def _release(self, bucket: FlatBucket) -> None:
+    def _release(self, bucket: ShardedBucket) -> None:
         """Level 2: drop the full gradient; only the shard's stays."""
         for p in bucket.params:
             p.grad = None
@@ -159,48 +118,27 @@ class ShardedGradients:
 
     def zero_grad(self) -> None:
         """Zero the shard gradients (and the full buffers that are kept); use instead of optimizer.zero_grad."""
+        self._settle()
         for bucket in self.buckets:
-            if bucket.work is not None:  # an aborted step: let the reduction land first
-                bucket.work.wait()
-                bucket.work = None
-            bucket.ready = 0
             bucket.shard_grad.zero_()
             if self.level >= 2:
                 self._release(bucket)
             else:
                 self._allocate(bucket)
                 bucket.full.zero_()
-        self._next_launch = 0
-
-    @contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (earlier micro-batches of a step); level 2 per micro-batch ignores it."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
 
     # ------------------------------------------------------------------ reduction
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        index, position = self._slot[id(param)]
-        bucket = self.buckets[index]
+    def _take(self, param: nn.Parameter, bucket: ShardedBucket, position: int) -> bool:
+        """Gradients always go into the bucket; they count (towards a launch) when synchronising, or
+        on every micro-batch at level 2 per micro-batch (which ignores `no_sync()`)."""
         if bucket.full is None:
             self._allocate(bucket)  # level 2: released since the last reduction
         else:
-            self._attach(param, bucket.views[position])  # something replaced .grad (set_to_none)
-        if not (self.sync or self.per_micro_batch):
-            return
-        if index < self._next_launch or bucket.ready >= len(bucket.params):
-            raise RuntimeError(
-                "a gradient arrived for a parameter whose bucket is already being reduced: backward ran twice "
-                "in one synchronised step. Wrap every micro-batch but the last in `no_sync()`, and call "
-                "`finish()` once per step.")
-        bucket.ready += 1
-        self._launch_ready()
+            attach_grad(param, bucket.views[position], accumulate=True)  # something replaced .grad
+        return self.sync or self.per_micro_batch
 
-    def _launch(self, bucket: FlatBucket) -> None:
+    def _launch(self, bucket: ShardedBucket) -> None:
         if bucket.full is None:
             self._allocate(bucket)
         if self.world == 1:  # level 0: all-reduce the whole bucket (nothing when dp is 1)
@@ -219,7 +157,7 @@ class ShardedGradients:
             bucket.work = dist.reduce_scatter_single(out, bucket.full, group=self.group, async_op=True)
         bucket.pending_out = out
 
-    def _land(self, bucket: FlatBucket) -> None:
+    def _land(self, bucket: ShardedBucket) -> None:
         """Wait for the bucket's reduction and add it into the fp32 shard gradient."""
         if bucket.work is not None:
             bucket.work.wait()
@@ -235,13 +173,8 @@ class ShardedGradients:
             bucket.shard_grad.add_(out)
         bucket.pending_out = None
 
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.deferred or bucket.ready < len(bucket.params):
-                return
-            self._launch(bucket)
-            self._next_launch += 1
+    def _may_launch(self, bucket: ShardedBucket) -> bool:
+        return not bucket.deferred and bucket.complete
 
     def finish(self, before_deferred: Callable[[], None] | None = None) -> None:
         """Launch what backward left and land every bucket in its shard gradient.
@@ -293,8 +226,3 @@ class ShardedGradients:
     def scale_gradients(self, factor: float) -> None:
         for bucket in self.buckets:
             bucket.shard_grad.mul_(factor)
-
-    def remove(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .grads import FlatBucket, ShardedGradients
+from .._torch_internals import foreach_copy_
+from .grads import ShardedBucket, ShardedGradients
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -34,7 +35,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # this object exposes them so the lr scheduler and the trainer drive it like any optimizer.
         self.grads, self.names = grads, names
         group_of = {id(p): i for i, g in enumerate(template.param_groups) for p in g["params"]}
-        self._pieces: list[tuple[FlatBucket, nn.Parameter, int, int, int, torch.Tensor]] = []
+        self._pieces: list[tuple[ShardedBucket, nn.Parameter, int, int, int, torch.Tensor]] = []
         self._masters: list[torch.Tensor] = []  # one fp32 flat shard per bucket
         per_group: list[list[torch.Tensor]] = [[] for _ in template.param_groups]
         for bucket in grads.buckets:
@@ -96,10 +97,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for bucket, whole, work in launched:
             if work is not None:
                 work.wait()
-            torch._foreach_copy_([p.data for p in bucket.params],
-                                 [whole[off:off + p.numel()].view_as(p) for p, off in zip(bucket.params, bucket.offsets)])
+            foreach_copy_([p.data for p in bucket.params],
+                          [whole[off:off + p.numel()].view_as(p) for p, off in zip(bucket.params, bucket.offsets)])
 
-    def _gather(self, shard: torch.Tensor, bucket: FlatBucket) -> torch.Tensor:
+    def _gather(self, shard: torch.Tensor, bucket: ShardedBucket) -> torch.Tensor:
         if self.grads.world == 1:
             return shard
         whole = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
