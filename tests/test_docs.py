@@ -25,7 +25,8 @@ def product_files() -> list[Path]:
     files = [ROOT / "README.md"]
     for folder in ("src", "tests", "benchmarks", "docs", "examples"):
         files += [p for p in sorted((ROOT / folder).rglob("*"))
-                  if p.is_file() and p.suffix in TEXT_SUFFIXES and "__pycache__" not in p.parts]
+                  if p.is_file() and p.suffix in TEXT_SUFFIXES and "__pycache__" not in p.parts
+                  and not any(part.endswith(".egg-info") for part in p.parts)]  # built by pip from README
     return files
 
 
