@@ -83,7 +83,7 @@ def measure_links(nproc: int, group_sizes: list[int] | None = None) -> dict:
     import subprocess
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "links.json"
-        command = [sys.executable, "-m", "autopar.search.calibrate_ranks", str(out), "--ranks", str(nproc)]
+        command = [sys.executable, str(Path(__file__).with_name("calibrate_ranks.py")), str(out), "--ranks", str(nproc)]
         if group_sizes:
             command += ["--groups", ",".join(str(n) for n in group_sizes)]
         code = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode

@@ -19,7 +19,9 @@ And what each blocking synchronisation costs a rank's CPU beyond that, once the 
 cores (`sync_cost`: context switches, caches refilled after the wait).
 Rank 0 writes the fits as JSON to the path given as the first argument. `--ranks N` starts the N ranks here,
 forked from this one process after torch is imported (`run_forked`), instead of being one rank under a launcher:
-N processes importing torch at once on a small machine took 20 s of the 25 a 4-rank calibration lasted.
+N processes importing torch at once on a small machine took 20 s of the 25 a 4-rank calibration lasted. Run so
+(calibrate.measure_links), this file is started by its path and imports nothing of autopar's: the package's
+import (trainer, models, search) doubled the one process's start on a loaded machine.
 `--groups 2,4` measures the collectives over those group sizes only (default every size 2..N).
 """
 
@@ -264,21 +266,23 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
 
 def _forked_rank(rank: int, world: int, port: int, out: str, group_sizes: list[int] | None) -> None:
     import os
-
-    from ..launch import rank_environment
-    os.environ.update(rank_environment(rank, world, port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # what the launcher gives a rank
     torch.set_num_threads(1)  # one thread per rank, as the launcher's OMP_NUM_THREADS=1 gives real ranks
     measure(out, group_sizes)
 
 
 def run_forked(world: int, out: str, group_sizes: list[int] | None = None) -> None:
     """The `world` ranks as processes forked from this one: torch is imported once, not once per rank. Forked
-    from a process that has run no torch op yet (this module's entry point), so no thread pool is copied half
+    from a process that has run no torch op yet (this file run as a script), so no thread pool is copied half
     alive. A rank that fails stops the others and raises here with its traceback."""
-    import torch.multiprocessing as mp
+    import socket
 
-    from ..launch import free_port
-    mp.start_processes(_forked_rank, args=(world, free_port(), out, group_sizes), nprocs=world, join=True,
+    import torch.multiprocessing as mp
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_forked_rank, args=(world, port, out, group_sizes), nprocs=world, join=True,
                        start_method="fork")
 
 
