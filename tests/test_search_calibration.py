@@ -164,3 +164,37 @@ def test_calibrate_command_rewrites_the_cache_entry(cache, tmp_path, monkeypatch
     assert cluster.cores_per_node == 1.25 and note(record).startswith("calibrated on this machine just now")
     assert cache == []
     assert cluster_from_dict(__import__("tomllib").loads(out.read_text())).measured_at == cluster.measured_at
+
+
+def test_more_ranks_than_measured_unasked_use_an_entry_calibrate_wrote(cache):
+    many = 2 * calibration_cache.max_ranks()
+    calibration_cache.store(measured_cluster(many), many)
+    cluster, record = search_cluster(None, nproc=many)
+    assert cluster.name == "calibrated" and record["cache"] == str(entry_path(many)) and cache == []
+
+
+def test_an_unwritable_cache_still_prices_on_the_measurement(cache, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(blocker / "cache"))  # under a file: no folder can be made
+    cluster, record = search_cluster(None, nproc=4)
+    assert cache == [4] and cluster.name == "calibrated" and record["cache"] == "not written"
+    assert "cannot write the calibration cache" in capsys.readouterr().err
+
+
+def test_two_searches_at_once_measure_once(cache, monkeypatch):
+    import threading
+    started = threading.Event()
+
+    def slow(nproc):
+        started.set()
+        time.sleep(0.5)
+        cache.append(nproc)
+        return measured_cluster(nproc)
+    monkeypatch.setattr(calibration_cache, "measure", slow)
+    first = threading.Thread(target=search_cluster, args=(None,), kwargs={"nproc": 4})
+    first.start()
+    started.wait(5)
+    cluster, record = search_cluster(None, nproc=4)  # waits for the first, then reads its entry
+    first.join()
+    assert cache == [4] and record["cache"] == str(entry_path(4))

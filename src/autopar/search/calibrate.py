@@ -1,14 +1,13 @@
 """`autopar calibrate`: measure this machine and write a cluster TOML the search can use.
 
-Measured, each in a few seconds (under 2 minutes in all):
+Measured, each in a second or two (5-10 s in all at 4-8 ranks on a quiet 2-core machine):
 - matmul rate of one thread (ranks run one thread each, see launch.py) at the shapes the
   built-in models use (tokens x d_model x 4 d_model for gpt-tiny .. gpt-small widths), fp32
   and bf16; the median is the device's rate, with compute_efficiency 1;
 - per-action overhead: one tiny forward+backward (what every pipeline action pays in Python
   and autograd bookkeeping beyond its FLOPs);
 - memory bandwidth of a large copy (bounds the optimizer step);
-- gloo point-to-point and all-reduce per group size 2..N, on N ranks started by the
-  project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth, in wall time
+- gloo point-to-point and all-reduce per group size 2..N, on N local ranks (calibrate_ranks.py), fitted as latency plus bandwidth, in wall time
   and in the CPU seconds they take (what time-sharing ranks pay out of their compute); and what
   the N ranks move together (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
 - the cores the N ranks really get when all run at once (calibrate_ranks.sharing_probe):
@@ -134,8 +133,9 @@ def cmd_calibrate(ns) -> int:
     cluster = calibrate(ns.nproc)
     Path(ns.out).write_text(cluster.to_toml())
     entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began)
-    print(f"wrote {ns.out} and {entry} in {time.perf_counter() - began:.0f} s: matmul {cluster.flops_per_s['fp32'] / 1e9:.1f} "
-          f"GFLOP/s fp32 per thread, overhead {cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
+    print(f"wrote {ns.out} and {entry} in {time.perf_counter() - began:.0f} s: matmul "
+          f"{cluster.flops_per_s['fp32'] / 1e9:.1f} GFLOP/s fp32 per thread, overhead "
+          f"{cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
           f"{cluster.intra_node.latency_s * 1e6:.0f} us + {cluster.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
           f"{ns.nproc} ranks get {cluster.cores_per_node:.2f} effective cores and pay "
           f"{cluster.sync_cpu_s * 1e6:.0f} us of CPU per blocking wait")

@@ -14,8 +14,9 @@ that cannot be read is measured again with a warning. `autopar calibrate --nproc
 
 Not measured, and priced on cpu-local instead, where measuring is wrong: inside the ranks of a running job
 (each rank would measure its own figures and plans must agree; the same reason keeps the cached entry out:
-hosts differ), with one process (no links to measure), with more ranks than MAX_RANKS, or when the
-measurement fails (the warning says why).
+hosts differ), with one process (no links to measure), with more ranks than max_ranks() unless
+`autopar calibrate` wrote their entry, or when the measurement fails (the warning says why). Two searches
+started at once measure once: the second waits on a lock file, then reads the entry.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import AutoparError
@@ -134,6 +137,45 @@ def _inside_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+@contextmanager
+def _locked(nproc: int) -> Iterator[None]:
+    """Hold this machine's lock for `nproc` ranks (none where the folder or file locks are unavailable)."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        handle = open(cache_dir() / f".calibration-{nproc}.lock", "w")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            import fcntl
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            pass
+        yield
+
+
+def _measured(nproc: int) -> tuple[tuple[Cluster, Path | None] | None, str | None]:
+    """Measure now and keep it: ((cluster, its cache file), None), or (None, why not) when the measurement failed.
+    A cache that cannot be written is reported, and the figures serve this search alone."""
+    print(f"autopar: calibrating this machine for {nproc} ranks, once per machine, torch version and process count "
+          f"(--cluster cpu-local skips it) ...", file=sys.stderr, flush=True)
+    began = time.perf_counter()
+    try:
+        cluster = measure(nproc)
+    except AutoparError as exc:
+        _warn(f"calibrating this machine failed ({exc}); pricing on the cpu-local preset")
+        return None, f"the measurement failed: {exc}"
+    try:
+        path = store(cluster, nproc, seconds=time.perf_counter() - began)
+    except OSError as exc:
+        _warn(f"cannot write the calibration cache in {cache_dir()} ({exc}); the figures serve this search only "
+              f"(set {CACHE_ENV} to a writable folder)")
+        path = None
+    print(f"autopar: calibrated in {time.perf_counter() - began:.0f} s (cache: {path})", file=sys.stderr, flush=True)
+    return (cluster, path), None
+
+
 def this_machine(nproc: int) -> tuple[Cluster, dict]:
     """This machine's figures for `nproc` ranks (cached, or measured now and cached), and the record saying
     which; cpu-local where measuring is wrong (see the module docstring), the record saying why."""
@@ -142,28 +184,18 @@ def this_machine(nproc: int) -> tuple[Cluster, dict]:
         reason = "searched inside the ranks; search before they start (autopar train, autopar.plan_auto) to measure"
     elif nproc < 2:
         reason = "one process has no links to measure"
-    elif nproc > max_ranks():
-        reason = (f"{nproc} ranks is more than this machine measures without being asked ({max_ranks()}); "
-                  f"run `autopar calibrate --nproc {nproc}`")
     if reason is None:
-        found = lookup(nproc)
-        if found is None:
-            path = entry_path(nproc)
-            print(f"autopar: calibrating this machine for {nproc} ranks, once per machine, torch version and process "
-                  f"count (--cluster cpu-local skips it) ...", file=sys.stderr, flush=True)
-            began = time.perf_counter()
-            try:
-                cluster = measure(nproc)
-            except AutoparError as exc:
-                reason = f"the measurement failed: {exc}"
-                _warn(f"calibrating this machine failed ({exc}); pricing on the cpu-local preset")
-            else:
-                path = store(cluster, nproc, seconds=time.perf_counter() - began)
-                print(f"autopar: calibrated in {time.perf_counter() - began:.0f} s (cache: {path})", file=sys.stderr, flush=True)
-                found = cluster, path
+        with _locked(nproc):  # two searches started at once: one measures, the other then reads its entry
+            found = lookup(nproc)
+            if found is None and nproc > max_ranks():  # an entry `autopar calibrate --nproc N` wrote is used
+                reason = (f"{nproc} ranks is more than this machine measures without being asked ({max_ranks()}); "
+                          f"run `autopar calibrate --nproc {nproc}` once")
+            elif found is None:
+                found, reason = _measured(nproc)
         if found is not None:
             cluster, path = found
-            return cluster, {"cluster": cluster.name, "measured_at": cluster.measured_at, "cache": str(path)}
+            return cluster, {"cluster": cluster.name, "measured_at": cluster.measured_at,
+                             "cache": str(path) if path else "not written"}
     return preset("cpu-local"), {"cluster": "cpu-local", "preset": True, "not_measured": reason}
 
 
