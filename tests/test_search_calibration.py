@@ -66,7 +66,7 @@ def test_a_changed_key_measures_again(cache, monkeypatch, change):
     elif change == "host":
         monkeypatch.setattr(calibration_cache.socket, "gethostname", lambda: "another-host")
     elif change == "cpus":
-        monkeypatch.setattr(calibration_cache.os, "cpu_count", lambda: 97)
+        monkeypatch.setattr(calibration_cache, "_cpus", lambda: 97)
     else:
         monkeypatch.setattr(calibration_cache, "FORMAT", calibration_cache.FORMAT + 1)
     cluster, record = search_cluster(None, nproc=nproc)
@@ -198,3 +198,15 @@ def test_two_searches_at_once_measure_once(cache, monkeypatch):
     cluster, record = search_cluster(None, nproc=4)  # waits for the first, then reads its entry
     first.join()
     assert cache == [4] and record["cache"] == str(entry_path(4))
+
+
+def test_plan_auto_command_prints_the_calibration(cache, capsys):
+    from autopar.cli import build_parser, cmd_plan
+    ns = build_parser().parse_args(["plan", "--auto", "--model", "gpt-tiny", "--model-arg", "n_layer=2", "--nproc", "2",
+                                    "--global-batch-size", "4", "--seq-len", "16", "--cost-model", "flops", "--top", "1"])
+    assert cmd_plan(ns) == 0
+    out = capsys.readouterr().out
+    assert f"calibration: calibrated on this machine just now (cache: {entry_path(2)})" in out and cache == [2]
+    ns.cluster = "cpu-local"
+    assert cmd_plan(ns) == 0
+    assert "calibration: preset cpu-local (not measured)" in capsys.readouterr().out and cache == [2]

@@ -1,15 +1,16 @@
 """`autopar calibrate`: measure this machine and write a cluster TOML the search can use.
 
-Measured, each in a second or two (5-10 s in all at 4-8 ranks on a quiet 2-core machine):
+Measured, each in a few seconds at most:
 - matmul rate of one thread (ranks run one thread each, see launch.py) at the shapes the
   built-in models use (tokens x d_model x 4 d_model for gpt-tiny .. gpt-small widths), fp32
   and bf16; the median is the device's rate, with compute_efficiency 1;
 - per-action overhead: one tiny forward+backward (what every pipeline action pays in Python
   and autograd bookkeeping beyond its FLOPs);
 - memory bandwidth of a large copy (bounds the optimizer step);
-- gloo point-to-point and all-reduce per group size 2..N, on N local ranks (calibrate_ranks.py), fitted as latency plus bandwidth, in wall time
-  and in the CPU seconds they take (what time-sharing ranks pay out of their compute); and what
-  the N ranks move together (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
+- gloo point-to-point and all-reduce per group size 2..N, on N local ranks (calibrate_ranks.py),
+  fitted as latency plus bandwidth, in wall time and in the CPU seconds they take (what
+  time-sharing ranks pay out of their compute); and what the N ranks move together
+  (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
 - the cores the N ranks really get when all run at once (calibrate_ranks.sharing_probe):
   the node's `cores_per_node`, which the step model divides the ranks' summed work by, and the
   CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`).

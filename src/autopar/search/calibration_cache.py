@@ -4,7 +4,7 @@ The rough `cpu-local` figures are not this machine: a search priced on them pick
 than the default. So a search with no cluster given measures this machine the first time (calibrate.py over
 the group sizes the search can form: 10-20 s on 2 cores at 4-8 ranks) and keeps the figures, one entry per
 
-    calibration format, host name, CPU model and count, GPU models, torch version, process count
+    calibration format, host name, CPU model, cores this process may use, GPU models, torch version, process count
 
 under the cache folder ($AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar). The file is
 named by a hash of that key and holds the key, so a changed machine, torch or process count reads as absent
@@ -42,7 +42,7 @@ CLUSTER_ENV = "AUTOPAR_CLUSTER"  # a preset or file to price on when --cluster i
 
 def max_ranks() -> int:
     """The most ranks measured without being asked: a few per core (8 on a small machine) keeps it in seconds."""
-    return max(8, os.cpu_count() or 1)
+    return max(8, _cpus())
 
 
 def cache_dir() -> Path:
@@ -63,6 +63,14 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpus() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's limit), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _gpu_models() -> list[str]:
     """GPU models from the NVIDIA driver's /proc files: no CUDA context is created (the launcher forks later)."""
     root = Path("/proc/driver/nvidia/gpus")
@@ -80,7 +88,7 @@ def _gpu_models() -> list[str]:
 def cache_key(nproc: int) -> dict:
     """What the figures depend on: a change in any of it means measuring again."""
     import torch
-    return {"format": FORMAT, "host": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count() or 1,
+    return {"format": FORMAT, "host": socket.gethostname(), "cpu": _cpu_model(), "cpus": _cpus(),
             "gpus": _gpu_models(), "torch": torch.__version__, "nproc": nproc}
 
 
