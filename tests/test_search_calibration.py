@@ -139,7 +139,7 @@ def test_banner_names_the_calibration_and_its_age(cache):
     model, _ = build_model("gpt-tiny", {"n_layer": 2}, vocab_size=padded_vocab_size(258), device="meta")
     example = lambda: ((torch.zeros(1, 32, dtype=torch.long, device="meta"),), {})  # noqa: E731
     calibration_cache.store(measured_cluster(4, when=time.time() - 180), 4)
-    plan = resolve(Strategy.auto(), TrainConfig(global_batch_size=8), 4, model=model, example=example).plan
+    plan = resolve(Strategy.auto(dp=4), TrainConfig(global_batch_size=8), 4, model=model, example=example).plan
     assert cache == [], "the cached entry was not used"
     record = plan.record["search"]["calibration"]
     assert record["cache"] == str(entry_path(4)) and plan.record["cluster"] == "calibrated"
@@ -147,9 +147,8 @@ def test_banner_names_the_calibration_and_its_age(cache):
     again = Plan.from_record(json.loads(plan.to_json()))  # a saved plan keeps saying it, older
     assert "calibrated on this machine" in again.describe()
     assert note(record, now=record["measured_at"] + 3 * 86400).startswith("calibrated on this machine 3 days ago")
-    chosen = resolve(Strategy.auto(cluster="cpu-local"), TrainConfig(global_batch_size=8), 4, model=model,
-                     example=example).plan
-    assert chosen.record["cluster"] == "cpu-local" and "priced on preset cpu-local (not measured)" in chosen.describe()
+    plan.record["search"]["calibration"] = search_cluster("cpu-local", nproc=4)[1]  # what --cluster cpu-local records
+    assert "priced on preset cpu-local (not measured)" in plan.describe()
 
 
 def test_calibrate_command_rewrites_the_cache_entry(cache, tmp_path, monkeypatch, capsys):
