@@ -209,3 +209,16 @@ def test_plan_auto_command_prints_the_calibration(cache, capsys):
     ns.cluster = "cpu-local"
     assert cmd_plan(ns) == 0
     assert "calibration: preset cpu-local (not measured)" in capsys.readouterr().out and cache == [2]
+
+
+def test_a_calibration_taken_while_busy_says_so(cache, monkeypatch):
+    monkeypatch.setattr(calibration_cache, "_cpus", lambda: 2)
+    monkeypatch.setattr(calibration_cache, "_load", lambda: 7.5)  # other jobs held the cores
+    _, record = search_cluster(None, nproc=4)
+    assert note(record).endswith("while busy (load 7.5 on 2 cores; `autopar calibrate --nproc 4` measures again)")
+    _, again = search_cluster(None, nproc=4)  # read back from the entry
+    assert again == record and cache == [4]
+    monkeypatch.setattr(calibration_cache, "_load", lambda: 1.0)
+    entry_path(4).unlink()
+    _, quiet = search_cluster(None, nproc=4)
+    assert "busy" not in quiet and "while busy" not in note(quiet)

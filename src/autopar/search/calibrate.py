@@ -130,10 +130,10 @@ def cmd_calibrate(ns) -> int:
     """Measure every group size, write `--out` and rewrite this machine's cache entry for `--nproc` (what
     `--strategy auto` without --cluster then uses)."""
     from .calibration_cache import store
-    began = time.perf_counter()
+    began, load = time.perf_counter(), os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cluster = calibrate(ns.nproc)
     Path(ns.out).write_text(cluster.to_toml())
-    entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began)
+    entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began, load=load)
     print(f"wrote {ns.out} and {entry} in {time.perf_counter() - began:.0f} s: matmul "
           f"{cluster.flops_per_s['fp32'] / 1e9:.1f} GFLOP/s fp32 per thread, overhead "
           f"{cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "

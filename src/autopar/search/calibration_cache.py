@@ -102,9 +102,9 @@ def _warn(message: str) -> None:
     print(f"autopar: warning: {message}", file=sys.stderr, flush=True)
 
 
-def lookup(nproc: int) -> tuple[Cluster, Path] | None:
-    """The cached figures for `nproc` ranks on this machine and this torch, with their file; None if absent.
-    An entry that is unreadable, of another key or not a valid cluster is reported and treated as absent."""
+def lookup(nproc: int) -> tuple[Cluster, dict] | None:
+    """The cached figures for `nproc` ranks on this machine and this torch, with their record (_record); None if
+    absent. An entry that is unreadable, of another key or not a valid cluster is reported and treated as absent."""
     key = cache_key(nproc)
     path = entry_path(nproc, key)
     if not path.exists():
@@ -119,16 +119,27 @@ def lookup(nproc: int) -> tuple[Cluster, Path] | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, AutoparError) as exc:
         _warn(f"calibration cache {path} cannot be used ({type(exc).__name__}: {exc}); measuring again")
         return None
-    return cluster, path
+    return cluster, _record(cluster, path, entry.get("load"))
 
 
-def store(cluster: Cluster, nproc: int, *, seconds: float | None = None) -> Path:
-    """Write `cluster` as this machine's entry for `nproc` ranks (atomically: a reader never sees half a file)."""
+def _record(cluster: Cluster, path: Path | None, load: float | None) -> dict:
+    """plan.json's search.calibration for this machine's figures: when, where kept, and the load they were
+    measured under when it exceeded the cores (other jobs then held cores a quiet machine would give)."""
+    record = {"cluster": cluster.name, "measured_at": cluster.measured_at, "cache": str(path) if path else "not written"}
+    if load is not None and load > _cpus():
+        record["busy"] = {"load": round(load, 1), "cores": _cpus(), "nproc": cluster.num_devices}
+    return record
+
+
+def store(cluster: Cluster, nproc: int, *, seconds: float | None = None, load: float | None = None) -> Path:
+    """Write `cluster` as this machine's entry for `nproc` ranks (atomically: a reader never sees half a file);
+    `load`: the machine's load average when the measurement began."""
     key = cache_key(nproc)
     path = entry_path(nproc, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps({"key": key, "seconds": seconds, "cluster": cluster.to_dict()}, indent=1) + "\n")
+    entry = {"key": key, "seconds": seconds, "load": load, "cluster": cluster.to_dict()}
+    partial.write_text(json.dumps(entry, indent=1) + "\n")
     os.replace(partial, path)
     return path
 
@@ -163,25 +174,32 @@ def _locked(nproc: int) -> Iterator[None]:
         yield
 
 
-def _measured(nproc: int) -> tuple[tuple[Cluster, Path | None] | None, str | None]:
-    """Measure now and keep it: ((cluster, its cache file), None), or (None, why not) when the measurement failed.
+def _measured(nproc: int) -> tuple[tuple[Cluster, dict] | None, str | None]:
+    """Measure now and keep it: ((cluster, its record), None), or (None, why not) when the measurement failed.
     A cache that cannot be written is reported, and the figures serve this search alone."""
     print(f"autopar: calibrating this machine for {nproc} ranks, once per machine, torch version and process count "
           f"(--cluster cpu-local skips it) ...", file=sys.stderr, flush=True)
-    began = time.perf_counter()
+    began, load = time.perf_counter(), _load()
     try:
         cluster = measure(nproc)
-    except AutoparError as exc:
+    except (AutoparError, OSError, ValueError, KeyError) as exc:  # ranks that failed, or their output unreadable
         _warn(f"calibrating this machine failed ({exc}); pricing on the cpu-local preset")
         return None, f"the measurement failed: {exc}"
     try:
-        path = store(cluster, nproc, seconds=time.perf_counter() - began)
+        path = store(cluster, nproc, seconds=time.perf_counter() - began, load=load)
     except OSError as exc:
         _warn(f"cannot write the calibration cache in {cache_dir()} ({exc}); the figures serve this search only "
               f"(set {CACHE_ENV} to a writable folder)")
         path = None
     print(f"autopar: calibrated in {time.perf_counter() - began:.0f} s (cache: {path})", file=sys.stderr, flush=True)
-    return (cluster, path), None
+    return (cluster, _record(cluster, path, load)), None
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def this_machine(nproc: int) -> tuple[Cluster, dict]:
@@ -201,9 +219,7 @@ def this_machine(nproc: int) -> tuple[Cluster, dict]:
             elif found is None:
                 found, reason = _measured(nproc)
         if found is not None:
-            cluster, path = found
-            return cluster, {"cluster": cluster.name, "measured_at": cluster.measured_at,
-                             "cache": str(path) if path else "not written"}
+            return found
     return preset("cpu-local"), {"cluster": "cpu-local", "preset": True, "not_measured": reason}
 
 
@@ -246,7 +262,12 @@ def note(record: dict | None, now: float | None = None) -> str | None:
     if record.get("measured_at"):
         when = age(max(0.0, now - record["measured_at"]))
         if record.get("cache"):
-            return f"calibrated on this machine {when} (cache: {record['cache']})"
+            text = f"calibrated on this machine {when} (cache: {record['cache']})"
+            busy = record.get("busy")
+            if busy:
+                text += (f", while busy (load {busy['load']:g} on {busy['cores']} cores; `autopar calibrate --nproc "
+                         f"{busy['nproc']}` measures again)")
+            return text
         text = f"calibrated {when} (file: {record.get('file')})"
     elif record.get("preset"):
         why = record.get("not_measured")
