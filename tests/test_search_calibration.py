@@ -201,8 +201,9 @@ def test_two_searches_at_once_measure_once(cache, monkeypatch):
 
 def test_plan_auto_command_prints_the_calibration(cache, capsys):
     from autopar.cli import build_parser, cmd_plan
-    ns = build_parser().parse_args(["plan", "--auto", "--model", "gpt-tiny", "--model-arg", "n_layer=2", "--nproc", "2",
-                                    "--global-batch-size", "4", "--seq-len", "16", "--cost-model", "flops", "--top", "1"])
+    ns = build_parser().parse_args(["plan", "--auto", "--model", "gpt-tiny", "--model-arg", "n_layer=2", "--nproc",
+                                    "2", "--global-batch-size", "4", "--seq-len", "16", "--cost-model", "flops",
+                                    "--top", "1"])
     assert cmd_plan(ns) == 0
     out = capsys.readouterr().out
     assert f"calibration: calibrated on this machine just now (cache: {entry_path(2)})" in out and cache == [2]

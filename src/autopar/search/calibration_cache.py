@@ -2,7 +2,7 @@
 
 The rough `cpu-local` figures are not this machine: a search priced on them picks layouts that run slower
 than the default. So a search with no cluster given measures this machine the first time (calibrate.py over
-the group sizes the search can form: 10-20 s on 2 cores at 4-8 ranks) and keeps the figures, one entry per
+the group sizes the search can form: 13-28 s at 4-8 ranks on 2 cores at load 15-31) and keeps them, one entry per
 
     calibration format, host name, CPU model, cores this process may use, GPU models, torch version, process count
 
@@ -125,7 +125,8 @@ def lookup(nproc: int) -> tuple[Cluster, dict] | None:
 def _record(cluster: Cluster, path: Path | None, load: float | None) -> dict:
     """plan.json's search.calibration for this machine's figures: when, where kept, and the load they were
     measured under when it exceeded the cores (other jobs then held cores a quiet machine would give)."""
-    record = {"cluster": cluster.name, "measured_at": cluster.measured_at, "cache": str(path) if path else "not written"}
+    record = {"cluster": cluster.name, "measured_at": cluster.measured_at,
+              "cache": str(path) if path else "not written"}
     if load is not None and load > _cpus():
         record["busy"] = {"load": round(load, 1), "cores": _cpus(), "nproc": cluster.num_devices}
     return record
