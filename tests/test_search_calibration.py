@@ -223,3 +223,13 @@ def test_a_calibration_taken_while_busy_says_so(cache, monkeypatch):
     entry_path(4).unlink()
     _, quiet = search_cluster(None, nproc=4)
     assert "busy" not in quiet and "while busy" not in note(quiet)
+
+
+def test_the_measurement_covers_the_groups_the_search_forms(monkeypatch):
+    """dp, tp and pp groups (divisors of nproc) and a tied weight's pair; not the sizes no layout forms."""
+    from autopar.search import calibrate
+    seen = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda nproc, group_sizes=None: seen.append(group_sizes))
+    for nproc in (8, 6, 3):
+        calibration_cache.measure(nproc)
+    assert seen == [[2, 4, 8], [2, 3, 6], [2, 3]]

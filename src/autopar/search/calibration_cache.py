@@ -146,10 +146,10 @@ def store(cluster: Cluster, nproc: int, *, seconds: float | None = None, load: f
 
 
 def measure(nproc: int) -> Cluster:
-    """This machine for `nproc` ranks, over the group sizes the search forms: divisors of nproc (its dp and tp
-    groups); larger sets of sizes are `autopar calibrate`'s."""
+    """This machine for `nproc` ranks, over the group sizes the search forms: the divisors of nproc (its dp, tp
+    and pp groups) and 2 (a tied weight's two stages); every size is `autopar calibrate`'s."""
     from .calibrate import calibrate
-    return calibrate(nproc, group_sizes=[n for n in range(2, nproc + 1) if nproc % n == 0])
+    return calibrate(nproc, group_sizes=[n for n in range(2, nproc + 1) if nproc % n == 0 or n == 2])
 
 
 def _inside_ranks() -> bool:
