@@ -11,6 +11,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the
 
 from rank_pool import RankPool  # noqa: E402
 
+# Searches without --cluster price on cpu-local in the tests, as before this machine was calibrated unasked:
+# the same plans on every machine, and no measuring in tests that are not about it (test_search_calibration.py
+# clears this). Set here, so the ranks and CLI subprocesses the tests start inherit it.
+os.environ["AUTOPAR_CLUSTER"] = "cpu-local"
+
 
 def _cpu_model() -> str:
     """The CPU's model name (Linux /proc/cpuinfo, else platform's guess)."""
@@ -33,6 +38,12 @@ def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(line)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _calibration_cache(tmp_path_factory):
+    """Never the user's cache folder: a calibration a test writes (autopar calibrate) goes to a temporary one."""
+    os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("autopar-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "recomputation and partition for --nproc devices; print the top plans")
     auto.add_argument("--nproc", type=int, default=None, help="devices to plan for")
     auto.add_argument("--cluster", default=None, help="cluster TOML file (autopar calibrate) or preset: "
-                      "v100-16gb-nvlink|a100-40gb|a100-80gb|h100-80gb|rtx3090-24gb-pcie|cpu-local (default)")
+                      "v100-16gb-nvlink|a100-40gb|a100-80gb|h100-80gb|rtx3090-24gb-pcie|cpu-local (rough, never "
+                      "measured); default: this machine, measured once per torch version and --nproc and cached")
     auto.add_argument("--memory-per-device-gb", type=float, default=None, help="override the cluster's memory")
     auto.add_argument("--top", type=int, default=5, help="plans to show")
     auto.add_argument("--cost-model", default="auto", choices=["auto", "measured", "flops"],
@@ -427,8 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training precision")
     auto.add_argument("--mcmc-steps", type=int, default=0, help="then refine the winner by an MCMC walk over "
                       "per-stage cuts and recomputation (0: off)")
-    calibrate = sub.add_parser("calibrate", help="measure this machine (compute, gloo links, overhead) and write "
-                               "a cluster TOML for `plan --auto --cluster FILE`")
+    calibrate = sub.add_parser("calibrate", help="measure this machine (compute, gloo links, overhead), write "
+                               "a cluster TOML for `--cluster FILE` and refresh the calibration `--strategy auto` "
+                               "caches for --nproc")
     calibrate.add_argument("--nproc", type=int, default=2, help="local ranks to measure collectives with")
     calibrate.add_argument("--out", default="cluster.toml", help="where to write the cluster file")
     reproduce = sub.add_parser("reproduce", help="rerun a paper's experiment and print its table "

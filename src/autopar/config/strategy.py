@@ -103,7 +103,8 @@ class Strategy:
     plan: str | None = _f(None, "a saved plan (plan.json of a run folder, or `autopar plan --auto --json` output) to "
                                 "run as it is; flags that contradict it are refused")
     cluster: str | None = _f(None, "--strategy auto and --boundary auto: cluster TOML (autopar calibrate) or preset "
-                                   "name; default cpu-local")
+                                   "name; default: --strategy auto measures this machine once and caches it "
+                                   "(cpu-local: the rough preset, never measured), --boundary auto cpu-local")
     memory_per_device_gb: float | None = _f(None, "memory per device to plan for (GiB): --strategy auto's search "
                                                   "(default: the cluster's) and the memory check of a strategy set "
                                                   "by hand (default: this host's available memory over its ranks, "

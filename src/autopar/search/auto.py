@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import Strategy, TrainConfig
 from ..errors import ConfigError
-from .cluster import resolve_cluster
+from .calibration_cache import note, search_cluster
 from .command import plan_dict
 from .cost import Candidate, StepModel
 from .measure_profile import measure_module_blocks, with_cost_model
@@ -86,6 +86,9 @@ class Plan:
         if confirmed:
             fastest = min(c["measured_step_time_s"] for c in confirmed if "measured_step_time_s" in c)
             text += f"; kept the fastest of {len(confirmed)} measured ({milliseconds(fastest)} ms/step)"
+        calibration = note(self.record.get("search", {}).get("calibration"))
+        if calibration:
+            text += f"; priced on {calibration}"
         return text
 
     # ------------------------------------------------------------------ files
@@ -260,7 +263,7 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     """
     from ..trace import trace
     fixed = dict(fixed or {})
-    cl = resolve_cluster(cluster, nproc=nproc, memory_per_device_gb=memory_per_device_gb)
+    cl, calibration = search_cluster(cluster, nproc=nproc, memory_per_device_gb=memory_per_device_gb)
     args, kwargs = example()
     seq_len = int(args[0].shape[-1]) if args[0].dim() >= 2 else 1
     name = name or type(model).__name__
@@ -308,6 +311,7 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
                   alternatives=[r for _, r in chosen[1:]],
                   search={"evaluated": result.evaluated, "pruned_memory": result.pruned,
                           "refused_by_runtime": len(refusals), "fixed": fixed, "cluster_source": cl.source,
+                          "calibration": calibration,
                           "costs": costs,
                           "memory_per_device_gb": cl.memory_per_device_gb})
     return Plan(record, source="the search")

@@ -1,20 +1,25 @@
 """`autopar calibrate`: measure this machine and write a cluster TOML the search can use.
 
-Measured, each in a few seconds (under 2 minutes in all):
+Measured, each in a few seconds at most:
 - matmul rate of one thread (ranks run one thread each, see launch.py) at the shapes the
   built-in models use (tokens x d_model x 4 d_model for gpt-tiny .. gpt-small widths), fp32
   and bf16; the median is the device's rate, with compute_efficiency 1;
 - per-action overhead: one tiny forward+backward (what every pipeline action pays in Python
   and autograd bookkeeping beyond its FLOPs);
 - memory bandwidth of a large copy (bounds the optimizer step);
-- gloo point-to-point and all-reduce per group size 2..N, on N ranks started by the
-  project's launcher (calibrate_ranks.py), fitted as latency plus bandwidth, in wall time
-  and in the CPU seconds they take (what time-sharing ranks pay out of their compute); and what
-  the N ranks move together (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
+- gloo point-to-point and all-reduce per group size 2..N, on N local ranks (calibrate_ranks.py),
+  fitted as latency plus bandwidth, in wall time and in the CPU seconds they take (what
+  time-sharing ranks pay out of their compute); and what the N ranks move together
+  (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
 - the cores the N ranks really get when all run at once (calibrate_ranks.sharing_probe):
   the node's `cores_per_node`, which the step model divides the ranks' summed work by, and the
   CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`).
 Memory per device is this machine's RAM divided by N.
+
+The ranks are forked from one fresh process (calibrate_ranks.run_forked), so torch is imported once, not N
+times at once. `--strategy auto` measures the same without being asked, once per machine, torch version and
+process count, over the group sizes the search can form only (calibration_cache.py); `autopar calibrate`
+measures every size and rewrites that cache entry too.
 """
 
 from __future__ import annotations
@@ -72,25 +77,36 @@ def memory_bandwidth() -> float:
     return 2 * src.numel() * 4 / _seconds(lambda: dst.copy_(src))
 
 
-def measure_links(nproc: int) -> dict:
-    """Run calibrate_ranks on `nproc` local ranks; returns its fits."""
-    from ..launch import launch
+def measure_links(nproc: int, group_sizes: list[int] | None = None) -> dict:
+    """Run calibrate_ranks on `nproc` local ranks, forked from one fresh process; returns its fits. `group_sizes`:
+    the collectives' group sizes to measure (default every size 2..nproc)."""
+    import subprocess
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "links.json"
-        code = launch([sys.executable, "-m", "autopar.search.calibrate_ranks", str(out)], nproc)
+        command = [sys.executable, str(Path(__file__).with_name("calibrate_ranks.py")), str(out), "--ranks", str(nproc)]
+        if group_sizes:
+            command += ["--groups", ",".join(str(n) for n in group_sizes)]
+        code = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
         if code != 0 or not out.exists():
             raise DistributedError(f"calibrate: the {nproc}-rank link measurement failed (exit code {code}); "
                                    f"see the ranks' messages above")
         return json.loads(out.read_text())
 
 
-def calibrate(nproc: int) -> Cluster:
+def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
+    """This machine as a Cluster of `nproc` one-thread gloo ranks; `group_sizes`: the collectives' group sizes to
+    measure (default every size 2..nproc; a size not measured is priced at the largest measured one's per-rank
+    cost). Leaves this process's thread count as it found it."""
     if nproc < 2:
         raise ConfigError(f"calibrate --nproc must be >= 2 to measure links between ranks, got {nproc}")
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    fp32, bf16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
-    overhead, bandwidth = action_overhead(), memory_bandwidth()
-    links = measure_links(nproc)
+    try:
+        fp32, bf16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
+        overhead, bandwidth = action_overhead(), memory_bandwidth()
+    finally:
+        torch.set_num_threads(threads)
+    links = measure_links(nproc, group_sizes)
     p2p = Link(**links["p2p"])
     table = {int(n): Link(**fit) for n, fit in links["allreduce"].items()}
     cpu_table = {int(n): Link(**fit) for n, fit in links["allreduce_cpu"].items()}
@@ -106,15 +122,21 @@ def calibrate(nproc: int) -> Cluster:
                    cores_per_node=min(float(os.cpu_count() or 1), round(links["effective_cores"], 3)),
                    allreduce_cpu_table=cpu_table, reduce_scatter_cpu_table=scatter_table,
                    all_gather_cpu_table=gather_table, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
-                   node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0))
+                   node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0),
+                   measured_at=round(time.time(), 1))
 
 
 def cmd_calibrate(ns) -> int:
-    began = time.perf_counter()
+    """Measure every group size, write `--out` and rewrite this machine's cache entry for `--nproc` (what
+    `--strategy auto` without --cluster then uses)."""
+    from .calibration_cache import store
+    began, load = time.perf_counter(), os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cluster = calibrate(ns.nproc)
     Path(ns.out).write_text(cluster.to_toml())
-    print(f"wrote {ns.out} in {time.perf_counter() - began:.0f} s: matmul {cluster.flops_per_s['fp32'] / 1e9:.1f} "
-          f"GFLOP/s fp32 per thread, overhead {cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
+    entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began, load=load)
+    print(f"wrote {ns.out} and {entry} in {time.perf_counter() - began:.0f} s: matmul "
+          f"{cluster.flops_per_s['fp32'] / 1e9:.1f} GFLOP/s fp32 per thread, overhead "
+          f"{cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
           f"{cluster.intra_node.latency_s * 1e6:.0f} us + {cluster.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
           f"{ns.nproc} ranks get {cluster.cores_per_node:.2f} effective cores and pay "
           f"{cluster.sync_cpu_s * 1e6:.0f} us of CPU per blocking wait")

@@ -17,14 +17,18 @@ machine: the ideal 2, less what switching between processes costs; more when oth
 the cores, since then each process gets its slice whether or not our other ranks run).
 And what each blocking synchronisation costs a rank's CPU beyond that, once the ranks time-share the
 cores (`sync_cost`: context switches, caches refilled after the wait).
-Rank 0 writes the fits as JSON to the path given as the only argument.
+Rank 0 writes the fits as JSON to the path given as the first argument. `--ranks N` starts the N ranks here,
+forked from this one process after torch is imported (`run_forked`), instead of being one rank under a launcher:
+N processes importing torch at once on a small machine took 20 s of the 25 a 4-rank calibration lasted. Run so
+(calibrate.measure_links), this file is started by its path and imports nothing of autopar's: the package's
+import (trainer, models, search) doubled the one process's start on a loaded machine.
+`--groups 2,4` measures the collectives over those group sizes only (default every size 2..N).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from datetime import timedelta
 
@@ -190,11 +194,15 @@ def sync_cost(rounds: int = 3, pieces: int = 24, repeats: int = 48) -> float:
     return float(value[0] / value[1]) if value[1] else 0.0
 
 
-def main() -> None:
-    out = sys.argv[1]
+def measure(out: str, group_sizes: list[int] | None = None) -> None:
+    """Every measurement, as one rank of the job; rank 0 writes them to `out`."""
+    joining = time.perf_counter()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    joined = time.perf_counter() - joining
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"allreduce": {}, "allreduce_cpu": {}, "reduce_scatter_cpu": {}, "all_gather_cpu": {}}
+    began = joining
+    seconds = {"join": joined}  # wall seconds of each phase on rank 0, to see where the time goes
     times, cpus = {}, {}
     for size in (SMALL, LARGE):
         buf = torch.zeros(size // 4)
@@ -222,7 +230,8 @@ def main() -> None:
 
         times[size], _ = _time(shift)
     result["aggregate"] = _fit(times[SMALL], times[LARGE], 1, world)
-    for n in range(2, world + 1):
+    seconds["p2p"] = time.perf_counter() - began - joined
+    for n in sorted(set(group_sizes or range(2, world + 1))):
         group = dist.new_group(list(range(n)))
         times, cpus, scatters, gathers = {}, {}, {}, {}
         for size in (SMALL, LARGE):
@@ -242,13 +251,54 @@ def main() -> None:
             result["allreduce_cpu"][str(n)] = _fit(cpus[SMALL], cpus[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
             result["reduce_scatter_cpu"][str(n)] = _fit(scatters[SMALL], scatters[LARGE], n - 1, (n - 1) / n)
             result["all_gather_cpu"][str(n)] = _fit(gathers[SMALL], gathers[LARGE], n - 1, (n - 1) / n)
+    seconds["collectives"] = time.perf_counter() - began - sum(seconds.values())
     result["effective_cores"] = sharing_probe()
+    seconds["sharing"] = time.perf_counter() - began - sum(seconds.values())
     result["sync_cpu_s"] = sync_cost() if world >= 2 else 0.0
+    seconds["waits"] = time.perf_counter() - began - sum(seconds.values())
+    result["seconds"] = seconds
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _forked_rank(rank: int, world: int, port: int, out: str, group_sizes: list[int] | None) -> None:
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # what the launcher gives a rank
+    torch.set_num_threads(1)  # one thread per rank, as the launcher's OMP_NUM_THREADS=1 gives real ranks
+    measure(out, group_sizes)
+
+
+def run_forked(world: int, out: str, group_sizes: list[int] | None = None) -> None:
+    """The `world` ranks as processes forked from this one: torch is imported once, not once per rank. Forked
+    from a process that has run no torch op yet (this file run as a script), so no thread pool is copied half
+    alive. A rank that fails stops the others and raises here with its traceback."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_forked_rank, args=(world, port, out, group_sizes), nprocs=world, join=True,
+                       start_method="fork")
+
+
+def main() -> None:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m autopar.search.calibrate_ranks")
+    parser.add_argument("out", help="where rank 0 writes the fits (JSON)")
+    parser.add_argument("--ranks", type=int, default=None, help="fork this many ranks here (default: this "
+                        "process is one rank under a launcher)")
+    parser.add_argument("--groups", default=None, help="group sizes to measure the collectives over, e.g. 2,4")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.groups.split(",")] if args.groups else None
+    if args.ranks is not None:
+        run_forked(args.ranks, args.out, sizes)
+    else:
+        measure(args.out, sizes)
 
 
 if __name__ == "__main__":

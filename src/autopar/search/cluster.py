@@ -105,6 +105,9 @@ class Cluster:
     """Bytes per second all ranks of one node move between ranks together (0: no shared cap, each rank's
     link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
     transfers together move about as fast as one pair's (docs/benchmarks.md)."""
+    measured_at: float = 0.0
+    """When `autopar calibrate` measured these figures (seconds since the epoch, UTC; 0: not measured), so that a
+    plan can say how old its calibration is."""
 
     # ---------------------------------------------------------------- geometry
 
@@ -283,7 +286,8 @@ def cluster_from_dict(data: dict) -> Cluster:
         background_cores=_number(data, "background_cores", "", strict=False) if "background_cores" in data else 0.0,
         time_shared_scale=_number(data, "time_shared_scale", "") if "time_shared_scale" in data else 1.0,
         node_bandwidth_bytes_per_s=_number(data, "node_bandwidth_bytes_per_s", "", strict=False)
-        if "node_bandwidth_bytes_per_s" in data else 0)
+        if "node_bandwidth_bytes_per_s" in data else 0,
+        measured_at=_number(data, "measured_at", "", strict=False) if "measured_at" in data else 0.0)
     if cluster.background_cores and cluster.background_cores >= (cluster.cores_per_node or float("inf")):
         raise ConfigError(f"cluster file: field 'background_cores' ({cluster.background_cores:g}) must be less than "
                           f"'cores_per_node' ({cluster.cores_per_node:g}): it is the part of those cores idle "
@@ -388,6 +392,11 @@ def resolve_cluster(spec: str | None, *, nproc: int | None = None, memory_per_de
     """A preset name or a TOML path (default cpu-local), resized to `nproc` devices if asked."""
     spec = spec or "cpu-local"
     cluster = preset(spec) if spec in PRESET_NAMES else load_cluster(spec)
+    return sized(cluster, nproc=nproc, memory_per_device_gb=memory_per_device_gb)
+
+
+def sized(cluster: Cluster, *, nproc: int | None = None, memory_per_device_gb: float | None = None) -> Cluster:
+    """`cluster` with `memory_per_device_gb` per device and `nproc` devices, if asked (checked)."""
     if memory_per_device_gb is not None:
         if not memory_per_device_gb > 0:
             raise ConfigError(f"--memory-per-device-gb must be > 0, got {memory_per_device_gb}")
@@ -405,7 +414,8 @@ def resolve_cluster(spec: str | None, *, nproc: int | None = None, memory_per_de
 
 def cluster_for_ranks(spec: str | None, world: int) -> Cluster:
     """The cluster a running job of `world` ranks prices its boundary transfers on (--boundary auto): the
-    preset or file as given; cpu-local, being this one machine, as one node that holds all `world` ranks."""
+    preset or file as given; cpu-local, being this one machine, as one node that holds all `world` ranks. Not the
+    search's cached calibration (calibration_cache.py): that is per host, and every rank must choose alike."""
     cluster = resolve_cluster(spec)
     if cluster.name == "cpu-local" and world > cluster.devices_per_node:
         cluster = cluster.replace(num_devices=world, devices_per_node=world)

@@ -11,7 +11,7 @@ import json
 import time
 
 from ..errors import ConfigError
-from .cluster import resolve_cluster
+from .calibration_cache import note, search_cluster
 from .cost import Estimate, StepModel
 from .measure_profile import measure_blocks, with_cost_model
 from .profile import profile_model
@@ -45,7 +45,7 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
         raise ConfigError(f"plan --auto needs --nproc N >= 1 (the devices to plan for), got {ns.nproc}")
     if ns.top < 1:
         raise ConfigError(f"--top must be >= 1, got {ns.top}")
-    cluster = resolve_cluster(ns.cluster, nproc=ns.nproc, memory_per_device_gb=ns.memory_per_device_gb)
+    cluster, calibration = search_cluster(ns.cluster, nproc=ns.nproc, memory_per_device_gb=ns.memory_per_device_gb)
     began = time.perf_counter()
     tps = tuple(d for d in divisors(ns.nproc) if d <= cluster.devices_per_node)
     profile = profile_model(ns.model, seq_len=ns.seq_len, tp_degrees=tps, model_args=model_args)
@@ -67,11 +67,13 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
         print(json.dumps({**plan_dict(top[0], model), "why": sentence,
                           "alternatives": [plan_dict(e, model) for e in top[1:]],
                           "search": {"evaluated": result.evaluated, "pruned_memory": result.pruned,
-                                     "mcmc_states": walked, "seconds": elapsed, "costs": costs}}, indent=2))
+                                     "mcmc_states": walked, "seconds": elapsed, "costs": costs,
+                                     "calibration": calibration}}, indent=2))
         return 0
     print(f"{profile.name}: {profile.num_params:,} parameters, seq_len {profile.seq_len}, global batch "
           f"{ns.global_batch_size}; cluster {cluster.name}: {cluster.num_devices} devices, "
           f"{cluster.memory_per_device_gb:g} GiB each ({cluster.source})")
+    print(f"calibration: {note(calibration)}")
     print(f"costs: {costs}")
     print(f"searched {result.evaluated} configurations in {elapsed:.1f} s ({result.pruned} over memory"
           + (f", MCMC scored {walked} more" if walked else "") + ")")
