@@ -55,18 +55,19 @@ def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any],
                      **values), None
 
 
-def beats_default(best_s: float, default_s: float, error: float = PREDICTED_TIME_ERROR) -> bool:
-    """Whether a pick predicted at `best_s` is faster than the default's `default_s` by more than the error."""
+def beats_default(best_s: float, default_s: float, error: float | None = None) -> bool:
+    """Whether a pick predicted at `best_s` is faster than the default's `default_s` by more than the error
+    (PREDICTED_TIME_ERROR unless given): the default is predicted more than that much slower."""
     return not within_error(best_s, default_s, error)
 
 
-def within_error(fast_s: float, slow_s: float, error: float = PREDICTED_TIME_ERROR) -> bool:
-    """Whether `slow_s` is no more than `error` slower than `fast_s` (the model cannot tell them apart)."""
-    return slow_s <= fast_s * (1 + error)
+def within_error(fast_s: float, slow_s: float, error: float | None = None) -> bool:
+    """Whether `slow_s` is no more than `error` (PREDICTED_TIME_ERROR unless given) slower than `fast_s`: the
+    model cannot tell them apart."""
+    return slow_s <= fast_s * (1 + (PREDICTED_TIME_ERROR if error is None else error))
 
 
-def to_measure(records: list[dict], default: dict | None, k: int | None,
-               error: float = PREDICTED_TIME_ERROR) -> list[dict]:
+def to_measure(records: list[dict], default: dict | None, k: int | None, error: float | None = None) -> list[dict]:
     """The plans to run for a few steps before training, fastest predicted first; [] to trust the prediction.
 
     `records` are distinct plans (their `prediction.step_time_s`), `default` the default layout's plan
@@ -120,7 +121,8 @@ def decide(chosen: list, default: dict, step: StepModel) -> dict:
                    if execution_key(e) == execution_key(estimate) else r) for e, r in chosen]
     best, record = chosen[0]
     others = list(chosen[1:])
-    decision = {"model_error": PREDICTED_TIME_ERROR, "model_error_source": PREDICTED_TIME_ERROR_SOURCE,
+    error = PREDICTED_TIME_ERROR
+    decision = {"model_error": error, "model_error_source": PREDICTED_TIME_ERROR_SOURCE,
                 "searched_best": configuration(record), "searched_best_step_time_s": best.step_time_s}
     same = estimate is not None and execution_key(estimate) == execution_key(best)
     if estimate is not None:
@@ -137,15 +139,15 @@ def decide(chosen: list, default: dict, step: StepModel) -> dict:
     else:
         slower = estimate.step_time_s / best.step_time_s - 1
         pair = differing(estimate.step_time_s, best.step_time_s, ms) or (ms(best.step_time_s),) * 2
-        if beats_default(best.step_time_s, estimate.step_time_s):
+        if beats_default(best.step_time_s, estimate.step_time_s, error):
             runs, text = "search", (f"the default layout, {configuration(default)}, is predicted {percent(slower)} "
                                     f"slower ({pair[0]} against {pair[1]}), more than the model's "
-                                    f"{PREDICTED_TIME_ERROR:.0%} error.")
+                                    f"{error:.0%} error.")
         else:
             runs = "default"
             text = (f"the default layout runs: it is predicted only {percent(slower)} slower ({pair[0]} against "
                     f"{pair[1]}) than the search's best, {configuration(record)}, within the model's "
-                    f"{PREDICTED_TIME_ERROR:.0%} error.")
+                    f"{error:.0%} error.")
     decision.update(runs=runs, text=text)
     if runs == "default":
         run = {**record, **{key: default[key] for key in ("strategy", "train", "prediction")}}

@@ -45,6 +45,8 @@ def schedule_class(schedule: str, pp: int, chunks: int, num_microbatches: int, w
     for name in (default, *(s for s in SCHEDULES if s != default)):
         if name == schedule:
             break
+        if name == "interleaved-1f1b" and chunks == 1:  # interleaving one chunk is a name no one would pick
+            continue
         if actions(name) == mine:
             return name
     return schedule
