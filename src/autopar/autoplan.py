@@ -129,6 +129,7 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
     chosen["decision"] = {**plan.record.get("decision", {}), "runs": "measured",
                           "text": f"measured {len(ran)} plans for {CONFIRM_STEPS} steps each and kept the fastest, "
                                   f"{winner_text(winner, best)}"}
+    chosen["why"] = f"{plan.record.get('why', '')} Then {chosen['decision']['text']}.".strip()
     return Plan(chosen, source="the confirmed search")
 
 

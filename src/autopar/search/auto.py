@@ -88,7 +88,8 @@ class Plan:
             text += f"; predicted {_costs(prediction)}"
         alternatives = record.get("alternatives") or []
         if alternatives and prediction:
-            label = "the search's best" if (record.get("decision") or {}).get("runs") == "default" else "runner-up"
+            faster = alternatives[0]["prediction"]["step_time_s"] < prediction["step_time_s"]
+            label = "the search's best" if faster else "runner-up"
             text += f"; {label} {_configuration(alternatives[0])}, {versus(alternatives[0]['prediction'], prediction)}"
         shown = alternatives[:1]
         if searched and prediction and default.get("runnable") and not is_default and \
@@ -101,8 +102,11 @@ class Plan:
             text += f" (within the model's {decision['model_error']:.0%} error: the default stays)"
         confirmed = record.get("confirm")
         if confirmed:
-            fastest = min(c["measured_step_time_s"] for c in confirmed if "measured_step_time_s" in c)
-            text += f"; kept the fastest of {len(confirmed)} measured ({milliseconds(fastest)} ms/step)"
+            ran = sorted((c for c in confirmed if "measured_step_time_s" in c), key=lambda c: c["measured_step_time_s"])
+            text += f"; kept the fastest of {len(confirmed)} measured ({milliseconds(ran[0]['measured_step_time_s'])} ms/step"
+            if len(ran) > 1:
+                text += f"; next {_configuration(ran[1])}, {milliseconds(ran[1]['measured_step_time_s'])} ms/step"
+            text += ")"
         return text
 
     def measured_vs_predicted(self) -> str:

@@ -19,8 +19,20 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..config import Strategy
+from ..errors import ConfigError
 from ..pipeline.schedules import SCHEDULES, generate, placement
 from .cost import Candidate, Estimate
+
+
+@lru_cache(maxsize=4096)
+def _actions(name: str, pp: int, chunks: int, num_microbatches: int, whole_stage_recompute: bool):
+    """The per-rank compute actions the runtime lowers and runs (None: `name` cannot run this shape)."""
+    recompute = frozenset(range(pp * chunks)) if whole_stage_recompute else frozenset()
+    try:
+        lists = generate(name, pp=pp, num_microbatches=num_microbatches, chunks=chunks, recompute=recompute)
+    except ConfigError:
+        return None
+    return placement(name), tuple(tuple(lists[r]) for r in sorted(lists))
 
 
 @lru_cache(maxsize=4096)
@@ -30,38 +42,31 @@ def schedule_class(schedule: str, pp: int, chunks: int, num_microbatches: int, w
     Without a pipeline every schedule is the same loop ("none")."""
     if pp == 1:
         return "none"
-    stages = pp * chunks
-    recompute = frozenset(range(stages)) if whole_stage_recompute else frozenset()
-
-    def actions(name: str):
-        try:
-            lists = generate(name, pp=pp, num_microbatches=num_microbatches, chunks=chunks, recompute=recompute)
-        except Exception:  # noqa: BLE001 - a schedule that cannot run this shape is no twin
-            return None
-        return placement(name), tuple(tuple(lists[r]) for r in sorted(lists))
-
-    mine = actions(schedule)
+    shape = (pp, chunks, num_microbatches, whole_stage_recompute)
     default = Strategy().schedule
     for name in (default, *(s for s in SCHEDULES if s != default)):
         if name == schedule:
             break
         if name == "interleaved-1f1b" and chunks == 1:  # interleaving one chunk is a name no one would pick
             continue
-        if actions(name) == mine:
+        theirs = _actions(name, *shape)
+        if theirs is not None and theirs == _actions(schedule, *shape):
             return name
     return schedule
 
 
+def _cheap_key(estimate: Estimate) -> tuple:
+    c = estimate.candidate
+    whole = c.recompute == "all" and not (c.pp == 1 and c.tp == 1)
+    blocks = tuple(estimate.recompute_blocks) if not (c.pp == 1 and c.tp == 1) else (0,) * len(estimate.recompute_blocks)
+    return (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.chunks, whole, tuple(estimate.bounds), blocks,
+            c.zero)
+
+
 def execution_key(estimate: Estimate) -> tuple:
     """What runs: equal keys, equal executions (see the module docstring)."""
-    c = estimate.candidate
-    whole = c.recompute == "all"
-    blocks = tuple(estimate.recompute_blocks)
-    if c.pp == 1 and c.tp == 1:  # the engine runs the model whole: no stages to recompute
-        whole, blocks = False, (0,) * len(blocks)
-    return (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches,
-            schedule_class(c.schedule, c.pp, c.chunks, c.num_microbatches, whole), c.chunks,
-            whole, tuple(estimate.bounds), blocks, c.zero)
+    c, cheap = estimate.candidate, _cheap_key(estimate)
+    return (*cheap, schedule_class(c.schedule, c.pp, c.chunks, c.num_microbatches, cheap[6]))
 
 
 def preference(c: Candidate) -> tuple:
@@ -75,10 +80,19 @@ def preference(c: Candidate) -> tuple:
 
 def collapse(estimates: list[Estimate]) -> tuple[list[Estimate], int]:
     """One estimate per execution class (its preferred member's; the others are the same run under other
-    names), in first-seen order of the classes; and how many were folded away."""
+    names), in first-seen order of the classes; and how many were folded away.
+
+    Schedules run the same only if the step model, simulating their actions, predicts the same time and
+    memory; so action lists are compared only between candidates alike in everything else and in both
+    predictions (generating them for every shape of a large search would cost more than scoring it)."""
+    names: dict[tuple, set[str]] = {}
+    for e in estimates:
+        names.setdefault((*_cheap_key(e), e.step_time_s, e.peak_memory), set()).add(e.candidate.schedule)
     classes: dict[tuple, Estimate] = {}
     for e in estimates:
-        key = execution_key(e)
+        cheap = _cheap_key(e)
+        key = execution_key(e) if len(names[(*cheap, e.step_time_s, e.peak_memory)]) > 1 else \
+            (*cheap, e.candidate.schedule)
         kept = classes.get(key)
         if kept is None or preference(e.candidate) < preference(kept.candidate):
             classes[key] = e
