@@ -103,7 +103,8 @@ class Plan:
         confirmed = record.get("confirm")
         if confirmed:
             ran = sorted((c for c in confirmed if "measured_step_time_s" in c), key=lambda c: c["measured_step_time_s"])
-            text += f"; kept the fastest of {len(confirmed)} measured ({milliseconds(ran[0]['measured_step_time_s'])} ms/step"
+            fastest = milliseconds(ran[0]["measured_step_time_s"])
+            text += f"; kept the fastest of {len(confirmed)} measured ({fastest} ms/step"
             if len(ran) > 1:
                 text += f"; next {_configuration(ran[1])}, {milliseconds(ran[1]['measured_step_time_s'])} ms/step"
             text += ")"
@@ -122,7 +123,8 @@ class Plan:
         if peak and planned:
             whole = "ru_maxrss" in measured.get("peak_memory_source", "")
             text += (f"; peak memory {peak / 2**20:.1f} MiB/rank against {planned / 2**20:.1f} MiB predicted"
-                     + (" (measured: the whole process; predicted: tensors)" if whole else f" ({peak / planned - 1:+.0%})"))
+                     + (" (measured: the whole process; predicted: tensors)" if whole else
+                        f" ({peak / planned - 1:+.0%})"))
         return text
 
     # ------------------------------------------------------------------ files

@@ -24,7 +24,7 @@ from ..pipeline.schedules import SCHEDULES, generate, placement
 from .cost import Candidate, Estimate
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=16)  # long schedules are large; a few shapes are compared at a time
 def _actions(name: str, pp: int, chunks: int, num_microbatches: int, whole_stage_recompute: bool):
     """The per-rank compute actions the runtime lowers and runs (None: `name` cannot run this shape)."""
     recompute = frozenset(range(pp * chunks)) if whole_stage_recompute else frozenset()
@@ -56,9 +56,11 @@ def schedule_class(schedule: str, pp: int, chunks: int, num_microbatches: int, w
 
 
 def _cheap_key(estimate: Estimate) -> tuple:
+    """Everything of the execution key but the schedule's class: degrees, micro-batching, chunks, whole-stage
+    recomputation, cut, recomputed blocks, ZeRO level (recomputation counts for nothing when the model runs whole)."""
     c = estimate.candidate
     whole = c.recompute == "all" and not (c.pp == 1 and c.tp == 1)
-    blocks = tuple(estimate.recompute_blocks) if not (c.pp == 1 and c.tp == 1) else (0,) * len(estimate.recompute_blocks)
+    blocks = (0,) * len(estimate.recompute_blocks) if c.pp == 1 and c.tp == 1 else tuple(estimate.recompute_blocks)
     return (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.chunks, whole, tuple(estimate.bounds), blocks,
             c.zero)
 
