@@ -197,3 +197,40 @@ def test_measured_against_predicted_line():
     line = Plan(record).measured_vs_predicted()
     assert line == ("plan: measured 125 ms/step against 100 predicted (+25%); peak memory 50.0 MiB/rank against "
                     "40.0 MiB predicted (+25%)")
+
+
+def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):
+    """autoplan.confirm with the launcher replaced by one that writes each plan's metrics (no process starts)."""
+    import json
+    from pathlib import Path
+
+    import autopar.launch
+    from autopar.autoplan import confirm, plans_to_measure
+    model = toy_model()
+    _, default, record = _decided(model)
+    record.update(nproc=4, model="toy")
+    plan = Plan(record, source="the search")
+
+    def fake_launch(command, nproc, **_):
+        folder = Path(command[command.index("--out") + 1])
+        ran = json.loads(Path(command[command.index("--plan") + 1]).read_text())
+        folder.mkdir(parents=True)
+        # the default layout measures slowest, the others by their zero level and degrees
+        seconds = 0.5 if ran["strategy"] == default["strategy"] else \
+            0.2 + 0.01 * (ran["strategy"]["zero"] + ran["train"]["micro_batches"])
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step_time_s": seconds, "peak_mem_bytes": 1}) + "\n"
+                                                      for _ in range(4)))
+        return 0
+
+    monkeypatch.setattr(autopar.launch, "launch", fake_launch)
+    runs = plans_to_measure(plan, 3)
+    assert any(r["strategy"] == default["strategy"] for r in runs)  # the default layout is measured too
+    chosen = confirm(plan, runs, ["train"], 4)
+    times = {json.dumps([r["strategy"], r["train"]]): r["measured_step_time_s"] for r in chosen.record["confirm"]}
+    assert len(times) == len(runs) and chosen.record["decision"]["runs"] == "measured"
+    assert chosen.record["prediction"] and min(times.values()) == times[json.dumps([chosen.record["strategy"],
+                                                                                           chosen.record["train"]])]
+    assert sum(r["default_layout"] for r in chosen.record["confirm"]) == 1
+    assert chosen.record["strategy"] != default["strategy"]  # measured slowest, it does not run
+    assert chosen.record["why"].startswith("Predicted: ") and "Measured: " in chosen.record["why"]
+    assert "kept the fastest of 3 measured" in chosen.describe()

@@ -127,9 +127,9 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
                                if not same_plan(r, winner)],
               "confirm": results}
     chosen["decision"] = {**plan.record.get("decision", {}), "runs": "measured",
-                          "text": f"measured {len(ran)} plans for {CONFIRM_STEPS} steps each and kept the fastest, "
+                          "text": f"{len(ran)} plans ran {CONFIRM_STEPS} steps each; kept the fastest, "
                                   f"{winner_text(winner, best)}"}
-    chosen["why"] = f"{plan.record.get('why', '')} Then {chosen['decision']['text']}.".strip()
+    chosen["why"] = f"Predicted: {plan.record.get('why', '')} Measured: {chosen['decision']['text']}."
     return Plan(chosen, source="the confirmed search")
 
 
