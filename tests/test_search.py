@@ -296,6 +296,8 @@ def test_plan_auto_json_is_a_strategy(capsys):
     assert plan["prediction"]["step_time_s"] > 0 and len(plan["alternatives"]) == 1
     assert math.isfinite(plan["prediction"]["bubble_fraction"])
     assert plan["search"]["costs"].startswith("block times and activation bytes measured")  # cpu-local: measured
+    assert plan["default_layout"]["runnable"] is False  # 4 sequences over dp=2 in micro-batches of 8
+    assert plan["decision"]["runs"] == "search" and plan["search"]["collapsed_equivalent"] >= 0
 
 
 def test_profile_scaled_from_two_layers_equals_a_full_trace():

@@ -46,6 +46,12 @@ def test_auto_with_fixed_pp_trains_like_one_process(auto_run):
     assert plan["strategy"]["pp"] == 2  # fixed by the user; the rest was searched
     assert plan["strategy"]["dp"] * plan["strategy"]["tp"] * 2 == 4
     assert plan["search"]["fixed"]["pp"] == 2 and plan["search"]["evaluated"] >= 1
+    # the layout the same settings run without the search (dp=2 pp=2, micro-batches of 2) is scored beside the pick
+    default = plan["default_layout"]
+    assert default["strategy"]["dp"] == default["strategy"]["pp"] == 2 and default["train"]["micro_batch_size"] == 2
+    assert default["prediction"]["step_time_s"] > 0 and plan["decision"]["runs"] in ("search", "default")
+    assert plan["decision"]["default_step_time_s"] == default["prediction"]["step_time_s"]
+    assert 0 < plan["decision"]["model_error"] < 1
     measured = plan["measured"]
     assert len(measured["step_times_s"]) == STEPS and measured["median_step_time_s"] > 0
     assert len(measured["peak_memory_bytes_per_rank"]) == 4 and min(measured["peak_memory_bytes_per_rank"]) > 0

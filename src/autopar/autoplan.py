@@ -24,6 +24,8 @@ from torch.utils.data import Dataset
 from .config import JobConfig, Strategy, TrainConfig
 from .errors import ConfigError
 from .search.auto import Plan, milliseconds
+from .search.decision import PREDICTED_TIME_ERROR, to_measure
+from .search.plan_text import configuration, same_plan
 from .strategies import resolve
 from .train.fields import example_call
 
@@ -55,9 +57,15 @@ def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, li
                        example=lambda: example_call(parts.model, parts.train_data))
     plan = resolved.plan
     print(plan.describe(), flush=True)
-    if job.strategy.confirm and not job.strategy.plan:
-        plan = confirm(plan, job.strategy.confirm, argv, nproc)
-        print(plan.describe(), flush=True)
+    if not job.strategy.plan:
+        measure = plans_to_measure(plan, job.strategy.confirm)
+        if measure:
+            if job.strategy.confirm is None:
+                print(f"auto: {len(measure)} plans are within the model's {PREDICTED_TIME_ERROR:.0%} error of each "
+                      f"other; measuring each for {CONFIRM_STEPS} steps (--confirm 0: trust the prediction)",
+                      flush=True)
+            plan = confirm(plan, measure, argv, nproc)
+            print(plan.describe(), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
     plan.save(path)
@@ -66,10 +74,19 @@ def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, li
     return job, [*argv, "--plan", str(path), "--out", str(out)]
 
 
-def confirm(plan: Plan, k: int, argv: list[str], nproc: int) -> Plan:
-    """Run the top `k` plans for CONFIRM_STEPS steps each and return the fastest measured, all K recorded."""
+def plans_to_measure(plan: Plan, k: int | None) -> list[dict]:
+    """The plans `confirm` runs: `--confirm K` the K fastest predicted (the default layout among them); unset,
+    the plans within the model's error of each other when there are several (decision.to_measure)."""
+    record = plan.record
+    default = record.get("default_layout") or {}
+    usable = default if default.get("runnable") and default.get("fits", True) else None
+    return to_measure([record, *record.get("alternatives", [])], usable, k)
+
+
+def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Plan:
+    """Run each of `records` (plans) for CONFIRM_STEPS steps and return the fastest measured, all recorded."""
     from .launch import launch
-    records = [plan.record, *plan.record.get("alternatives", [])][:k]
+    k = len(records)
     shared = {key: plan.record[key] for key in ("nproc", "num_params", "model", "seq_len", "cluster")
               if key in plan.record}
     results = []
@@ -87,7 +104,8 @@ def confirm(plan: Plan, k: int, argv: list[str], nproc: int) -> Plan:
                        "--confirm", "0"]
             code = launch(command, nproc)
             entry = {"predicted_rank": i + 1, "strategy": record["strategy"], "train": record["train"],
-                     "predicted_step_time_s": record["prediction"]["step_time_s"], "exit_code": code}
+                     "predicted_step_time_s": record["prediction"]["step_time_s"], "exit_code": code,
+                     "default_layout": same_plan(record, plan.record.get("default_layout") or {})}
             if code == 0:
                 times = [json.loads(line)["step_time_s"] for line in
                          (folder / "run" / "metrics.jsonl").read_text().splitlines() if line]
@@ -102,12 +120,22 @@ def confirm(plan: Plan, k: int, argv: list[str], nproc: int) -> Plan:
                           f"{[r['exit_code'] for r in results]}); run the plan alone to see why, or drop --confirm")
     best = min(ran, key=lambda r: r["measured_step_time_s"])
     winner = records[best["predicted_rank"] - 1]
-    chosen = {**plan.record, **{key: winner[key] for key in ("strategy", "train", "prediction")},
-              "alternatives": [r for r in [plan.record, *plan.record.get("alternatives", [])] if r is not winner],
+    keep = ("strategy", "train", "prediction")
+    pool = [plan.record, *plan.record.get("alternatives", [])]
+    chosen = {**plan.record, **{key: winner[key] for key in keep},
+              "alternatives": [{key: r[key] for key in keep if key in r} for r in pool
+                               if not same_plan(r, winner)],
               "confirm": results}
-    chosen["alternatives"] = [{key: r[key] for key in ("strategy", "train", "prediction") if key in r}
-                              for r in chosen["alternatives"]]
+    chosen["decision"] = {**plan.record.get("decision", {}), "runs": "measured",
+                          "text": f"{len(ran)} plans ran {CONFIRM_STEPS} steps each; kept the fastest, "
+                                  f"{winner_text(winner, best)}"}
+    chosen["why"] = f"Predicted: {plan.record.get('why', '')} Measured: {chosen['decision']['text']}."
     return Plan(chosen, source="the confirmed search")
+
+
+def winner_text(winner: dict, measured: dict) -> str:
+    return (f"{configuration(winner)} ({milliseconds(measured['measured_step_time_s'])} ms/step measured, "
+            f"{milliseconds(winner['prediction']['step_time_s'])} predicted)")
 
 
 def _last_peak(path: Path) -> int | None:

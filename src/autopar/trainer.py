@@ -531,6 +531,7 @@ class Trainer:
                             ranks_per_stage=self.strategy.dp * self.strategy.tp)
         self.plan.record["measured"] = measured.to_dict()
         self.plan.save(self.run_dir / "plan.json")
+        print(self.plan.measured_vs_predicted(), flush=True)
 
     def _banner(self, start: int) -> str:
         params = self.engine.num_parameters()

@@ -109,7 +109,9 @@ class Strategy:
                                                   "(default: the cluster's) and the memory check of a strategy set "
                                                   "by hand (default: this host's available memory over its ranks, "
                                                   "or the GPU's)")
-    confirm: int = _f(0, "--strategy auto: run the top K plans for a few steps each and keep the fastest measured")
+    confirm: int | None = _f(None, "--strategy auto: run the top K plans (the default layout among them) for a few "
+                                   "steps each and keep the fastest measured; unset: measure the plans whose "
+                                   "predictions are within the model's error of each other; 0: never measure")
 
     @classmethod
     def auto(cls, *, cluster: str | None = None, memory_per_device_gb: float | None = None, **fixed: Any) -> Strategy:
@@ -146,7 +148,8 @@ class Strategy:
             raise ConfigError(f"strategy.dp_mode must be one of {choices(DP_MODES)}, got {self.dp_mode!r}")
         if self.search not in SEARCH_MODES:
             raise ConfigError(f"strategy.search (--strategy) must be one of {choices(SEARCH_MODES)}, got {self.search!r}")
-        _check_nonnegative_int("strategy.confirm", self.confirm)
+        if self.confirm is not None:
+            _check_nonnegative_int("strategy.confirm", self.confirm)
         _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
         if self.vertical_sync and self.schedule != "pipedream":
             raise ConfigError(f"strategy.vertical_sync (--vertical-sync) belongs to --schedule pipedream (weight "

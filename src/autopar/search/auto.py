@@ -30,7 +30,11 @@ from .command import plan_dict
 from .cost import Candidate, StepModel
 from .measure_profile import measure_module_blocks, with_cost_model
 from .profile import profile_graph
-from .search import SearchSpace, divisors, enumerate_candidates, exhaustive, require_fit, why
+from .decision import decide, default_layout
+from .plan_text import configuration as _configuration
+from .plan_text import costs as _costs
+from .plan_text import milliseconds, same_plan, versus
+from .search import SearchSpace, divisors, enumerate_candidates, exhaustive, require_fit
 
 TOP_K = 5  # plans kept in plan.json (the winner and its runners-up)
 Example = Callable[[], tuple[tuple, dict]]  # (args, kwargs) of one sample, as the model is traced
@@ -71,24 +75,59 @@ class Plan:
         return _configuration(self.record)
 
     def describe(self) -> str:
-        """The one-line banner: what was picked, what it should cost, and the runner-up."""
+        """The one-line banner: what runs, what it should cost, against the best structurally different
+        runner-up and the default layout (numbers that differ), and what was measured."""
         searched = self.source in ("the search", "the confirmed search")
-        text = f"{'auto: picked' if searched else f'plan {self.source}: runs'} {_configuration(self.record)}"
-        prediction = self.record.get("prediction")
+        record, prediction = self.record, self.record.get("prediction")
+        default = record.get("default_layout") or {}
+        is_default = bool(default.get("runnable")) and same_plan(default, record)
+        verb = ("auto: runs the default layout" if is_default else "auto: picked") if searched else \
+            f"plan {self.source}: runs"
+        text = f"{verb} {_configuration(record)}"
         if prediction:
             text += f"; predicted {_costs(prediction)}"
-        alternatives = self.record.get("alternatives") or []
+        alternatives = record.get("alternatives") or []
         if alternatives and prediction:
-            other = alternatives[0]
-            slower = other["prediction"]["step_time_s"] / prediction["step_time_s"] - 1
-            text += f"; runner-up {_configuration(other)}, {_costs(other['prediction'])} ({slower:+.1%})"
-        confirmed = self.record.get("confirm")
+            faster = alternatives[0]["prediction"]["step_time_s"] < prediction["step_time_s"]
+            label = "the search's best" if faster else "runner-up"
+            text += f"; {label} {_configuration(alternatives[0])}, {versus(alternatives[0]['prediction'], prediction)}"
+        shown = alternatives[:1]
+        if searched and prediction and default.get("runnable") and not is_default and \
+                not any(same_plan(default, r) for r in shown):
+            text += f"; default layout {_configuration(default)}, " + (
+                versus(default["prediction"], prediction) if default.get("fits", True) else
+                f"over the memory ({max(default['prediction']['peak_memory_bytes_per_rank']) / 2**20:.1f} MiB/rank)")
+        decision = record.get("decision") or {}
+        if decision.get("runs") == "default" and "model_error" in decision:
+            text += f" (within the model's {decision['model_error']:.0%} error: the default stays)"
+        confirmed = record.get("confirm")
         if confirmed:
-            fastest = min(c["measured_step_time_s"] for c in confirmed if "measured_step_time_s" in c)
-            text += f"; kept the fastest of {len(confirmed)} measured ({milliseconds(fastest)} ms/step)"
+            ran = sorted((c for c in confirmed if "measured_step_time_s" in c), key=lambda c: c["measured_step_time_s"])
+            fastest = milliseconds(ran[0]["measured_step_time_s"])
+            text += f"; kept the fastest of {len(confirmed)} measured ({fastest} ms/step"
+            if len(ran) > 1:
+                text += f"; next {_configuration(ran[1])}, {milliseconds(ran[1]['measured_step_time_s'])} ms/step"
+            text += ")"
         calibration = note(self.record.get("search", {}).get("calibration"))
         if calibration:
             text += f"; priced on {calibration}"
+        return text
+
+    def measured_vs_predicted(self) -> str:
+        """The end-of-run line: measured step time and peak memory beside the prediction (plan.json's `measured`)."""
+        measured, predicted = self.record.get("measured"), self.record.get("prediction")
+        if not measured or not predicted:
+            return "plan: nothing measured to compare with the prediction"
+        took, said = measured["median_step_time_s"], predicted["step_time_s"]
+        text = (f"plan: measured {milliseconds(took)} ms/step against {milliseconds(said)} predicted "
+                f"({took / said - 1:+.0%})")
+        peak = max(measured.get("peak_memory_bytes_per_pipeline_rank") or [0])
+        planned = max(predicted.get("peak_memory_bytes_per_rank") or [0])
+        if peak and planned:
+            whole = "ru_maxrss" in measured.get("peak_memory_source", "")
+            text += (f"; peak memory {peak / 2**20:.1f} MiB/rank against {planned / 2**20:.1f} MiB predicted"
+                     + (" (measured: the whole process; predicted: tensors)" if whole else
+                        f" ({peak / planned - 1:+.0%})"))
         return text
 
     # ------------------------------------------------------------------ files
@@ -172,33 +211,6 @@ def _refuse_conflicts(source: str, table: str, given: Any, planned: dict) -> Non
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"{flag} {mine} contradicts {source}, which has {table}.{key} = {value}; drop {flag} "
                               f"to run the plan, or drop the plan to choose yourself")
-
-
-def milliseconds(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}"
-
-
-def _configuration(record: dict) -> str:
-    s, t = record["strategy"], record["train"]
-    parts = [f"dp={s['dp']} tp={s.get('tp', 1)} pp={s.get('pp', 1)}"]
-    if s.get("pp", 1) > 1:
-        parts.append(s.get("schedule", "1f1b") + (f" x{s['chunks']} chunks" if s.get("chunks", 1) > 1 else ""))
-    micro = t.get("micro_batches") or t["global_batch_size"] // (s["dp"] * t["micro_batch_size"])
-    parts.append(f"m={micro} of {t['micro_batch_size']}")
-    if s.get("recompute", "none") != "none":
-        parts.append(f"recompute {s['recompute']}")
-    if s.get("memory_budget_mb"):
-        parts.append(f"recompute to fit {s['memory_budget_mb']:g} MiB")
-    if s.get("pp", 1) > 1:
-        parts.append(f"{s.get('partition', 'time')} cut")
-    if s.get("zero"):
-        parts.append(f"zero {s['zero']}")
-    return " ".join(parts)
-
-
-def _costs(prediction: dict) -> str:
-    per_rank = prediction.get("peak_memory_bytes_per_rank") or [0]
-    return f"{milliseconds(prediction['step_time_s'])} ms/step, {max(per_rank) / 2**20:.1f} MiB/rank"
 
 
 # ---------------------------------------------------------------------- the search, constrained
@@ -288,31 +300,38 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
                           + "; fix fewer fields, or use a global batch size divisible by more degrees")
     result = exhaustive(step, space, candidates)
     require_fit(result, step)
-    chosen, refusals = [], []
-    for estimate in result.ranked:  # fastest first; keep those the runtime accepts
-        c = estimate.candidate
-        if c.pp == 1 and c.tp == 1 and c.recompute != "none":
-            continue  # plain data parallelism runs the model whole and recomputes nothing: not what was scored
+    train = config or TrainConfig(global_batch_size=global_batch_size)
+
+    def runnable(estimate) -> tuple[dict | None, str | None]:
         record = plan_dict(estimate, step)
         if accept is not None:
             try:
-                accept(Plan(record).strategy, dataclasses.replace(config or TrainConfig(), **record["train"]))
+                accept(Plan(record).strategy, dataclasses.replace(train, **record["train"]))
             except ConfigError as exc:
-                refusals.append(str(exc))
-                continue
+                return None, str(exc)
+        return record, None
+
+    chosen, refusals = [], []
+    for estimate in result.ranked:  # fastest first, one per execution; keep those the runtime accepts
+        c = estimate.candidate
+        if c.pp == 1 and c.tp == 1 and c.recompute != "none":
+            continue  # plain data parallelism runs the model whole and recomputes nothing: not what was scored
+        record, refused = runnable(estimate)
+        if record is None:
+            refusals.append(refused)
+            continue
         chosen.append((estimate, record))
         if len(chosen) == top:
             break
     if not chosen:
         raise ConfigError(f"--strategy auto: every configuration that fits was refused by the runtime, e.g. "
                           f"{refusals[0]}")
-    best, record = chosen[0]
-    record.update(nproc=nproc, num_params=profile.num_params, why=why(best, chosen[1][0] if len(chosen) > 1 else None),
-                  alternatives=[r for _, r in chosen[1:]],
-                  search={"evaluated": result.evaluated, "pruned_memory": result.pruned,
-                          "refused_by_runtime": len(refusals), "fixed": fixed, "cluster_source": cl.source,
-                          "calibration": calibration,
-                          "costs": costs,
+    default = default_layout(step, nproc, global_batch_size, fixed, train, runnable)
+    record = decide(chosen, default, step)
+    record.update(nproc=nproc, num_params=profile.num_params,
+                  search={"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,
+                          "pruned_memory": result.pruned, "refused_by_runtime": len(refusals), "fixed": fixed,
+                          "cluster_source": cl.source, "calibration": calibration, "costs": costs,
                           "memory_per_device_gb": cl.memory_per_device_gb})
     return Plan(record, source="the search")
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import time
 
+from ..config import TrainConfig
 from ..errors import ConfigError
 from .calibration_cache import note, search_cluster
 from .cost import Estimate, StepModel
 from .measure_profile import measure_blocks, with_cost_model
 from .profile import profile_model
-from .search import SearchSpace, divisors, exhaustive, mcmc, require_fit, why
+from .decision import PREDICTED_TIME_ERROR, decide, default_layout, to_measure
+from .equivalence import execution_key
+from .plan_text import configuration
+from .search import SearchSpace, divisors, exhaustive, mcmc, require_fit
 
 
 def plan_dict(e: Estimate, model: StepModel) -> dict:
@@ -62,26 +66,40 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
             result.ranked.insert(0, found)
     elapsed = time.perf_counter() - began
     top = result.ranked[:ns.top]
-    sentence = why(top[0], result.ranked[1] if len(result.ranked) > 1 else None)
+    chosen = [(e, plan_dict(e, model)) for e in top]
+    train = TrainConfig(global_batch_size=ns.global_batch_size, micro_batch_size=ns.micro_batch_size)
+    default = default_layout(model, ns.nproc, ns.global_batch_size, {}, train, lambda e: (plan_dict(e, model), None))
+    record = decide(chosen, default, model)
+    measure = to_measure([record, *record["alternatives"]], default if default.get("fits") else None, None)
+    runs = configuration(record) + (f"; unsure, it would first measure {len(measure)} plans within the model's "
+                                    f"{PREDICTED_TIME_ERROR:.0%} error for a few steps" if measure else "")
     if ns.json:
-        print(json.dumps({**plan_dict(top[0], model), "why": sentence,
-                          "alternatives": [plan_dict(e, model) for e in top[1:]],
-                          "search": {"evaluated": result.evaluated, "pruned_memory": result.pruned,
-                                     "mcmc_states": walked, "seconds": elapsed, "costs": costs,
-                                     "calibration": calibration}}, indent=2))
+        print(json.dumps({**record, "search": {"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,
+                                     "pruned_memory": result.pruned, "mcmc_states": walked, "seconds": elapsed,
+                                     "costs": costs, "calibration": calibration}}, indent=2))
         return 0
     print(f"{profile.name}: {profile.num_params:,} parameters, seq_len {profile.seq_len}, global batch "
           f"{ns.global_batch_size}; cluster {cluster.name}: {cluster.num_devices} devices, "
           f"{cluster.memory_per_device_gb:g} GiB each ({cluster.source})")
     print(f"calibration: {note(calibration)}")
     print(f"costs: {costs}")
-    print(f"searched {result.evaluated} configurations in {elapsed:.1f} s ({result.pruned} over memory"
-          + (f", MCMC scored {walked} more" if walked else "") + ")")
+    print(f"searched {result.evaluated} configurations in {elapsed:.1f} s ({result.collapsed} the same execution "
+          f"as another, {result.pruned} over memory" + (f", MCMC scored {walked} more" if walked else "") + ")")
     print(f"{'#':>2} {'step':>10} {'tokens/s':>11} {'bubble':>7} {'comm':>6} {'peak/rank':>10}  configuration")
-    for i, e in enumerate(top, 1):
+    rows = [(str(i), e) for i, e in enumerate(top, 1)]
+    if default.get("runnable"):
+        mine = execution_key(default["estimate"])
+        rows = [(f"{i}*" if execution_key(e) == mine else i, e) for i, e in rows]
+        if not any(i.endswith("*") for i, _ in rows):
+            rows.append(("*", default["estimate"]))
+    for i, e in rows:
         print(f"{i:>2} {e.step_time_s * 1e3:8.2f}ms {e.tokens_per_s:>11.0f} {e.bubble:>7.1%} {e.comm_share:>6.1%} "
-              f"{e.peak_memory / 2**20:>8.1f}Mi  {e.candidate.describe()}")
+              f"{e.peak_memory / 2**20:>8.1f}Mi  {e.candidate.describe()}" + (" (over memory)" if not e.fits else ""))
+    print("* the default layout (what `train` runs without --strategy auto, micro-batch size "
+          f"{ns.micro_batch_size})" if default.get("runnable") else
+          f"default layout: cannot run ({default.get('reason')})")
     mem = ", ".join(f"stage {s}: {m.total / 2**20:.1f} MiB" for s, m in enumerate(top[0].memory_per_stage))
-    print(f"winner's memory per stage: {mem}")
-    print(f"why: {sentence}")
+    print(f"searched best's memory per stage: {mem}")
+    print(f"why: {record['why']}")
+    print(f"train --strategy auto would run: {runs}")
     return 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..pipeline.schedules import SCHEDULES, minimum_microbatches
 from .cost import PARTITIONS, RECOMPUTE, Candidate, Estimate, StepModel
+from .equivalence import collapse
 
 
 def divisors(n: int) -> list[int]:
@@ -98,33 +99,26 @@ def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candi
 
 @dataclass
 class SearchResult:
-    ranked: list[Estimate]  # fitting candidates, fastest first
+    ranked: list[Estimate]  # fitting candidates, fastest first, one per execution class (equivalence.py)
     evaluated: int
-    pruned: int  # over the device memory
+    pruned: int  # execution classes over the device memory
     smallest_memory: float  # least per-device memory any candidate needs (bytes)
+    collapsed: int = 0  # candidates folded into an equivalent one (the same execution under another name)
 
 
 def exhaustive(model: StepModel, space: SearchSpace, candidates: list[Candidate] | None = None) -> SearchResult:
-    ranked, pruned, evaluated, smallest = [], 0, 0, math.inf
-    same: set = set()  # what runs: a stage-aware choice of no blocks is `none`, two methods may cut alike
-    for c in candidates if candidates is not None else enumerate_candidates(model, space):
-        estimate = model.evaluate(c)
-        evaluated += 1
-        smallest = min(smallest, estimate.peak_memory)
-        if not estimate.fits:
-            pruned += 1
-            continue
-        key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.schedule, c.chunks,
-               c.recompute == "all", estimate.bounds, estimate.recompute_blocks, c.zero)
-        if key not in same:
-            same.add(key)
-            ranked.append(estimate)
-    if not evaluated:
+    """Score every candidate, fold those that execute the same into one (its default-most name), keep what fits."""
+    estimates = [model.evaluate(c) for c in (candidates if candidates is not None else
+                                             enumerate_candidates(model, space))]
+    if not estimates:
         raise ConfigError(f"no strategy exists for {space.nproc} processes and global batch "
                           f"{model.global_batch_size} of {model.profile.name}: no dp x tp x pp with dp dividing the "
                           f"batch; use a global batch size that is a multiple of {space.nproc}")
+    distinct, collapsed = collapse(estimates)
+    ranked = [e for e in distinct if e.fits]
     ranked.sort(key=lambda e: (e.step_time_s, e.peak_memory))
-    return SearchResult(ranked=ranked, evaluated=evaluated, pruned=pruned, smallest_memory=smallest)
+    return SearchResult(ranked=ranked, evaluated=len(estimates), pruned=len(distinct) - len(ranked),
+                        smallest_memory=min(e.peak_memory for e in estimates), collapsed=collapsed)
 
 
 def require_fit(result: SearchResult, model: StepModel) -> None:
@@ -244,33 +238,74 @@ def mcmc(model: StepModel, space: SearchSpace, *, steps: int = 2000, seed: int =
 # ------------------------------------------------------------------------------ explanation
 
 
+def differing(a: float, b: float, form) -> tuple[str, str] | None:
+    """`form(value, digits)` of a and b with the fewest digits (3 to 6) at which they read differently; None
+    when they are equal at 6 digits (then no sentence may set them side by side)."""
+    for digits in range(3, 7):
+        x, y = form(a, digits), form(b, digits)
+        if x != y:
+            return x, y
+    return None
+
+
+def ms(seconds: float, digits: int = 3) -> str:
+    return f"{seconds * 1e3:.{digits}g} ms"
+
+
+def share(fraction: float, digits: int = 3) -> str:
+    return f"{fraction * 100:.{digits - 3}f}%"
+
+
+def percent(x: float) -> str:
+    """A relative difference with as many decimals as it takes not to read 0.0% (up to 4)."""
+    for decimals in range(1, 5):
+        text = f"{x * 100:.{decimals}f}%"
+        if float(text[:-1]) != 0:
+            return text
+    return f"{x * 100:.1f}%"
+
+
 def why(winner: Estimate, runner_up: Estimate | None) -> str:
-    """One sentence on why the winner beats the runner-up, from the part of the step that differs most."""
+    """One sentence on why the winner beats the best structurally different runner-up (the search keeps one
+    configuration per execution, so they differ), from the part of the step that differs most, in numbers
+    that differ."""
     if runner_up is None:
         return "it is the only configuration that fits the device memory."
     a, b = winner, runner_up
-    gain = (b.step_time_s - a.step_time_s) / b.step_time_s * 100
+    gain = (b.step_time_s - a.step_time_s) / b.step_time_s
     ca, cb = a.candidate, b.candidate
     changed = [f"{name} {getattr(ca, name)} vs {getattr(cb, name)}" for name in
                ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "schedule", "chunks", "recompute", "partition",
                 "zero")
                if getattr(ca, name) != getattr(cb, name)]
-    reasons = {
-        "bubble": (b.bubble - a.bubble, f"its pipeline idles {a.bubble:.0%} of the step instead of {b.bubble:.0%}"),
-        "comm": (b.comm_share - a.comm_share,
-                 f"communication takes {a.comm_share:.0%} of its step instead of {b.comm_share:.0%}"),
-        "data-parallel": ((b.parts["dp_exposed_s"] + b.parts["optimizer_s"] - a.parts["dp_exposed_s"]
-                           - a.parts["optimizer_s"]) / b.step_time_s,
-                          f"its data-parallel communication and optimizer step take "
-                          f"{(a.parts['dp_exposed_s'] + a.parts['optimizer_s']) * 1e3:.3g} ms instead of "
-                          f"{(b.parts['dp_exposed_s'] + b.parts['optimizer_s']) * 1e3:.3g} ms"),
-        "pipeline": ((b.parts["pipeline_s"] - a.parts["pipeline_s"]) / b.step_time_s,
-                     f"its pipeline (compute and transfers) takes {a.parts['pipeline_s'] * 1e3:.3g} ms instead of "
-                     f"{b.parts['pipeline_s'] * 1e3:.3g} ms"),
-    }
-    _, text = max(reasons.values(), key=lambda r: r[0])
-    if abs(b.step_time_s - a.step_time_s) <= 1e-9 * b.step_time_s and a.peak_memory < b.peak_memory:
-        text = (f"at the same predicted time it needs less memory per rank ({a.peak_memory / 2**20:.3g} MiB "
-                f"instead of {b.peak_memory / 2**20:.3g} MiB)")  # the ranking's tie-break
+    dp_a = a.parts["dp_exposed_s"] + a.parts["optimizer_s"]
+    dp_b = b.parts["dp_exposed_s"] + b.parts["optimizer_s"]
+    reasons = [  # (how much of b's step it explains, a's value, b's value, form, sentence)
+        (b.bubble - a.bubble, a.bubble, b.bubble, share, "its pipeline idles {} of the step instead of {}"),
+        (b.comm_share - a.comm_share, a.comm_share, b.comm_share, share,
+         "communication takes {} of its step instead of {}"),
+        ((dp_b - dp_a) / b.step_time_s, dp_a, dp_b, ms,
+         "its data-parallel communication and optimizer step take {} instead of {}"),
+        ((b.parts["pipeline_s"] - a.parts["pipeline_s"]) / b.step_time_s, a.parts["pipeline_s"],
+         b.parts["pipeline_s"], ms, "its pipeline (compute and transfers) takes {} instead of {}"),
+        ((b.parts.get("time_shared_s", 0.0) - a.parts.get("time_shared_s", 0.0)) / b.step_time_s,
+         a.parts.get("time_shared_s", 0.0), b.parts.get("time_shared_s", 0.0), ms,
+         "its ranks' CPU, shared over the cores, takes {} instead of {}"),
+    ]
+    text = None
+    for _, x, y, form, sentence in sorted(reasons, key=lambda r: -r[0]):
+        pair = differing(x, y, form)
+        if pair is not None and (x < y) == (a.step_time_s <= b.step_time_s):
+            text = sentence.format(*pair)
+            break
+    times = differing(a.step_time_s, b.step_time_s, ms)
+    memory = differing(a.peak_memory / 2**20, b.peak_memory / 2**20, lambda v, d: f"{v:.{d}g} MiB")
     what = "; ".join(changed) if changed else "a different cut or recomputation"
-    return f"the winner is {gain:.1f}% faster than the runner-up ({what}) because {text}."
+    if times is None:  # equal predicted times: the ranking's tie-break is the memory
+        if memory is not None:
+            return (f"the winner is predicted as fast as the runner-up ({what}, {ms(a.step_time_s)}) and needs "
+                    f"less memory per rank ({memory[0]} instead of {memory[1]}).")
+        return (f"the winner and the runner-up ({what}) are predicted alike ({ms(a.step_time_s)}, "
+                f"{a.peak_memory / 2**20:.3g} MiB per rank); the winner comes first.")
+    text = text or f"its step is predicted at {times[0]} instead of {times[1]}"
+    return f"the winner is {percent(gain)} faster than the runner-up ({what}) because {text}."

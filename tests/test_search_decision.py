@@ -1,0 +1,236 @@
+"""`--strategy auto` never worse than not using it: configurations that execute the same are one, the default
+layout is always scored and runs unless the pick beats it by more than the model's stated error, the "why"
+never sets equal numbers side by side, and plans are measured when the model cannot tell them apart."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from test_search import toy_cluster, toy_profile
+
+from autopar.cli import build_parser, resolve_job
+from autopar.config import Strategy, TrainConfig
+from autopar.errors import ConfigError
+from autopar.search import decision
+from autopar.search.auto import Plan
+from autopar.search.cost import Candidate, StepModel
+from autopar.search.decision import CONFIRM_AUTO_MAX, beats_default, decide, default_layout, to_measure
+from autopar.search.equivalence import collapse, execution_key, schedule_class
+from autopar.search.search import SearchSpace, enumerate_candidates, exhaustive, why
+from autopar.search.command import plan_dict
+
+
+def toy_model(global_batch_size: int = 8) -> StepModel:
+    return StepModel(toy_profile(), toy_cluster(), global_batch_size=global_batch_size)
+
+
+def key(model: StepModel, **fields) -> tuple:
+    return execution_key(model.evaluate(Candidate(**fields)))
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+
+def test_schedules_that_run_the_same_actions_are_one_class():
+    for name in ("gpipe", "1f1b", "eager-1f1b"):  # one micro-batch: every stage runs F then B
+        assert schedule_class(name, 2, 1, 1, False) == "1f1b"
+    assert schedule_class("eager-1f1b", 2, 1, 2, False) == "1f1b"  # two stages, two micro-batches: same depths
+    assert schedule_class("gpipe", 2, 1, 2, False) == "gpipe"  # the last stage runs F0 F1 B0 B1, not F0 B0 F1 B1
+    assert schedule_class("eager-1f1b", 4, 1, 8, False) == "eager-1f1b"
+    assert schedule_class("zb-h1", 2, 1, 1, False) == "zb-h1"  # a split backward (I and W) runs differently
+    assert schedule_class("gpipe", 1, 1, 4, False) == "none"  # no pipeline
+
+
+def test_execution_key_folds_names_of_the_same_run_and_keeps_different_runs_apart():
+    model = toy_model()
+    one = dict(dp=1, tp=1, pp=2, micro_batch_size=8, num_microbatches=1)
+    assert key(model, **one, schedule="gpipe") == key(model, **one, schedule="1f1b") == \
+        key(model, **one, schedule="eager-1f1b")
+    assert key(model, **one, schedule="zb-h1") != key(model, **one)
+    cuts = {p: model.bounds(p, 1, 8, 2) for p in ("uniform", "parameters", "time")}
+    same_cut = [p for p in cuts if cuts[p] == cuts["time"]]
+    assert len(same_cut) >= 2, cuts  # the toy's equal layers: two methods cut alike
+    assert len({key(model, **one, partition=p) for p in same_cut}) == 1
+    # the model runs whole at pp = tp = 1: whatever recomputation is named, none runs
+    whole = dict(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    assert key(model, **whole, recompute="all") == key(model, **whole, recompute="stage-aware") == key(model, **whole)
+    assert key(model, **dict(one, num_microbatches=1), recompute="all") != key(model, **one)  # a pipeline's R runs
+    dp = dict(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    assert len({key(model, **dp, zero=z) for z in (0, 1, 2, 3)}) == 4  # different collectives and shards
+
+
+def test_collapse_keeps_the_default_most_name_and_the_search_ranks_distinct_runs():
+    model = toy_model()
+    estimates = [model.evaluate(Candidate(dp=1, tp=1, pp=2, micro_batch_size=8, num_microbatches=1, schedule=s,
+                                          partition=p))
+                 for s in ("gpipe", "eager-1f1b", "1f1b") for p in ("uniform", "time")]
+    kept, folded = collapse(estimates)
+    assert folded == len(estimates) - len(kept) > 0
+    assert all(e.candidate.schedule == "1f1b" for e in kept)
+    assert any(e.candidate.partition == "time" for e in kept)
+    result = exhaustive(model, SearchSpace(nproc=4))
+    keys = [execution_key(e) for e in result.ranked]
+    assert result.collapsed > 0 and len(keys) == len(set(keys))
+    assert all(e.candidate.recompute == "none" for e in result.ranked if e.candidate.pp == e.candidate.tp == 1)
+
+
+# ----------------------------------------------------------------------------- why
+
+
+def _side_by_side(sentence: str) -> list[tuple[str, str]]:
+    return re.findall(r"([\d.]+ ?(?:ms|MiB|%)) (?:instead of|against) ([\d.]+ ?(?:ms|MiB|%))", sentence)
+
+
+def test_why_compares_numbers_that_differ():
+    model = StepModel(toy_profile(), toy_cluster(memory_per_device_gb=4.5e6 / 2**30), global_batch_size=8)
+    ranked = exhaustive(model, SearchSpace(nproc=4)).ranked
+    compared = 0
+    for a, b in zip(ranked, ranked[1:]):
+        sentence = why(a, b)
+        for x, y in _side_by_side(sentence):
+            assert x != y, sentence
+            compared += 1
+    assert compared > 10
+    # equal predicted times: no "X instead of X"; the memory the ranking breaks the tie with
+    a = ranked[0]
+    twin = dataclasses.replace(a, candidate=dataclasses.replace(a.candidate, zero=1),
+                               memory_per_rank=[m * 1.5 for m in a.memory_per_rank])
+    sentence = why(a, twin)
+    assert "as fast as" in sentence and all(x != y for x, y in _side_by_side(sentence)), sentence
+    # the same bubble to three digits but a different step: the bubble is not the reason given
+    close = dataclasses.replace(a, step_time_s=a.step_time_s * 1.02, bubble=a.bubble + 1e-9,
+                               parts={**a.parts, "pipeline_s": a.parts["pipeline_s"] * 1.02})
+    sentence = why(a, close)
+    assert "idles" not in sentence and all(x != y for x, y in _side_by_side(sentence)), sentence
+
+
+# ----------------------------------------------------------------------------- the default layout
+
+
+def _decided(model: StepModel, nproc: int = 4, micro_batch_size: int = 2):
+    ranked = exhaustive(model, SearchSpace(nproc=nproc)).ranked[:5]
+    chosen = [(e, plan_dict(e, model)) for e in ranked]
+    train = TrainConfig(global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size)
+    default = default_layout(model, nproc, model.global_batch_size, {}, train, lambda e: (plan_dict(e, model), None))
+    return ranked, default, decide(chosen, default, model)
+
+
+def test_default_layout_is_scored_and_runs_when_the_pick_is_within_the_error(monkeypatch):
+    model = toy_model()
+    ranked, default, record = _decided(model)
+    assert default["runnable"] and default["strategy"]["dp"] == 4 and default["strategy"]["zero"] == 0
+    assert record["default_layout"]["prediction"]["step_time_s"] > 0 and "estimate" not in record["default_layout"]
+    d = record["decision"]
+    assert d["model_error"] == decision.PREDICTED_TIME_ERROR
+    assert "benchmarks/strategy_search.py" in d["model_error_source"]
+    best_s, default_s = d["searched_best_step_time_s"], d["default_step_time_s"]
+    assert best_s < default_s  # the toy's best is not the default layout
+    # an error larger than the gap: the default runs, the searched best is the first alternative
+    monkeypatch.setattr(decision, "PREDICTED_TIME_ERROR", default_s / best_s - 1 + 0.01)
+    _, _, record = _decided(model)
+    assert record["decision"]["runs"] == "default" and record["strategy"] == default["strategy"]
+    assert record["alternatives"][0]["prediction"]["step_time_s"] == pytest.approx(best_s)
+    assert "the default layout runs" in record["why"] and all(x != y for x, y in _side_by_side(record["why"]))
+    banner = Plan(record, source="the search").describe()
+    assert banner.startswith("auto: runs the default layout dp=4") and "within the model's" in banner
+    # an error smaller than the gap: the pick runs, and says by how much it beats the default
+    monkeypatch.setattr(decision, "PREDICTED_TIME_ERROR", default_s / best_s - 1 - 0.01)
+    _, _, record = _decided(model)
+    assert record["decision"]["runs"] == "search" and record["strategy"] != default["strategy"]
+    assert "slower" in record["why"] and "default layout dp=4" in Plan(record, source="the search").describe()
+
+
+def test_default_layout_over_the_memory_or_unrunnable_is_said_so():
+    tight = StepModel(toy_profile(), toy_cluster(memory_per_device_gb=4.5e6 / 2**30), global_batch_size=8)
+    _, default, record = _decided(tight)
+    if default["fits"]:  # the toy's plain dp=4 must be over this memory for the test to mean anything
+        pytest.fail(f"the default layout fits {default}")
+    assert record["decision"]["runs"] == "search" and "predicted not to fit" in record["decision"]["text"]
+    _, default, record = _decided(toy_model(), micro_batch_size=8)  # 8 sequences over dp=4: 8 per micro-batch
+    assert not default["runnable"] and "not divisible" in default["reason"]
+    assert record["decision"]["runs"] == "search" and "cannot run" in record["why"]
+
+
+def test_beats_default_means_more_than_the_error():
+    assert beats_default(1.0, 1.2, 0.1) and not beats_default(1.0, 1.1, 0.1) and not beats_default(1.0, 1.05, 0.1)
+    assert not beats_default(1.0, 0.9, 0.1)
+
+
+# ----------------------------------------------------------------------------- measured when unsure
+
+
+def _plan(seconds: float, dp: int = 4) -> dict:
+    return {"strategy": {"dp": dp, "zero": round(seconds * 100)}, "train": {"micro_batches": 1},
+            "prediction": {"step_time_s": seconds}}
+
+
+def test_measure_only_when_the_top_plans_are_within_the_error():
+    fast, near, far = _plan(1.0), _plan(1.05), _plan(1.5)
+    default = _plan(1.08)
+    assert to_measure([fast, near, far], default, None, 0.1) == [fast, near, default]
+    assert to_measure([fast, far], _plan(1.6), None, 0.1) == []  # the model can tell them apart
+    assert to_measure([fast, near, far], default, 0, 0.1) == []  # --confirm 0
+    many = [_plan(1.0 + i / 100) for i in range(6)]
+    assert len(to_measure(many, None, None, 0.1)) == CONFIRM_AUTO_MAX
+    # whenever something is measured, so is the default, even when predicted far behind
+    assert to_measure([fast, near], _plan(2.0), None, 0.1) == [fast, _plan(2.0)]
+    assert to_measure([fast, near, far], _plan(2.0), 2, 0.1) == [fast, _plan(2.0)]  # --confirm 2
+    assert to_measure([fast, near, far], None, 3, 0.1) == [fast, near, far]
+
+
+def test_confirm_defaults_to_when_unsure_and_zero_turns_it_off():
+    assert Strategy().confirm is None and Strategy.auto().confirm is None
+    parser = build_parser()
+    assert resolve_job(parser.parse_args(["train", "--confirm", "0"])).strategy.confirm == 0
+    assert resolve_job(parser.parse_args(["train", "--confirm", "3"])).strategy.confirm == 3
+    with pytest.raises(ConfigError, match=r"strategy.confirm must be a non-negative integer, got -1"):
+        Strategy(confirm=-1).resolved(4)
+
+
+def test_measured_against_predicted_line():
+    record = {**_plan(0.1), "train": {"global_batch_size": 8, "micro_batch_size": 2}}
+    record["prediction"]["peak_memory_bytes_per_rank"] = [40 * 2**20]
+    record["measured"] = {"median_step_time_s": 0.125, "peak_memory_bytes_per_pipeline_rank": [50 * 2**20],
+                          "peak_memory_source": "torch.cuda.max_memory_allocated (tensors only)"}
+    line = Plan(record).measured_vs_predicted()
+    assert line == ("plan: measured 125 ms/step against 100 predicted (+25%); peak memory 50.0 MiB/rank against "
+                    "40.0 MiB predicted (+25%)")
+
+
+def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):
+    """autoplan.confirm with the launcher replaced by one that writes each plan's metrics (no process starts)."""
+    import json
+    from pathlib import Path
+
+    import autopar.launch
+    from autopar.autoplan import confirm, plans_to_measure
+    model = toy_model()
+    _, default, record = _decided(model)
+    record.update(nproc=4, model="toy")
+    plan = Plan(record, source="the search")
+
+    def fake_launch(command, nproc, **_):
+        folder = Path(command[command.index("--out") + 1])
+        ran = json.loads(Path(command[command.index("--plan") + 1]).read_text())
+        folder.mkdir(parents=True)
+        # the default layout measures slowest, the others by their zero level and degrees
+        seconds = 0.5 if ran["strategy"] == default["strategy"] else \
+            0.2 + 0.01 * (ran["strategy"]["zero"] + ran["train"]["micro_batches"])
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step_time_s": seconds, "peak_mem_bytes": 1}) + "\n"
+                                                      for _ in range(4)))
+        return 0
+
+    monkeypatch.setattr(autopar.launch, "launch", fake_launch)
+    runs = plans_to_measure(plan, 3)
+    assert any(r["strategy"] == default["strategy"] for r in runs)  # the default layout is measured too
+    chosen = confirm(plan, runs, ["train"], 4)
+    times = {json.dumps([r["strategy"], r["train"]]): r["measured_step_time_s"] for r in chosen.record["confirm"]}
+    assert len(times) == len(runs) and chosen.record["decision"]["runs"] == "measured"
+    assert chosen.record["prediction"] and min(times.values()) == times[json.dumps([chosen.record["strategy"],
+                                                                                           chosen.record["train"]])]
+    assert sum(r["default_layout"] for r in chosen.record["confirm"]) == 1
+    assert chosen.record["strategy"] != default["strategy"]  # measured slowest, it does not run
+    assert chosen.record["why"].startswith("Predicted: ") and "Measured: " in chosen.record["why"]
+    assert "kept the fastest of 3 measured" in chosen.describe()
