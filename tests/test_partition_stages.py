@@ -57,7 +57,7 @@ def test_stages_reproduce_outputs_and_gradients(name, pp, method):
     part = partition(graph, pp, method=method)
     assert len(part.specs) == pp and part.bounds[-1] == len(graph.blocks)
     full = materialize(copy.deepcopy(model), "cpu", seed=0)
-    stages = [materialize_stage(part.build_stage(i), full) for i in range(pp)]
+    stages = [materialize_stage(part.build_stage(i), full, "cpu") for i in range(pp)]
     ids = torch.randint(0, 256, SHAPE, generator=torch.Generator().manual_seed(1))
     expected = logits_of(full(ids))
     got = logits_of(run_stages(stages, ids))
@@ -90,7 +90,7 @@ def test_tied_weights_stay_equal_and_train_like_the_full_model(name):
     part = partition(graph, 3, method="uniform")
     assert part.shared, "the tied embedding/head should sit on two stages"
     full = materialize(copy.deepcopy(model), "cpu", seed=0)
-    stages = [materialize_stage(part.build_stage(i), full) for i in range(3)]
+    stages = [materialize_stage(part.build_stage(i), full, "cpu") for i in range(3)]
     full_opt = torch.optim.SGD(full.parameters(), lr=0.5)
     stage_opts = [torch.optim.SGD(s.parameters(), lr=0.5) for s in stages]
     for step in range(3):

@@ -37,7 +37,7 @@ def measure_block_times(graph: ModelGraph, model: nn.Module, *, device: str = "c
         constants = lifted_constant_values(model, graph, torch.device(device))
         for stage in stages:
             stage.constants.update({k: constants[k] for k in stage.constants if k in constants})
-    stages = [materialize_stage(stage, full) for stage in stages]
+    stages = [materialize_stage(stage, full, device) for stage in stages]
     target = torch.device(device)
     samples: list[list[float]] = [[] for _ in stages]
     for repeat in range(repeats + 1):  # the first pass warms up

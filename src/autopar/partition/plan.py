@@ -95,7 +95,7 @@ class Partition:
         if unknown:  # only those: the re-trace's copy holds no init, so its buffers are garbage
             values = lifted_constant_values(model, self.graph, torch.device(device))
             stage.constants.update({fqn: values[fqn] for fqn in unknown if fqn in values})
-        return materialize_stage(stage, source)
+        return materialize_stage(stage, source, device)
 
     def layers_per_stage(self) -> list[int]:
         """How many repeated layers each stage holds (the prelude and postlude are not layers)."""
@@ -170,9 +170,36 @@ def crossings(graph: ModelGraph) -> list[list[CrossingValue]]:
     return result
 
 
+def stage_units(graph: ModelGraph) -> list[int]:
+    """The first block of each unit a cut may fall between: one block with parameters, with the
+    parameter-free blocks after it (an activation, a log_softmax, an empty prelude or postlude).
+
+    A stage of parameter-free blocks alone would give a rank nothing to train and only pass
+    activations on (a cost model that prices transfers above elementwise work even prefers it
+    for small models), so no method cuts there. A model made only of such blocks is one unit.
+    """
+    starts = [i for i, block in enumerate(graph.blocks) if block.params]
+    return [0, *starts[1:]] if starts else [0]
+
+
+def check_units(graph: ModelGraph, num_stages: int, asked: str) -> None:
+    """Refuse more stages than units (stage_units), naming the blocks that hold parameters.
+
+    `asked`: how the stage count was requested ("pp=3 stages", "pp=2 x chunks=2 = 4 stages")."""
+    units = stage_units(graph)
+    if num_stages <= len(units) or len(units) == len(graph.blocks):  # (all parameterised: algorithms says so)
+        return
+    named = [b.name for b in graph.blocks if b.params]
+    free = [b.name for b in graph.blocks if not b.params]
+    raise ConfigError(f"{asked}, but the model has only {len(named)} parameterised blocks ({', '.join(named)}): every "
+                      f"stage needs one, and the parameter-free ones ({', '.join(free)}) join a neighbouring stage; "
+                      f"use at most {len(units)} stages (pp <= {len(units)})")
+
+
 def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memory_cap_bytes: float | None = None,
               cost_model: CostModel = CostModel()) -> Partition:
-    """Cut `graph` into `num_stages` stages with the given method."""
+    """Cut `graph` into `num_stages` stages with the given method; cuts fall only between units
+    (stage_units), so every stage holds at least one block with parameters."""
     if method not in METHODS:
         raise ConfigError(f"unknown partition method {method!r}; use one of {choices(METHODS)}")
     if graph.layers_path is None and num_stages > 1:
@@ -180,6 +207,7 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
                          f"has none: hold the repeated layers in an nn.ModuleList or an nn.Sequential of at least 2 "
                          f"modules, an nn.ModuleDict or attributes of one module (two or more blocks of one class and "
                          f"shape), or use pp=1 (tensor and data parallelism need no stack)")
+    check_units(graph, num_stages, f"pp={num_stages} stages")
     blocks = graph.blocks
     cut_values = crossings(graph)
     elem = _param_bytes(graph)
@@ -188,23 +216,27 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
     transfer = [2 * sum(v.bytes for v in values) / cost_model.bytes_per_s for values in cut_values] + [0.0]
     memory = [b.activation_bytes + sum(elem[p] for p in b.params) * cost_model.state_bytes_per_param_byte
               for b in blocks]
+    starts = stage_units(graph)
+    spans = list(zip(starts, [*starts[1:], len(blocks)]))  # each unit's blocks [a, b)
+    per_unit = lambda values: [sum(values[a:b]) for a, b in spans]  # noqa: E731
     if method == "uniform":
-        repeated = [0 < i < len(blocks) - 1 for i in range(len(blocks))]
+        repeated = [any(0 < i < len(blocks) - 1 for i in range(a, b)) for a, b in spans]
         if sum(repeated) >= num_stages:
-            bounds = algorithms.uniform(len(blocks), num_stages, weights=repeated)
+            cuts = algorithms.uniform(len(spans), num_stages, weights=repeated)
         else:  # fewer layers than stages: embedding and head become stages of their own
-            bounds = algorithms.uniform(len(blocks), num_stages)
+            cuts = algorithms.uniform(len(spans), num_stages)
     elif method == "parameters":
-        bounds = algorithms.balanced([b.num_params for b in blocks], num_stages)
+        cuts = algorithms.balanced(per_unit([b.num_params for b in blocks]), num_stages)
     else:
         if memory_cap_bytes is not None:
-            fits = max(algorithms.stage_costs(memory, algorithms.balanced(memory, num_stages)))
+            fits = max(algorithms.stage_costs(per_unit(memory), algorithms.balanced(per_unit(memory), num_stages)))
             if fits > memory_cap_bytes:
                 raise ConfigError(f"no {num_stages}-stage partition fits a per-stage memory cap of "
                                   f"{memory_cap_bytes / 2**20:.3g} MiB; the smallest cap that fits is "
                                   f"{fits / 2**20:.2f} MiB (or use more stages, or a smaller micro-batch)")
-        bounds = algorithms.min_max_time(compute, num_stages, transfer=transfer, memory=memory,
-                                         memory_cap=memory_cap_bytes)
+        cuts = algorithms.min_max_time(per_unit(compute), num_stages, transfer=[transfer[b - 1] for _, b in spans],
+                                       memory=per_unit(memory), memory_cap=memory_cap_bytes)
+    bounds = [*(starts[u] for u in cuts[:-1]), len(blocks)]
     specs = plan_stages(graph, bounds)
     stages = []
     for spec in specs:

@@ -260,13 +260,15 @@ def _stage_graph_module(graph: ModelGraph, spec: StageSpec, name_of_target: dict
     return fx.GraphModule(root, new)
 
 
-def materialize_stage(stage: StageModule, full_model: nn.Module) -> StageModule:
-    """Give a stage the values of a materialised model (same seed -> same weights as one process).
+def materialize_stage(stage: StageModule, full_model: nn.Module, device: str | torch.device) -> StageModule:
+    """Give a stage the values of a materialised model (same seed -> same weights as one process), on `device`.
 
     `full_model` may be partially materialised (models.materialize_partial): only the
-    stage's own parameters are read.
+    stage's own parameters and buffers are read. The device is the caller's (where the run
+    trains), never guessed from the model: a stage may hold no parameters at all (an
+    activation or a loss-side op alone), and then the partial model may have none either.
     """
-    device = next(p.device for p in full_model.parameters() if not p.is_meta)
+    device = torch.device(device)
     stage.to_empty(device=device)
     retarget_device(stage, device, traced=stage.traced_device)
     with torch.no_grad():

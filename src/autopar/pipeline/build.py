@@ -62,9 +62,15 @@ class LocalPipeline:
 
 
 def check_stage_count(graph: ModelGraph, pp: int, chunks: int) -> None:
-    """pp x chunks stages need as many blocks to cut between (ranks, and `autopar train` before it launches)."""
+    """pp x chunks stages need as many blocks to cut between, each stage one with parameters (ranks, and
+    `autopar train` before it launches)."""
+    from ..partition.plan import check_units
     num_stages = pp * chunks
-    if graph.layers_path is not None and num_stages > len(graph.blocks):  # no stack: partition() says so
+    if graph.layers_path is None:  # no stack: partition() says so
+        return
+    asked = f"pp={pp} x chunks={chunks} = {num_stages} stages" if chunks > 1 else f"pp={pp} stages"
+    check_units(graph, num_stages, asked)
+    if num_stages > len(graph.blocks):
         raise ConfigError(f"pp={pp} x chunks={chunks} = {num_stages} stages, but the model has "
                           f"only {len(graph.blocks)} blocks to cut between (embedding part, "
                           f"{len(graph.blocks) - 2} layers, head part); use at most {len(graph.blocks)} stages")

@@ -92,7 +92,7 @@ class PipelineEngine(EngineBase):
                  strategy=None, param_dtype: torch.dtype = torch.float32, boundary_link=None):
         """boundary_link: what --boundary auto costs its choice on (a search.cluster.Cluster; None: nominal)."""
         strategy = strategy if strategy is not None else mesh.strategy  # the strategy table passes it explicitly
-        self.mesh, self.autocast = mesh, autocast
+        self.mesh, self.autocast, self.device = mesh, autocast, device
         self.stage_tp = strategy.stage_tps  # None: every stage has strategy.tp
         tp, boundary = strategy.tp, None
         if self.stage_tp is not None:  # stages of different tp degrees (mesh.StageMesh)
@@ -125,7 +125,7 @@ class PipelineEngine(EngineBase):
         self._tied_names: dict[int, str] = {}  # --stage-tp: tied parameters summed as whole tensors
         if strategy.zero == 3:  # parameters sharded over this stage's dp group by FSDP2 (zero/fully_sharded.py)
             self.sync = FullyShardedStages(list(self.stages.values()), mesh.device_mesh["dp"], mesh.group("dp"),
-                                           param_dtype=param_dtype)
+                                           param_dtype=param_dtype, device=device)
             self.module = LocalStages(self.stages, adopt=True)
             self._shared = self._shared_groups(device, pipe.placement, timeout_s)
         else:
@@ -135,7 +135,7 @@ class PipelineEngine(EngineBase):
             # zero 1/2: the dp group of this stage and tp shard; tied weights reduced over stages first
             self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
                                       master_weights=param_dtype != torch.float32,
-                                      deferred=[p for p, _, _ in self._shared])
+                                      deferred=[p for p, _, _ in self._shared], device=device)
         # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
         # the stage's replicas in one process's order after each step (running_stats/)
         # (--batchnorm sync: normalised over the stage's replicas' micro-batches together; nothing to gather)
@@ -290,11 +290,10 @@ class PipelineEngine(EngineBase):
         sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
                    if self.tensor_parallel is not None else set())
         chosen = None if params is None else {id(p) for p in params}
-        device = next(self.module.parameters()).device
         if isinstance(self.sync, SHARDED):  # [replicated, sharded] over this rank's shard, summed over dp
             squares = self.sync.squared_norms(lambda p: None if id(p) in shared_elsewhere else int(id(p) in sharded), 2)
         else:
-            squares = torch.zeros(2, dtype=torch.float64, device=device)  # [replicated, sharded]
+            squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, sharded]
             for p in self.sync.params:
                 if p.grad is not None and id(p) not in shared_elsewhere and (chosen is None or id(p) in chosen):
                     squares[int(id(p) in sharded)] += p.grad.double().square().sum()
@@ -343,7 +342,7 @@ class PipelineEngine(EngineBase):
 
         One host read for both: each replica's (bubble, peak) in its own slot of one summed tensor.
         """
-        slots = self.stats_slots(elapsed, peak_bytes).to(next(self.module.parameters()).device)
+        slots = self.stats_slots(elapsed, peak_bytes).to(self.device)  # (a stage may hold no parameter)
         dist.all_reduce(slots)
         return self.stats_from_slots(slots.cpu())  # the host read (on steps that write metrics only)
 

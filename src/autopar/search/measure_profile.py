@@ -180,7 +180,7 @@ def _one_block_stages(model: nn.Module, batch: int, seq_len: int, seed: int):
         constants = lifted_constant_values(model, graph, torch.device("cpu"))
         for stage in stages:
             stage.constants.update({k: constants[k] for k in stage.constants if k in constants})
-    return graph, [materialize_stage(stage, full) for stage in stages]
+    return graph, [materialize_stage(stage, full, "cpu") for stage in stages]
 
 
 def _example(value: torch.Tensor) -> torch.Tensor:

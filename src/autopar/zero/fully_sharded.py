@@ -56,7 +56,7 @@ class FullyShardedStages:
     """The gradient path of ZeRO-3 stages: FSDP2 units, the same operations as zero.ShardedGradients."""
 
     def __init__(self, modules: list[nn.Module], dp_mesh: DeviceMesh, group: dist.ProcessGroup,
-                 param_dtype: torch.dtype = torch.float32):
+                 param_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype,
                                       output_dtype=None, cast_forward_inputs=True)
         self.group = group
@@ -66,7 +66,9 @@ class FullyShardedStages:
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
         self.params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
         # where norms are summed, also on a rank whose stages are all frozen
-        self.device = next((local_tensor(p).device for m in modules for p in m.parameters()), torch.device("cpu"))
+        # (`device`: the run's, given by an engine whose stages may hold no parameter at all)
+        self.device = device if device is not None else next(
+            (local_tensor(p).device for m in modules for p in m.parameters()), torch.device("cpu"))
 
     @contextlib.contextmanager
     def no_sync(self):

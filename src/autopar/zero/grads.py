@@ -67,7 +67,7 @@ class ShardedGradients(HookedBuckets):
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, level: int,
                  deferred: Iterable[nn.Parameter] = (), per_micro_batch: bool = False, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float = 1.0, device: torch.device | None = None):
         """level 0: nothing sharded, gradients all-reduced into a full fp32 copy (bf16 master weights
         without ZeRO); 1: reduce-scattered once per step; 2: and only the shard's gradient is kept.
 
@@ -82,7 +82,8 @@ class ShardedGradients(HookedBuckets):
         self.reduce_by_all_reduce = level == 1 and dist.get_backend(group) == "gloo"
         params = list(params)
         # where norms are summed, also on a rank holding only frozen parameters (no bucket to read it from)
-        self.device = params[0].device if params else torch.device("cpu")
+        # (`device`: the run's, given by an engine whose rank may hold no parameter at all)
+        self.device = device if device is not None else params[0].device if params else torch.device("cpu")
         trainable = trainable_once(params)
         late = {id(p) for p in deferred}
         cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
