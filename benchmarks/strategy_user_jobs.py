@@ -144,7 +144,7 @@ def choose(job, parts, world: int, limit: int) -> dict:
     pick_key = key_of(picked["strategy"], picked["train"]["micro_batch_size"])
     found = by_key.get(pick_key)
     pick = {"strategy": picked["strategy"], "micro_batch_size": picked["train"]["micro_batch_size"],
-            "describe": plan.configuration(), "predicted_s": picked["prediction"]["step_time_s"],
+            "describe": found.candidate.describe() if found else plan.configuration(), "predicted_s": picked["prediction"]["step_time_s"],
             "predicted_bytes_per_pp_rank": (row(found, memory.evaluate(found.candidate))["predicted_bytes_per_pp_rank"]
                                             if found else picked["prediction"]["peak_memory_bytes_per_rank"]),
             "auto": True}
