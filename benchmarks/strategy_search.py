@@ -413,7 +413,8 @@ def worker(spec_path: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    block, rescore = search_in_ranks(spec)
+    # a driver that chose and scored the configurations itself (strategy_user_jobs.py) passes them as `block`
+    block, rescore = (spec["block"], None) if "block" in spec else search_in_ranks(spec)
     spec["configs"] = block["configs"]
     corpus = load_corpus("stdlib")
     tokenizer = build_tokenizer("byte")
@@ -422,8 +423,9 @@ def worker(spec_path: Path) -> None:
     for i, cfg in enumerate(spec["configs"]):
         model, info = build_model(spec["model"], spec["model_args"], vocab_size=vocab, device="meta")
         if i == 0:
-            train_data, _ = build_datasets(corpus, tokenizer, seq_len=SEQ_LEN, task=info.task, seed=0)
-        config = autopar.TrainConfig(steps=10_000, global_batch_size=GLOBAL_BATCH,
+            train_data, _ = build_datasets(corpus, tokenizer, seq_len=spec.get("seq_len", SEQ_LEN), task=info.task,
+                                           seed=0)
+        config = autopar.TrainConfig(steps=10_000, global_batch_size=spec.get("global_batch", GLOBAL_BATCH),
                                      micro_batch_size=cfg["micro_batch_size"], progress=False,
                                      out=f"{spec['runs']}/{i}", warmup_steps=1)
         trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**cfg["strategy"]), config=config)
@@ -444,7 +446,7 @@ def worker(spec_path: Path) -> None:
     # every trainer's process groups are alive now, each with a gloo thread that polls every 10 ms: measure what
     # they burn while the ranks idle and score the configurations again with it (the search ran before them)
     block["background_cores"] = background_cores()
-    if rank == 0:
+    if rank == 0 and rescore:
         for c, e in zip(block["configs"], rescore(block["background_cores"])):
             c.update(predicted_s=e.step_time_s, parts=e.parts, searched_s=c["predicted_s"])
     samples: dict[int, list[float]] = {i: [] for i, _ in trainers}
@@ -484,7 +486,8 @@ def worker(spec_path: Path) -> None:
     if rank == 0:
         for c, m in zip(block["configs"], results):
             c.update(m)
-        calibrate_level(block, rescore)
+        if rescore:
+            calibrate_level(block, rescore)
         Path(spec["out"]).write_text(json.dumps(block))
     dist.barrier()
     dist.destroy_process_group()
