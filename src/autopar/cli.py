@@ -118,8 +118,9 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         if getattr(ns, "dry_run", False):
             raise ConfigError("--dry-run checks a run before autopar starts its processes, and under torchrun they "
                               "are started; run `autopar train ... --nproc N --dry-run` without torchrun")
+        from .elastic_plan import agree_on_plan, searches_on_the_ranks
         from .job import run_job
-        run_job(job)
+        run_job(job, plan=agree_on_plan(job) if searches_on_the_ranks(job) else None)  # rank 0 (re-)plans
         return 0
     from .memory_gate import check_memory, dry_run, is_hand_set
     build = _job_builder(job)
