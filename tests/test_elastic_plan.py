@@ -34,7 +34,7 @@ def test_a_restart_with_as_many_processes_keeps_its_plan():
     previous, search = _plan(4), Search(4)
     plan, note = plan_for_world(4, Strategy.auto(), TrainConfig(), previous, NUM_PARAMS, search)
     assert plan is previous and search.calls == 0
-    assert note == "restarted with 4 processes, as planned: keeps dp=4 tp=1 pp=1 m=1 of 2"
+    assert note == "the run's plan is for 4 processes, as this start: keeps dp=4 tp=1 pp=1 m=1 of 2"
 
 
 def test_another_world_size_is_planned_again_and_the_old_plan_is_kept_beside_it():

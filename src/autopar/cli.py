@@ -120,7 +120,10 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
                               "are started; run `autopar train ... --nproc N --dry-run` without torchrun")
         from .elastic_plan import agree_on_plan, searches_on_the_ranks
         from .job import run_job
-        run_job(job, plan=agree_on_plan(job) if searches_on_the_ranks(job) else None)  # rank 0 (re-)plans
+        if searches_on_the_ranks(job):  # rank 0 plans for this world (again, if it changed); every rank runs it
+            run_job(job, agree_on_plan(job))
+        else:
+            run_job(job)
         return 0
     from .memory_gate import check_memory, dry_run, is_hand_set
     build = _job_builder(job)

@@ -102,7 +102,7 @@ def plan_for_world(world: int, strategy: Strategy, config: TrainConfig, previous
         plan = search()
         return plan, None
     if previous.nproc == world and _accepted(previous, strategy, config):
-        return previous, f"restarted with {world} processes, as planned: keeps {previous.configuration()}"
+        return previous, f"the run's plan is for {world} processes, as this start: keeps {previous.configuration()}"
     if previous.nproc == world:  # the run's settings changed since (e.g. the global batch): plan them afresh
         return search(), None
     earlier = [Plan(r, source=previous.source) for r in previous.record.get("earlier_plans", [])]
