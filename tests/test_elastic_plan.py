@@ -74,3 +74,31 @@ def test_a_damaged_or_missing_plan_file_is_searched_again(tmp_path):
     assert read_previous_plan(None) is None and read_previous_plan(tmp_path / "plan.json") is None
     (tmp_path / "plan.json").write_text("{not json")
     assert read_previous_plan(tmp_path / "plan.json") is None
+
+
+def _agree(outcome: str) -> object:
+    """agree_on_plan on every rank of the pool, rank 0's choice replaced by `outcome`: a plan, or an error."""
+    import autopar.elastic_plan as elastic_plan
+    from autopar.errors import AutoparError
+
+    def choose(job, world):  # called on rank 0 only
+        if outcome == "plan":
+            return _plan(world, source="the search"), None
+        raise ConfigError("no configuration fits") if outcome == "config" else RuntimeError("search crashed")
+
+    original, elastic_plan.choose_on_rank_zero = elastic_plan.choose_on_rank_zero, choose
+    try:
+        return elastic_plan.agree_on_plan(JobConfig(strategy=Strategy.auto())).record
+    except (AutoparError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        elastic_plan.choose_on_rank_zero = original
+
+
+def test_every_rank_gets_rank_zeros_plan_or_its_error(rank_pool):
+    pool = rank_pool(2)
+    assert pool.run(_agree, "plan") == [_plan(2).record] * 2
+    assert pool.run(_agree, "config") == ["ConfigError: no configuration fits"] * 2
+    assert pool.run(_agree, "crash") == ["RuntimeError: search crashed",
+                                         "DistributedError: rank 0 failed while choosing the plan: RuntimeError: "
+                                         "search crashed"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .config import JobConfig, Strategy, TrainConfig
-from .errors import AutoparError, ConfigError
+from .errors import AutoparError, ConfigError, DistributedError
 from .search.auto import Plan
 
 PLAN_FILE = "plan.json"
@@ -44,27 +44,32 @@ def agree_on_plan(job: JobConfig) -> Plan:
     from .distributed import init_distributed
     init_distributed(job.train.device, job.train.timeout_s)
     shared: list = [None, None]
+    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             plan, note = choose_on_rank_zero(job, dist.get_world_size())
             if note:
                 print(f"autopar: {note}", flush=True)
             shared = [plan.record, plan.source]
-        except AutoparError as exc:
-            shared = [None, f"{type(exc).__name__}: {exc}"]
+        except Exception as exc:  # told to the other ranks first, so they do not wait for a plan that never comes
+            failure, shared = exc, [None, (type(exc).__name__, str(exc))]
     dist.broadcast_object_list(shared, src=0)
+    if failure is not None:
+        raise failure
     record, source = shared
     if record is None:
-        kind, _, message = source.partition(": ")
+        kind, message = source
         raise _error_kind(kind)(message)
     return Plan(record, source=source)
 
 
-def _error_kind(name: str) -> type[AutoparError]:
-    """Rank 0's error class by name (autopar.errors), so every rank fails as rank 0 did."""
+def _error_kind(name: str) -> Callable[[str], AutoparError]:
+    """Rank 0's error as the other ranks raise it: the same kind for autopar's errors, else a failed rank."""
     from . import errors
     kind = getattr(errors, name, None)
-    return kind if isinstance(kind, type) and issubclass(kind, AutoparError) else ConfigError
+    if isinstance(kind, type) and issubclass(kind, AutoparError):
+        return kind
+    return lambda message: DistributedError(f"rank 0 failed while choosing the plan: {name}: {message}")
 
 
 def choose_on_rank_zero(job: JobConfig, world: int) -> tuple[Plan, str | None]:
