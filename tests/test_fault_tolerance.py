@@ -213,12 +213,13 @@ def test_fault_specs_parse_or_say_what_would_work():
 # ---------------------------------------------------------------------------- two torchrun "nodes" on loopback
 
 
-def _agent(port: int, run: Path, *args: str, nnodes: str = "2", max_restarts: int = 0) -> subprocess.Popen:
+def _agent(port: int, run: Path, *args: str, nnodes: str = "2", max_restarts: int = 0,
+           layout: tuple[str, ...] = ("--pp", "2")) -> subprocess.Popen:
     """One torchrun agent (a "node") with 2 worker processes, in a session of its own (killed as one)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loopback",
                "--rdzv-conf", "last_call_timeout=20,join_timeout=300", "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
-               "-m", "autopar", "train", *SMALL, "--pp", "2", "--out", str(run), *args]
+               "-m", "autopar", "train", *SMALL, *layout, "--out", str(run), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("AUTOPAR_FAULT", "RANK", "WORLD_SIZE")}
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -275,14 +276,24 @@ def test_a_killed_torchrun_agent_restarts_elastically_and_resumes(rank_pool, tmp
     --max-restarts), which meet again as a world of 2 (dp re-derived: 1) once the rendezvous's last call
     (20 s) has passed, resume from the newest checkpoint (resharded) and finish with the uninterrupted
     run's losses."""
+    reference = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path / "one"), **{**REFERENCE, "steps": 6})[0]
+    run = tmp_path / "run"
+    _, restarts = _kill_second_agent_after_step_2(run, "--steps", "6", "--checkpoint-every", "2", layout=("--pp", "2"))
+    assert [(r["restart"], r["by"], r["world_size"]) for r in restarts] == [(1, "torchrun", 2)], restarts
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    assert max_relative_difference(reference["losses"], losses(run)) < 1e-5
+
+
+def _kill_second_agent_after_step_2(run: Path, *args: str, layout: tuple[str, ...]) -> tuple[str, list[dict]]:
+    """Two agents of 2 workers; agent 2 dies (workers and all) once the step-2 checkpoint exists; agent 1
+    restarts into a world of 2. Returns agent 1's output and the run's restarts log."""
     import signal
     from autopar.launch import free_port
-    reference = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path / "one"), **{**REFERENCE, "steps": 6})[0]
-    run, port = tmp_path / "run", free_port()
-    args = ("--steps", "6", "--checkpoint-every", "2")
-    agents = [_agent(port, run, *args, nnodes="1:2", max_restarts=1)]
+    port = free_port()
+    agents = [_agent(port, run, *args, nnodes="1:2", max_restarts=1, layout=layout)]
     _wait_for_store(port)  # agent 1 hosts the rendezvous store; agent 2, killed below, only joins it
-    agents.append(_agent(port, run, *args, nnodes="1:2", max_restarts=1))
+    agents.append(_agent(port, run, *args, nnodes="1:2", max_restarts=1, layout=layout))
     deadline = time.monotonic() + 400
     while not (run / "checkpoints" / "step_00000002").is_dir():
         assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "no checkpoint of step 2"
@@ -292,8 +303,28 @@ def test_a_killed_torchrun_agent_restarts_elastically_and_resumes(rank_pool, tmp
     output = agents[0].communicate(timeout=400)[0]
     agents[1].wait()
     assert agents[0].returncode == 0, output
-    restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
-    assert [(r["restart"], r["by"], r["world_size"]) for r in restarts] == [(1, "torchrun", 2)], restarts
+    return output, [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_strategy_auto_re_plans_when_an_elastic_restart_changes_the_world(rank_pool, tmp_path):
+    """--strategy auto over two agents (world 4); one agent dies after the step-2 checkpoint; the survivor
+    meets as a world of 2, rank 0 searches again for 2 processes, every rank runs that plan, and the
+    checkpoint resumes under it with the uninterrupted run's losses."""
+    reference = rank_pool(1).run(train_builtin, "gpt-tiny", str(tmp_path / "one"), **{**REFERENCE, "steps": 6})[0]
+    run = tmp_path / "run"
+    output, restarts = _kill_second_agent_after_step_2(run, "--steps", "6", "--checkpoint-every", "2",
+                                                       layout=("--strategy", "auto"))
+    assert [(r["restart"], r["world_size"]) for r in restarts] == [(1, 2)], restarts
+    assert restarts[0]["resumes_from"] is not None, restarts  # resumed from a checkpoint, not from step 0
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["nproc"] == 2 and plan["replanned"] == {"from_nproc": 4, "to_nproc": 2, "how": "searched again"}
+    assert [p["nproc"] for p in plan["earlier_plans"]] == [4]
+    strategy = plan["strategy"]
+    assert strategy["dp"] * strategy["tp"] * strategy["pp"] == 2
+    assert "world changed from 4 to 2: re-planned: " in output, output
+    assert json.loads((run / "run.json").read_text())["world_size"] == 2
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 7))
     assert max_relative_difference(reference["losses"], losses(run)) < 1e-5

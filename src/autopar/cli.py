@@ -118,8 +118,12 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         if getattr(ns, "dry_run", False):
             raise ConfigError("--dry-run checks a run before autopar starts its processes, and under torchrun they "
                               "are started; run `autopar train ... --nproc N --dry-run` without torchrun")
+        from .elastic_plan import agree_on_plan, searches_on_the_ranks
         from .job import run_job
-        run_job(job)
+        if searches_on_the_ranks(job):  # rank 0 plans for this world (again, if it changed); every rank runs it
+            run_job(job, agree_on_plan(job))
+        else:
+            run_job(job)
         return 0
     from .memory_gate import check_memory, dry_run, is_hand_set
     build = _job_builder(job)

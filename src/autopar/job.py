@@ -20,6 +20,7 @@ from .models import build_model
 from .models.hf import hf_config_json, is_folder_name
 from .models.pretrained import PretrainedWeights
 from .preflight import check_model_fits
+from .search.auto import Plan
 from .trainer import Trainer, TrainResult
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -68,19 +69,25 @@ class JobParts:
     run_files: dict | None = None  # files the run folder keeps (tokenizer.json, hf/config.json)
 
 
-def run_job(job: JobConfig) -> TrainResult:
-    trainer = make_trainer(job)
+def run_job(job: JobConfig, plan: Plan | None = None) -> TrainResult:
+    trainer = make_trainer(job, plan)
     result = trainer.train()
     trainer.close()
     return result
 
 
-def make_trainer(job: JobConfig) -> Trainer:
-    """The Trainer `autopar train` runs for `job` (tokenizer, model, data, pretrained weights), not yet started."""
+def make_trainer(job: JobConfig, plan: Plan | None = None) -> Trainer:
+    """The Trainer `autopar train` runs for `job` (tokenizer, model, data, pretrained weights), not yet started.
+
+    `plan`: the plan `--strategy auto` chose for this world (elastic_plan.py), applied over job.strategy.
+    """
     parts = build_job(job)
-    return Trainer(parts.model, parts.train_data, strategy=job.strategy, config=job.train, eval_data=parts.eval_data,
-                   job_config=parts.job, run_info=parts.run_info, pretrained=parts.pretrained,
-                   run_files=parts.run_files)
+    trainer = Trainer(parts.model, parts.train_data, strategy=job.strategy, config=job.train,
+                      eval_data=parts.eval_data, job_config=parts.job, run_info=parts.run_info,
+                      pretrained=parts.pretrained, run_files=parts.run_files)
+    if plan is not None:  # beside job.strategy, whose other fields stay (a Plan as the strategy would drop them)
+        trainer.plan = plan
+    return trainer
 
 
 def build_job(job: JobConfig) -> JobParts:

@@ -1,0 +1,138 @@
+"""`--strategy auto` under torchrun: one plan for every rank, made again when the world changes size.
+
+Under torchrun the ranks are already running, so the search cannot happen once before they
+start (autoplan.py). Searching on every rank would not do either: the search measures this
+machine, and ranks measuring at the same time could pick different plans. So rank 0 decides
+and broadcasts the plan; every rank then trains on that one plan.
+
+What rank 0 decides from the run folder's plan.json (written by the previous start of the run):
+- a plan for this world size and this model, which the run's settings accept: kept (a restart
+  with as many ranks resumes on the plan it had);
+- a plan for another world size (an elastic restart with fewer or more ranks): searched again
+  for the new world, unless the run already used a plan for this size earlier; the new plan.json
+  keeps the older plans under "earlier_plans" and notes the change under "replanned"; the
+  checkpoint resumes under the new plan (checkpoints load into any layout);
+- no plan (or one for another model): searched.
+A plan the user fixed with `--plan FILE` is never replaced: a plan for another world is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .config import JobConfig, Strategy, TrainConfig
+from .errors import AutoparError, ConfigError, DistributedError
+from .search.auto import Plan
+
+PLAN_FILE = "plan.json"
+
+
+def searches_on_the_ranks(job: JobConfig) -> bool:
+    """True for `--strategy auto` without a fixed `--plan`: the ranks must agree on a plan of their own."""
+    return job.strategy.search == "auto" and not job.strategy.plan
+
+
+def agree_on_plan(job: JobConfig) -> Plan:
+    """Rank 0 chooses the plan (kept, re-planned or searched) and every rank returns that same plan.
+
+    Joins the job's process group (the Trainer uses it as it finds it). An error on rank 0 is
+    raised on every rank, with rank 0's message.
+    """
+    from .distributed import init_distributed
+    init_distributed(job.train.device, job.train.timeout_s)
+    shared: list = [None, None]
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            plan, note = choose_on_rank_zero(job, dist.get_world_size())
+            if note:
+                print(f"autopar: {note}", flush=True)
+            shared = [plan.record, plan.source]
+        except Exception as exc:  # told to the other ranks first, so they do not wait for a plan that never comes
+            failure, shared = exc, [None, (type(exc).__name__, str(exc))]
+    dist.broadcast_object_list(shared, src=0)
+    if failure is not None:
+        raise failure
+    record, source = shared
+    if record is None:
+        kind, message = source
+        raise _error_kind(kind)(message)
+    return Plan(record, source=source)
+
+
+def _error_kind(name: str) -> Callable[[str], AutoparError]:
+    """Rank 0's error as the other ranks raise it: the same kind for autopar's errors, else a failed rank."""
+    from . import errors
+    kind = getattr(errors, name, None)
+    if isinstance(kind, type) and issubclass(kind, AutoparError):
+        return kind
+    return lambda message: DistributedError(f"rank 0 failed while choosing the plan: {name}: {message}")
+
+
+def choose_on_rank_zero(job: JobConfig, world: int) -> tuple[Plan, str | None]:
+    """The plan for `world` processes from the run folder's plan.json and a search; with the line to print."""
+    from .job import build_job
+    from .strategies import resolve
+    from .train.fields import example_call
+    parts = build_job(job)
+    num_params = sum(p.numel() for p in parts.model.parameters())
+    path = Path(job.train.out) / PLAN_FILE if job.train.out else None
+    previous = read_previous_plan(path)
+
+    def search() -> Plan:
+        return resolve(job.strategy, job.train, world, model=parts.model, model_name=parts.name,
+                       example=lambda: example_call(parts.model, parts.train_data)).plan
+
+    return plan_for_world(world, job.strategy, job.train, previous, num_params, search)
+
+
+def read_previous_plan(path: Path | None) -> Plan | None:
+    """The run folder's plan.json, or None where there is none (a damaged one is set aside: searched again)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        return Plan.load(path)
+    except ConfigError:
+        return None
+
+
+def plan_for_world(world: int, strategy: Strategy, config: TrainConfig, previous: Plan | None, num_params: int,
+                   search: Callable[[], Plan]) -> tuple[Plan, str | None]:
+    """Keep `previous` where it was made for `world` and this model; else re-plan (an earlier plan of the run
+    for `world`, or `search()`), noting the change. Returns the plan and the line saying what happened."""
+    if previous is None or previous.record.get("num_params") not in (None, num_params):
+        plan = search()
+        return plan, None
+    if previous.nproc == world and _accepted(previous, strategy, config):
+        return previous, f"the run's plan is for {world} processes, as this start: keeps {previous.configuration()}"
+    if previous.nproc == world:  # the run's settings changed since (e.g. the global batch): plan them afresh
+        return search(), None
+    earlier = [Plan(r, source=previous.source) for r in previous.record.get("earlier_plans", [])]
+    reused = next((p for p in earlier if p.nproc == world and _accepted(p, strategy, config)), None)
+    plan = Plan(_without_history(reused.record), source=previous.source) if reused is not None else search()
+    history = [_without_history(previous.record),
+               *(r for r in previous.record.get("earlier_plans", []) if reused is None or r is not reused.record)]
+    plan.record["earlier_plans"] = history
+    plan.record["replanned"] = {"from_nproc": previous.nproc, "to_nproc": world,
+                                "how": "an earlier plan of this run for this size" if reused else "searched again"}
+    note = f"world changed from {previous.nproc} to {world}: re-planned: {plan.configuration()}"
+    if reused is not None:
+        note += f" (the plan this run used before with {world} processes)"
+    return plan, note
+
+
+def _accepted(plan: Plan, strategy: Strategy, config: TrainConfig) -> bool:
+    """Whether the run's own settings combine with `plan` (nothing the user set contradicts it)."""
+    try:
+        plan.apply(strategy, config)
+    except ConfigError:
+        return False
+    return True
+
+
+def _without_history(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("earlier_plans", "replanned")}
+
