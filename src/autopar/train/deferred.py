@@ -1,6 +1,6 @@
 """Optimizer steps whose global decisions arrive late: how the no-flush pipelines avoid meeting every step.
 
-The synchronous loop (trainer.py) ends each step with blocking collectives over all ranks: the
+The synchronous step (steps.py) ends each step with blocking collectives over all ranks: the
 loss, the global gradient norm (to clip) and the skip decision, before the update. On a no-flush
 pipeline that meeting is a drain in all but name: the last stage finishes a step (pp-1) backwards
 before stage 0 and must wait for it. The rules do not need it:
