@@ -97,3 +97,19 @@ def test_a_strategy_table_of_ones_own_replaces_the_default():
         resolve(autopar.Strategy(dp=2), config, 2, strategies=only_gossip)
     with pytest.raises(ConfigError, match="StrategyEntry"):
         autopar.Trainer(torch.nn.Linear(2, 2), [], strategies=["data-parallel"])
+
+
+def test_the_deferred_engines_provide_what_the_protocol_declares():
+    """train/deferred.py's DeferredEngine lists what DeferredSteps uses; both no-flush engines define each
+    member (methods on the class; `waits` is set on the instance by PipelineEngine)."""
+    from autopar.pipeline.async_engine import PipeDream2BWEngine
+    from autopar.pipeline.async_stash_engine import PipeDreamStashEngine
+    from autopar.train.deferred import DeferredEngine
+
+    declared = {name for name in vars(DeferredEngine) if not name.startswith("_")} | set(
+        DeferredEngine.__annotations__)
+    assert {"local_squares", "scale_to_norm", "drains", "update_hook", "deferred_rule"} <= declared
+    for engine in (PipeDream2BWEngine, PipeDreamStashEngine):
+        missing = sorted(name for name in declared - {"waits"} if not hasattr(engine, name))
+        assert not missing, (engine.__name__, missing)
+        assert engine.deferred_rule in ("global", "per-stage")
