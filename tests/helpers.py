@@ -24,15 +24,16 @@ def small_data(task: str, seq_len: int = 32, seed: int = 0):
 
 
 def train_builtin(model_name: str, out: str, *, model_args: dict | None = None, seq_len: int = 32,
-                  strategy: dict | None = None, **train_kwargs) -> dict:
-    """Train a built-in model with the Trainer API; returns losses, grad norms and final parameters."""
+                  strategy: dict | None = None, strategies: tuple | None = None, **train_kwargs) -> dict:
+    """Train a built-in model with the Trainer API; returns losses, grad norms and final parameters.
+    `strategies`: a strategy table of the test's own for this Trainer (Trainer(strategies=...))."""
     model, info = build_model(model_name, model_args or {}, vocab_size=padded_vocab_size(258), device="meta")
     train_data, eval_data = small_data(info.task, seq_len)
     defaults = dict(steps=20, global_batch_size=8, micro_batch_size=2, lr=1e-3, warmup_steps=3, eval_batches=1,
                     out=out, progress=False, timeout_s=60)
     config = autopar.TrainConfig(**{**defaults, **train_kwargs})
     trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**(strategy or {})), config=config,
-                              eval_data=eval_data)
+                              eval_data=eval_data, strategies=strategies)
     result = trainer.train()
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     planned = getattr(getattr(getattr(trainer.engine, "runtime", None), "p2p", None), "planned", None)

@@ -50,13 +50,13 @@ def train_stash(model_name: str, out: str, **kwargs) -> dict:
 
 def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, vertical_sync: bool,
                        tied_delay: int | None = None, **kwargs) -> dict:
-    """The one-process rule (pipeline/stash_oracle.py) through the ordinary Trainer: the strategy table's
-    data-parallel entry is swapped for one that builds the oracle engine, in this worker only."""
+    """The one-process rule (pipeline/stash_oracle.py) through the ordinary Trainer, given a strategy table
+    of one entry: the data-parallel entry, building the oracle engine."""
     import dataclasses
 
-    import autopar.strategies as strategies
     from autopar.pipeline.async_schedules import flush_steps
     from autopar.pipeline.stash_oracle import StashOracleEngine
+    from autopar.strategies import STRATEGIES
 
     def build(ctx):
         cfg = ctx.config
@@ -66,13 +66,9 @@ def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, v
                                  steps=cfg.steps, flush_after=flush_steps(cfg.steps, eval_every=cfg.eval_every,
                                                                           checkpoint_every=cfg.checkpoint_every))
 
-    original = strategies.STRATEGIES
-    oracle = dataclasses.replace(original[-1], name="stash-oracle", build=build)
-    strategies.STRATEGIES = (oracle,)
-    try:
-        return train_builtin(model_name, out, **kwargs)
-    finally:
-        strategies.STRATEGIES = original
+    data_parallel = next(entry for entry in STRATEGIES if entry.name == "data-parallel")
+    return train_builtin(model_name, out, strategies=(dataclasses.replace(data_parallel, name="stash-oracle",
+                                                                          build=build),), **kwargs)
 
 
 def train_until_signal(model_name: str, out: str, *, fault: str, **kwargs) -> str:

@@ -65,23 +65,23 @@ def _autopar_caller() -> str | None:
 def count_host_syncs(out: str, strategies: list[dict], steps: int = 3) -> list[dict[str, int]]:
     """Train gpt-tiny under each strategy, counting host reads; returns step 1's counts per strategy
     (step 0 may set up once, e.g. pipeline metadata; step 1 writes no metrics, runs no eval)."""
-    from autopar.trainer import Trainer
+    from autopar.train.steps import SynchronousSteps
 
     results = []
     for i, strategy in enumerate(strategies):
         counter = HostSyncCounter()
-        inner = Trainer._train_step
+        inner = SynchronousSteps.run
 
         def counted(self, step, *args, inner=inner, counter=counter, **kwargs):
             counter.step = step
             return inner(self, step, *args, **kwargs)
 
-        Trainer._train_step = counted
+        SynchronousSteps.run = counted
         try:
             with counter:
                 train_builtin("gpt-tiny", f"{out}/{i}", model_args={"n_layer": 2}, strategy=strategy, steps=steps,
                               log_every=steps, eval_every=0, checkpoint_every=0)
         finally:
-            Trainer._train_step = inner
+            SynchronousSteps.run = inner
         results.append(dict(counter.per_step(1)))
     return results

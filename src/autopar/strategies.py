@@ -284,11 +284,12 @@ def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
 
 def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False,
             model: nn.Module | None = None, example: Example | None = None, plan: Plan | None = None,
-            model_name: str | None = None) -> Resolved:
+            model_name: str | None = None, strategies: tuple[StrategyEntry, ...] | None = None) -> Resolved:
     """Every check that needs no communication, in one place; the same error on every rank and in the CLI.
 
     `--strategy auto` and `--plan` become a concrete strategy here first (search/auto.py): the
     search needs `model` and `example` (the traced call of one sample); a plan is checked against them.
+    `strategies` replaces the table STRATEGIES (e.g. a test's reference engine).
     """
     config.validate()
     searched = strategy.search == "auto" and not strategy.plan
@@ -297,14 +298,14 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
 
     def accept(candidate: Strategy, candidate_config: TrainConfig) -> None:
         resolved = candidate.resolved(world)
-        entry, _, _ = _entry_and_check(resolved, candidate_config, world, custom_forward)
+        entry, _, _ = _entry_and_check(resolved, candidate_config, world, custom_forward, strategies)
         if model is not None:  # e.g. no --tp-subbatches for a model with BatchNorm
             _check_running_stats(model, entry, resolved, world)
 
     strategy, config, plan = resolve_choice(strategy, config, world, model=model, example=example, plan=plan,
                                             model_name=model_name, accept=accept)
     strategy = strategy.resolved(world)
-    entry, config, accumulation = _entry_and_check(strategy, config, world, custom_forward)
+    entry, config, accumulation = _entry_and_check(strategy, config, world, custom_forward, strategies)
     if model is not None:
         _check_running_stats(model, entry, strategy, world)
     return Resolved(entry=entry, strategy=strategy, config=config, accumulation=accumulation, plan=plan)
@@ -321,8 +322,13 @@ def _check_running_stats(model: nn.Module, entry: StrategyEntry, strategy: Strat
 
 
 def _entry_and_check(strategy: Strategy, config: TrainConfig, world: int,
-                     custom_forward: bool) -> tuple[StrategyEntry, TrainConfig, int]:
+                     custom_forward: bool, strategies: tuple[StrategyEntry, ...] | None = None,
+                     ) -> tuple[StrategyEntry, TrainConfig, int]:
     check_memory_options(strategy, config)
-    entry = next(e for e in STRATEGIES if e.applies(strategy, config))
+    table = STRATEGIES if strategies is None else strategies
+    entry = next((e for e in table if e.applies(strategy, config)), None)
+    if entry is None:  # only a table of the caller's own (Trainer(strategies=...)) can leave a strategy out
+        raise ConfigError(f"no entry of the strategy table given ({', '.join(e.name for e in table) or 'empty'}) "
+                          f"applies to dp={strategy.dp} tp={strategy.tp} pp={strategy.pp}; add an entry that does")
     config, accumulation = entry.check(Request(strategy, config, world, custom_forward))
     return entry, config, accumulation

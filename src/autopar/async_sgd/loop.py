@@ -27,21 +27,22 @@ from ..train.optim import lr_factor
 from .runner import push_staleness
 
 
-def _worker_steps(trainer: LoopServices, progress: Progress) -> list[dict]:
-    cfg, engine = trainer.config, trainer.engine
+def _worker_steps(services: LoopServices, progress: Progress) -> list[dict]:
+    cfg, engine = services.config, services.engine
     workers = engine.num_workers
     records = []
     for step in range(cfg.steps):
         began = time.perf_counter()
-        micro = trainer.sampler.local_micro_batches(step, dp_rank=engine.worker_index, dp_size=workers,
+        micro = services.sampler.local_micro_batches(step, dp_rank=engine.worker_index, dp_size=workers,
                                                     micro_batch_size=cfg.micro_batch_size)
-        batches = [trainer.load(indices, trainer.train_data) for indices in micro]
+        batches = [services.loader.load(indices, services.train_data) for indices in micro]
         # each worker normalises by its own target count times W: no collective (equal to the global
         # count whenever workers hold equally many targets, as in causal LM)
         count = None
-        if trainer.token_loss:
-            count = torch.tensor(float(max(1, sum(count_targets(b) for b in batches)) * workers), device=trainer.device)
-        total = engine.forward_backward(batches, lambda out, batch: trainer.loss(out, batch, count))
+        if services.losses.token_loss:
+            count = torch.tensor(float(max(1, sum(count_targets(b) for b in batches)) * workers),
+                                 device=services.device)
+        total = engine.forward_backward(batches, lambda out, batch: services.losses.train(out, batch, count))
         grad_norm = engine.clip_gradients(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         lr = cfg.lr * lr_factor(step, cfg)
         reply = engine.push_pull(step, lr, final=step == cfg.steps - 1)
@@ -55,64 +56,65 @@ def _worker_steps(trainer: LoopServices, progress: Progress) -> list[dict]:
     return records
 
 
-def train_async(trainer: LoopServices) -> TrainResult:
+def train_async(services: LoopServices) -> TrainResult:
     """The parameter-server strategy's loop, on every rank (servers and workers), after the trainer's set-up."""
-    cfg, engine = trainer.config, trainer.engine
-    progress = Progress(total=cfg.steps, initial=0, enabled=trainer.is_main and cfg.progress)
+    cfg, engine = services.config, services.engine
+    progress = Progress(total=cfg.steps, initial=0, enabled=services.is_main and cfg.progress)
     roles = engine.roles
     progress.write(f"autopar {__version__}: {roles.world} processes, parameter server: {roles.num_workers} "
                    f"worker(s) (ranks 0-{roles.num_workers - 1}), {roles.servers} server(s) (ranks "
                    f"{roles.num_workers}-{roles.world - 1}), staleness bound {engine.staleness}, "
-                   f"{engine.layout.numel:,} parameters, {trainer.accumulation} micro-batch(es) of "
-                   f"{cfg.micro_batch_size} per worker per step\nrun folder: {trainer.run_dir}")
-    result = TrainResult(run_dir=trainer.run_dir, first_step=1)
+                   f"{engine.layout.numel:,} parameters, {services.accumulation} micro-batch(es) of "
+                   f"{cfg.micro_batch_size} per worker per step\nrun folder: {services.run_dir}")
+    result = TrainResult(run_dir=services.run_dir, first_step=1)
     began = time.perf_counter()
     try:
         records = []
         if engine.is_server:
             engine.serve()
         else:
-            records = _worker_steps(trainer, progress)
+            records = _worker_steps(services, progress)
         trained_s = time.perf_counter() - began
         engine.share_final_parameters()
         # workers split the eval batches as they split the training ones; servers only join the sum
-        result.eval_loss = trainer.evaluate((0, 0) if engine.is_server else (engine.worker_index, engine.num_workers))
+        result.eval_loss = services.evaluator.evaluate((0, 0) if engine.is_server else
+                                                       (engine.worker_index, engine.num_workers))
         server = engine.server
         mine = {"records": records, "trained_s": trained_s,
                 "pushes": server.pushes if server else [], "pulls": server.pulls if server else [],
-                "peak_mem_bytes": peak_memory_bytes(trainer.device)}
+                "peak_mem_bytes": peak_memory_bytes(services.device)}
         everyone: list = [None] * roles.world
         dist.all_gather_object(everyone, mine)
         logs = [everyone[r]["records"] for r in roles.worker_ranks]
         result.losses = [sum(log[s]["loss_share"] for log in logs) for s in range(cfg.steps)]
         pushes = [p for e in everyone for p in e["pushes"]]
         pulls = [p for e in everyone for p in e["pulls"]]
-        if trainer.is_main:
-            _write_metrics(trainer, logs, result, pushes, max(e["peak_mem_bytes"] for e in everyone),
+        if services.is_main:
+            _write_metrics(services, logs, result, pushes, max(e["peak_mem_bytes"] for e in everyone),
                            max(everyone[r]["trained_s"] for r in roles.worker_ranks))
-            (trainer.run_dir / "staleness.json").write_text(json.dumps(
+            (services.run_dir / "staleness.json").write_text(json.dumps(
                 {"staleness_bound": engine.staleness, "workers": roles.worker_ranks, "servers": roles.server_ranks,
                  "pushes": [p._asdict() for p in pushes], "pulls": [p._asdict() for p in pulls]}) + "\n")
         with warnings.catch_warnings():  # the servers stepped the optimizer; keep the schedule's state in step
             warnings.simplefilter("ignore")
             for _ in range(cfg.steps):
-                trainer.scheduler.step()
+                services.scheduler.step()
         if cfg.steps:
-            trainer.save(cfg.steps)
+            services.checkpointer.save(cfg.steps)
     finally:
         progress.close()
         engine.close()
-    return trainer.close_run(result)
+    return services.close_run(result)
 
 
-def _write_metrics(trainer: LoopServices, logs: list[list[dict]], result: TrainResult, pushes: list,
+def _write_metrics(services: LoopServices, logs: list[list[dict]], result: TrainResult, pushes: list,
                    peak: int, trained_s: float) -> None:
     """One line per step: the global batch's loss, worker 0's timing, the step's staleness over workers;
     the last line adds the eval loss and the staleness histogram of the whole run."""
-    cfg = trainer.config
+    cfg = services.config
     by_push = push_staleness(pushes)
     histogram = Counter(by_push.values())
-    with_log = MetricsLog(trainer.run_dir / "metrics.jsonl")
+    with_log = MetricsLog(services.run_dir / "metrics.jsonl", every=cfg.log_every, last=cfg.steps)
     try:
         for s in range(cfg.steps):
             number = s + 1
@@ -129,7 +131,7 @@ def _write_metrics(trainer: LoopServices, logs: list[list[dict]], result: TrainR
                 record["eval_loss"] = result.eval_loss
                 record["staleness_histogram"] = {str(k): v for k, v in sorted(histogram.items())}
                 record["train_wall_s"] = trained_s
-            if number % cfg.log_every == 0 or number == cfg.steps:
+            if with_log.due(number):
                 with_log.write(record)
     finally:
         with_log.close()

@@ -187,7 +187,7 @@ class StepModel:
 
     def host_sync_cpu(self, c: Candidate, spans: list[tuple[int, int]]) -> float:
         """CPU seconds, summed over all ranks, of the small collectives every step makes besides the model's
-        (trainer.py, pipeline/engine.py): the target count over each dp group, the loss-and-flags and the peak
+        (train/steps.py, pipeline/engine.py): the target count over each dp group, the loss-and-flags and the peak
         memory over every rank, the gradient norm's squares over each pp group (a pipeline) and each tp group,
         and, when a pipeline splits tied weights, their gradient sum between the two stages that hold them.
         A few bytes each, but on gloo each costs a latency per ring step in every rank's CPU, and every rank

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +25,11 @@ from ..timing import WaitTally
 from .loss import Batch, LossFn, token_loss_sum
 from ..zero import ShardedGradients, ShardedOptimizer
 from .optim import build_optimizer
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .evaluator import Evaluator
+    from .inputs import BatchLoader, Losses
 
 
 class Engine(Protocol):
@@ -163,8 +168,10 @@ class TrainResult:
     eval_loss: float | None = None
 
 
-class LoopServices(Protocol):
-    """What a strategy's own training loop (e.g. the parameter server's) may use of the trainer."""
+@dataclass(frozen=True)
+class LoopServices:
+    """What a strategy's own training loop (the parameter server's) is given: the parts of the trainer it
+    uses, built and set up, not the trainer itself."""
 
     config: TrainConfig
     engine: Engine
@@ -173,21 +180,10 @@ class LoopServices(Protocol):
     device: torch.device
     is_main: bool
     run_dir: Path
-    accumulation: int
+    accumulation: int  # micro-batches per worker per step
     scheduler: Any
-
-    @property
-    def token_loss(self) -> bool:
-        """True when the loss is the default token loss (normalised by a target count)."""
-
-    def load(self, indices: list[int], data: Dataset) -> Batch: ...
-
-    def loss(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor: ...
-
-    def evaluate(self, replica: tuple[int, int] | None = None) -> float | None:
-        """(index, count) of this rank among the ranks that split the eval batches; (0, 0): only join the sum."""
-
-    def save(self, step: int) -> Path: ...
-
-    def close_run(self, result: TrainResult) -> TrainResult:
-        """summary.json and the "done:" line (rank 0), then a barrier: the run folder is complete."""
+    loader: BatchLoader  # samples to batches on the device
+    losses: Losses  # the loss share of a micro-batch (normalised by the global target count, or the user's)
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    close_run: Callable[[TrainResult], TrainResult]  # summary.json and the "done:" line, then a barrier

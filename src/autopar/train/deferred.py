@@ -1,6 +1,6 @@
 """Optimizer steps whose global decisions arrive late: how the no-flush pipelines avoid meeting every step.
 
-The synchronous loop (trainer.py) ends each step with blocking collectives over all ranks: the
+The synchronous step (steps.py) ends each step with blocking collectives over all ranks: the
 loss, the global gradient norm (to clip) and the skip decision, before the update. On a no-flush
 pipeline that meeting is a drain in all but name: the last stage finishes a step (pp-1) backwards
 before stage 0 and must wait for it. The rules do not need it:
@@ -28,11 +28,12 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..timing import WaitTally
 from .metrics import peak_memory_bytes
 
 HEAD = 3  # [loss share, stop flag, skipped flag] before the slots
@@ -60,6 +61,44 @@ class Finished:
     stats: dict | None = None
 
 
+class DeferredEngine(Protocol):
+    """What an engine whose update may wait provides, beyond `Engine` (train/base.py): the pipeline's
+    PipeDream-2BW and PipeDream engines (pipeline/async_engine.py, pipeline/async_stash_engine.py)."""
+
+    deferred_rule: str  # "global" (one update from the global norm) or "per-stage" (each stage on its own)
+    update_hook: Callable[[], None] | None  # set here: the engine calls it when it first needs the next weights
+    waits: WaitTally
+
+    def local_squares(self) -> torch.Tensor:
+        """This rank's sum of squared gradients (unclipped), on the device."""
+
+    def finish_gradients(self) -> None:
+        """Gradients still being summed (tied weights) are complete after this."""
+
+    def scale_to_norm(self, norm: float, max_norm: float, params: list[torch.nn.Parameter] | None = None) -> None:
+        """Clip `params` (default: all this rank's) whose joint norm is `norm` to `max_norm`."""
+
+    def clip_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Per-stage rule: the groups clipped by their own norm (the stage's own; each tied weight alone)."""
+
+    def take_held_gradients(self) -> list[list[torch.nn.Parameter]]:
+        """Per-stage rule: clip groups whose gradients the engine held back for a last update (tied weights)."""
+
+    def drains(self, step: int) -> bool:
+        """True when step `step` (0-based) ends in a drain: every outstanding step is settled after it."""
+
+    def stats_slots(self, elapsed: float, peak_bytes: int) -> torch.Tensor:
+        """This rank's step statistics as slots of a tensor summed over all ranks."""
+
+    def stats_from_slots(self, slots: torch.Tensor) -> dict:
+        """The summed slots back as the metrics record's statistics (with `peak_mem_bytes_per_stage`)."""
+
+    def zero_grad(self) -> None: ...
+
+    def abandon_in_flight(self) -> None:
+        """Stopping mid-run: drop work started for steps not run yet (the look-ahead)."""
+
+
 @dataclass
 class _Pending:
     step: int
@@ -73,8 +112,8 @@ class _Pending:
 class DeferredSteps:
     """The trainer's side of a deferred-update engine (see the module docstring)."""
 
-    def __init__(self, *, engine, optimizer, scheduler, grad_clip: float, device: torch.device, pp: int,
-                 slot: int, slots: int):
+    def __init__(self, *, engine: DeferredEngine, optimizer: Any, scheduler: Any, grad_clip: float,
+                 device: torch.device, pp: int, slot: int, slots: int):
         self.engine, self.optimizer, self.scheduler = engine, optimizer, scheduler
         self.max_norm = grad_clip if grad_clip > 0 else float("inf")
         self.device, self.pp = device, pp

@@ -8,6 +8,8 @@
 
 Steps count from 1 as metrics.jsonl does. A fault fires only in run attempt A (default 0: the
 first; a restarted run is attempt 1, 2, ...), so a restarted run does not meet it again.
+The trainer wraps its steps in `FaultySteps` only when the variable is set: the production step
+has no fault branches.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError, choices
+from .deferred import Finished
+from .steps import StepInputs, StepsBase, StopFlag
 
 ENV = "AUTOPAR_FAULT"
 KINDS = ("kill", "raise-collective", "sigterm", "nan", "hang")
@@ -74,3 +78,26 @@ class Fault:
 
     def poisons_loss(self, rank: int, step: int, attempt: int) -> bool:
         return self.kind == "nan" and self.due(rank, step, attempt)
+
+
+class FaultySteps:
+    """Steps with `fault` injected: it strikes as its step begins (before the step reads the stop flag, so
+    an injected SIGTERM stops after that very step); a "nan" fault poisons that step's loss on its rank."""
+
+    def __init__(self, steps: StepsBase, fault: Fault, *, rank: int, attempt: int):
+        self.steps, self.fault, self.rank, self.attempt = steps, fault, rank, attempt
+        self._inputs, steps.inputs = steps.inputs, self._poisoned_inputs  # (an instance attribute: this object only)
+
+    def run(self, step: int, stop: StopFlag) -> list[Finished]:
+        self.fault.strike(self.rank, step + 1, self.attempt)
+        return self.steps.run(step, stop)
+
+    def settle_for_stop(self) -> list[Finished]:
+        return self.steps.settle_for_stop()
+
+    def _poisoned_inputs(self, step: int) -> StepInputs:
+        inputs = self._inputs(step)
+        if not self.fault.poisons_loss(self.rank, step + 1, self.attempt):
+            return inputs
+        loss_fn = inputs.loss_fn
+        return replace(inputs, loss_fn=lambda output, batch: loss_fn(output, batch) * float("nan"))

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError, ModelError
@@ -120,3 +121,14 @@ def export_hf(source: str | Path, out: str | Path, *, max_shard_bytes: int = DEF
             shutil.copyfile(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
     return out
 
+
+
+def export_hf_together(run_dir: Path, out: str | Path) -> Path:
+    """`export_hf` of the run's latest checkpoint, every rank writing some of the shards (collective); rank 0
+    says where the folder is."""
+    dist.barrier()
+    path = export_hf(run_dir, out, rank=dist.get_rank(), world=dist.get_world_size())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"exported to {path} (Hugging Face format)", flush=True)
+    return path

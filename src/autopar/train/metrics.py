@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 
@@ -19,12 +21,30 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-class MetricsLog:
-    """Appends one JSON object per line; only rank 0 writes."""
+def peak_memory_per_rank(device: torch.device) -> list[int]:
+    """Every rank's `peak_memory_bytes`, on every rank (collective)."""
+    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    return [int(p.item()) for p in peaks]
 
-    def __init__(self, path: Path | None):
-        self.path = path
+
+def peak_memory_source(device: torch.device) -> str:
+    """What `peak_memory_bytes` measures on this device."""
+    return ("torch.cuda.max_memory_allocated (tensors only)" if device.type == "cuda" else
+            "resource.getrusage ru_maxrss (the whole process: Python, torch, data and tensors)")
+
+
+class MetricsLog:
+    """Appends one JSON object per line; only rank 0 writes. `due` says which steps' records are written
+    (every `every` steps and the last); a step with an eval loss is written as well (the loop decides)."""
+
+    def __init__(self, path: Path | None, *, every: int = 1, last: int | None = None):
+        self.path, self.every, self.last = path, every, last
         self._file = open(path, "a", buffering=1) if path is not None else None
+
+    def due(self, number: int) -> bool:
+        return number % self.every == 0 or number == self.last
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -34,6 +54,14 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def step_record(number: int, loss: float, lr: float, grad_norm: float | None, tokens: int, elapsed: float,
+                peak_bytes: int) -> dict[str, Any]:
+    """A step's line of metrics.jsonl (non-finite numbers written as null)."""
+    return {"step": number, "loss": loss if math.isfinite(loss) else None, "lr": lr,
+            "grad_norm": grad_norm if grad_norm is not None and math.isfinite(grad_norm) else None,
+            "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "peak_mem_bytes": peak_bytes}
 
 
 class Progress:

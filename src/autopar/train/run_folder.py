@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+import torch.distributed as dist
 
 from ..config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
 from ..launch import RESTARTS_LOG
@@ -30,6 +31,13 @@ def config_toml(strategy: Strategy, train: TrainConfig, job_config: JobConfig | 
                                                                                                resume=None))})
 
 
+def agree_on_run_dir(out: str | None) -> Path:
+    """The run folder, the same on every rank: `out`, or a new one named by rank 0's clock. Collective."""
+    shared = [out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"]
+    dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
+
+
 def write_run_folder(run_dir: Path, *, config: str, info: dict[str, Any], files: dict[str, str]) -> None:
     """config.toml, run.json and the engine's and job's own files (tp_plan.txt, hf/config.json, ...)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -38,6 +46,21 @@ def write_run_folder(run_dir: Path, *, config: str, info: dict[str, Any], files:
     for name, text in files.items():
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_text(text)
+
+
+def write_summary(run_dir: Path, steps: int, losses: list[float], eval_loss: float | None) -> None:
+    """summary.json, and the run's last line ("done: ...")."""
+    summary = {"steps": steps, "final_loss": losses[-1] if losses else None, "eval_loss": eval_loss,
+               "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"done: {steps} steps, final loss {summary['final_loss']}, eval loss "
+          f"{eval_loss if eval_loss is not None else 'n/a'}; run folder {run_dir}", flush=True)
+
+
+def log_torchrun_restart(run_dir: Path, attempt: int, resumes_from: Path | None) -> None:
+    log_restart(run_dir, {"restart": attempt, "by": "torchrun", "world_size": dist.get_world_size(),
+                          "cause": "torchrun restarted the workers (see its log)",
+                          "resumes_from": resumes_from and resumes_from.name})
 
 
 def log_restart(run_dir: Path, record: dict[str, Any]) -> None:
