@@ -22,12 +22,13 @@ from torch import nn
 from .async_sgd.engine import AsyncEngine, check_async_setup
 from .async_sgd.loop import train_async
 from .config import ASYNC_SCHEDULES, Strategy, TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, choices
 from .gossip import GossipEngine, check_gossip_strategy
 from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpoint
 from .pipeline.async_stash_engine import PipeDreamStashEngine
 from .pipeline.async_schedules import check_no_flush
 from .pipeline.engine import PipelineEngine, check_pipeline_strategy
+from .pipeline.schedules import SCHEDULES, schedule_spec
 from .running_stats import check_batch_norm_subbatches, check_running_stats
 from .search.auto import Example, Plan, resolve_choice
 from .search.cluster import cluster_for_ranks
@@ -272,9 +273,10 @@ def check_memory_options(strategy: Strategy, config: TrainConfig) -> None:
         refusals = [
             (strategy.chunks > 1, f"--chunks {strategy.chunks}: one FSDP2 unit per stage, and a rank's stages "
              f"may share a tied weight; use --chunks 1"),
-            (strategy.schedule == "zb-h1", f"--schedule {strategy.schedule}: its weight-gradient pass (W) runs "
-             f"after FSDP2 has resharded the stage at the end of the input-gradient pass (I) (tried: the ranks "
-             f"hang); use 1f1b, gpipe, eager-1f1b or scp"),
+            (not schedule_spec(strategy.schedule).zero3_stages, f"--schedule {strategy.schedule}: its "
+             f"weight-gradient pass (W) runs after FSDP2 has resharded the stage at the end of the input-gradient "
+             f"pass (I) (tried: the ranks hang); use one of "
+             f"{choices(s for s in SCHEDULES if schedule_spec(s).zero3_stages)}"),
         ]
         for refused, why in refusals:
             if refused:

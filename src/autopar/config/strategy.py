@@ -12,14 +12,12 @@ from typing import Any
 
 from ..errors import ConfigError, choices
 from .fields import _check_nonnegative_int, _check_positive_int, _f
+from .schedules import ASYNC_SCHEDULES, SCHEDULES, STAGE_TP_SCHEDULES
 
 
 # Valid choices, named once: the help texts below, the checks and the packages that implement
-# them (pipeline/schedules.py, partition/plan.py, gossip/) all read these.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1", "zbv")
-# No-flush schedules with stale weights (pipeline/async_schedules.py): not synchronous SGD, so
-# never candidates of the strategy search, which reads SCHEDULES only.
-ASYNC_SCHEDULES = ("pipedream-2bw", "pipedream")
+# them (pipeline/schedules.py, partition/plan.py, gossip/) all read these. The schedules' names and
+# facts are the schedule table's (config/schedules.py).
 PARTITION_METHODS = ("uniform", "parameters", "time")
 RECOMPUTE_MODES = ("none", "all", "all-but-last")
 GOSSIP_TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -234,9 +232,6 @@ class Strategy:
         checked = dataclasses.replace(self, stage_tp=None, tp=1, pp=len(degrees), dp=None,
                                       boundary="direct").resolved(len(degrees))
         return dataclasses.replace(checked, stage_tp=",".join(map(str, degrees)), dp=dp, boundary=self.boundary)
-
-
-STAGE_TP_SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 
 
 def parse_stage_tp(value: Any) -> tuple[int, ...]:
