@@ -57,6 +57,9 @@ SCHEDULE_TABLE: tuple[ScheduleSpec, ...] = (
                  generator="scp", searched=False),
     ScheduleSpec("zb-h1", "zero-bubble: backward split into I and W, W off the critical path",
                  generator="zb-h1", split_backward=True, zero3_stages=False),
+    ScheduleSpec("zbv", "zero-bubble V: two chunks per rank placed as a V, backward split into I and W",
+                 generator="zbv", chunks=(2, 2), placement="v", split_backward=True, zero3_stages=False,
+                 searched=False),  # the cost model places stages as a loop
     ScheduleSpec("pipedream-2bw", "no flush, two weight versions per stage (PipeDream-2BW)",
                  generator="1f1b", microbatches="at least pp", flushes=False,
                  zero3_stages=False, searched=False),
@@ -67,10 +70,10 @@ SCHEDULE_TABLE: tuple[ScheduleSpec, ...] = (
 
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in SCHEDULE_TABLE}
 # The names, by kind, as the flags, the strategy table and the search read them.
-SCHEDULES = tuple(spec.name for spec in SCHEDULE_TABLE if spec.flushes) + ("zbv",)  # synchronous: flush every step
+SCHEDULES = tuple(spec.name for spec in SCHEDULE_TABLE if spec.flushes)  # synchronous: flush every step
 ASYNC_SCHEDULES = tuple(spec.name for spec in SCHEDULE_TABLE if not spec.flushes)  # never searched
 STAGE_TP_SCHEDULES = tuple(spec.name for spec in SCHEDULE_TABLE if spec.stage_tp)
-SPLIT_SCHEDULES = tuple(spec.name for spec in SCHEDULE_TABLE if spec.split_backward) + ("zbv",)
+SPLIT_SCHEDULES = tuple(spec.name for spec in SCHEDULE_TABLE if spec.split_backward)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:

@@ -12,21 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from autopar.config.schedules import ASYNC_SCHEDULES, SCHEDULE_SPECS, SCHEDULES, ScheduleSpec  # noqa: F401
-from autopar.config.schedules import schedule_spec as _table_spec
+from autopar.config.schedules import ASYNC_SCHEDULES, SCHEDULE_SPECS, SCHEDULES, ScheduleSpec, schedule_spec  # noqa: F401
 from autopar.errors import ConfigError
 from autopar.pipeline.actions import Action, Op, Schedule, stage_to_rank
 
 F, B, I, W, R = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.RECOMPUTE
-
-# zbv is not in the schedule table yet: its facts live here
-_ZBV = ScheduleSpec("zbv", "zero-bubble V: two chunks per rank placed as a V, backward split into I and W",
-                    generator="zbv", chunks=(2, 2), placement="v", split_backward=True, searched=False)
-
-
-def schedule_spec(name: str) -> ScheduleSpec:
-    return _ZBV if name == "zbv" else _table_spec(name)
-
 
 def minimum_microbatches(name: str, pp: int, chunks: int = 1) -> int:
     """Smallest number of micro-batches `name` supports (interleaving needs whole groups of pp)."""
