@@ -16,6 +16,7 @@ from torch import nn
 import autopar
 from autopar.mesh import ProcessMesh
 from autopar.sparse import ShardedEmbedding, SparseEmbeddingEngine
+from autopar.sparse.engine import SparseOptions
 from autopar.sparse.exchange import CommLedger
 
 VOCAB, DIM = 97, 6  # 6 is not divisible by 4: column shards of unequal width
@@ -96,7 +97,7 @@ def train_sparse(mode: str, optimizer: str, *, sharding: str = "column", schedul
 
     engine = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
                                    forward_fn=lambda m, b: m(b["input_ids"]), autocast=contextlib.nullcontext,
-                                   config=config, batches_for_step=local)
+                                   config=config, batches_for_step=local, options=SparseOptions.of(strategy))
     for ex in engine.exchanges:
         ex.priority = not break_priority
     opt = engine.build_optimizer(config)
@@ -240,6 +241,7 @@ def embrace_small_table(vocab: int, dim: int, sharding: str = "column", optimize
     def build():
         engine = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
                                        forward_fn=lambda m, b: m(b["input_ids"]), autocast=contextlib.nullcontext,
-                                       config=config, batches_for_step=lambda step: [batch])
+                                       config=config, batches_for_step=lambda step: [batch],
+                                       options=SparseOptions.of(strategy))
         engine.build_optimizer(config)
     return config_error_of(build)

@@ -97,7 +97,7 @@ def test_unknown_topology_and_bad_strategies():
     with pytest.raises(ConfigError, match="data-parallel only"):
         check_gossip_strategy(autopar.Strategy(dp=2, pp=2, dp_mode="gossip"))
     with pytest.raises(ConfigError, match="gossip_order"):
-        check_gossip_strategy(autopar.Strategy(dp=2, dp_mode="gossip", gossip_order="cta"))
+        autopar.Strategy(dp=2, dp_mode="gossip", gossip_order="cta").resolved(2)
     with pytest.raises(ConfigError, match="square"):
         from_matrix(torch.ones(2, 3) / 3, name="x")
 

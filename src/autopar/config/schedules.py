@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, choices
 
-MICROBATCH_RULES = ("any", "at least pp", "multiple of pp")
+MICROBATCH_RULES = ("any", "one", "at least pp", "multiple of pp")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class ScheduleSpec:
     chunks: tuple[int, int | None] = (1, 1)  # stages per rank: (least, most); None: no upper bound
     placement: str = "loop"  # 'loop': stage s on rank s mod pp; 'v': rank r holds stages r and 2pp-1-r
     microbatches: str = "any"  # per replica per step: one of MICROBATCH_RULES
+    microbatches_why: str = ""  # why, when not "any"
     split_backward: bool = False  # the backward is two actions: I (input gradient) and W (weight gradient)
     flushes: bool = True  # False: no flush between steps, weights are stale (PipeDream); not synchronous SGD
     stage_tp: bool = False  # runs planned boundaries (--stage-tp, --boundary other than direct)
@@ -33,7 +34,7 @@ class ScheduleSpec:
     searched: bool = True  # a candidate of --strategy auto (the cost model models it)
 
     def minimum_microbatches(self, pp: int) -> int:
-        return 1 if self.microbatches == "any" else pp
+        return pp if self.microbatches in ("at least pp", "multiple of pp") else 1
 
     def accepts_chunks(self, chunks: int) -> bool:
         least, most = self.chunks
@@ -50,7 +51,8 @@ SCHEDULE_TABLE: tuple[ScheduleSpec, ...] = (
     ScheduleSpec("1f1b", "pp - stage forwards in flight, then one backward per forward", generator="1f1b",
                  stage_tp=True),
     ScheduleSpec("interleaved-1f1b", "several stages (chunks) per rank, micro-batches in groups of pp",
-                 generator="interleaved", chunks=(1, None), microbatches="multiple of pp"),
+                 generator="interleaved", chunks=(1, None), microbatches="multiple of pp",
+                 microbatches_why="micro-batches go through in groups of pp"),
     ScheduleSpec("eager-1f1b", "one forward slot ahead of 1F1B so forward transfers overlap",
                  generator="eager-1f1b", stage_tp=True),
     ScheduleSpec("scp", "Merak's shifted critical path: 1F1B with recomputation moved off the critical path",
@@ -62,9 +64,12 @@ SCHEDULE_TABLE: tuple[ScheduleSpec, ...] = (
                  searched=False),  # the cost model places stages as a loop
     ScheduleSpec("pipedream-2bw", "no flush, two weight versions per stage (PipeDream-2BW)",
                  generator="1f1b", microbatches="at least pp", flushes=False,
+                 microbatches_why="the look-ahead forwards of the next step must fit in it, so two weight versions "
+                                  "suffice",
                  zero3_stages=False, searched=False),
     ScheduleSpec("pipedream", "no flush, weight stashing: one optimizer step per micro-batch (PipeDream)",
-                 generator="1f1b", microbatches="at least pp", flushes=False,
+                 generator="1f1b", microbatches="one", flushes=False,
+                 microbatches_why="one optimizer step is one micro-batch per replica",
                  zero3_stages=False, searched=False),
 )
 

@@ -55,9 +55,6 @@ def check_gossip_strategy(strategy) -> Topology:
     if strategy.pp > 1 or strategy.tp > 1:
         raise ConfigError(f"--dp-mode gossip is data-parallel only (every replica holds the whole model), got "
                           f"pp={strategy.pp} tp={strategy.tp}; use pp=1 tp=1, or --dp-mode allreduce")
-    if strategy.gossip_order not in GOSSIP_ORDERS:
-        raise ConfigError(f"strategy.gossip_order must be one of {choices(GOSSIP_ORDERS)}, "
-                          f"got {strategy.gossip_order!r}")
     if not isinstance(strategy.topology, str) or not strategy.topology:
         raise ConfigError(f"strategy.topology must be one of {choices(BUILTIN)} or a file path, "
                           f"got {strategy.topology!r}")

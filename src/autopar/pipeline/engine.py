@@ -17,10 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import PARTITION_METHODS
 from ..data.datasets import IGNORE_INDEX
 from ..distributed import backend_for, group_options
-from ..errors import ConfigError
 from ..mesh import ProcessMesh, stage_rank_table
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
@@ -28,23 +26,12 @@ from ..running_stats import GraphBatchNorm, RunningStatsReplay, batch_norm_layer
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
 from .hetero_boundary import HeteroBoundary
-from .schedules import generate
 from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, token_loss_sum
 from ..zero import ShardedGradients, gradient_sync, to_compute_dtype
 from ..zero.fully_sharded import FullyShardedStages, local_tensor
 
 SHARDED = (ShardedGradients, FullyShardedStages)  # gradients held as this replica's shards
-
-
-def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
-    """Pipeline choices that can be checked before any process group exists (same error on every rank)."""
-    if strategy.pp == 1 and strategy.chunks == 1:
-        return
-    if strategy.partition not in PARTITION_METHODS:
-        raise ConfigError(f"unknown partition method {strategy.partition!r}; "
-                          f"use one of {{{', '.join(PARTITION_METHODS)}}}")
-    generate(strategy.schedule, pp=strategy.pp, num_microbatches=num_microbatches, chunks=strategy.chunks)
 
 
 class LocalStages(nn.Module):

@@ -26,7 +26,6 @@ from torch import nn
 from ..config import Strategy, TrainConfig
 from ..data_parallel import GradientSynchronizer
 from ..distributed import group_options
-from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from ..train.engine import (
@@ -58,25 +57,13 @@ class SparseOptions:
                    sharding=strategy.sparse_sharding, schedule=strategy.sparse_schedule)
 
 
-def check_sparse_setup(options: SparseOptions, config: TrainConfig, device_type: str) -> None:
-    """What the sparse engine refuses, checked before any process starts (same error on every rank)."""
-    if device_type != "cpu":
-        raise ConfigError(f"--sparse-embeddings / sparse-adam run on CPU (gloo) in this version; got device "
-                          f"{device_type}; use --device cpu")
-    if options.schedule and options.mode == "embrace" and config.grad_clip > 0:
-        raise ConfigError(f"--sparse-schedule defers part of the table gradient past the step, so the global "
-                          f"gradient norm is not known when clipping would need it; use --grad-clip 0 "
-                          f"(got {config.grad_clip})")
-
-
 class SparseEmbeddingEngine(EngineBase):
     """Data parallelism with embedding tables exchanged sparsely (dense | allgather | embrace; module doc)."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int, forward_fn: Callable,
                  autocast: Callable, config: TrainConfig, batches_for_step: Callable[[int], list[Batch]],
                  log: Callable[[str], None] | None = None, options: SparseOptions | None = None):
-        options = options or SparseOptions.of(mesh.strategy)
-        check_sparse_setup(options, config, device.type)
+        options = options or SparseOptions()
         self.mode, self.config = options.mode, config
         self.forward_fn, self.autocast = forward_fn, autocast
         self.mesh, self.group = mesh, mesh.group("dp")
