@@ -94,8 +94,9 @@ def test_bad_topology_file(tmp_path, text, n, message):
 def test_unknown_topology_and_bad_strategies():
     with pytest.raises(ConfigError, match="unknown topology 'hypercube'.*ring\\|torus"):
         build_topology("hypercube", 4)
-    with pytest.raises(ConfigError, match="data-parallel only"):
-        check_gossip_strategy(autopar.Strategy(dp=2, pp=2, dp_mode="gossip"))
+    from autopar.strategies import resolve
+    with pytest.raises(ConfigError, match="data-parallel only.*rule gossip-data-parallel-only"):
+        resolve(autopar.Strategy(dp=2, pp=2, dp_mode="gossip"), autopar.TrainConfig(global_batch_size=8), 4)
     with pytest.raises(ConfigError, match="gossip_order"):
         autopar.Strategy(dp=2, dp_mode="gossip", gossip_order="cta").resolved(2)
     with pytest.raises(ConfigError, match="square"):

@@ -269,6 +269,11 @@ RULES: tuple[Rule, ...] = (
          _NO_FLUSH + " --resume with pp=1", "the whole-model 2BW rule keeps its older version outside the "
          "checkpoint", "resume a pipelined (pp > 1) run"),
     # ---- data-parallel-only modes
+    Rule("gossip-data-parallel-only", "--dp-mode gossip with pp > 1 or tp > 1",
+         lambda setup: setup.strategy.dp_mode == "gossip" and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
+         "--dp-mode gossip is data-parallel only, got pp={s.pp} tp={s.tp}",
+         "every replica holds the whole model and averages it with its neighbours",
+         "use pp=1 tp=1, or --dp-mode allreduce"),
     Rule("parameter-server-whole-model", "--dp-mode async with pp > 1 or tp > 1",
          lambda setup: setup.strategy.dp_mode == "async" and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
          "dp_mode=async with pp={s.pp} tp={s.tp}", "it trains the whole model on every worker; it does not "

@@ -51,10 +51,8 @@ GOSSIP_ORDERS = ORDERS  # named once, in config.py
 
 
 def check_gossip_strategy(strategy) -> Topology:
-    """Everything about `--dp-mode gossip` that needs no communication (same error on every rank)."""
-    if strategy.pp > 1 or strategy.tp > 1:
-        raise ConfigError(f"--dp-mode gossip is data-parallel only (every replica holds the whole model), got "
-                          f"pp={strategy.pp} tp={strategy.tp}; use pp=1 tp=1, or --dp-mode allreduce")
+    """The gossip graph `--topology` names (a built-in, or a file that must fit dp); what gossip combines
+    with is the rule table's (config/rules.py)."""
     if not isinstance(strategy.topology, str) or not strategy.topology:
         raise ConfigError(f"strategy.topology must be one of {choices(BUILTIN)} or a file path, "
                           f"got {strategy.topology!r}")
