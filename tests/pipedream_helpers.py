@@ -50,24 +50,23 @@ def train_stash(model_name: str, out: str, **kwargs) -> dict:
 
 def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, vertical_sync: bool,
                        tied_delay: int | None = None, **kwargs) -> dict:
-    """The one-process rule (pipeline/stash_oracle.py) through the ordinary Trainer: the strategy table's
+    """The one-process rule (tests/stash_oracle.py) through the ordinary Trainer: the strategy table's
     data-parallel entry is swapped for one that builds the oracle engine, in this worker only."""
     import dataclasses
 
     import autopar.strategies as strategies
     from autopar.pipeline.async_schedules import flush_steps
-    from autopar.pipeline.stash_oracle import StashOracleEngine
+    from stash_oracle import StashOracleEngine
 
-    def build(ctx):
+    def build(ctx, options):
         cfg = ctx.config
-        return StashOracleEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                                 autocast=ctx.autocast, pp=pp, stages_of=stages_of, vertical_sync=vertical_sync,
-                                 tied_delay=tied_delay,
+        return StashOracleEngine(**ctx.common(), forward_fn=ctx.forward_fn, pp=pp, stages_of=stages_of,
+                                 vertical_sync=vertical_sync, tied_delay=tied_delay,
                                  steps=cfg.steps, flush_after=flush_steps(cfg.steps, eval_every=cfg.eval_every,
                                                                           checkpoint_every=cfg.checkpoint_every))
 
     original = strategies.STRATEGIES
-    oracle = dataclasses.replace(original[-1], name="stash-oracle", build=build)
+    oracle = dataclasses.replace(original[-1], name="stash-oracle", engine=build)
     strategies.STRATEGIES = (oracle,)
     try:
         return train_builtin(model_name, out, **kwargs)

@@ -16,7 +16,7 @@ from torch import nn
 import autopar
 from autopar.data_parallel import LinkModel, Links
 from autopar.errors import ConfigError
-from autopar.gossip import GossipEngine, GossipMixer, build_topology, check_gossip_strategy, from_matrix
+from autopar.gossip import GossipEngine, GossipMixer, GossipOptions, build_topology, check_gossip_strategy, from_matrix
 from autopar.mesh import ProcessMesh
 
 from helpers import max_param_difference, max_relative_difference, train_builtin
@@ -176,7 +176,8 @@ def _average_iterate(order: str, lr: float, latency: float, steps: int = 5, pert
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
     links = Links(LinkModel(latency_s=latency), group=mesh.group("dp"), timeout_s=30)
     engine = GossipEngine(model, mesh, device=torch.device("cpu"), seed=0, forward_fn=lambda m, b: m(b["inputs"]),
-                          autocast=contextlib.nullcontext, links=links, verbose=False)
+                          autocast=contextlib.nullcontext, links=links, verbose=False,
+                          options=GossipOptions.of(strategy))
     if perturb:  # replicas start apart (they start equal otherwise)
         with torch.no_grad():
             for p in engine.flat.params:

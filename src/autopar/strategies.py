@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -24,7 +25,7 @@ from .async_sgd.loop import train_async
 from .config import ASYNC_SCHEDULES, Strategy, TrainConfig
 from .config.rules import Setup, check_rules
 from .errors import ConfigError
-from .gossip import GossipEngine, check_gossip_strategy
+from .gossip import GossipEngine, GossipOptions, check_gossip_strategy
 from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpoint
 from .pipeline.async_stash_engine import PipeDreamStashEngine
 from .pipeline.engine import PipelineEngine
@@ -49,13 +50,23 @@ class Request:
     custom_forward: bool = False  # the Trainer got a forward_fn of its own
 
 
+def _whole_strategy(strategy: Strategy, config: TrainConfig) -> Strategy:
+    return strategy
+
+
 @dataclass(frozen=True)
 class StrategyEntry:
+    """One strategy: when it runs, its check, and its engine built from the context and its options."""
+
     name: str
     applies: Callable[[Strategy, TrainConfig], bool]
     check: Callable[[Request], tuple[TrainConfig, int]]  # -> (config with micro-batches resolved, accumulation)
-    build: Callable[[EngineContext], Engine]
+    engine: Callable[[EngineContext, Any], Engine]  # (ctx, options) -> this rank's engine
     loop: Callable[[LoopServices], TrainResult] | None = None  # None: the Trainer's synchronous loop
+    options: Callable[[Strategy, TrainConfig], Any] = _whole_strategy  # the part of the strategy the engine reads
+
+    def build(self, ctx: EngineContext) -> Engine:
+        return self.engine(ctx, self.options(ctx.strategy, ctx.config))
 
 
 @dataclass(frozen=True)
@@ -106,27 +117,26 @@ def _check_async(request: Request) -> tuple[TrainConfig, int]:
 
 
 # ---------------------------------------------------------------------------- builders
+# Each takes the context (what every engine is built from; ctx.common() the arguments all take) and
+# its entry's options (the part of the strategy that engine reads).
 
 
-def _build_gossip(ctx: EngineContext) -> Engine:
+def _build_gossip(ctx: EngineContext, options: GossipOptions) -> Engine:
     """D-PSGD: replicas mix with neighbours (gossip/engine.py)."""
-    return GossipEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                        autocast=ctx.autocast, timeout_s=ctx.timeout_s,
-                        topology=check_gossip_strategy(ctx.strategy), order=ctx.strategy.gossip_order)
+    return GossipEngine(**ctx.common(), forward_fn=ctx.forward_fn, timeout_s=ctx.timeout_s, options=options)
 
 
-def _build_async(ctx: EngineContext) -> Engine:
+def _build_async(ctx: EngineContext, options: Strategy) -> Engine:
     """Parameter server (async_sgd/engine.py): servers serve, workers run ahead."""
-    return AsyncEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                       autocast=ctx.autocast, timeout_s=ctx.timeout_s, weight_decay=ctx.config.weight_decay,
-                       servers=ctx.strategy.servers, staleness=ctx.strategy.staleness)
+    return AsyncEngine(**ctx.common(), forward_fn=ctx.forward_fn, timeout_s=ctx.timeout_s,
+                       weight_decay=ctx.config.weight_decay, servers=options.servers, staleness=options.staleness)
 
 
-def _build_pipeline(ctx: EngineContext) -> Engine:
+def _build_pipeline(ctx: EngineContext, options: Strategy) -> Engine:
     """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1)."""
-    return PipelineEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, example_batch=ctx.example_batch(),
-                          num_microbatches=ctx.accumulation, autocast=ctx.autocast, timeout_s=ctx.timeout_s,
-                          strategy=ctx.strategy, param_dtype=ctx.param_dtype, boundary_link=_boundary_cluster(ctx.strategy))
+    return PipelineEngine(**ctx.common(), example_batch=ctx.example_batch(), num_microbatches=ctx.accumulation,
+                          timeout_s=ctx.timeout_s, strategy=options, param_dtype=ctx.param_dtype,
+                          boundary_link=_boundary_cluster(options))
 
 
 def _boundary_cluster(strategy: Strategy):
@@ -137,55 +147,57 @@ def _boundary_cluster(strategy: Strategy):
     return cluster_for_ranks(strategy.cluster, strategy.dp * ranks)
 
 
-def _build_pipedream(ctx: EngineContext) -> Engine:
+def _build_pipedream(ctx: EngineContext, options: Strategy) -> Engine:
     """PipeDream-2BW: no-flush 1F1B on two weight versions (pipeline/async_engine.py); with pp=1, the
     same update rule on whole models (train/two_bw_oracle.py). PipeDream (weight stashing,
     pipeline/async_stash_engine.py); with pp=1 its rule is synchronous SGD (no stage lags)."""
+    if options.pp == 1:
+        if options.schedule == "pipedream":
+            return _build_data_parallel(ctx, options)
+        return DelayOneDataParallelEngine(**ctx.common(), forward_fn=ctx.forward_fn)
     cfg = ctx.config
-    if ctx.strategy.schedule == "pipedream":
-        if ctx.strategy.pp == 1:
-            return _build_data_parallel(ctx)
-        return PipeDreamStashEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
-                                    example_batch=ctx.example_batch(), autocast=ctx.autocast, timeout_s=ctx.timeout_s,
-                                    strategy=ctx.strategy, steps=cfg.steps, eval_every=cfg.eval_every,
-                                    checkpoint_every=cfg.checkpoint_every, vertical_sync=ctx.strategy.vertical_sync,
-                                    tied_delay=ctx.strategy.tied_delay,
-                                    batches_for_step=ctx.batches_for_step, samples_for_step=ctx.samples_for_step)
-    if ctx.strategy.pp == 1:
-        return DelayOneDataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
-                                          forward_fn=ctx.forward_fn, autocast=ctx.autocast)
-    return PipeDream2BWEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed,
-                              example_batch=ctx.example_batch(), num_microbatches=ctx.accumulation,
-                              autocast=ctx.autocast, timeout_s=ctx.timeout_s, strategy=ctx.strategy,
-                              steps=cfg.steps, eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
-                              batches_for_step=ctx.batches_for_step, samples_for_step=ctx.samples_for_step)
+    no_flush = dict(example_batch=ctx.example_batch(), timeout_s=ctx.timeout_s, strategy=options, steps=cfg.steps,
+                    eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
+                    batches_for_step=ctx.batches_for_step, samples_for_step=ctx.samples_for_step)
+    if options.schedule == "pipedream":
+        return PipeDreamStashEngine(**ctx.common(), **no_flush, vertical_sync=options.vertical_sync,
+                                    tied_delay=options.tied_delay)
+    return PipeDream2BWEngine(**ctx.common(), **no_flush, num_microbatches=ctx.accumulation)
 
 
-def _build_sparse(ctx: EngineContext) -> Engine:
+def _build_sparse(ctx: EngineContext, options: SparseOptions) -> Engine:
     """EmbRace and its baselines (sparse/engine.py)."""
-    return SparseEmbeddingEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                                 autocast=ctx.autocast, config=ctx.config, log=ctx.log,
-                                 batches_for_step=ctx.batches_for_step, options=SparseOptions.of(ctx.strategy))
+    return SparseEmbeddingEngine(**ctx.common(), forward_fn=ctx.forward_fn, config=ctx.config, log=ctx.log,
+                                 batches_for_step=ctx.batches_for_step, options=options)
 
 
-def _build_fully_sharded(ctx: EngineContext) -> Engine:
+def _build_fully_sharded(ctx: EngineContext, options: Strategy) -> Engine:
     """ZeRO-3: parameters sharded too, gathered per block by FSDP2 (train/fsdp_engine.py)."""
-    return FullyShardedEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                              autocast=ctx.autocast, param_dtype=ctx.param_dtype)
+    return FullyShardedEngine(**ctx.common(), forward_fn=ctx.forward_fn, param_dtype=ctx.param_dtype,
+                              batchnorm=options.batchnorm)
 
 
-def _build_data_parallel(ctx: EngineContext) -> Engine:
-    return DataParallelEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                              autocast=ctx.autocast, zero=ctx.strategy.zero, param_dtype=ctx.param_dtype)
+def _build_data_parallel(ctx: EngineContext, options: Strategy) -> Engine:
+    return DataParallelEngine(**ctx.common(), forward_fn=ctx.forward_fn, zero=options.zero,
+                              param_dtype=ctx.param_dtype, batchnorm=options.batchnorm)
+
+
+def _sparse_options(strategy: Strategy, config: TrainConfig) -> SparseOptions:
+    return SparseOptions.of(strategy)
+
+
+def _gossip_options(strategy: Strategy, config: TrainConfig) -> GossipOptions:
+    return GossipOptions.of(strategy)
 
 
 STRATEGIES: tuple[StrategyEntry, ...] = (
     StrategyEntry("pipedream-2bw", lambda s, c: s.schedule in ASYNC_SCHEDULES, _check_pipedream, _build_pipedream),
-    StrategyEntry("gossip", lambda s, c: s.dp_mode == "gossip", _check_gossip, _build_gossip),
+    StrategyEntry("gossip", lambda s, c: s.dp_mode == "gossip", _check_gossip, _build_gossip,
+                  options=_gossip_options),
     StrategyEntry("parameter-server", lambda s, c: s.dp_mode == "async", _check_async, _build_async,
                   loop=train_async),
     StrategyEntry("pipeline", lambda s, c: s.pp > 1 or s.tp > 1, _synchronous_check, _build_pipeline),
-    StrategyEntry("sparse-embeddings", sparse_requested, _synchronous_check, _build_sparse),
+    StrategyEntry("sparse-embeddings", sparse_requested, _synchronous_check, _build_sparse, options=_sparse_options),
     StrategyEntry("zero-3", lambda s, c: s.zero == 3, _synchronous_check, _build_fully_sharded),
     StrategyEntry("data-parallel", lambda s, c: True, _synchronous_check, _build_data_parallel),
 )

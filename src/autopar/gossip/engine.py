@@ -31,6 +31,7 @@ Data-parallel only: pipeline or tensor parallelism with gossip is rejected.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -88,19 +89,26 @@ class FlatParameters:
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
-class GossipEngine(EngineBase):
-    """The whole model on every replica, mixed with its gossip neighbours every step (module doc).
+@dataclass(frozen=True)
+class GossipOptions:
+    """The engine's own options: the mixing graph (Strategy.topology over dp replicas) and the update order."""
 
-    `topology` and `order` are the engine's own options (strategies.py passes them); left out,
-    they are read from the mesh's strategy (for callers that build the engine by hand).
-    """
+    topology: Topology
+    order: str = "dpsgd"
+
+    @classmethod
+    def of(cls, strategy) -> GossipOptions:
+        """From a resolved Strategy (dp known: a built-in graph is made for it, a file is checked against it)."""
+        return cls(topology=check_gossip_strategy(strategy), order=strategy.gossip_order)
+
+
+class GossipEngine(EngineBase):
+    """The whole model on every replica, mixed with its gossip neighbours every step (module doc)."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 forward_fn: Callable, autocast: Callable, links: Links | None = None,
-                 timeout_s: float = 300.0, verbose: bool = True, topology: Topology | None = None,
-                 order: str | None = None):
-        self.topology = topology if topology is not None else check_gossip_strategy(mesh.strategy)
-        self.order = order if order is not None else mesh.strategy.gossip_order
+                 forward_fn: Callable, autocast: Callable, options: GossipOptions, links: Links | None = None,
+                 timeout_s: float = 300.0, verbose: bool = True):
+        self.topology, self.order = options.topology, options.order
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         broadcast_from_first_replica(self.module, mesh)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import Strategy
 from ..data.datasets import IGNORE_INDEX
 from ..distributed import backend_for, group_options
 from ..mesh import ProcessMesh, stage_rank_table
@@ -75,9 +76,8 @@ class PipelineEngine(EngineBase):
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float,
-                 strategy=None, param_dtype: torch.dtype = torch.float32, boundary_link=None):
+                 strategy: Strategy, param_dtype: torch.dtype = torch.float32, boundary_link=None):
         """boundary_link: what --boundary auto costs its choice on (a search.cluster.Cluster; None: nominal)."""
-        strategy = strategy if strategy is not None else mesh.strategy  # the strategy table passes it explicitly
         self.mesh, self.autocast = mesh, autocast
         self.stage_tp = strategy.stage_tps  # None: every stage has strategy.tp
         tp, boundary = strategy.tp, None
