@@ -98,3 +98,9 @@ def test_strategies_argument_replaces_the_table():
     assert resolved.entry is only[0]
     with pytest.raises(ConfigError, match="no strategy entry applies"):
         resolve(autopar.Strategy(), autopar.TrainConfig(global_batch_size=8, micro_batch_size=2), 2, strategies=())
+
+
+def test_autopar_rules_prints_the_matrix(capsys):
+    from autopar.cli import main
+    assert main(["rules"]) == 0
+    assert capsys.readouterr().out == render_matrix()

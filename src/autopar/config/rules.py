@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from ..errors import ConfigError
+from . import TrainConfig  # the package's __init__ is loaded first and does not import this module
 from .schedules import SCHEDULE_TABLE, ScheduleSpec, schedule_spec
 from .strategy import Strategy
 
@@ -31,7 +32,7 @@ class Setup:
     """What the rules read: the user's choices before any process group exists."""
 
     strategy: Strategy  # resolved (dp filled in), except for the search's rules (phase "search")
-    config: Any  # TrainConfig (not imported: config/__init__ imports this package's modules)
+    config: TrainConfig
     world: int
     custom_forward: bool = False  # the Trainer got a forward_fn of its own
     pretrained: bool = False  # the Trainer got pretrained weights to load
@@ -57,7 +58,7 @@ class Setup:
         return self.world - s.servers if s.dp_mode == "async" else s.dp
 
     @cached_property
-    def micro_config(self):
+    def micro_config(self) -> TrainConfig:
         """The train config with --micro-batches resolved into a micro-batch size (an error if it does not divide)."""
         return self.config.with_micro_batches(self.replicas)
 

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from . import TrainConfig
 from .rules import RULES, Rule, Setup
 from .schedules import SCHEDULE_TABLE
 from .strategy import Strategy
@@ -60,8 +61,6 @@ def _merged(a: dict, b: dict) -> dict | None:
 
 def refusal(features: tuple[Feature, ...]) -> Rule | str | None:
     """The first rule a layout with all `features` breaks; None when it runs; a string when no layout has them."""
-    from . import TrainConfig  # config/__init__ imports this module's package siblings first
-
     fields: dict | None = {}
     train: dict | None = {}
     for feature in features:
