@@ -155,7 +155,8 @@ RULES: tuple[Rule, ...] = (
          "use --chunks 1"),
     Rule("stage-tp-schedule", "--stage-tp with a schedule that does not run planned boundaries",
          lambda setup: _stage_tp(setup.strategy) and not setup.spec.stage_tp,
-         _STAGE_TP + " --schedule {s.schedule}", "its stages exchange tensors of one layout only",
+         _STAGE_TP + " --schedule {s.schedule}",
+         "its stages exchange boundary tensors through the direct transport only, which needs equal layouts",
          f"use one of {_names(lambda spec: spec.stage_tp)}"),
     Rule("stage-tp-subbatches", "--stage-tp with --tp-subbatches > 1",
          lambda setup: _stage_tp(setup.strategy) and setup.strategy.tp_subbatches > 1,
@@ -258,7 +259,7 @@ RULES: tuple[Rule, ...] = (
     Rule("no-flush-recompute", "--schedule pipedream|pipedream-2bw with --recompute or --memory-budget-mb",
          lambda setup: _no_flush(setup) and (setup.strategy.recompute != "none"
                                              or setup.strategy.memory_budget_mb is not None),
-         _NO_FLUSH + " recomputation (--recompute {s.recompute} / --memory-budget-mb {s.memory_budget_mb})",
+         _NO_FLUSH + " recomputation (--recompute {s.recompute}, --memory-budget-mb {s.memory_budget_mb})",
          "SCP's ingredient is not supported with the no-flush lists yet", "use --recompute none"),
     Rule("no-flush-sparse", "--schedule pipedream|pipedream-2bw with sparse embeddings or sparse-adam",
          lambda setup: _no_flush(setup) and setup.sparse,
