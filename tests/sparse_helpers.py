@@ -225,7 +225,7 @@ def embrace_without_table() -> str:
     batch = {"inputs": torch.randn(2, 4), "labels": torch.zeros(2, 4)}
     return config_error_of(SparseEmbeddingEngine, NoTable(), mesh, device=torch.device("cpu"), seed=0,
                            forward_fn=lambda m, b: m(b["inputs"]), autocast=contextlib.nullcontext, config=config,
-                           batches_for_step=lambda step: [batch])
+                           batches_for_step=lambda step: [batch], options=SparseOptions.of(strategy))
 
 
 def embrace_small_table(vocab: int, dim: int, sharding: str = "column", optimizer: str = "sgd",

@@ -358,8 +358,8 @@ RULES: tuple[Rule, ...] = (
          lambda setup: setup.pipelined and setup.spec.microbatches == "multiple of pp"
          and setup.microbatches % setup.strategy.pp != 0,
          "--schedule {s.schedule} with pp={s.pp}",
-         "it runs micro-batches in groups of pp={s.pp}, so num_microbatches (per replica per step) must be a "
-         "multiple of {s.pp}, got {setup.microbatches}",
+         "it runs micro-batches in groups of pp={s.pp}, so num_microbatches must be a multiple of {s.pp}, got "
+         "{setup.microbatches} per replica per step",
          "use e.g. {multiple} micro-batches per replica",
          detail=lambda setup: {"multiple": -(-setup.microbatches // setup.strategy.pp) * setup.strategy.pp}),
 )

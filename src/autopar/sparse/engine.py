@@ -10,7 +10,7 @@ are sparse (sparse/classify.py, logged on rank 0), then per `Strategy.sparse_emb
 - `embrace`: sparse tables are sharded over the ranks (sparse/sharded_embedding.py),
   looked up with AlltoAll, updated locally; optionally with 2D scheduling (schedule.py).
 Dense parameters always use the bucketed GradientSynchronizer, which never sees a sparse
-table. Data parallelism only (Strategy.resolved refuses pp/tp > 1); gloo/CPU only.
+table. Data parallelism only (the rule table, config/rules.py, refuses pp/tp > 1); gloo/CPU only.
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ class SparseEmbeddingEngine(EngineBase):
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int, forward_fn: Callable,
                  autocast: Callable, config: TrainConfig, batches_for_step: Callable[[int], list[Batch]],
-                 log: Callable[[str], None] | None = None, options: SparseOptions | None = None):
-        options = options or SparseOptions()
+                 options: SparseOptions, log: Callable[[str], None] | None = None):
         self.mode, self.config = options.mode, config
         self.forward_fn, self.autocast = forward_fn, autocast
         self.mesh, self.group = mesh, mesh.group("dp")
