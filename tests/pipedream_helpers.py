@@ -50,25 +50,24 @@ def train_stash(model_name: str, out: str, **kwargs) -> dict:
 
 def train_stash_oracle(model_name: str, out: str, *, pp: int, stages_of: dict, vertical_sync: bool,
                        tied_delay: int | None = None, **kwargs) -> dict:
-    """The one-process rule (pipeline/stash_oracle.py) through the ordinary Trainer, given a strategy table
+    """The one-process rule (tests/stash_oracle.py) through the ordinary Trainer, given a strategy table
     of one entry: the data-parallel entry, building the oracle engine."""
     import dataclasses
 
     from autopar.pipeline.async_schedules import flush_steps
-    from autopar.pipeline.stash_oracle import StashOracleEngine
     from autopar.strategies import STRATEGIES
+    from stash_oracle import StashOracleEngine
 
-    def build(ctx):
+    def build(ctx, options):
         cfg = ctx.config
-        return StashOracleEngine(ctx.model, ctx.mesh, device=ctx.device, seed=ctx.seed, forward_fn=ctx.forward_fn,
-                                 autocast=ctx.autocast, pp=pp, stages_of=stages_of, vertical_sync=vertical_sync,
-                                 tied_delay=tied_delay,
+        return StashOracleEngine(**ctx.common(), forward_fn=ctx.forward_fn, pp=pp, stages_of=stages_of,
+                                 vertical_sync=vertical_sync, tied_delay=tied_delay,
                                  steps=cfg.steps, flush_after=flush_steps(cfg.steps, eval_every=cfg.eval_every,
                                                                           checkpoint_every=cfg.checkpoint_every))
 
     data_parallel = next(entry for entry in STRATEGIES if entry.name == "data-parallel")
     return train_builtin(model_name, out, strategies=(dataclasses.replace(data_parallel, name="stash-oracle",
-                                                                          build=build),), **kwargs)
+                                                                          engine=build),), **kwargs)
 
 
 def train_until_signal(model_name: str, out: str, *, fault: str, **kwargs) -> str:

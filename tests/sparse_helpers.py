@@ -16,6 +16,7 @@ from torch import nn
 import autopar
 from autopar.mesh import ProcessMesh
 from autopar.sparse import ShardedEmbedding, SparseEmbeddingEngine
+from autopar.sparse.engine import SparseOptions
 from autopar.sparse.exchange import CommLedger
 
 VOCAB, DIM = 97, 6  # 6 is not divisible by 4: column shards of unequal width
@@ -96,7 +97,7 @@ def train_sparse(mode: str, optimizer: str, *, sharding: str = "column", schedul
 
     engine = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
                                    forward_fn=lambda m, b: m(b["input_ids"]), autocast=contextlib.nullcontext,
-                                   config=config, batches_for_step=local)
+                                   config=config, batches_for_step=local, options=SparseOptions.of(strategy))
     for ex in engine.exchanges:
         ex.priority = not break_priority
     opt = engine.build_optimizer(config)
@@ -224,7 +225,7 @@ def embrace_without_table() -> str:
     batch = {"inputs": torch.randn(2, 4), "labels": torch.zeros(2, 4)}
     return config_error_of(SparseEmbeddingEngine, NoTable(), mesh, device=torch.device("cpu"), seed=0,
                            forward_fn=lambda m, b: m(b["inputs"]), autocast=contextlib.nullcontext, config=config,
-                           batches_for_step=lambda step: [batch])
+                           batches_for_step=lambda step: [batch], options=SparseOptions.of(strategy))
 
 
 def embrace_small_table(vocab: int, dim: int, sharding: str = "column", optimizer: str = "sgd",
@@ -240,6 +241,7 @@ def embrace_small_table(vocab: int, dim: int, sharding: str = "column", optimize
     def build():
         engine = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
                                        forward_fn=lambda m, b: m(b["input_ids"]), autocast=contextlib.nullcontext,
-                                       config=config, batches_for_step=lambda step: [batch])
+                                       config=config, batches_for_step=lambda step: [batch],
+                                       options=SparseOptions.of(strategy))
         engine.build_optimizer(config)
     return config_error_of(build)

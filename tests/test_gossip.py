@@ -16,7 +16,7 @@ from torch import nn
 import autopar
 from autopar.data_parallel import LinkModel, Links
 from autopar.errors import ConfigError
-from autopar.gossip import GossipEngine, GossipMixer, build_topology, check_gossip_strategy, from_matrix
+from autopar.gossip import GossipEngine, GossipMixer, GossipOptions, build_topology, check_gossip_strategy, from_matrix
 from autopar.mesh import ProcessMesh
 
 from helpers import max_param_difference, max_relative_difference, train_builtin
@@ -94,10 +94,11 @@ def test_bad_topology_file(tmp_path, text, n, message):
 def test_unknown_topology_and_bad_strategies():
     with pytest.raises(ConfigError, match="unknown topology 'hypercube'.*ring\\|torus"):
         build_topology("hypercube", 4)
-    with pytest.raises(ConfigError, match="data-parallel only"):
-        check_gossip_strategy(autopar.Strategy(dp=2, pp=2, dp_mode="gossip"))
+    from autopar.strategies import resolve
+    with pytest.raises(ConfigError, match="data-parallel only.*rule gossip-data-parallel-only"):
+        resolve(autopar.Strategy(dp=2, pp=2, dp_mode="gossip"), autopar.TrainConfig(global_batch_size=8), 4)
     with pytest.raises(ConfigError, match="gossip_order"):
-        check_gossip_strategy(autopar.Strategy(dp=2, dp_mode="gossip", gossip_order="cta"))
+        autopar.Strategy(dp=2, dp_mode="gossip", gossip_order="cta").resolved(2)
     with pytest.raises(ConfigError, match="square"):
         from_matrix(torch.ones(2, 3) / 3, name="x")
 
@@ -175,7 +176,8 @@ def _average_iterate(order: str, lr: float, latency: float, steps: int = 5, pert
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
     links = Links(LinkModel(latency_s=latency), group=mesh.group("dp"), timeout_s=30)
     engine = GossipEngine(model, mesh, device=torch.device("cpu"), seed=0, forward_fn=lambda m, b: m(b["inputs"]),
-                          autocast=contextlib.nullcontext, links=links, verbose=False)
+                          autocast=contextlib.nullcontext, links=links, verbose=False,
+                          options=GossipOptions.of(strategy))
     if perturb:  # replicas start apart (they start equal otherwise)
         with torch.no_grad():
             for p in engine.flat.params:

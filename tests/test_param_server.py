@@ -18,6 +18,7 @@ from torch import nn
 import autopar
 from autopar.async_sgd import Roles, train_with_parameter_server
 from autopar.async_sgd.engine import check_async_setup
+from autopar.strategies import resolve
 from autopar.errors import ConfigError
 from helpers import max_param_difference, max_relative_difference, train_builtin
 
@@ -162,14 +163,13 @@ def test_bad_layouts_are_clear_errors():
     with pytest.raises(ConfigError, match="servers must be a positive integer, got 0"):
         autopar.Strategy(dp_mode="async", servers=0).resolved(4)
     with pytest.raises(ConfigError, match="--servers 4 with 4 process.*leaves no worker.*--servers <= 3"):
-        check_async_setup(autopar.Strategy(dp_mode="async", servers=4).resolved(4), sgd, 4)
+        resolve(autopar.Strategy(dp_mode="async", servers=4), sgd, 4)
     with pytest.raises(ConfigError, match="does not combine with pp=2"):
-        check_async_setup(autopar.Strategy(dp_mode="async", pp=2).resolved(4), sgd, 4)
+        resolve(autopar.Strategy(dp_mode="async", pp=2), sgd, 4)
     with pytest.raises(ConfigError, match="--optimizer adamw; use --optimizer sgd"):
-        check_async_setup(autopar.Strategy(dp_mode="async").resolved(4), autopar.TrainConfig(), 4)
+        resolve(autopar.Strategy(dp_mode="async"), autopar.TrainConfig(global_batch_size=6, micro_batch_size=2), 4)
     with pytest.raises(ConfigError, match="--eval-every"):
-        check_async_setup(autopar.Strategy(dp_mode="async").resolved(4),
-                          autopar.TrainConfig(optimizer="sgd", eval_every=5), 4)
+        resolve(autopar.Strategy(dp_mode="async"), autopar.TrainConfig(optimizer="sgd", eval_every=5), 4)
     with pytest.raises(ConfigError, match="3 worker.*dp\\*micro_batch_size = 3\\*2"):
         check_async_setup(autopar.Strategy(dp_mode="async").resolved(4), sgd, 4)
     with pytest.raises(ConfigError, match="staleness must be an integer >= 0"):

@@ -281,7 +281,7 @@ STASH_LAYOUTS = [
 
 @pytest.mark.parametrize("model,world,strategy,micro,vertical_sync", STASH_LAYOUTS, ids=lambda v: str(v))
 def test_stash_matches_its_single_process_rule(rank_pool, tmp_path, model, world, strategy, micro, vertical_sync):
-    """The pipelined run against pipeline/stash_oracle.py (per-stage delays pp-1-s, or pp-1 for all with
+    """The pipelined run against tests/stash_oracle.py (per-stage delays pp-1-s, or pp-1 for all with
     vertical sync; the eval after step 4 flushes, so the next steps warm up again on the newest weights)."""
     results = rank_pool(world).run(train_stash, model, str(tmp_path / "pipe"), model_args=MODELS[model],
                                    strategy={**strategy, "schedule": "pipedream", "vertical_sync": vertical_sync},

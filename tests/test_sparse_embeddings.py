@@ -164,10 +164,12 @@ def test_bad_input_gets_clear_errors(rank_pool):
     for bad in (-0.1, 1.5):
         with pytest.raises(ConfigError, match=r"sparse_threshold .* must be in \[0, 1\], got"):
             autopar.Strategy(sparse_threshold=bad).resolved(2)
+    from autopar.strategies import resolve  # combinations: the rule table
+    batch = autopar.TrainConfig(global_batch_size=8, micro_batch_size=2)
     with pytest.raises(ConfigError, match="data parallelism only"):
-        autopar.Strategy(sparse_embeddings="embrace", pp=2).resolved(2)
+        resolve(autopar.Strategy(sparse_embeddings="embrace", pp=2), batch, 2)
     with pytest.raises(ConfigError, match="needs --sparse-embeddings embrace"):
-        autopar.Strategy(sparse_embeddings="allgather", sparse_schedule=True).resolved(2)
+        resolve(autopar.Strategy(sparse_embeddings="allgather", sparse_schedule=True), batch, 2)
     with pytest.raises(ConfigError, match="sparse_sharding"):
         autopar.Strategy(sparse_sharding="diagonal").resolved(2)
     pool = rank_pool(4)
@@ -177,4 +179,6 @@ def test_bad_input_gets_clear_errors(rank_pool):
     assert all("narrower than the 4 ranks" in m for m in pool.run(embrace_small_table, 50, 2))
     assert all(m == "" for m in pool.run(embrace_small_table, 50, 2, "row"))  # row sharding is fine there
     assert all("not row-separable" in m for m in pool.run(embrace_small_table, 50, 8, "column", "adamw"))
-    assert all("--grad-clip 0" in m for m in pool.run(embrace_small_table, 50, 8, "column", "sgd", True, 1.0))
+    with pytest.raises(ConfigError, match="--grad-clip 0"):  # clipping beside the 2D schedule: before any rank
+        resolve(autopar.Strategy(sparse_embeddings="embrace", sparse_schedule=True),
+                autopar.TrainConfig(optimizer="sgd", grad_clip=1.0, global_batch_size=8, micro_batch_size=2), 2)

@@ -119,8 +119,9 @@ def test_stage_tp_with_dp_matches_and_checkpoints_whole_tensors(rank_pool, tmp_p
     ({"tp": 2, "pp": 2, "schedule": "zb-h1", "boundary": "broadcast"}, 4, "cannot be combined with --schedule zb-h1"),
 ])
 def test_stage_tp_bad_layouts_are_refused(fields, world, message):
+    from autopar.strategies import resolve
     with pytest.raises(ConfigError, match=None) as caught:
-        autopar.Strategy(**fields).resolved(world)
+        resolve(autopar.Strategy(**fields), autopar.TrainConfig(global_batch_size=8, micro_batch_size=2), world)
     assert message in str(caught.value), str(caught.value)
 
 

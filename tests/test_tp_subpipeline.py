@@ -85,11 +85,11 @@ def test_sub_batches_are_interleaved(rank_pool):
 def test_bad_tp_subbatches_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="tp_subbatches"):
         autopar.Strategy(tp=2, tp_subbatches=0).resolved(2)
-    from autopar.tensor_parallel.subpipeline import check_tp_subbatches
+    from autopar.strategies import resolve
     with pytest.raises(ConfigError, match=r"tp_subbatches=3 does not divide micro_batch_size=4.*\[1, 2, 4\]"):
-        check_tp_subbatches(autopar.Strategy(tp=2, tp_subbatches=3), 4)
+        resolve(autopar.Strategy(tp=2, tp_subbatches=3), autopar.TrainConfig(global_batch_size=8, micro_batch_size=4), 2)
     with pytest.raises(ConfigError, match="tp=1"):
-        check_tp_subbatches(autopar.Strategy(tp=1, tp_subbatches=2), 4)
+        resolve(autopar.Strategy(tp=1, tp_subbatches=2), autopar.TrainConfig(global_batch_size=8, micro_batch_size=4), 2)
 
 
 def _setup_error(k: int, micro: int) -> str:

@@ -383,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the Python script to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     models = sub.add_parser("models", help="list the built-in models")
+    sub.add_parser("rules", help="print what combines with what: the compatibility matrix of the rule table")
     models.add_argument("--hf", action="store_true", help="list every Hugging Face model type --model hf:<type> "
                         "accepts")
     export = sub.add_parser("export", help="write a run's final checkpoint in another format (--to hf: a folder "
@@ -465,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
             code = cmd_checkpoints(ns)
         elif ns.command == "export":
             code = cmd_export(ns)
+        elif ns.command == "rules":
+            from .config.rules_matrix import render_matrix
+            print(render_matrix(), end="")
+            code = 0
         else:
             code = cmd_models(ns)
     except Preempted as exc:  # a checkpoint was saved: resumable

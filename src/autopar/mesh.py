@@ -25,7 +25,6 @@ class ProcessMesh:
     """This rank's view of the pp x dp x tp mesh."""
 
     device_mesh: DeviceMesh
-    strategy: Strategy
     device_type: str
 
     @classmethod
@@ -38,7 +37,7 @@ class ProcessMesh:
         backend = backend_for(device)
         override = {name: (backend, group_options(backend, timeout_s)) for name in DIM_NAMES}
         mesh = init_device_mesh(device, shape, mesh_dim_names=DIM_NAMES, backend_override=override)
-        return cls(device_mesh=mesh, strategy=strategy, device_type=device)
+        return cls(device_mesh=mesh, device_type=device)
 
     def _check(self, name: str) -> None:
         if name not in DIM_NAMES:
@@ -102,7 +101,7 @@ class StageMesh:
     index, and the boundary transfers (pipeline/hetero_boundary.py) address global ranks.
     """
 
-    strategy: Strategy
+    dp: int  # replicas of each (stage, tp rank)
     device_type: str
     table: list[list[list[int]]]  # [stage][dp][tp] -> global rank
     stage: int
@@ -131,7 +130,7 @@ class StageMesh:
                 group = dist.new_group(ranks, backend=backend, pg_options=options)
                 if me in ranks:
                     groups[name] = group
-        return cls(strategy=strategy, device_type=device, table=table, stage=stage, dp_index=dp_index,
+        return cls(dp=dp, device_type=device, table=table, stage=stage, dp_index=dp_index,
                    tp_index=tp_index, groups=groups)
 
     @property
@@ -145,7 +144,7 @@ class StageMesh:
         return self.groups[name]
 
     def size(self, name: str) -> int:
-        return {"pp": len(self.table), "dp": self.strategy.dp, "tp": len(self.table[self.stage][0]),
+        return {"pp": len(self.table), "dp": self.dp, "tp": len(self.table[self.stage][0]),
                 "replica": sum(self.stage_tp)}[name]
 
     def local_rank(self, name: str) -> int:
@@ -162,12 +161,12 @@ class StageMesh:
 
     @property
     def dp_size(self) -> int:
-        return self.strategy.dp
+        return self.dp
 
     @property
     def tp_group_index(self) -> int:
-        return self.stage * self.strategy.dp + self.dp_index
+        return self.stage * self.dp + self.dp_index
 
     def describe(self) -> str:
-        return (f"rank {self.rank}: stage={self.stage}/{len(self.table)} dp={self.dp_index}/{self.strategy.dp} "
+        return (f"rank {self.rank}: stage={self.stage}/{len(self.table)} dp={self.dp_index}/{self.dp} "
                 f"tp={self.tp_index}/{self.size('tp')}")

@@ -122,16 +122,12 @@ class Trainer:
             raise ConfigError(f"--confirm {self.strategy.confirm} runs the top plans as separate short jobs, which "
                               f"only `autopar train` can start; in Python, measure plans yourself or use confirm=0")
         resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward,
-                           model=self.model, example=lambda: example_call(self.model, self.train_data), plan=self.plan,
+                           pretrained=self.pretrained is not None, model=self.model,
+                           example=lambda: example_call(self.model, self.train_data), plan=self.plan,
                            strategies=self.strategy_table)
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
-        strategy = resolved.strategy
-        if self.pretrained is not None and (strategy.dp_mode != "allreduce" or strategy.sparse_embeddings != "dense"):
-            raise ConfigError(f"pretrained weights load under synchronous layouts (dp, tp, pp and their products), "
-                              f"got dp_mode={strategy.dp_mode!r} sparse_embeddings={strategy.sparse_embeddings!r}; "
-                              f"use --dp-mode allreduce --sparse-embeddings dense")
         return resolved
 
     def _setup(self) -> None:

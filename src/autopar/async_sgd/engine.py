@@ -30,20 +30,10 @@ from .worker import PullResult, ServerClient
 
 
 def check_async_setup(strategy: Strategy, config: TrainConfig, world: int) -> tuple[TrainConfig, int]:
-    """Every check of an async run that needs no communication; returns the config with micro-batches
-    resolved over the WORKERS (not the world) and the micro-batches per worker per step."""
-    if strategy.pp > 1 or strategy.tp > 1:
-        raise ConfigError(f"dp_mode=async trains the whole model on every worker; it does not combine with "
-                          f"pp={strategy.pp} tp={strategy.tp}; use pp=1 tp=1 (or dp_mode=allreduce)")
+    """The batch split of an async run: returns the config with micro-batches resolved over the WORKERS
+    (not the world) and the micro-batches per worker per step. What the parameter server combines with is
+    the rule table's (config/rules.py), checked before this."""
     roles = Roles.check(world, strategy.servers, strategy.staleness)
-    if config.optimizer != "sgd":
-        raise ConfigError(f"dp_mode=async: the servers apply every pushed gradient with plain SGD (the rule "
-                          f"asynchronous SGD is defined for); got --optimizer {config.optimizer}; use --optimizer sgd")
-    for name, flag in (("resume", "--resume"), ("checkpoint_every", "--checkpoint-every"),
-                       ("eval_every", "--eval-every")):
-        if getattr(config, name):
-            raise ConfigError(f"dp_mode=async does not support {flag} yet (workers run ahead of each other; the "
-                              f"run evaluates and checkpoints once, at the end); got {getattr(config, name)!r}")
     try:
         config = config.with_micro_batches(roles.num_workers)
         return config, config.accumulation_steps(roles.num_workers)

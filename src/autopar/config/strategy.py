@@ -12,14 +12,12 @@ from typing import Any
 
 from ..errors import ConfigError, choices
 from .fields import _check_nonnegative_int, _check_positive_int, _f
+from .schedules import ASYNC_SCHEDULES, SCHEDULES, STAGE_TP_SCHEDULES, schedule_spec  # noqa: F401
 
 
 # Valid choices, named once: the help texts below, the checks and the packages that implement
-# them (pipeline/schedules.py, partition/plan.py, gossip/) all read these.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "eager-1f1b", "scp", "zb-h1", "zbv")
-# No-flush schedules with stale weights (pipeline/async_schedules.py): not synchronous SGD, so
-# never candidates of the strategy search, which reads SCHEDULES only.
-ASYNC_SCHEDULES = ("pipedream-2bw", "pipedream")
+# them (pipeline/schedules.py, partition/plan.py, gossip/) all read these. The schedules' names and
+# facts are the schedule table's (config/schedules.py).
 PARTITION_METHODS = ("uniform", "parameters", "time")
 RECOMPUTE_MODES = ("none", "all", "all-but-last")
 GOSSIP_TOPOLOGIES = ("ring", "torus", "exponential", "complete")
@@ -140,8 +138,12 @@ class Strategy:
             _check_positive_int("strategy.dp", self.dp)
         _check_positive_int("strategy.chunks", self.chunks)
         _check_positive_int("strategy.tp_subbatches", self.tp_subbatches)
-        if self.boundary != "direct":
-            self._check_planned_boundary()
+        schedule_spec(self.schedule)  # an unknown name is refused with the schedule table's names
+        if self.partition not in PARTITION_METHODS:
+            raise ConfigError(f"unknown partition method {self.partition!r}; use one of {choices(PARTITION_METHODS)}")
+        if self.gossip_order not in GOSSIP_ORDERS:
+            raise ConfigError(f"strategy.gossip_order must be one of {choices(GOSSIP_ORDERS)}, "
+                              f"got {self.gossip_order!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.dp_mode not in DP_MODES:
@@ -151,14 +153,8 @@ class Strategy:
         if self.confirm is not None:
             _check_nonnegative_int("strategy.confirm", self.confirm)
         _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
-        if self.vertical_sync and self.schedule != "pipedream":
-            raise ConfigError(f"strategy.vertical_sync (--vertical-sync) belongs to --schedule pipedream (weight "
-                              f"stashing), got --schedule {self.schedule}; drop it or use --schedule pipedream")
         if self.tied_delay is not None:
             _check_nonnegative_int("strategy.tied_delay", self.tied_delay)
-            if self.schedule != "pipedream":
-                raise ConfigError(f"strategy.tied_delay (--tied-delay) belongs to --schedule pipedream (weight "
-                                  f"stashing), got --schedule {self.schedule}; drop it or use --schedule pipedream")
         _check_positive_int("strategy.servers", self.servers)
         if self.zero not in ZERO_LEVELS:
             raise ConfigError(f"strategy.zero must be one of {choices(ZERO_LEVELS)}, got {self.zero!r}")
@@ -172,12 +168,6 @@ class Strategy:
                 or not 0 <= self.sparse_threshold <= 1:
             raise ConfigError(f"strategy.sparse_threshold is a fraction of rows and must be in [0, 1], got "
                               f"{self.sparse_threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
-        if self.sparse_schedule and self.sparse_embeddings != "embrace":
-            raise ConfigError(f"--sparse-schedule schedules the row exchange of sharded tables, so it needs "
-                              f"--sparse-embeddings embrace, got {self.sparse_embeddings!r}")
-        if self.sparse_embeddings != "dense" and (self.pp > 1 or self.tp > 1):
-            raise ConfigError(f"--sparse-embeddings {self.sparse_embeddings} works with data parallelism only, got "
-                              f"pp={self.pp} tp={self.tp}; use pp=1 tp=1 or --sparse-embeddings dense")
         dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
         if dp * self.tp * self.pp != world_size or dp < 1:
             raise ConfigError(
@@ -188,22 +178,9 @@ class Strategy:
             )
         return dataclasses.replace(self, dp=dp)
 
-    def _check_planned_boundary(self) -> None:
-        """--boundary other than direct on a uniform pipeline (Megatron's scatter-gather between equal
-        layouts): the planned transport (pipeline/hetero_boundary.py) runs one stage per rank."""
-        given = f"--boundary {self.boundary} (planned transfers between pipeline stages)"
-        if self.pp < 2:
-            raise ConfigError(f"{given} needs a pipeline, got pp={self.pp}; use --pp 2 or more (or --stage-tp), "
-                              f"or --boundary direct")
-        if self.chunks != 1:
-            raise ConfigError(f"{given} cannot be combined with --chunks {self.chunks} (it moves one stage per "
-                              f"rank); use --chunks 1 or --boundary direct")
-        if self.schedule not in STAGE_TP_SCHEDULES:
-            raise ConfigError(f"{given} cannot be combined with --schedule {self.schedule}; use one of "
-                              f"{choices(STAGE_TP_SCHEDULES)} or --boundary direct")
-
     def _resolved_stage_tp(self, world_size: int) -> Strategy:
-        """--stage-tp: pp from the list, dp from nproc / sum; all-equal degrees become the uniform --tp."""
+        """--stage-tp: pp from the list, dp from nproc / sum; all-equal degrees become the uniform --tp.
+        What it combines with is the rule table's (config/rules.py)."""
         degrees = parse_stage_tp(self.stage_tp)
         given = f"--stage-tp {','.join(map(str, degrees))}"
         if self.pp != 1 and self.pp != len(degrees):
@@ -221,28 +198,9 @@ class Strategy:
                               f"= {ranks} ranks), but nproc is {world_size}"
                               f"{f' with dp={self.dp}' if self.dp is not None else ''}; use --nproc "
                               f"{max(1, dp) * ranks} (dp={max(1, dp)}) or change the degrees")
-        refusals = [
-            (self.chunks > 1, f"--chunks {self.chunks} (interleaving puts several stages, so several tp degrees, "
-             f"on one rank); use --chunks 1"),
-            (self.schedule not in STAGE_TP_SCHEDULES, f"--schedule {self.schedule}; use one of "
-             f"{choices(STAGE_TP_SCHEDULES)}"),
-            (self.tp_subbatches > 1, f"--tp-subbatches {self.tp_subbatches}; use 1"),
-            (self.zero != 0, f"--zero {self.zero} (not tested across stages of different degrees yet); use --zero 0"),
-            (self.dp_mode != "allreduce", f"--dp-mode {self.dp_mode}; use --dp-mode allreduce"),
-            (self.sparse_embeddings != "dense", f"--sparse-embeddings {self.sparse_embeddings}; use dense"),
-            (self.search != "manual" or self.plan is not None, "--strategy auto / --plan (the search does not "
-             "choose per-stage degrees yet); give the degrees by hand"),
-            (self.memory_budget_mb is not None, "--memory-budget-mb; use --recompute instead"),
-        ]
-        for refused, why in refusals:
-            if refused:
-                raise ConfigError(f"{given} (stages of different tp degrees) cannot be combined with {why}")
         checked = dataclasses.replace(self, stage_tp=None, tp=1, pp=len(degrees), dp=None,
                                       boundary="direct").resolved(len(degrees))
         return dataclasses.replace(checked, stage_tp=",".join(map(str, degrees)), dp=dp, boundary=self.boundary)
-
-
-STAGE_TP_SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 
 
 def parse_stage_tp(value: Any) -> tuple[int, ...]:

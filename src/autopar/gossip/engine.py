@@ -31,6 +31,7 @@ Data-parallel only: pipeline or tensor parallelism with gossip is rejected.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,13 +52,8 @@ GOSSIP_ORDERS = ORDERS  # named once, in config.py
 
 
 def check_gossip_strategy(strategy) -> Topology:
-    """Everything about `--dp-mode gossip` that needs no communication (same error on every rank)."""
-    if strategy.pp > 1 or strategy.tp > 1:
-        raise ConfigError(f"--dp-mode gossip is data-parallel only (every replica holds the whole model), got "
-                          f"pp={strategy.pp} tp={strategy.tp}; use pp=1 tp=1, or --dp-mode allreduce")
-    if strategy.gossip_order not in GOSSIP_ORDERS:
-        raise ConfigError(f"strategy.gossip_order must be one of {choices(GOSSIP_ORDERS)}, "
-                          f"got {strategy.gossip_order!r}")
+    """The gossip graph `--topology` names (a built-in, or a file that must fit dp); what gossip combines
+    with is the rule table's (config/rules.py)."""
     if not isinstance(strategy.topology, str) or not strategy.topology:
         raise ConfigError(f"strategy.topology must be one of {choices(BUILTIN)} or a file path, "
                           f"got {strategy.topology!r}")
@@ -93,19 +89,26 @@ class FlatParameters:
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
-class GossipEngine(EngineBase):
-    """The whole model on every replica, mixed with its gossip neighbours every step (module doc).
+@dataclass(frozen=True)
+class GossipOptions:
+    """The engine's own options: the mixing graph (Strategy.topology over dp replicas) and the update order."""
 
-    `topology` and `order` are the engine's own options (strategies.py passes them); left out,
-    they are read from the mesh's strategy (for callers that build the engine by hand).
-    """
+    topology: Topology
+    order: str = "dpsgd"
+
+    @classmethod
+    def of(cls, strategy) -> GossipOptions:
+        """From a resolved Strategy (dp known: a built-in graph is made for it, a file is checked against it)."""
+        return cls(topology=check_gossip_strategy(strategy), order=strategy.gossip_order)
+
+
+class GossipEngine(EngineBase):
+    """The whole model on every replica, mixed with its gossip neighbours every step (module doc)."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 forward_fn: Callable, autocast: Callable, links: Links | None = None,
-                 timeout_s: float = 300.0, verbose: bool = True, topology: Topology | None = None,
-                 order: str | None = None):
-        self.topology = topology if topology is not None else check_gossip_strategy(mesh.strategy)
-        self.order = order if order is not None else mesh.strategy.gossip_order
+                 forward_fn: Callable, autocast: Callable, options: GossipOptions, links: Links | None = None,
+                 timeout_s: float = 300.0, verbose: bool = True):
+        self.topology, self.order = options.topology, options.order
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         broadcast_from_first_replica(self.module, mesh)

@@ -10,7 +10,7 @@ stage s's weights after k updates and r the first step of the current pipeline r
 
     W(t+1) = opt(W(t), grad f_t(W_0(v_0), ..., W_{pp-1}(v_{pp-1}))),  v_s = max(r, t - (pp-1-s))
 
-and with --vertical-sync v_s = max(r, t - (pp-1)) for every stage. pipeline/stash_oracle.py runs
+and with --vertical-sync v_s = max(r, t - (pp-1)) for every stage. tests/stash_oracle.py runs
 it in one process. The pipeline drains (a flush) before each eval and checkpoint and after the
 last step; the next step warms up again on the newest weights (so r moves on: an eval or a
 checkpoint does change the trajectory, as a restart of PipeDream does). A checkpoint therefore

@@ -18,10 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch_internals import parameter_table
-from ..config import PARTITION_METHODS
+from ..config import PARTITION_METHODS, Strategy
 from ..data.datasets import IGNORE_INDEX
 from ..distributed import backend_for, group_options
-from ..errors import ConfigError
 from ..mesh import ProcessMesh, stage_rank_table
 from ..train.base import EngineBase
 from ..partition.stages import _set_by_path
@@ -29,23 +28,12 @@ from ..running_stats import GraphBatchNorm, RunningStatsReplay, batch_norm_layer
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
 from .hetero_boundary import HeteroBoundary
-from .schedules import generate
 from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, token_loss_sum
 from ..zero import ShardedGradients, gradient_sync, to_compute_dtype
 from ..zero.fully_sharded import FullyShardedStages, local_tensor
 
 SHARDED = (ShardedGradients, FullyShardedStages)  # gradients held as this replica's shards
-
-
-def check_pipeline_strategy(strategy, num_microbatches: int) -> None:
-    """Pipeline choices that can be checked before any process group exists (same error on every rank)."""
-    if strategy.pp == 1 and strategy.chunks == 1:
-        return
-    if strategy.partition not in PARTITION_METHODS:
-        raise ConfigError(f"unknown partition method {strategy.partition!r}; "
-                          f"use one of {{{', '.join(PARTITION_METHODS)}}}")
-    generate(strategy.schedule, pp=strategy.pp, num_microbatches=num_microbatches, chunks=strategy.chunks)
 
 
 class LocalStages(nn.Module):
@@ -89,9 +77,8 @@ class PipelineEngine(EngineBase):
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float,
-                 strategy=None, param_dtype: torch.dtype = torch.float32, boundary_link=None):
+                 strategy: Strategy, param_dtype: torch.dtype = torch.float32, boundary_link=None):
         """boundary_link: what --boundary auto costs its choice on (a search.cluster.Cluster; None: nominal)."""
-        strategy = strategy if strategy is not None else mesh.strategy  # the strategy table passes it explicitly
         self.mesh, self.autocast, self.device = mesh, autocast, device
         self.stage_tp = strategy.stage_tps  # None: every stage has strategy.tp
         tp, boundary = strategy.tp, None

@@ -10,27 +10,22 @@ any pp and number of micro-batches, and `simulate.check` can verify it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from autopar.config import ASYNC_SCHEDULES
-from autopar.config import SCHEDULES as SCHEDULE_NAMES
-from autopar.errors import ConfigError, choices
+from autopar.config.schedules import ASYNC_SCHEDULES, SCHEDULE_SPECS, SCHEDULES, ScheduleSpec, schedule_spec  # noqa: F401
+from autopar.errors import ConfigError
 from autopar.pipeline.actions import Action, Op, Schedule, stage_to_rank
 
 F, B, I, W, R = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.RECOMPUTE
 
-SCHEDULES = SCHEDULE_NAMES  # named once, in config.py
-
-
 def minimum_microbatches(name: str, pp: int, chunks: int = 1) -> int:
     """Smallest number of micro-batches `name` supports (interleaving needs whole groups of pp)."""
-    _check_name(name)
-    return pp if name in ("interleaved-1f1b", *ASYNC_SCHEDULES) else 1
+    return schedule_spec(name).minimum_microbatches(pp)
 
 
 def placement(name: str) -> str:
-    """How `name` places stages on ranks: 'v' for zbv (rank r holds stages r and 2pp-1-r), else 'loop'."""
-    return "v" if name == "zbv" else "loop"
+    """How `name` places stages on ranks (the schedule table's `placement`)."""
+    return schedule_spec(name).placement
 
 
 def build_schedule(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
@@ -58,60 +53,35 @@ def generate(name: str, *, pp: int, num_microbatches: int, chunks: int = 1,
     `recompute` holds the global stages whose forwards keep only their inputs; each of their
     micro-batches gets an R (a forward rerun that rebuilds the graph) before its B or I.
     """
-    _check_name(name)
+    spec = schedule_spec(name)
     m = num_microbatches
     for label, value in (("pp", pp), ("chunks", chunks)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{label} must be a positive integer, got {value!r}; use e.g. {label}=1")
-    if name == "zbv" and chunks != 2:
-        raise ConfigError(f"schedule 'zbv' runs two chunks per rank placed as a V, got chunks={chunks}; use chunks=2")
-    if chunks > 1 and name not in ("interleaved-1f1b", "zbv"):
-        raise ConfigError(f"schedule {name!r} runs one stage per rank, got chunks={chunks}; "
-                          "use chunks=1, or schedule 'interleaved-1f1b' for several chunks per rank")
-    minimum = minimum_microbatches(name, pp, chunks)
+    if not spec.accepts_chunks(chunks):
+        several = [s.name for s in SCHEDULE_SPECS.values() if s.accepts_chunks(chunks)] if chunks > 1 else []
+        raise ConfigError(f"schedule {name!r} runs {spec.chunks_text()} chunk(s) per rank (placed as "
+                          f"{'a V' if spec.placement == 'v' else 'a loop'}), got chunks={chunks}; use "
+                          f"chunks={spec.chunks[0]}" + (f", or schedule {' or '.join(map(repr, several))} for "
+                                                        f"{chunks} chunks per rank" if several else ""))
+    minimum = spec.minimum_microbatches(pp)
     if not isinstance(m, int) or m < minimum:
         raise ConfigError(f"schedule {name!r} with pp={pp} needs at least {minimum} micro-batches, "
                           f"got num_microbatches={m!r}; use num_microbatches >= {minimum}")
-    if name == "interleaved-1f1b" and m % pp:
-        raise ConfigError(f"schedule 'interleaved-1f1b' runs micro-batches in groups of pp={pp}, so "
+    if spec.microbatches == "multiple of pp" and m % pp:
+        raise ConfigError(f"schedule {name!r} runs micro-batches in groups of pp={pp}, so "
                           f"num_microbatches must be a multiple of {pp}, got {m}; use e.g. {m + pp - m % pp}")
     num_stages = pp * chunks
     recompute = frozenset(recompute)
     bad = sorted(s for s in recompute if not isinstance(s, int) or not 0 <= s < num_stages)
     if bad:
         raise ConfigError(f"recompute stages must be in 0..{num_stages - 1} (pp*chunks stages), got {bad}")
-
-    if name == "interleaved-1f1b":
-        schedule = {r: _interleaved(r, pp, chunks, m) for r in range(pp)}
-        return {r: _recompute_before_backward(acts, recompute) for r, acts in schedule.items()}
-    if name == "zbv":
-        return {r: _recompute_before_backward(acts, recompute) for r, acts in _zbv(pp, m).items()}
-    if name == "zb-h1":
-        return {s: _recompute_before_backward(_zb_h1(s, pp, m), recompute) for s in range(pp)}
-    if name == "scp":
-        recompute = recompute - {pp - 1}  # see _scp_depth
-    depth = {
-        "gpipe": lambda s: m,
-        "1f1b": lambda s: min(m, pp - s),
-        # one step of PipeDream-2BW run alone (warm-up and drain) is 1F1B; the engine runs the
-        # no-flush lists of pipeline/async_schedules.py across steps
-        "pipedream-2bw": lambda s: min(m, pp - s),
-        "pipedream": lambda s: min(m, pp - s),  # likewise (async_stash_engine.py runs the no-flush lists)
-        "eager-1f1b": lambda s: min(m, 2 * (pp - s) - 1),
-        "scp": lambda s: _scp_depth(s, pp, m, recompute),
-    }[name]
-    return {s: _recompute_before_backward(_one_forward_one_backward(s, m, depth(s)), recompute)
-            for s in range(pp)}
+    return GENERATORS[spec.generator](pp, m, chunks, recompute)
 
 
 def recomputed_stages(schedule: Schedule) -> frozenset[int]:
     """The stages that recompute, read from the schedule (scp drops the last stage from the request)."""
     return frozenset(a.stage for actions in schedule.values() for a in actions if a.op == R)
-
-
-def _check_name(name: str) -> None:
-    if name not in SCHEDULES + ASYNC_SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; use one of {choices(SCHEDULES + ASYNC_SCHEDULES)}")
 
 
 def _one_forward_one_backward(stage: int, m: int, depth: int) -> list[Action]:
@@ -279,6 +249,41 @@ def _interleaved(rank: int, pp: int, chunks: int, m: int) -> list[Action]:
 
 def _stage_mb(stage_mb: tuple[int, int], op: Op) -> tuple[int, Op, int]:
     return stage_mb[0], op, stage_mb[1]
+
+
+# The generators the schedule table names (config/schedules.py `generator`): (pp, m, chunks, recompute) -> the
+# compute lists of one step, each R placed before its backward. Written as rules, never per-stage tables.
+Generator = Callable[[int, int, int, frozenset], Schedule]
+
+
+def _single_chunk(depth: Callable[[int, int, int, frozenset], int]) -> Generator:
+    """A one-stage-per-rank schedule given by its depth(stage, pp, m, recompute): see _one_forward_one_backward."""
+    def lists(pp: int, m: int, chunks: int, recompute: frozenset) -> Schedule:
+        return {s: _recompute_before_backward(_one_forward_one_backward(s, m, depth(s, pp, m, recompute)), recompute)
+                for s in range(pp)}
+    return lists
+
+
+def _scp(pp: int, m: int, chunks: int, recompute: frozenset) -> Schedule:
+    return _single_chunk(_scp_depth)(pp, m, chunks, recompute - {pp - 1})  # the last stage never recomputes
+
+
+GENERATORS: dict[str, Generator] = {
+    "gpipe": _single_chunk(lambda s, pp, m, recompute: m),
+    # one step of PipeDream-2BW or PipeDream run alone (warm-up and drain) is 1F1B; their engines run
+    # the no-flush lists of pipeline/async_schedules.py across steps
+    "1f1b": _single_chunk(lambda s, pp, m, recompute: min(m, pp - s)),
+    "eager-1f1b": _single_chunk(lambda s, pp, m, recompute: min(m, 2 * (pp - s) - 1)),
+    "scp": _scp,
+    "interleaved": lambda pp, m, chunks, recompute: {
+        r: _recompute_before_backward(_interleaved(r, pp, chunks, m), recompute) for r in range(pp)},
+    "zb-h1": lambda pp, m, chunks, recompute: {
+        s: _recompute_before_backward(_zb_h1(s, pp, m), recompute) for s in range(pp)},
+    "zbv": lambda pp, m, chunks, recompute: {
+        r: _recompute_before_backward(acts, recompute) for r, acts in _zbv(pp, m).items()},
+}
+missing = {spec.generator for spec in SCHEDULE_SPECS.values()} - set(GENERATORS)
+assert not missing, f"schedule table names generators not registered here: {missing}"
 
 
 def add_communication(schedule: Schedule, *, pp: int, num_stages: int, style: str = "loop",

@@ -228,24 +228,6 @@ def fixed_fields(strategy: Strategy, config: TrainConfig) -> dict[str, Any]:
     return fixed
 
 
-def _check_searchable(strategy: Strategy, config: TrainConfig) -> None:
-    """The search covers synchronous dp x tp x pp; other strategies are refused beside auto, by name."""
-    refused = [(name, getattr(strategy, name), want) for name, want in
-               (("dp_mode", "allreduce"), ("sparse_embeddings", "dense"), ("tp_subbatches", 1))
-               if getattr(strategy, name) != want]
-    if strategy.recompute == "all-but-last":
-        refused.append(("recompute", "all-but-last", "none or all"))
-    if strategy.memory_budget_mb is not None:
-        refused.append(("memory_budget_mb", strategy.memory_budget_mb, "unset (use --memory-per-device-gb)"))
-    if config.optimizer == "sparse-adam":
-        refused.append(("optimizer", "sparse-adam", "adamw"))
-    if refused:
-        name, value, want = refused[0]
-        raise ConfigError(f"--strategy auto searches synchronous data, tensor and pipeline parallelism; "
-                          f"--{name.replace('_', '-')} {value} is outside it (use {want}, or choose the strategy "
-                          f"yourself without --strategy auto)")
-
-
 def _matches(c: Candidate, fixed: dict[str, Any]) -> bool:
     for key, value in fixed.items():
         if key == "micro_batches":
@@ -358,7 +340,7 @@ def resolve_choice(strategy: Strategy, config: TrainConfig, world: int, *, model
         return strategy, config, plan
     if strategy.search != "auto":
         return strategy, config, None
-    _check_searchable(strategy, config)
+    # what the search covers is the rule table's (config/rules.py, phase "search"), checked by resolve()
     fixed_product = (strategy.dp or 1) * strategy.tp * strategy.pp
     if world % fixed_product:  # (a product that divides but leaves no valid rest: plan_auto names it)
         raise ConfigError(f"--strategy auto with dp={strategy.dp or '?'} tp={strategy.tp} pp={strategy.pp}: the "

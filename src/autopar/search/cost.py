@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config.schedules import SPLIT_SCHEDULES  # noqa: F401 (the schedules whose backward is I + W)
 from ..errors import ConfigError, choices
 from ..partition import algorithms
 from .cluster import Cluster
@@ -46,7 +47,6 @@ from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_
 RECOMPUTE = ("none", "stage-aware", "all")
 PARTITIONS = ("uniform", "parameters", "time")
 ADAM_BYTES_PER_PARAM = 28.0  # AdamW step: reads weight, grad, two moments; writes weight, two moments (fp32)
-SPLIT_SCHEDULES = ("zb-h1", "zbv")  # the schedules whose backward is I + W (pipeline/schedules.py)
 SPLIT_OVERHEAD = 0.15
 """I + W over a fused backward, where not measured: the runtime's split on CPU measured ~1.15x B (the zero-bubble
 benchmark: a second autograd call, the kept gradients read back from memory); a stated estimate, not a datasheet."""

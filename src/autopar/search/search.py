@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..pipeline.schedules import SCHEDULES, minimum_microbatches
+from ..pipeline.schedules import SCHEDULES, minimum_microbatches, schedule_spec
 from .cost import PARTITIONS, RECOMPUTE, Candidate, Estimate, StepModel
 from .equivalence import collapse
 
@@ -39,7 +39,7 @@ class SearchSpace:
     """What may vary; defaults are the full space."""
 
     nproc: int
-    schedules: tuple[str, ...] = tuple(s for s in SCHEDULES if s not in ("scp", "zbv"))  # zbv: V placement, not modelled
+    schedules: tuple[str, ...] = tuple(s for s in SCHEDULES if schedule_spec(s).searched)  # the schedule table's
     chunks: tuple[int, ...] = (1, 2)
     recompute: tuple[str, ...] = RECOMPUTE
     partitions: tuple[str, ...] = PARTITIONS
@@ -54,7 +54,7 @@ def zero_valid(zero: int, dp: int, tp: int, pp: int, optimizer: str, schedule: s
         return True
     if dp == 1 or optimizer == "sgd":  # sgd: plain SGD without momentum has no state to shard
         return False
-    return zero != 3 or (tp == 1 and pp == 1) or (chunks == 1 and schedule != "zb-h1")
+    return zero != 3 or (tp == 1 and pp == 1) or (chunks == 1 and schedule_spec(schedule).zero3_stages)
 
 
 def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int) -> bool:
@@ -62,11 +62,14 @@ def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int)
         return False
     if pp == 1:
         return schedule == "1f1b" and chunks == 1  # no pipeline: every schedule is the same loop
-    if schedule == "zbv" or (chunks > 1) != (schedule == "interleaved-1f1b"):  # the cost model places stages as a loop
+    spec = schedule_spec(schedule)
+    if spec.placement != "loop":  # the cost model places stages as a loop
+        return False
+    if not spec.accepts_chunks(chunks) or (chunks > 1) != (spec.chunks != (1, 1)):  # chunks only where they interleave
         return False
     if m < minimum_microbatches(schedule, pp, chunks):
         return False
-    return not (schedule == "interleaved-1f1b" and m % pp)
+    return not (spec.microbatches == "multiple of pp" and m % pp)
 
 
 def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candidate]:

@@ -10,7 +10,7 @@ are sparse (sparse/classify.py, logged on rank 0), then per `Strategy.sparse_emb
 - `embrace`: sparse tables are sharded over the ranks (sparse/sharded_embedding.py),
   looked up with AlltoAll, updated locally; optionally with 2D scheduling (schedule.py).
 Dense parameters always use the bucketed GradientSynchronizer, which never sees a sparse
-table. Data parallelism only (Strategy.resolved refuses pp/tp > 1); gloo/CPU only.
+table. Data parallelism only (the rule table, config/rules.py, refuses pp/tp > 1); gloo/CPU only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from .._torch_internals import foreach_norm
 from ..config import Strategy, TrainConfig
 from ..data_parallel import GradientSynchronizer
 from ..distributed import group_options
-from ..errors import ConfigError
 from ..mesh import ProcessMesh
 from ..models.materialize import materialize
 from ..train.engine import (
@@ -59,25 +58,12 @@ class SparseOptions:
                    sharding=strategy.sparse_sharding, schedule=strategy.sparse_schedule)
 
 
-def check_sparse_setup(options: SparseOptions, config: TrainConfig, device_type: str) -> None:
-    """What the sparse engine refuses, checked before any process starts (same error on every rank)."""
-    if device_type != "cpu":
-        raise ConfigError(f"--sparse-embeddings / sparse-adam run on CPU (gloo) in this version; got device "
-                          f"{device_type}; use --device cpu")
-    if options.schedule and options.mode == "embrace" and config.grad_clip > 0:
-        raise ConfigError(f"--sparse-schedule defers part of the table gradient past the step, so the global "
-                          f"gradient norm is not known when clipping would need it; use --grad-clip 0 "
-                          f"(got {config.grad_clip})")
-
-
 class SparseEmbeddingEngine(EngineBase):
     """Data parallelism with embedding tables exchanged sparsely (dense | allgather | embrace; module doc)."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int, forward_fn: Callable,
                  autocast: Callable, config: TrainConfig, batches_for_step: Callable[[int], list[Batch]],
-                 log: Callable[[str], None] | None = None, options: SparseOptions | None = None):
-        options = options or SparseOptions.of(mesh.strategy)
-        check_sparse_setup(options, config, device.type)
+                 options: SparseOptions, log: Callable[[str], None] | None = None):
         self.mode, self.config = options.mode, config
         self.forward_fn, self.autocast = forward_fn, autocast
         self.mesh, self.group = mesh, mesh.group("dp")

@@ -56,20 +56,6 @@ START, WAIT = "tp_reduce_start", "tp_reduce_wait"
 GRAD_START, GRAD_WAIT = "tp_grad_start", "tp_grad_wait"
 
 
-def check_tp_subbatches(strategy, micro_batch_size: int) -> None:
-    """Same error on every rank, before any process group: K must divide the micro-batch."""
-    k = strategy.tp_subbatches
-    if k == 1:
-        return
-    if strategy.tp == 1:
-        raise ConfigError(f"strategy.tp_subbatches={k} splits tensor-parallel stages, but tp=1; "
-                          f"use --tp 2 or more, or --tp-subbatches 1")
-    if micro_batch_size % k:
-        divisors = [d for d in range(1, micro_batch_size + 1) if micro_batch_size % d == 0]
-        raise ConfigError(f"strategy.tp_subbatches={k} does not divide micro_batch_size={micro_batch_size}; "
-                          f"use one of {divisors} (or change the micro-batch size)")
-
-
 class InflightReduces:
     """All-reduces started but not yet waited on, by the tensor they write into.
 

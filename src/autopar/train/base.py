@@ -148,6 +148,10 @@ class EngineContext:
     def seed(self) -> int:
         return self.config.seed
 
+    def common(self) -> dict[str, Any]:
+        """The arguments every engine takes, so a builder spells only its engine's own."""
+        return dict(model=self.model, mesh=self.mesh, device=self.device, seed=self.seed, autocast=self.autocast)
+
     @property
     def timeout_s(self) -> float:
         return self.config.timeout_s

@@ -42,15 +42,17 @@ class DataParallelEngine(EngineBase):
     """The whole model on every rank; gradients summed over the dp group."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 forward_fn: Callable, autocast: Callable, zero: int = 0, param_dtype: torch.dtype = torch.float32):
-        """zero 1/2: gradients reduce-scattered into shards (zero/); param_dtype bf16: fp32 masters kept there."""
+                 forward_fn: Callable, autocast: Callable, zero: int = 0, param_dtype: torch.dtype = torch.float32,
+                 batchnorm: str = "exact"):
+        """zero 1/2: gradients reduce-scattered into shards (zero/); param_dtype bf16: fp32 masters kept there;
+        batchnorm: Strategy.batchnorm (exact | sync)."""
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         broadcast_from_first_replica(self.module, mesh)
         to_compute_dtype(self.module.parameters(), param_dtype)
         self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=zero,
                                   master_weights=param_dtype != torch.float32, per_micro_batch=True)
-        self.batch_norms, self.running_stats = whole_model_running_stats(self.module, mesh)
+        self.batch_norms, self.running_stats = whole_model_running_stats(self.module, mesh, batchnorm)
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         with self.running_stats.step(len(batches)):  # BatchNorm buffers: one process's updates, after the step
@@ -82,10 +84,11 @@ class DataParallelEngine(EngineBase):
         self.batch_norms.remove()
 
 
-def whole_model_running_stats(module: nn.Module, mesh: ProcessMesh) -> tuple[EagerBatchNorms, RunningStatsReplay]:
+def whole_model_running_stats(module: nn.Module, mesh: ProcessMesh,
+                              batchnorm: str = "exact") -> tuple[EagerBatchNorms, RunningStatsReplay]:
     """A whole model's BatchNorms recorded per micro-batch and replayed over the replicas (running_stats/);
     with --batchnorm sync, normalised over the replicas' micro-batches together."""
-    sync = mesh.strategy.batchnorm == "sync" and mesh.dp_size > 1
+    sync = batchnorm == "sync" and mesh.dp_size > 1
     # one replica: torch's own updates are one process's, bitwise; nothing to record
     batch_norms = EagerBatchNorms(module if mesh.dp_size > 1 else nn.Module(),
                                   sync_group=mesh.group("dp") if sync else None)

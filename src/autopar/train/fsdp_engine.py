@@ -47,7 +47,8 @@ class FullyShardedEngine(EngineBase):
     """The whole model, its parameters sharded over the dp group and gathered block by block (FSDP2)."""
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
-                 forward_fn: Callable, autocast: Callable, param_dtype: torch.dtype = torch.float32):
+                 forward_fn: Callable, autocast: Callable, param_dtype: torch.dtype = torch.float32,
+                 batchnorm: str = "exact"):
         self.module = materialize(model, device, seed=seed)
         self.mesh, self.forward_fn, self.autocast = mesh, forward_fn, autocast
         broadcast_from_first_replica(self.module, mesh)
@@ -64,7 +65,7 @@ class FullyShardedEngine(EngineBase):
             unit.set_gradient_divide_factor(1.0)  # a sum, as the trainer pre-scales each replica's loss
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
         self.params = list({id(p): p for p in self.module.parameters() if p.requires_grad}.values())
-        self.batch_norms, self.running_stats = whole_model_running_stats(self.module, mesh)
+        self.batch_norms, self.running_stats = whole_model_running_stats(self.module, mesh, batchnorm)
 
     def banner_lines(self) -> list[str]:
         """Which modules are gathered one at a time: the peak memory depends on it."""

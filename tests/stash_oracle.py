@@ -23,10 +23,10 @@ import math
 import torch
 from torch import nn
 
-from .._torch_internals import parameter_table
-from ..dropout import active_scope
-from .async_schedules import runs_of, stash_version, tied_steps_due
-from ..train.engine import DataParallelEngine, accumulate_gradients
+from autopar._torch_internals import parameter_table
+from autopar.dropout import active_scope
+from autopar.pipeline.async_schedules import runs_of, stash_version, tied_steps_due
+from autopar.train.engine import DataParallelEngine, accumulate_gradients
 
 
 class StashOracleEngine(DataParallelEngine):
