@@ -93,7 +93,7 @@ def test_a_strategy_table_of_ones_own_replaces_the_default():
     assert resolve(autopar.Strategy(dp=2), config, 2, strategies=(mine,)).entry is mine
     assert resolve(autopar.Strategy(dp=2), config, 2).entry is data_parallel
     only_gossip = tuple(e for e in STRATEGIES if e.name == "gossip")
-    with pytest.raises(ConfigError, match="no entry of the strategy table given \\(gossip\\) applies"):
+    with pytest.raises(ConfigError, match="no strategy entry applies .* the entries given were: gossip"):
         resolve(autopar.Strategy(dp=2), config, 2, strategies=only_gossip)
     with pytest.raises(ConfigError, match="StrategyEntry"):
         autopar.Trainer(torch.nn.Linear(2, 2), [], strategies=["data-parallel"])
