@@ -245,7 +245,7 @@ def main() -> None:
                         "table gives the median over them (a loaded machine drifts between runs)")
     args = parser.parse_args()
     if args.quick:
-        args.model, args.pp, args.seq_len = "gpt-tiny", [2], 64
+        args.model, args.pp, args.seq_len, args.global_batch = "gpt-tiny", [2], 64, 8
         args.png = str(Path(args.out) / "async_pipeline_quick.png")  # never over a figure the docs show
     if args.steps is None:
         args.steps = 6 if args.quick else 300

@@ -88,12 +88,14 @@ def test_every_script_is_an_entry_point_with_a_quick_form_or_a_named_helper():
             f"benchmarks/{helper} is an entry point: take it out of HELPERS so that it runs here"
 
 
+@pytest.mark.timeout(900)  # a run may queue behind others; each is stopped TIMEOUT_S after it starts
 @pytest.mark.parametrize("script", scripts())
 def test_quick_form_runs(script, quick_runs):
     done = quick_runs[script].result()
     command = " ".join(["python", f"benchmarks/{script}", *done.args[2:]])
-    assert done.returncode == 0, (f"`{command}` exited with {done.returncode}; its stderr ends:\n"
-                                  f"{done.stderr[-3000:]}\nits stdout ends:\n{done.stdout[-1000:]}")
+    if done.returncode != 0:
+        pytest.fail(f"`{command}` exited with {done.returncode}; its stderr ends:\n{done.stderr[-3000:]}\n"
+                    f"its stdout ends:\n{done.stdout[-1000:]}", pytrace=False)
     assert done.stdout.strip(), f"`{command}` printed nothing"
     if script == "gpu_check.py" and not torch.cuda.is_available():
         assert GPU_SKIPPED in done.stdout, f"`{command}` did not say that it skipped the GPU measurements"
