@@ -208,7 +208,8 @@ def _overrides(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke: gpt-tiny at its own width, 3 timed steps, dp 2 only")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke: gpt-tiny at its own width, 3 timed steps, dp 2 only")
     parser.add_argument("--model", default="gpt-mini")
     parser.add_argument("--d-model", type=int, default=256,
                         help="width of the timing model (gpt-mini's 128 makes the optimizer step negligible)")
