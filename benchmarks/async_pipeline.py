@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tied", choices=("auto", "yes", "no"), default="auto",
                         help="does the model tie a weight across stages (auto: gpt models do); for the prediction")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=None, help="1f1b's steps (default 300; --quick: 6)")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -245,7 +245,10 @@ def main() -> None:
                         "table gives the median over them (a loaded machine drifts between runs)")
     args = parser.parse_args()
     if args.quick:
-        args.model, args.pp, args.seq_len = "gpt-tiny", [2], 64
+        args.model, args.pp, args.seq_len, args.global_batch = "gpt-tiny", [2], 64, 8
+        args.png = str(Path(args.out) / "async_pipeline_quick.png")  # never over a figure the docs show
+    if args.steps is None:
+        args.steps = 6 if args.quick else 300
     print(f"load average at the start {os.getloadavg()[0]:.1f}", flush=True)
     results, repeats = {}, {}
     for rep in range(args.repeats):

@@ -12,6 +12,7 @@ replaced nodes fall back to torch's dropout).
 
     PYTHONPATH=src python benchmarks/dropout_cost.py              # CPU, ~1 min
     PYTHONPATH=src python benchmarks/dropout_cost.py --device cuda
+    PYTHONPATH=src python benchmarks/dropout_cost.py --quick         # smoke test: 3 rounds of 2 x 32 tokens
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 3 rounds of 2 x 32 tokens")
     args = parser.parse_args()
+    if args.quick:
+        args.batch, args.seq, args.rounds = 2, 32, 3
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)

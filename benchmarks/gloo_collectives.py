@@ -1,6 +1,7 @@
 """Why ZeRO-1 all-reduces on gloo: gloo's reduce-scatter against its all-reduce of the same buffer.
 
     PYTHONPATH=src python benchmarks/gloo_collectives.py [--numel 3300000] [--world 2 4] [--repeats 12]
+    PYTHONPATH=src python benchmarks/gloo_collectives.py --quick    # smoke test: 64 Ki elements, world 2, 4 calls
 
 For each world size, one fp32 buffer of `--numel` elements (the size of gpt-mini's gradient bucket in
 benchmarks/zero_memory.py) is reduced by `reduce_scatter_single` (each rank gets 1/n) and by `all_reduce`
@@ -48,7 +49,10 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=3_300_000)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 64 Ki elements, world 2, 4 calls")
     args = parser.parse_args()
+    if args.quick:
+        args.numel, args.world, args.repeats = 65_536, [2], 4
     from autopar.launch import free_port
     print(f"gloo, fp32 buffer of {args.numel:,} elements; load average {os.getloadavg()[0]:.1f}", flush=True)
     for world in args.world:

@@ -14,8 +14,8 @@ On a machine with a CUDA device it prints, naming the device:
    against CUDA-event timings of each block run alone, and the memory model's peak
    (search/memory.py) against torch.cuda.max_memory_allocated, for several micro-batch sizes:
    the errors, and the compute efficiency the preset would need to match.
-Without a CUDA device it prints "no CUDA device: nothing measured" and exits 0. The pieces take
-a device argument, so tests run them on CPU with a tiny model.
+Without a CUDA device it prints "no CUDA device: nothing measured" and exits 0; with --quick it then
+runs the same checks on CPU with gpt-tiny (a smoke run of this script's code, saying so).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from autopar.search.profile import profile_model
 from autopar.timing import Clock
 
 NO_CUDA = "no CUDA device: nothing measured"
+CPU_SMOKE = ("--quick without CUDA: the GPU measurements are skipped; the same checks run on CPU with gpt-tiny "
+             "(fp32, preset cpu-local) so that this script's code is exercised; their figures say nothing about a GPU")
 VOCAB = 256 + 2  # the byte tokenizer's, as the trainer's data uses
 LLAMA_HALF_B = {"num_hidden_layers": 20, "hidden_size": 1536, "intermediate_size": 4096, "num_attention_heads": 16,
                 "num_key_value_heads": 8, "max_position_embeddings": 1024}
@@ -266,46 +268,35 @@ def memory_errors(model_name: str, model_args: dict, cluster, *, device: str, se
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small models and few steps (a smoke run)")
-    parser.add_argument("--json", help="also write every figure to this file")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(NO_CUDA)
-        return 0
-    name = torch.cuda.get_device_name(0)
-    cluster = device_preset(name)
-    peak = cluster.flops_per_s["bf16"] if cluster is not None else None
-    print(f"device: {name} (torch {torch.__version__}, CUDA {torch.version.cuda}); preset "
-          f"{cluster.name if cluster else 'none matches: MFU and model errors skipped'}")
-    models = QUICK_MODELS if args.quick else MODELS
-    steps, batch, seq_len = (3, 2, 128) if args.quick else (10, 8, 1024)
-    out = tempfile.mkdtemp(prefix="gpu_check-")
-    ensure_world_of_one()
-    report: dict = {"device": name}
-
-    report["speed"] = compare_with_eager(models, device="cuda", dtype="bf16", batch=batch, seq_len=seq_len,
+def run_checks(device: str, models: dict, cluster, *, dtype: str, steps: int, batch: int, seq_len: int,
+               strategy_size: tuple[int, int, int], memory_batches: tuple[int, ...], out: str) -> dict:
+    """The three checks on `device`, printed as they finish; every figure in the returned report.
+    strategy_size: (batch, seq_len, steps) of the one-process strategies' runs (gpt-tiny)."""
+    peak = cluster.flops_per_s[dtype] if cluster is not None else None
+    report: dict = {}
+    report["speed"] = compare_with_eager(models, device=device, dtype=dtype, batch=batch, seq_len=seq_len,
                                          steps=steps, peak_flops=peak, out=out)
-    print("\n1. trainer (dp=1, bf16) against eager PyTorch, same model, batch, optimizer")
+    print(f"\n1. trainer (dp=1, {dtype}) against eager PyTorch, same model, batch, optimizer")
     for r in report["speed"]:
         mfu = (f", MFU eager {r['mfu_eager']:.1%} autopar {r['mfu_autopar']:.1%}" if "mfu_eager" in r else "")
         print(f"  {r['model']} ({r['params'] / 1e6:.0f}M params): eager {r['eager_s'] * 1e3:.1f} ms, autopar "
               f"{r['autopar_s'] * 1e3:.1f} ms per step: throughput ratio {r['throughput_ratio']:.3f} (goal >= 0.97)"
               + mfu)
 
-    report["strategies"] = strategies_match_cpu("gpt-tiny", {}, device="cuda", batch=4, seq_len=64, steps=3, out=out)
-    print("\n2. one-process strategies, fp32 (TF32 off): CUDA losses against CPU losses")
+    small_batch, small_seq, small_steps = strategy_size
+    report["strategies"] = strategies_match_cpu("gpt-tiny", {}, device=device, batch=small_batch, seq_len=small_seq,
+                                                steps=small_steps, out=out)
+    print(f"\n2. one-process strategies, fp32 (TF32 off): {device.upper()} losses against CPU losses")
     for r in report["strategies"]:
         print(f"  {r['strategy']}: " + (f"refused ({r['refused']})" if "refused" in r
                                         else f"max relative difference {r['max_relative_loss_difference']:.2e}"))
 
     if cluster is not None:
-        print(f"\n3. the models against torch.cuda, preset {cluster.name} (compute efficiency "
+        print(f"\n3. the models against torch.{device}, preset {cluster.name} (compute efficiency "
               f"{cluster.compute_efficiency})")
         report["blocks"], report["memory"] = [], []
         for model_name, model_args in models.items():
-            blocks = block_time_errors(model_name, model_args, cluster, device="cuda", dtype="bf16", batch=batch,
+            blocks = block_time_errors(model_name, model_args, cluster, device=device, dtype=dtype, batch=batch,
                                        seq_len=seq_len)
             report["blocks"].append(blocks)
             print(f"  {model_name}: per-layer forward+backward time error {blocks['layer_error']:+.0%} "
@@ -313,13 +304,44 @@ def main(argv: list[str] | None = None) -> int:
                   f"{blocks['measured_forward_s'][0] * 1e3:.2f}/{blocks['predicted_forward_s'][0] * 1e3:.2f} ms and "
                   f"head {blocks['measured_forward_s'][-1] * 1e3:.2f}/{blocks['predicted_forward_s'][-1] * 1e3:.2f} "
                   "ms forward (measured/predicted)")
-            memory = memory_errors(model_name, model_args, cluster, device="cuda", seq_len=seq_len,
-                                   batches=(1, 2) if args.quick else (1, 2, 4), out=out)
+            memory = memory_errors(model_name, model_args, cluster, device=device, seq_len=seq_len,
+                                   batches=memory_batches, out=out)
             report["memory"].append({"model": model_name, "rows": memory})
             for r in memory:
                 print(f"  {model_name} mbs={r['micro_batch_size']}: peak memory predicted "
                       f"{r['predicted_bytes'] / 2**30:.2f} GiB, measured {r['measured_bytes'] / 2**30:.2f} GiB, "
                       f"error {r['error']:+.0%}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models and few steps (a smoke run); without "
+                        "CUDA, the same checks on CPU with gpt-tiny, so that the script's code still runs")
+    parser.add_argument("--json", help="also write every figure to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NO_CUDA)
+        if not args.quick:
+            return 0
+        print(CPU_SMOKE)
+    out = tempfile.mkdtemp(prefix="gpu_check-")
+    if not torch.cuda.is_available():
+        ensure_world_of_one()
+        report = {"device": "cpu", **run_checks("cpu", {"gpt-tiny": {}}, preset("cpu-local"), dtype="fp32", steps=2,
+                                                 batch=2, seq_len=32, strategy_size=(2, 32, 2), memory_batches=(1,),
+                                                 out=out)}
+    else:
+        name = torch.cuda.get_device_name(0)
+        cluster = device_preset(name)
+        print(f"device: {name} (torch {torch.__version__}, CUDA {torch.version.cuda}); preset "
+              f"{cluster.name if cluster else 'none matches: MFU and model errors skipped'}")
+        models = QUICK_MODELS if args.quick else MODELS
+        steps, batch, seq_len = (3, 2, 128) if args.quick else (10, 8, 1024)
+        ensure_world_of_one()
+        report = {"device": name, **run_checks("cuda", models, cluster, dtype="bf16", steps=steps, batch=batch,
+                                               seq_len=seq_len, strategy_size=(4, 64, 3),
+                                               memory_batches=(1, 2) if args.quick else (1, 2, 4), out=out)}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -10,7 +10,8 @@ save_pretrained into a temporary folder (sharded safetensors with an index, as l
                     (stage tensors and tensor-parallel slices only, read with safe_open().get_slice)
 
     python benchmarks/hf_load.py                           # layouts pp2, tp2, tp2 x pp2 (4 ranks)
-    python benchmarks/hf_load.py --layers 2 --hidden 256   # smoke test
+    python benchmarks/hf_load.py --layers 2 --hidden 256   # a small model
+    python benchmarks/hf_load.py --quick                   # smoke test: a tiny model in several shards, tp2
 Load times on a shared CPU machine are noisy; the bytes are exact.
 """
 
@@ -38,7 +39,7 @@ def save_model(folder: Path, args: argparse.Namespace) -> int:
                                   max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(folder, max_shard_size="100MB")
+    model.save_pretrained(folder, max_shard_size=args.shard_size)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -70,7 +71,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--shard-size", default="100MB", help="save_pretrained's max_shard_size (default 100MB)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: llama 2 layers x 64, vocabulary 512, in several shards; layout tp2 only")
     args = parser.parse_args()
+    if args.quick:
+        args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 64, 128, 2, 512
+        args.layouts, args.shard_size = "tp2", "100KB"
     with tempfile.TemporaryDirectory(prefix="hf_load_") as tmp:
         work = Path(tmp)
         folder = work / "model"

@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jitter-ms", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="2 bounds, 20 steps, 1 repeat")
+    p.add_argument("--quick", action="store_true", help="2 bounds, 2 workers, 20 steps, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
-        args.staleness, args.steps, args.repeats = [0, 4], 20, 1
+        args.staleness, args.steps, args.repeats, args.workers = [0, 4], 20, 1, 2
     world = args.workers + 1
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Pipeline schedules on CPU/gloo with pp=2: autopar's runtime vs torch.distributed.pipelining "
                     "(time and gradients), peak memory per rank, scp + stage-aware recomputation vs 1f1b + full "
                     "recomputation, and simulated vs measured step times. Prints tables with ratios.")
-    parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, few steps (< 45 s)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny model, few steps, part 5 at pp 2 only")
     parser.add_argument("--layers", type=int, default=4, help="gpt-mini n_layer (default 4)")
     parser.add_argument("--d-model", type=int, default=None, help="gpt-mini d_model (default: gpt-mini's 128)")
     parser.add_argument("--mb", type=int, default=4, help="sequences per micro-batch (default 4)")
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.layers, args.d_model, args.mb, args.seq, args.m = 2, 64, 2, 32, 4
         args.steps, args.steps3, args.steps4, args.warmup, args.warmup4, args.mem_steps = 4, 3, 3, 1, 1, 1
-        args.steps5 = 3
+        args.steps5, args.pp5 = 3, "2"
     args.model_args = {"n_layer": args.layers, **({"d_model": args.d_model} if args.d_model else {})}
     args.parts = {f"part{p.strip()}" for p in args.parts.split(",") if p.strip()}
     args.pp5 = [int(p) for p in args.pp5.split(",") if p.strip()]

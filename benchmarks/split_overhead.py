@@ -28,6 +28,7 @@ Python around them), beside B and I-alone (autograd.grad to the inputs with noth
 
     PYTHONPATH=src python benchmarks/split_overhead.py [--stage last|middle|both] [--repeats 41]
         [--other /work/main/src] [--profile] [--parts] [--grouped] [--glibc-default] [--d-model 16 --seq 8 --mb 1]
+    PYTHONPATH=src python benchmarks/split_overhead.py --quick    # smoke test: 4 layers of width 16, 3 repeats
 """
 
 from __future__ import annotations
@@ -388,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="time W's matmuls sharing an input one by one against one matmul per group")
     parser.add_argument("--glibc-default", action="store_true",
                         help="leave glibc's heap trimming on (the loop then takes page faults the pipeline does not)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 4 layers, d_model 16, 1 x 8 tokens, "
+                        "3 repeats")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.d_model, args.seq, args.mb, args.repeats = 4, 16, 8, 1, 3
     if args.layers < 4 or args.repeats < 1:
         parser.error(f"need --layers >= 4 (4 stages) and --repeats >= 1; got {args.layers}, {args.repeats}")
     torch.set_num_threads(1)

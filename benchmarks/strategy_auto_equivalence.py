@@ -6,6 +6,7 @@ micro-batches), and prints each pick and the largest relative loss difference pe
 tests run the 4-rank case through the rank pools (tests/test_search_auto.py); 8 ranks live here.
 
     PYTHONPATH=src python benchmarks/strategy_auto_equivalence.py [--worlds 4,8] [--fix-pp 2]
+    PYTHONPATH=src python benchmarks/strategy_auto_equivalence.py --quick    # smoke test: 2 ranks
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="4,8")
     parser.add_argument("--fix-pp", type=int, default=None, help="also fix --pp (the search picks the rest)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: --worlds 2")
     args = parser.parse_args()
+    if args.quick:
+        args.worlds = "2"
     root = Path(tempfile.mkdtemp(prefix="autopar-auto-eq-"))
     run = lambda *extra: subprocess.run([sys.executable, "-m", "autopar", "train", *COMMON, *extra],  # noqa: E731
                                         check=True, capture_output=True, text=True)

@@ -16,6 +16,7 @@ terms for the same configuration. Every number is one run on a shared machine: q
 
     PYTHONPATH=src python benchmarks/strategy_search_cpu.py [--world 4] [--model gpt-mini] [--steps 5]
         [--cluster FILE.toml] [--config "dp=1 tp=1 pp=4 mbs=8 sched=zb-h1 recompute=none zero=0" ...]
+    PYTHONPATH=src python benchmarks/strategy_search_cpu.py --quick   # smoke test: 2 ranks, 2 configurations
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ DEFAULT_CONFIGS = (  # configurations of a quiet 4-rank validation run (docs/ben
     "dp=2 tp=1 pp=2 mbs=2 sched=1f1b zero=1",
     "dp=1 tp=2 pp=2 mbs=4 sched=1f1b",
 )
+QUICK_CONFIGS = ("dp=1 tp=1 pp=2 mbs=8 sched=zb-h1", "dp=2 tp=1 pp=1 mbs=4 zero=1")
+QUICK_CLUSTER = Path(__file__).resolve().parent / "data" / "calibrated_2ranks.toml"  # `autopar calibrate --nproc 2`
 PARTS = ("inputs", "forward_backward", "compute", "clip", "optimizer", "scheduler_zero_grad", "main_rest",
          "other_threads", "process")
 
@@ -65,9 +68,14 @@ def main() -> None:
     parser.add_argument("--extra", type=int, default=0,
                         help="then build this many more trainers (not stepped) and measure the same steps again")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smoke test: --world 2, 2 steps, 2 configurations, "
+                        "the cluster file of benchmarks/data/ unless --cluster")
     args = parser.parse_args()
     if args.worker:
         return worker(Path(args.worker))
+    if args.quick:
+        args.world, args.steps, args.config = 2, 2, args.config or list(QUICK_CONFIGS)
+        args.cluster = args.cluster or str(QUICK_CLUSTER)
     from autopar.launch import launch
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     for c in configs:

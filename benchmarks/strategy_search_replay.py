@@ -8,10 +8,16 @@ the CPU of collectives and waits come from a calibrated cluster file; the effect
 is taken as 0 unless --zero: runs before the `search` branch ran every candidate replicated.
 
     PYTHONPATH=src python benchmarks/strategy_search_replay.py RUN.json CLUSTER.toml CORES_AT_4 CORES_AT_8 [--zero] [-v]
+    PYTHONPATH=src python benchmarks/strategy_search_replay.py --quick   # smoke test: the small saved run below
+
+--quick replays benchmarks/data/strategy_search_quick_2ranks.json (gpt-mini at 2 ranks, 2 configurations, made by
+`strategy_search.py --quick --world 2 --models gpt-mini --configs 2 --repeats 1 --cluster cpu-local --out ...`)
+with benchmarks/data/calibrated_2ranks.toml (`autopar calibrate --nproc 2`) and the run's own effective cores.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -21,6 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from strategy_search import GLOBAL_BATCH, MODELS, SEQ_LEN, spearman  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+QUICK_RUN, QUICK_CLUSTER = DATA / "strategy_search_quick_2ranks.json", DATA / "calibrated_2ranks.toml"
 
 
 def cpu_blocks(name: str) -> list:
@@ -51,9 +60,24 @@ def main() -> None:
     from autopar.search.cost import StepModel
     from autopar.search.measure_profile import with_measured_blocks
     from autopar.search.profile import profile_model
-    run, cluster = json.loads(Path(sys.argv[1]).read_text()), load_cluster(sys.argv[2])
-    cores = {4: float(sys.argv[3]), 8: float(sys.argv[4])}
-    zero, verbose = "--zero" in sys.argv, "-v" in sys.argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", nargs="?", help="a JSON written by strategy_search.py --out")
+    parser.add_argument("cluster", nargs="?", help="a calibrated cluster TOML")
+    parser.add_argument("cores_at_4", nargs="?", type=float, help="effective cores of 4 ranks")
+    parser.add_argument("cores_at_8", nargs="?", type=float, help="effective cores of 8 ranks")
+    parser.add_argument("--zero", action="store_true", help="score each configuration at its ZeRO level")
+    parser.add_argument("-v", dest="verbose", action="store_true", help="print every configuration")
+    parser.add_argument("--quick", action="store_true", help="smoke test: replay the small saved run (see above)")
+    args = parser.parse_args()
+    if args.quick:
+        run, cluster = json.loads(QUICK_RUN.read_text()), load_cluster(str(QUICK_CLUSTER))
+        cores = {block["world"]: block["effective_cores"] for block in run["blocks"]}
+    elif args.cores_at_8 is not None:
+        run, cluster = json.loads(Path(args.run).read_text()), load_cluster(args.cluster)
+        cores = {4: args.cores_at_4, 8: args.cores_at_8}
+    else:
+        parser.error("give RUN.json CLUSTER.toml CORES_AT_4 CORES_AT_8, or --quick")
+    zero, verbose = args.zero, args.verbose
     measured_blocks: dict[str, list] = {}
     for block in run["blocks"]:
         name, world = block["model"], block["world"]

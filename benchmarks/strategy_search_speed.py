@@ -7,6 +7,7 @@ cached per-block costs. Prints the trace time, the number of configurations scor
 search time, and the top plans.
 
     PYTHONPATH=src python benchmarks/strategy_search_speed.py [--cluster a100-80gb] [--global-batch 512]
+    PYTHONPATH=src python benchmarks/strategy_search_speed.py --quick   # smoke test: 8 devices, 2 schedules
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,eager-1f1b,zb-h1",
                         help="comma-separated schedules to search")
     parser.add_argument("--partitions", default="uniform,parameters,time", help="comma-separated partition methods")
+    parser.add_argument("--quick", action="store_true", help="smoke test: the same model on 8 devices, global "
+                        "batch 32, schedules 1f1b and zb-h1, uniform partitions")
     args = parser.parse_args()
+    if args.quick:
+        args.nproc, args.global_batch, args.schedules, args.partitions = 8, 32, "1f1b,zb-h1", "uniform"
     began = time.perf_counter()
     profile = profile_model("gpt-small", seq_len=args.seq_len, tp_degrees=(1, 2, 4, 8), layers=44,
                             model_args={"n_head": 64, "d_model": 6144, "max_seq_len": args.seq_len},

@@ -3,6 +3,7 @@
     PYTHONPATH=src python benchmarks/strategy_search_terms.py --fit runs/strategy_search.json  # written by strategy_search.py --out
     PYTHONPATH=src python benchmarks/strategy_search_terms.py --saved
     PYTHONPATH=src python benchmarks/strategy_search_terms.py --collectives CLUSTER.toml
+    PYTHONPATH=src python benchmarks/strategy_search_terms.py --quick    # smoke test: all three on small inputs
 
 --fit: per model and world size, a least-squares fit of each configuration's measured CPU (summed over the
 ranks) on three groups of the model's CPU terms: blocking waits (Cluster.sync_cpu_s per wait), TP
@@ -14,6 +15,9 @@ run) and as the model itself (what data parallelism and ZeRO run): measure_profi
 
 --collectives: from a calibrated cluster file, the CPU per byte of gloo's reduce-scatter and all-gather
 against the fractions of an all-reduce the ZeRO costs used before the tables existed (one, and one half).
+
+--quick: --fit and --collectives on the small saved run and cluster file that strategy_search_replay.py --quick
+reads (benchmarks/data/), --saved at 32 tokens per sequence.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
 
 
 def fit(path: str) -> None:
@@ -42,12 +49,12 @@ def fit(path: str) -> None:
               f"modelled CPU, median: tp rows {np.median(ratio[has_tp]):.2f}, others {np.median(ratio[~has_tp]):.2f}")
 
 
-def saved() -> None:
+def saved(seq_len: int = 128) -> None:
     from autopar.search.measure_profile import measure_blocks
     models = {"gpt-mini": {}, "hf:llama": {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 352,
                                           "num_attention_heads": 4, "num_key_value_heads": 2}}
     for name, args in models.items():
-        blocks = measure_blocks(name, seq_len=128, model_args=args, repeats=1)
+        blocks = measure_blocks(name, seq_len=seq_len, model_args=args, repeats=1)
         traced = sum(b.saved_per_seq for b in blocks)
         eager = sum(b.eager_saved_per_seq for b in blocks)
         print(f"{name}: bytes kept per sequence, traced stages {traced / 1e6:.2f} MB, the model itself "
@@ -72,7 +79,14 @@ def main() -> int:
     parser.add_argument("--fit", help="a JSON written by benchmarks/strategy_search.py --out")
     parser.add_argument("--saved", action="store_true")
     parser.add_argument("--collectives", help="a cluster TOML written by autopar calibrate")
+    parser.add_argument("--quick", action="store_true", help="smoke test: all three on the small inputs of "
+                        "benchmarks/data/, --saved at 32 tokens")
     args = parser.parse_args()
+    if args.quick:
+        fit(str(DATA / "strategy_search_quick_2ranks.json"))
+        saved(seq_len=32)
+        collectives(str(DATA / "calibrated_2ranks.toml"))
+        return 0
     if not (args.fit or args.saved or args.collectives):
         parser.error("give --fit JSON, --saved or --collectives TOML")
     if args.fit:

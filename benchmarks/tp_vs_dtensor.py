@@ -24,7 +24,8 @@ and on CUDA the peak allocated during a step above what was resident before it. 
 all-reduces one step issues are counted with the profiler (the reason the times differ).
 
     python benchmarks/tp_vs_dtensor.py                      # tp 2 and 4 (~1 min on 2 busy cores)
-    python benchmarks/tp_vs_dtensor.py --tp 2 --steps 5     # smoke test
+    python benchmarks/tp_vs_dtensor.py --tp 2 --steps 5     # tp 2 only, fewer steps
+    python benchmarks/tp_vs_dtensor.py --quick              # smoke test: tp 2, one narrow block, 3 steps
     python benchmarks/tp_vs_dtensor.py --device cuda        # ranks share the visible GPUs (gloo)
 """
 
@@ -379,7 +380,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per variant (default 3)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks compute (default cpu)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: tp 2, 1 block of width 64 (4 heads), 2 x 16 tokens, 1 warm-up + 3 steps")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.tp, args.layers, args.d_model, args.heads, args.batch, args.seq = [2], 1, 64, 4, 2, 16
+        args.steps, args.warmup = 3, 1
     if any(t < 2 for t in args.tp):
         parser.error(f"--tp: every size must be >= 2, got {args.tp}")
     bad = [t for t in args.tp if args.heads % t or (4 * args.d_model) % t]

@@ -18,6 +18,7 @@ counterfactuals that say which part of the gap is which: the two chunks of each 
 the ratio (I + W) / B measured on zb-h1's and 1f1b's second stage in this run).
 
     PYTHONPATH=src python benchmarks/zbv_breakdown.py [--steps 10] [--layers 6] [--m 8]
+    PYTHONPATH=src python benchmarks/zbv_breakdown.py --quick    # smoke test: 2 layers, m 4, 2 timed steps
 """
 
 from __future__ import annotations
@@ -226,11 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
     parser.add_argument("--layers", type=int, default=6, help="gpt-mini n_layer, at least 2 (default 6)")
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step, at least 4 (default 8)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 2 layers, 4 micro-batches of 2 x 32 tokens, 1 warm-up and 2 timed steps")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.m, args.warmup, args.steps = 2, 4, 1, 2
     if args.layers < 2 or args.m < 4 or args.steps < 1:
         parser.error(f"need --layers >= 2 (4 stages), --m >= 4, --steps >= 1; got {args.layers}, {args.m}, "
                      f"{args.steps}")
     args.vocab, args.mb, args.seq, args.model_args = 320, 4, 64, {"n_layer": args.layers}
+    if args.quick:
+        args.mb, args.seq = 2, 32
     print(f"$ python benchmarks/zbv_breakdown.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"torch {torch.__version__} | load average (1 min) at start {os.getloadavg()[0]:.2f}")
     begin = time.perf_counter()

@@ -26,7 +26,7 @@ machine's load alike; median over the steps after the first, the slowest rank ea
 The ratios the issue asks for are printed, with the load average before and after the run.
 
     python benchmarks/zero_memory.py            # default (dp 2 and 4, memory and time)
-    python benchmarks/zero_memory.py --quick --skip-memory    # smoke: dp 2, 3 steps
+    python benchmarks/zero_memory.py --quick    # smoke: gpt-tiny, dp 2, 3 steps
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def _overrides(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke: 3 timed steps, dp 2 only")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke: gpt-tiny at its own width, 3 timed steps, dp 2 only")
     parser.add_argument("--model", default="gpt-mini")
     parser.add_argument("--d-model", type=int, default=256,
                         help="width of the timing model (gpt-mini's 128 makes the optimizer step negligible)")
@@ -218,7 +219,7 @@ def main() -> None:
     parser.add_argument("--skip-time", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.dp = 3, [2]
+        args.steps, args.dp, args.model, args.d_model = 3, [2], "gpt-tiny", None
     from autopar.launch import free_port
 
     load_before = os.getloadavg()

@@ -105,13 +105,13 @@ class _TimedPending:
 class TimedP2P(P2P):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        self.waits: list[tuple[float, float]] = []
+        self.receive_waits: list[tuple[float, float]] = []
 
     def recv(self, **kw):
-        return _TimedPending(super().recv(**kw), self.waits)
+        return _TimedPending(super().recv(**kw), self.receive_waits)
 
     def exchange(self, sends, recvs):  # the path the runtime takes (batched steps): its waits count too
-        return [_TimedPending(p, self.waits) for p in super().exchange(sends, recvs)]
+        return [_TimedPending(p, self.receive_waits) for p in super().exchange(sends, recvs)]
 
 
 class Variant:
@@ -269,7 +269,7 @@ def time_variants(setup: Setup, variants: dict, *, warmup: int, steps: int, reco
         for name in names[shift:] + names[:shift]:
             variant = variants[name]
             if isinstance(getattr(variant, "p2p", None), TimedP2P):
-                variant.p2p.waits = []
+                variant.p2p.receive_waits = []
             dist.barrier(setup.world)
             start = time.perf_counter()
             loss, recorded = variant.step(batches, record=record)
@@ -279,7 +279,7 @@ def time_variants(setup: Setup, variants: dict, *, warmup: int, steps: int, reco
             if step >= warmup:
                 times[name].append(elapsed)
                 if record:
-                    events[name].append((recorded, list(variant.p2p.waits), elapsed))
+                    events[name].append((recorded, list(variant.p2p.receive_waits), elapsed))
     stacked = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=setup.world)
     slowest = {n: stacked[i].tolist() for i, n in enumerate(names)}

@@ -9,6 +9,7 @@ the thread's CPU time (one thread: all of the backward runs on it; on a loaded m
 out the waits for a core, though not the cache another process evicts).
 
     PYTHONPATH=src:benchmarks python benchmarks/pipeline/split_before_after.py /tmp/old_split.py [REPEATS] [OPTIONS]
+    PYTHONPATH=src python benchmarks/pipeline/split_before_after.py --quick   # smoke test: this tree against itself
 
 OPTIONS are pipeline_schedules.py's model options (e.g. `--d-model 16 --seq 8 --mb 1`: kernels too small
 to matter, so what is left of I + W - B is the split's fixed overhead).
@@ -21,17 +22,21 @@ import inspect
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import autopar.pipeline.split_backward as current
-from pipeline.common import Setup
-from pipeline.zero_bubble import _local_setup
-from pipeline_schedules import parse_args
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: pipeline.*, pipeline_schedules
+
+import autopar.pipeline.split_backward as current  # noqa: E402
+from pipeline.common import Setup  # noqa: E402
+from pipeline.zero_bubble import _local_setup  # noqa: E402
+from pipeline_schedules import parse_args  # noqa: E402
 
 
 def _load(path: str):
-    spec = importlib.util.spec_from_file_location("split_backward_old", path)
+    # inside autopar.pipeline, so that the file's relative imports (split_plan, ...) find this tree's modules
+    spec = importlib.util.spec_from_file_location("autopar.pipeline.split_backward_old", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
@@ -100,4 +105,7 @@ def main(old_path: str, repeats: int, options: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 31, sys.argv[3:])
+    if sys.argv[1:] == ["--quick"]:  # this tree's module as OLD too, kernels too small to matter, 2 repeats
+        main(current.__file__, 2, ["--d-model", "16", "--seq", "8", "--mb", "1"])
+    else:
+        main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 31, sys.argv[3:])
