@@ -22,6 +22,7 @@ the peak and are dropped, so pricing a candidate is a few dot products.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import mul
 
 from ..pipeline.actions import Op, Schedule, stage_to_rank
 from ..pipeline.schedules import build_schedule, placement
@@ -40,10 +41,20 @@ class RankWalk:
     def peak(self, unit_bytes: dict[int, tuple[float, ...]], only: int | None = None) -> Snapshot:
         """The snapshot with the most bytes, each count priced by `unit_bytes[stage]` (COUNTS order); `only`:
         the stage whose bytes alone are counted (a stage's own peak, to size its recomputation)."""
-        def priced(snap: Snapshot) -> float:
-            return sum(c * u for s, counts in zip(self.stages, snap) if only is None or s == only
-                       for c, u in zip(counts, unit_bytes[s]))
-        return max(self.snapshots, key=priced)
+        if len(self.snapshots) == 1:
+            return self.snapshots[0]
+        zero = (0.0,) * len(COUNTS)
+        units = [u for s in self.stages for u in (unit_bytes[s] if only is None or s == only else zero)]
+        flat = self._flat()
+        best = max(range(len(flat)), key=lambda i: sum(map(mul, flat[i], units)))
+        return self.snapshots[best]
+
+    def _flat(self) -> list[tuple[float, ...]]:
+        flat = self.__dict__.get("_flat_cache")
+        if flat is None:
+            flat = [tuple(c for counts in snap for c in counts) for snap in self.snapshots]
+            object.__setattr__(self, "_flat_cache", flat)
+        return flat
 
 
 def walk_schedule(lists: Schedule, *, pp: int, num_stages: int, style: str = "loop") -> dict[int, RankWalk]:
@@ -103,13 +114,12 @@ def walk_schedule(lists: Schedule, *, pp: int, num_stages: int, style: str = "lo
 
 def _undominated(snaps: list[Snapshot]) -> tuple[Snapshot, ...]:
     """The snapshots no other one covers in every count (those alone can be a peak)."""
-    flat = sorted(set(snaps), key=lambda x: -sum(sum(c) for c in x))
-    kept: list[Snapshot] = []
-    for x in flat:
-        fx = [c for counts in x for c in counts]
-        if not any(all(a >= b for a, b in zip((c for counts in y for c in counts), fx)) for y in kept):
-            kept.append(x)
-    return tuple(kept)
+    flat = sorted({tuple(c for counts in x for c in counts): x for x in snaps}.items(), key=lambda kv: -sum(kv[0]))
+    kept: list[tuple[tuple[float, ...], Snapshot]] = []
+    for fx, x in flat:
+        if not any(all(a >= b for a, b in zip(fy, fx)) for fy, _ in kept):
+            kept.append((fx, x))
+    return tuple(x for _, x in kept)
 
 
 def extrapolate(low: Snapshot, high: Snapshot, t: float) -> Snapshot:
@@ -153,11 +163,15 @@ def rank_peaks(schedule: str, *, pp: int, chunks: int, num_microbatches: int, re
     out = {}
     if m <= high:
         for rank, walk in walks(m).items():
+            if only is not None and only not in walk.stages:
+                continue
             out[rank] = dict(zip(walk.stages, walk.peak(unit_bytes, only)))
         return out
     short, long = walks(low), walks(high)
     t = (m - low) / (high - low)
     for rank, walk in long.items():
+        if only is not None and only not in walk.stages:
+            continue
         a, b = short[rank].peak(unit_bytes, only), walk.peak(unit_bytes, only)
         line = extrapolate(a, b, t)
         best = line if priced(walk.stages, line) >= priced(walk.stages, b) else b
