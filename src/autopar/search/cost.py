@@ -9,7 +9,7 @@
                  measured per block from the runtime's own split (measure_profile.py); from FLOPs, W
                  is the weight ops' FLOPs (their gradient GEMMs), I the rest of the backward with the
                  TP all-reduces, both x (1 + SPLIT_OVERHEAD). Memory: what I keeps for W x the
-                 micro-batches between an I and its W (the simulator's count), and the split's transient
+                 micro-batches between an I and its W (memory_walk.py's count), and the split's transient
     pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
                  (only what outlasts it, or the last bucket, shows), or the ZeRO level's reduce-scatter

@@ -16,6 +16,10 @@
                      stay alive too, which the in-flight count already holds to the W's end
   x headroom         allocator slack, fragmentation (Cluster.memory_headroom, calibrate it)
 
+Each piece is a count (micro-batches in flight, tensors sent, ...) x its bytes (StageUnits); the search takes
+the counts at the rank's peak action from a walk over its schedule (memory_walk.py), so the pieces are those
+alive together at the peak and add up to it, rather than each piece's own maximum.
+
 Without headroom, this is the peak of live tensor bytes, the quantity live_memory.py measures
 (benchmarks/strategy_search.py compares the two per rank).
 

@@ -21,7 +21,7 @@ the peak and are dropped, so pricing a candidate is a few dot products.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import mul
 
 from ..pipeline.actions import Op, Schedule, stage_to_rank
@@ -37,6 +37,10 @@ class RankWalk:
 
     stages: tuple[int, ...]
     snapshots: tuple[Snapshot, ...]
+    flat: tuple[tuple[float, ...], ...] = field(init=False, repr=False, compare=False)  # each snapshot, flattened
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flat", tuple(tuple(c for counts in snap for c in counts) for snap in self.snapshots))
 
     def peak(self, unit_bytes: dict[int, tuple[float, ...]], only: int | None = None) -> Snapshot:
         """The snapshot with the most bytes, each count priced by `unit_bytes[stage]` (COUNTS order); `only`:
@@ -45,16 +49,9 @@ class RankWalk:
             return self.snapshots[0]
         zero = (0.0,) * len(COUNTS)
         units = [u for s in self.stages for u in (unit_bytes[s] if only is None or s == only else zero)]
-        flat = self._flat()
+        flat = self.flat
         best = max(range(len(flat)), key=lambda i: sum(map(mul, flat[i], units)))
         return self.snapshots[best]
-
-    def _flat(self) -> list[tuple[float, ...]]:
-        flat = self.__dict__.get("_flat_cache")
-        if flat is None:
-            flat = [tuple(c for counts in snap for c in counts) for snap in self.snapshots]
-            object.__setattr__(self, "_flat_cache", flat)
-        return flat
 
 
 def walk_schedule(lists: Schedule, *, pp: int, num_stages: int, style: str = "loop") -> dict[int, RankWalk]:
