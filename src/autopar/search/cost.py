@@ -9,7 +9,7 @@
                  measured per block from the runtime's own split (measure_profile.py); from FLOPs, W
                  is the weight ops' FLOPs (their gradient GEMMs), I the rest of the backward with the
                  TP all-reduces, both x (1 + SPLIT_OVERHEAD). Memory: what I keeps for W x the
-                 micro-batches between an I and its W (the simulator's count), and the split's transient
+                 micro-batches between an I and its W (memory_walk.py's count), and the split's transient
     pipeline     the project's simulator (timeline.py) with each cut's boundary bytes as transfer time
     after it     the data-parallel gradient all-reduce in buckets, overlapped with the last backward
                  (only what outlasts it, or the last bucket, shows), or the ZeRO level's reduce-scatter
@@ -38,8 +38,11 @@ from dataclasses import dataclass, field
 from ..config.schedules import SPLIT_SCHEDULES  # noqa: F401 (the schedules whose backward is I + W)
 from ..errors import ConfigError, choices
 from ..partition import algorithms
+from ..pipeline.actions import stage_to_rank
+from ..pipeline.schedules import placement
 from .cluster import Cluster
-from .memory import OPTIMIZER_STATE_BYTES, StageMemory, stage_memory
+from .memory import OPTIMIZER_STATE_BYTES, StageMemory, StageUnits, stage_units
+from .memory_walk import rank_peaks
 from .profile import ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled, shared_pipeline_makespan
 from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_exposed_s
@@ -390,10 +393,9 @@ class StepModel:
             transient = [max(block_transient(m, a == 0) * share[i]
                              for i, m in enumerate(self.profile.measured[a:b], start=a)) for a, b in spans]
         pending = [0.0] * stages
-        if split:  # what I keeps for W, per micro-batch, x the micro-batches between an I and its W (the first
-            held = self.block_held_bytes(c.tp)  # stage's I keeps nothing: its W is the whole backward)
-            pending = [structure.split_held[s] * sum(held[a:b]) * mbs * self.act_scale if a > 0 else 0.0
-                       for s, (a, b) in enumerate(spans)]
+        if split:  # what one micro-batch's I keeps for its W (the first stage's I keeps nothing: its W is the
+            held = self.block_held_bytes(c.tp)  # whole backward); the walk counts the micro-batches between
+            pending = [sum(held[a:b]) * mbs * self.act_scale if a > 0 else 0.0 for a, b in spans]
         memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
                            headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master,
                            num_microbatches=c.num_microbatches, gathered_units=1 if c.pp > 1 or c.tp > 1 else 2)
@@ -410,28 +412,41 @@ class StepModel:
             # what the eager model keeps (measure_profile.BlockCosts.eager_saved_per_seq)
             saved_bytes = tuple(m.eager_saved_per_seq for m in measured)
 
-        def memory_of(s: int, k: int) -> StageMemory:
+        def units_of(s: int, k: int) -> StageUnits:
             a, b = spans[s]
             out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
-            return stage_memory(param_elements=local_params[s], saved=list(saved_bytes[a:b]),
-                                inputs=inputs[a:b], output_bytes=out, in_flight=max(1, structure.in_flight[s]),
-                                stashed=structure.stashed[s], recompute_blocks=k, whole_stage=whole,
-                                transient_bytes=transient[s], largest_block_params=gathered_unit(s, a, b),
-                                weight_pending=pending[s], **memory_args)
+            return stage_units(param_elements=local_params[s], saved=list(saved_bytes[a:b]), inputs=inputs[a:b],
+                               output_bytes=out, recompute_blocks=k, whole_stage=whole, transient_bytes=transient[s],
+                               largest_block_params=gathered_unit(s, a, b), held_bytes=pending[s], **memory_args)
+
+        def peaks(units: list[StageUnits], only: int | None = None) -> dict[int, dict[int, tuple[float, ...]]]:
+            """Per rank, each stage's counts at the rank's peak action (memory_walk.py): the peak of the sum."""
+            return rank_peaks(c.schedule, pp=c.pp, chunks=c.chunks, num_microbatches=c.num_microbatches,
+                              recompute=recompute, unit_bytes={s: u.per_count for s, u in enumerate(units)},
+                              only=only, cache=self._schedules)
 
         if c.recompute_blocks is not None:
             blocks = tuple(min(k, b - a) for k, (a, b) in zip(c.recompute_blocks, spans))
-        elif c.recompute == "stage-aware":
+        elif c.recompute == "stage-aware":  # the fewest blocks per stage whose own peak fits its share
             budget = cl.memory_bytes / c.chunks
-            blocks = tuple(next((k for k in range(b - a + 1) if memory_of(s, k).total <= budget), b - a)
+
+            base = [units_of(t, 0) for t in range(stages)]
+
+            def stage_total(s: int, k: int) -> float:
+                units = [*base[:s], units_of(s, k), *base[s + 1:]]  # only stage s's bytes are priced
+                at_peak = next(p[s] for p in peaks(units, only=s).values() if s in p)
+                return units[s].at(at_peak).total
+            blocks = tuple(next((k for k in range(b - a + 1) if stage_total(s, k) <= budget), b - a)
                            for s, (a, b) in enumerate(spans))
         else:
             blocks = (0,) * stages
-        memory = [memory_of(s, k) for s, k in enumerate(blocks)]
+        units = [units_of(s, k) for s, k in enumerate(blocks)]
+        at_peak = {s: counts for p in peaks(units).values() for s, counts in p.items()}
+        memory = [units[s].at(at_peak[s]) for s in range(stages)]
         rank_of = [s % c.pp for s in range(stages)]
-        per_rank = [0.0] * c.pp
+        per_rank = [0.0] * c.pp  # the stages of a rank as the schedule places them (zbv: a V), at its peak
         for s, m in enumerate(memory):
-            per_rank[rank_of[s]] += m.total
+            per_rank[stage_to_rank(s, c.pp, stages, placement(c.schedule))] += m.total
         fits = max(per_rank) <= cl.memory_bytes
 
         costs = self.stage_costs(c, spans, blocks)

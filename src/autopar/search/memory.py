@@ -16,6 +16,10 @@
                      stay alive too, which the in-flight count already holds to the W's end
   x headroom         allocator slack, fragmentation (Cluster.memory_headroom, calibrate it)
 
+Each piece is a count (micro-batches in flight, tensors sent, ...) x its bytes (StageUnits); the search takes
+the counts at the rank's peak action from a walk over its schedule (memory_walk.py), so the pieces are those
+alive together at the peak and add up to it, rather than each piece's own maximum.
+
 Without headroom, this is the peak of live tensor bytes, the quantity live_memory.py measures
 (benchmarks/strategy_search.py compares the two per rank).
 
@@ -93,41 +97,81 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
 
     `weight_pending`: bytes a zero-bubble stage's I keeps for its W, over all micro-batches between the
     two (the caller knows the count from the simulator); pass the split's own transient as `transient_bytes`.
+
+    These counts are each term's own peak; the search takes the peak of their sum instead, from a walk over the
+    schedule (stage_units + StageUnits.at with memory_walk.py's counts at the rank's peak action).
     """
+    warm_up = stashed if whole_stage else in_flight
+    units = stage_units(param_elements=param_elements, saved=saved, inputs=inputs, output_bytes=output_bytes,
+                        micro_batch_size=micro_batch_size, recompute_blocks=recompute_blocks, whole_stage=whole_stage,
+                        activation_scale=activation_scale, optimizer=optimizer, dp=dp, headroom=headroom,
+                        transient_bytes=transient_bytes, zero=zero, bf16_master=bf16_master,
+                        largest_block_params=largest_block_params, held_bytes=weight_pending,
+                        num_microbatches=num_microbatches, gathered_units=gathered_units)
+    m = max(1, num_microbatches)
+    # activations, stashed inputs, pending (already a total), outputs sent, input gradients sent, gradient in, transient
+    counts = (in_flight, stashed if whole_stage else in_flight, 1, m, max(0, m - warm_up), 1, 1)
+    return units.at(counts)
+
+
+@dataclass(frozen=True)
+class StageUnits:
+    """The bytes of one stage's model state and of one of each thing a schedule keeps alive (memory_walk.COUNTS:
+    one micro-batch's activations, stashed input, pending weight work; one sent output, sent input gradient,
+    received gradient; one backward's transient), so any count of them can be priced."""
+
+    params: float
+    grads: float
+    optimizer: float
+    per_count: tuple[float, ...]  # memory_walk.COUNTS order
+    headroom: float
+    zero3: tuple[float, float, float] | None = None  # (gathered bytes held, bytes held at the backward's end, unit)
+
+    def at(self, counts: tuple[float, ...]) -> StageMemory:
+        """The breakdown with `counts` of each (memory_walk.COUNTS order) alive: the terms add up to the total."""
+        act, stash, held, sent_out, sent_grad, grad_in, transient = (c * u for c, u in zip(counts, self.per_count))
+        buffers = sent_out + sent_grad + grad_in
+        grads = self.grads
+        if self.zero3 is not None:
+            gathered, end, _ = self.zero3
+            buffers += gathered
+            during = act + stash + transient + buffers + held
+            transient += max(0.0, end - during)
+            grads = 0.0
+        return StageMemory(params=self.params, grads=grads, optimizer=self.optimizer, activations=act,
+                           stashed_inputs=stash, transient=transient, buffers=buffers, headroom=self.headroom,
+                           weight_pending=held)
+
+
+def stage_units(*, param_elements: int, saved: list[float], inputs: list[float], output_bytes: float,
+                micro_batch_size: int, recompute_blocks: int, whole_stage: bool, activation_scale: float,
+                optimizer: str, dp: int, headroom: float, transient_bytes: float | None = None, zero: int = 0,
+                bf16_master: bool = False, largest_block_params: float = 0.0, held_bytes: float = 0.0,
+                num_microbatches: int = 1, gathered_units: int = 2) -> StageUnits:
+    """Bytes per count of one stage (StageUnits), from the same pieces as `stage_memory`; `held_bytes`: what
+    one micro-batch's I keeps for its W."""
     b = micro_batch_size * activation_scale
     input_bytes = inputs[0] * b if inputs else 0.0
-    if whole_stage:
-        activations = in_flight * sum(saved) * b  # rebuilt by R, alive until the backward ends
-        stash = stashed * input_bytes
-    else:
-        activations = in_flight * kept_bytes(saved, inputs, recompute_blocks) * b
-        stash = in_flight * input_bytes  # the received input, kept for the backward
+    activations = sum(saved) * b if whole_stage else kept_bytes(saved, inputs, recompute_blocks) * b
     rebuilt = max(saved[:recompute_blocks], default=0.0) if not whole_stage else 0.0
     if transient_bytes is None:
         transient = (max(saved, default=0.0) + rebuilt) * b  # gradients of one block + one block rebuilt
     else:
         transient = transient_bytes + rebuilt * b
-    # the received input is the stash above. Every tensor sent stays alive until the step's end (p2p.wait_sends):
-    # m activations out, the input gradients of the backwards done before the last forward, one gradient in.
-    # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
     m = max(1, num_microbatches)
-    # the forwards before the stage's first backward: its in-flight count, or under whole-stage recomputation
-    # (one micro-batch's activations at a time) the stashed inputs, which the schedule's warm-up still sets
-    warm_up = stashed if whole_stage else in_flight
-    buffers = (m + 1) * output_bytes * b + max(0, m - warm_up) * input_bytes
     states = zero_model_state_bytes(param_elements, zero=zero, dp=dp, bf16=bf16_master,
                                     optimizer_bytes=float(OPTIMIZER_STATE_BYTES[optimizer]))
-    grads = states.grads
     element = 2.0 if bf16_master else 4.0
     if zero == 2:
         transient = max(transient, param_elements * element)
+    zero3 = None
     if zero == 3:
         unit = largest_block_params * element
-        buffers += gathered_units * unit + (param_elements * element if m > 1 else 0.0)
-        during = activations + stash + transient + buffers + weight_pending
+        gathered = gathered_units * unit + (param_elements * element if m > 1 else 0.0)
         end = (param_elements if m > 1 else largest_block_params) * element + unit + states.grads
-        transient += max(0.0, end - during)
-        grads = 0.0
-    return StageMemory(params=states.params, grads=grads, optimizer=states.optimizer,
-                       activations=activations, stashed_inputs=stash, transient=transient, buffers=buffers,
-                       headroom=headroom, weight_pending=weight_pending)
+        zero3 = (gathered, end, unit)
+    # the received input is the stash; every tensor sent stays alive until the step's end (p2p.wait_sends).
+    # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
+    per_count = (activations, input_bytes, held_bytes, output_bytes * b, input_bytes, output_bytes * b, transient)
+    return StageUnits(params=states.params, grads=states.grads, optimizer=states.optimizer, per_count=per_count,
+                      headroom=headroom, zero3=zero3)

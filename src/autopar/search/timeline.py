@@ -255,6 +255,7 @@ def _compiled(schedule: str, pp: int, chunks: int, m: int, recompute: frozenset[
         compiled = compile_schedule(lists, pp=pp, chunks=chunks, m=m)
         if cache is not None:
             cache[key] = compiled
+            cache[("lists", *key[1:])] = lists  # memory_walk.schedule_walks walks the same lists
     return compiled
 
 
