@@ -76,6 +76,17 @@ def test_a_changed_key_measures_again(cache, monkeypatch, change):
     assert len(cache) == 2  # and the new entry is reused in turn
 
 
+def test_an_entry_measured_before_zero_collectives_is_measured_again(cache, monkeypatch):
+    """Entries of format 1 have no reduce-scatter and all-gather figures (the ZeRO levels would be priced by the
+    ring rule): the current format measures them again."""
+    current = calibration_cache.FORMAT
+    monkeypatch.setattr(calibration_cache, "FORMAT", 1)
+    search_cluster(None, nproc=4)
+    monkeypatch.setattr(calibration_cache, "FORMAT", current)
+    search_cluster(None, nproc=4)
+    assert cache == [4, 4], "an entry without the ZeRO collectives' figures was reused"
+
+
 @pytest.mark.parametrize("damage", ["not json", "{}", "wrong key", "bad cluster"])
 def test_a_damaged_entry_is_measured_again_with_a_warning(cache, capsys, damage):
     search_cluster(None, nproc=4)

@@ -12,7 +12,7 @@ import torch
 from autopar.config import Strategy, TrainConfig
 from autopar.data.tokenizer import padded_vocab_size
 from autopar.models import build_model
-from autopar.search.cluster import Cluster, Link, cluster_from_dict
+from autopar.search.cluster import Cluster, Link, cluster_from_dict, preset
 from autopar.search.cost import Candidate, StepModel
 from autopar.search.memory import stage_memory
 from autopar.search.profile import ModelProfile, TPProfile
@@ -55,12 +55,15 @@ def test_zero_communication_by_hand():
     # the reduce-scatter hides behind a long backward; the all-gather after the step cannot
     hidden = dict(args, overlap_s=1.0)
     assert data_parallel_exposed_s(cl, zero=1, **hidden) == pytest.approx(2 * ring)  # one bucket: the last shows
-    # zero 3: 2 blocks of 0.5 M parameters gathered in forward and backward, compute too short to hide the second
+    # zero 3: 2 units of 0.5 M parameters gathered in forward and backward, compute too short to hide the second;
+    # one reduce-scatter per unit (each pays the ring's latencies)
     blocks = dict(block_params=(5e5, 5e5), block_forward_s=(0.0, 0.0), block_backward_s=(0.0, 0.0))
     half = 3 * lat + 3 / 4 * nbytes / 2 / bw
-    assert data_parallel_exposed_s(cl, zero=3, num_microbatches=1, **args, **blocks) == pytest.approx(ring + 4 * half)
+    assert data_parallel_exposed_s(cl, zero=3, num_microbatches=1, **args, **blocks) == \
+        pytest.approx(2 * half + 4 * half)
     slow = dict(blocks, block_forward_s=(1.0, 1.0), block_backward_s=(1.0, 1.0))  # prefetch hides the second
-    assert data_parallel_exposed_s(cl, zero=3, num_microbatches=2, **args, **slow) == pytest.approx(ring + 2 * 2 * half)
+    assert data_parallel_exposed_s(cl, zero=3, num_microbatches=2, **args, **slow) == \
+        pytest.approx(2 * half + 2 * 2 * half)
     assert data_parallel_exposed_s(cl, zero=1, **dict(args, dp=1)) == 0.0
 
 
@@ -92,10 +95,76 @@ def test_zero_communication_cpu_by_hand():
     scatter = 3 * 5e-4 + 3 / 4 * 4e6 / 2e8
     gather = 3 * 2e-4 + 3 / 4 * 4e6 / 5e8
     assert data_parallel_cpu_s(tables, zero=1, **args) == pytest.approx(whole + gather)
+    assert data_parallel_cpu_s(tables, zero=1, element_bytes=2.0, **args) == pytest.approx(scatter + gather)  # bf16
     assert data_parallel_cpu_s(tables, zero=2, num_microbatches=3, per_micro_batch=True, **args) == \
         pytest.approx(3 * scatter + gather)
     assert data_parallel_cpu_s(tables, zero=3, num_microbatches=2, **args) == pytest.approx(scatter + 4 * gather)
     assert tables.reduce_scatter_cpu(4e6, 8) == pytest.approx(2 * scatter)  # a larger group: the largest, per rank
+    assert cluster_from_dict(tables.to_dict()) == tables
+
+
+def test_each_level_priced_by_the_collective_it_runs():
+    """ZeRO-1/2 reduce-scatter then all-gather, ZeRO-3 all-gathers per unit and reduce-scatters, each at the
+    cluster's measured figure for that call where it has one (gloo's are far from the ring's half an all-reduce,
+    benchmarks/gloo_collectives.py); ZeRO-1's fp32 gradients are all-reduced on gloo (zero/grads.py)."""
+    ar, rs, ag = Link(1e-4, 1e9), Link(4e-4, 2.5e8), Link(2e-4, 5e8)
+    measured = dataclasses.replace(cluster(1e9), allreduce_table={4: ar}, reduce_scatter_table={4: rs},
+                                   all_gather_table={4: ag})
+    nbytes = 4e6
+    all_reduce = 6 * ar.latency_s + 6 / 4 * nbytes / ar.bandwidth_bytes_per_s
+    scatter = 3 * rs.latency_s + 3 / 4 * nbytes / rs.bandwidth_bytes_per_s
+    gather = 3 * ag.latency_s + 3 / 4 * nbytes / ag.bandwidth_bytes_per_s
+    assert measured.reduce_scatter(nbytes, 4) == pytest.approx(scatter)
+    assert measured.all_gather(nbytes, 4) == pytest.approx(gather)
+    assert measured.all_gather(nbytes, 4, span=8) == cluster(1e9).all_gather(nbytes, 4, span=8)  # not measured there
+    args = dict(dp=4, span=4, param_elements=1e6, element_bytes=4.0, overlap_s=0.0)
+    assert data_parallel_exposed_s(measured, zero=0, **args) == pytest.approx(all_reduce)
+    assert data_parallel_exposed_s(measured, zero=2, **args) == pytest.approx(scatter + gather)
+    assert data_parallel_exposed_s(measured, zero=3, num_microbatches=2, **args) == pytest.approx(scatter + 4 * gather)
+    # zero 1: a reduce-scatter on NCCL (a cluster without CPU cores), an all-reduce on gloo unless bf16 buckets
+    assert data_parallel_exposed_s(measured, zero=1, **args) == pytest.approx(scatter + gather)
+    gloo = measured.replace(cores_per_node=4.0)
+    assert gloo.gloo and not measured.gloo and preset("cpu-local").gloo and not preset("a100-80gb").gloo
+    assert data_parallel_exposed_s(gloo, zero=1, **args) == pytest.approx(all_reduce + gather)
+    assert data_parallel_exposed_s(gloo, zero=2, **args) == pytest.approx(scatter + gather)
+    half = dict(args, element_bytes=2.0, param_elements=2e6)
+    assert data_parallel_exposed_s(gloo, zero=1, **half) == pytest.approx(scatter + gather)
+
+
+def test_measured_slow_zero_collectives_make_zero_cost_more_in_the_step_model():
+    """With the ring rule ZeRO-1/2 move what an all-reduce moves, so they cost about zero 0's step; with
+    reduce-scatter and all-gather measured 4x slower than the ring says, zero 2 and zero 3 cost more than zero 0,
+    and on a gloo cluster zero 1 (an all-reduce) differs from zero 2 (a reduce-scatter)."""
+    ring = cluster(1e12, flops=1e12)  # compute too short to hide any collective: the step is the communication
+    slow = Link(1e-5, 2.5e8)  # the ring's latency, a quarter of its bandwidth
+    measured = ring.replace(allreduce_table={4: ring.intra_node}, reduce_scatter_table={4: slow},
+                            all_gather_table={4: slow})
+
+    def step(cl: Cluster, zero: int) -> float:
+        model = StepModel(heavy_profile(), cl, global_batch_size=8)
+        candidate = Candidate(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1, zero=zero)
+        return model.evaluate(candidate).step_time_s
+
+    assert step(ring, 2) == pytest.approx(step(ring, 0), rel=0.02)
+    for zero in (2, 3):
+        assert step(measured, zero) > 1.05 * step(measured, 0), f"zero {zero} priced as cheap as zero 0"
+    gloo = measured.replace(cores_per_node=4.0)  # 4 ranks on 4 cores: gloo, no time-sharing
+
+    def exposed(zero: int) -> float:
+        model = StepModel(heavy_profile(), gloo, global_batch_size=8)
+        return model.evaluate(Candidate(dp=4, tp=1, pp=1, micro_batch_size=2, num_microbatches=1,
+                                        zero=zero)).parts["dp_exposed_s"]
+    assert exposed(1) < exposed(2), "zero 1 on gloo all-reduces; priced as zero 2's reduce-scatter"
+
+
+def test_clusters_without_the_zero_collective_tables_still_load():
+    """A cluster file or cache entry written before reduce-scatter and all-gather were measured loads, priced by
+    the ring rule; one with them keeps them through its file form."""
+    old = cluster(1e9).to_dict()
+    del old["reduce_scatter_table"], old["all_gather_table"]
+    loaded = cluster_from_dict(old)
+    assert loaded == cluster(1e9) and loaded.reduce_scatter(4e6, 4) == pytest.approx(3e-5 + 3e-3)
+    tables = cluster(1e9).replace(reduce_scatter_table={2: Link(1e-4, 3e8)}, all_gather_table={4: Link(2e-4, 5e8)})
     assert cluster_from_dict(tables.to_dict()) == tables
 
 

@@ -7,7 +7,8 @@ Measured, each in a few seconds at most:
 - per-action overhead: one tiny forward+backward (what every pipeline action pays in Python
   and autograd bookkeeping beyond its FLOPs);
 - memory bandwidth of a large copy (bounds the optimizer step);
-- gloo point-to-point and all-reduce per group size 2..N, on N local ranks (calibrate_ranks.py),
+- gloo point-to-point, and all-reduce, reduce-scatter and all-gather (ZeRO's calls) per group size 2..N,
+  on N local ranks (calibrate_ranks.py),
   fitted as latency plus bandwidth, in wall time and in the CPU seconds they take (what
   time-sharing ranks pay out of their compute); and what the N ranks move together
   (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
@@ -112,6 +113,8 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
     cpu_table = {int(n): Link(**fit) for n, fit in links["allreduce_cpu"].items()}
     scatter_table = {int(n): Link(**fit) for n, fit in links["reduce_scatter_cpu"].items()}
     gather_table = {int(n): Link(**fit) for n, fit in links["all_gather_cpu"].items()}
+    scatter_wall = {int(n): Link(**fit) for n, fit in links["reduce_scatter"].items()}
+    gather_wall = {int(n): Link(**fit) for n, fit in links["all_gather"].items()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return Cluster(name="calibrated", source=f"measured by autopar calibrate on {socket.gethostname()} at {stamp} "
@@ -121,7 +124,8 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
                    inter_node=p2p, per_action_overhead_s=overhead, allreduce_table=table, memory_headroom=1.1,
                    cores_per_node=min(float(os.cpu_count() or 1), round(links["effective_cores"], 3)),
                    allreduce_cpu_table=cpu_table, reduce_scatter_cpu_table=scatter_table,
-                   all_gather_cpu_table=gather_table, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
+                   all_gather_cpu_table=gather_table, reduce_scatter_table=scatter_wall, all_gather_table=gather_wall,
+                   p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
                    node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0),
                    measured_at=round(time.time(), 1))
 

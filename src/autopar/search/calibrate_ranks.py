@@ -1,8 +1,11 @@
-"""One rank of `autopar calibrate`'s link measurement: gloo point-to-point and all-reduce per group size.
+"""One rank of `autopar calibrate`'s link measurement: gloo point-to-point and the collectives per group size.
 
 Started on N local ranks by the project's launcher (launch.py). Times each operation at a
 small and a large size and fits latency plus bandwidth (alpha-beta) to the two points:
-point-to-point t = a + S / B; ring all-reduce over n ranks t = 2(n-1) a + 2(n-1)/n S / B; and the
+point-to-point t = a + S / B; ring all-reduce over n ranks t = 2(n-1) a + 2(n-1)/n S / B; ZeRO's
+reduce-scatter and all-gather (reduce_scatter_single, all_gather_single: the calls zero/ and FSDP2 make)
+t = (n-1) a + (n-1)/n S / B, each fitted on its own, since gloo's are not the ring's half an all-reduce
+(benchmarks/gloo_collectives.py); and the
 node's aggregate: every rank sends S to the next at once, t = a + N S / B_node (what all ranks of
 this host move together; on one host it is near one pair's rate, not N times it).
 Beside the wall time it fits the same form to the CPU seconds the operation costs, summed
@@ -200,7 +203,8 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     joined = time.perf_counter() - joining
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"allreduce": {}, "allreduce_cpu": {}, "reduce_scatter_cpu": {}, "all_gather_cpu": {}}
+    result: dict = {"allreduce": {}, "allreduce_cpu": {}, "reduce_scatter": {}, "all_gather": {},
+                    "reduce_scatter_cpu": {}, "all_gather_cpu": {}}
     began = joining
     seconds = {"join": joined}  # wall seconds of each phase on rank 0, to see where the time goes
     times, cpus = {}, {}
@@ -233,22 +237,25 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
     seconds["p2p"] = time.perf_counter() - began - joined
     for n in sorted(set(group_sizes or range(2, world + 1))):
         group = dist.new_group(list(range(n)))
-        times, cpus, scatters, gathers = {}, {}, {}, {}
+        times, cpus, scatters, gathers, scatter_walls, gather_walls = {}, {}, {}, {}, {}, {}
         for size in (SMALL, LARGE):
             buf, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
             whole = torch.zeros(shard.numel() * n)
-            wall = cpu = scatter = gather = 0.0
+            wall = cpu = scatter = gather = scatter_wall = gather_wall = 0.0
             if rank < n:
                 wall, cpu = _time(lambda: dist.all_reduce(buf, group=group), group)
                 # the ZeRO collectives as zero/grads.py and zero/optimizer.py call them (FSDP2 runs the same ones)
-                scatter = _time(lambda: dist.reduce_scatter_single(shard, whole, group=group), group)[1]
-                gather = _time(lambda: dist.all_gather_single(whole, shard, group=group), group)[1]
+                scatter_wall, scatter = _time(lambda: dist.reduce_scatter_single(shard, whole, group=group), group)
+                gather_wall, gather = _time(lambda: dist.all_gather_single(whole, shard, group=group), group)
             times[size], cpus[size] = wall, _summed(cpu)
             scatters[size], gathers[size] = _summed(scatter), _summed(gather)
+            scatter_walls[size], gather_walls[size] = scatter_wall, gather_wall
             dist.barrier()
         if rank == 0:
             result["allreduce"][str(n)] = _fit(times[SMALL], times[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
             result["allreduce_cpu"][str(n)] = _fit(cpus[SMALL], cpus[LARGE], 2 * (n - 1), 2 * (n - 1) / n)
+            result["reduce_scatter"][str(n)] = _fit(scatter_walls[SMALL], scatter_walls[LARGE], n - 1, (n - 1) / n)
+            result["all_gather"][str(n)] = _fit(gather_walls[SMALL], gather_walls[LARGE], n - 1, (n - 1) / n)
             result["reduce_scatter_cpu"][str(n)] = _fit(scatters[SMALL], scatters[LARGE], n - 1, (n - 1) / n)
             result["all_gather_cpu"][str(n)] = _fit(gathers[SMALL], gathers[LARGE], n - 1, (n - 1) / n)
     seconds["collectives"] = time.perf_counter() - began - sum(seconds.values())

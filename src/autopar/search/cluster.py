@@ -9,7 +9,10 @@ bandwidth (the alpha-beta model), from which the collectives are costed as ring 
     reduce-scatter  (n-1) alpha + (n-1)/n * bytes / beta     (bytes: the full input)
     point-to-point  alpha + bytes / beta
 
-A group whose ranks all sit in one node uses the intra-node link, otherwise the slower one.
+A group whose ranks all sit in one node uses the intra-node link, otherwise the slower one; a calibrated
+cluster's measured figures per group size (allreduce_table, reduce_scatter_table, all_gather_table) replace the
+ring's there: gloo's reduce-scatter and all-gather are not the half of an all-reduce the ring rule says
+(benchmarks/gloo_collectives.py).
 `node_bandwidth_bytes_per_s`, when set, caps what all ranks of a node move together (a CPU host,
 where every loopback transfer crosses one memory bus); the resharding cost model (resharding/cost.py)
 uses it, so that on one host fewer bytes per link no longer look faster when the total is the same.
@@ -67,6 +70,14 @@ class Cluster:
     per_action_overhead_s: float = 0.0  # framework time per pipeline action (launches, Python)
     allreduce_table: dict[int, Link] = field(default_factory=dict)
     """Measured all-reduce per group size (latency per step, bus bandwidth), overriding the ring model."""
+    reduce_scatter_table: dict[int, Link] = field(default_factory=dict)
+    """Measured reduce-scatter per group size (wall time of the call ZeRO makes, reduce_scatter_single, bytes of the
+    whole buffer), in the ring's form ((n-1) latencies, (n-1)/n of the bytes over the bandwidth), overriding the
+    ring model. Gloo's costs 0.9-2.4x (median 1.3x) its all-reduce of the same buffer here, not the ring's 0.5
+    (benchmarks/gloo_collectives.py). Empty: the ring."""
+    all_gather_table: dict[int, Link] = field(default_factory=dict)
+    """The same for all_gather_single (bytes of the gathered whole): gloo's 0.5-1.5x (median 0.8x) its
+    all-reduce. Empty: the ring."""
     memory_headroom: float = 1.1  # predicted peak is multiplied by this (allocator slack, fragmentation)
     cores_per_node: float = 0
     """CPU only: cores the ranks of one node share (0: every device computes on its own). When a node runs
@@ -141,13 +152,27 @@ class Cluster:
             link = self.link_for(span or n)
         return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
 
-    def all_gather(self, nbytes: float, n: int, *, span: int | None = None) -> float:
+    def _ring_half(self, table: dict[int, Link], nbytes: float, n: int, span: int | None) -> float:
+        """(n-1) latencies + (n-1)/n of the bytes: the measured figures for n ranks in one node, else the link's."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        link = self.link_for(span or n)
+        link = table[n] if n in table and (span or n) <= self.devices_per_node else self.link_for(span or n)
         return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
 
-    reduce_scatter = all_gather  # same ring volume, opposite direction
+    def all_gather(self, nbytes: float, n: int, *, span: int | None = None) -> float:
+        """All-gather into `nbytes` (the gathered whole) over `n` ranks: measured where calibrated, else the ring."""
+        return self._ring_half(self.all_gather_table, nbytes, n, span)
+
+    def reduce_scatter(self, nbytes: float, n: int, *, span: int | None = None) -> float:
+        """Reduce-scatter of `nbytes` (the whole input) over `n` ranks: measured where calibrated, else the ring
+        (the all-gather's volume, the other way)."""
+        return self._ring_half(self.reduce_scatter_table, nbytes, n, span)
+
+    @property
+    def gloo(self) -> bool:
+        """Whether the ranks talk over gloo: CPU ranks (a calibrated cluster, one with cores_per_node, or the
+        cpu-local preset). The runtime picks some collectives by backend (zero/grads.py)."""
+        return bool(self.cores_per_node) or self.name == "cpu-local"
 
     # ---------------------------------------------------------------- CPU the communication takes (time-sharing)
 
@@ -197,7 +222,7 @@ class Cluster:
         out = dataclasses.asdict(self)
         out["allreduce_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_table.items()}
         out["allreduce_cpu_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_cpu_table.items()}
-        for name in ("reduce_scatter_cpu_table", "all_gather_cpu_table"):
+        for name in ("reduce_scatter_cpu_table", "all_gather_cpu_table", "reduce_scatter_table", "all_gather_table"):
             out[name] = {str(n): dataclasses.asdict(link) for n, link in getattr(self, name).items()}
         if self.p2p_cpu is None:
             del out["p2p_cpu"]
@@ -278,6 +303,7 @@ def cluster_from_dict(data: dict) -> Cluster:
         allreduce_table=group_table("allreduce_table"), allreduce_cpu_table=group_table("allreduce_cpu_table"),
         reduce_scatter_cpu_table=group_table("reduce_scatter_cpu_table"),
         all_gather_cpu_table=group_table("all_gather_cpu_table"),
+        reduce_scatter_table=group_table("reduce_scatter_table"), all_gather_table=group_table("all_gather_table"),
         p2p_cpu=_link(data, "p2p_cpu") if "p2p_cpu" in data else None,
         sync_cpu_s=_number(data, "sync_cpu_s", "", strict=False) if "sync_cpu_s" in data else 0.0,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if

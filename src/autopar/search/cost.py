@@ -256,7 +256,7 @@ class StepModel:
             units = self.fsdp_unit_params(c, spans, mine, params) if c.zero == 3 and c.dp > 1 else []
             terms["dp_collectives"] += c.tp * data_parallel_cpu_s(
                 cl, zero=c.zero, dp=c.dp, nbytes=sum(local_params[s] for s in mine) * element, num_microbatches=m,
-                per_micro_batch=c.pp == 1, unit_bytes=[u * element for u in units])
+                per_micro_batch=c.pp == 1, unit_bytes=[u * element for u in units], element_bytes=element)
             # each unit's collectives (two all-gathers a micro-batch, one reduce-scatter) are blocking waits
             terms["waits"] += (2 * m + 1) * len(units) * c.dp * c.tp * cl.sync_cpu_s
         return terms
@@ -285,7 +285,8 @@ class StepModel:
                          params: list[float]) -> list[float]:
         """Parameters of each ZeRO-3 (FSDP2) unit on one pipeline rank. Under dp alone (train/fsdp_engine.py)
         each repeated layer is a unit and the root holds the rest (the embedding and head blocks); with pp or tp
-        each stage is one unit (zero/fully_sharded.py; the memory model's `gathered_unit` says the same)."""
+        each stage is one unit (zero/fully_sharded.py; the memory model's `gathered_unit` says the same). Any other
+        per-block figure (forward, backward seconds) sums per unit the same way."""
         if c.pp == 1 and c.tp == 1:
             whole = [float(p) for s in mine for p in params[spans[s][0]:spans[s][1]]]
             return [whole[0] + whole[-1], *whole[1:-1]] if len(whole) > 2 else [sum(whole)]
@@ -459,11 +460,14 @@ class StepModel:
         for r in range(c.pp):
             mine = [s for s in range(stages) if rank_of[s] == r]
             elements = sum(local_params[s] for s in mine)
+            units = self.fsdp_unit_params(c, spans, mine, prof.params) if c.zero == 3 else []  # FSDP2's, and
+            unit_forward = self.fsdp_unit_params(c, spans, mine, forward) if units else []  # their compute
+            unit_backward = self.fsdp_unit_params(c, spans, mine, backward) if units else []
             exposed = data_parallel_exposed_s(  # the last backward on this rank (its first stage runs last)
                 cl, zero=c.zero, dp=c.dp, span=span_dp, param_elements=elements, overlap_s=b_stage[min(mine)],
                 element_bytes=2.0 if self.bf16_master else 4.0, num_microbatches=c.num_microbatches,
-                per_micro_batch=c.pp == 1, block_params=prof.params, block_forward_s=forward,
-                block_backward_s=backward, hide_gathers=not (cl.cores_per_node or cl.name == "cpu-local"))
+                per_micro_batch=c.pp == 1, block_params=units, block_forward_s=unit_forward,
+                block_backward_s=unit_backward, hide_gathers=not cl.gloo)
             tied = 0.0
             if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
                 tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)
