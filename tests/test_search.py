@@ -373,3 +373,31 @@ def test_shared_makespan_by_hand():
     got = compiled.shared_makespan(costs, lambda k: min(1.0, 1.5 / k))
     assert got == pytest.approx(10.0)
 
+
+
+# ----------------------------------------------------------------------------- what the search covers
+
+
+def test_every_dimension_not_searched_is_named_in_the_docs_and_the_plan(capsys):
+    from pathlib import Path
+
+    from autopar.cli import main
+    from autopar.config.rules import RULES
+    from autopar.config.schedules import SCHEDULE_TABLE
+    from autopar.search.coverage import COVERAGE, not_covered
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "features" / "strategy-search.md").read_text()
+    names = [d.name for d in COVERAGE if not d.searched]
+    assert [n for n in names if f"`{n}`" not in doc] == []
+    assert {f"--schedule {s.name}" for s in SCHEDULE_TABLE if not s.searched} <= set(names)
+    scope = next(r for r in RULES if r.name == "search-scope").when  # what auto refuses beside it
+    flags = {"--dp-mode", "--sparse-embeddings", "--tp-subbatches", "--recompute all-but-last", "--memory-budget-mb",
+             "--optimizer sparse-adam"}
+    assert all(flag in scope for flag in flags)
+    assert all(any(n.startswith(flag) for n in names) for flag in flags | {"--stage-tp", "--dtype", "--boundary"})
+    args = ["plan", "--auto", "--model", "gpt-tiny", "--nproc", "2", "--seq-len", "32", "--global-batch-size", "4",
+            "--cost-model", "flops", "--top", "1"]
+    assert main(args) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("not searched: ")]
+    assert len(line) == 1 and all(n in line[0] for n in names)
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["search"]["not_covered"] == not_covered()
