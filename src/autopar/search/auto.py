@@ -269,7 +269,8 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     profile, costs = with_cost_model(profile, cl, cost_model, lambda: _measure(model, args, kwargs, seq_len))
     if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
         raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
-    step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype)
+    step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
+                     optimizer=config.optimizer if config is not None else "adamw")
     space = SearchSpace(nproc=nproc)
     if "schedule" in fixed:
         space = dataclasses.replace(space, schedules=(fixed["schedule"],))
