@@ -87,3 +87,15 @@ def test_the_search_prices_the_runs_optimizer():
         if optimizer == "sgd":
             assert plan.record["search"]["refused_by_runtime"] == 0
     assert states["sgd"] == 0 < states["adamw"]
+
+
+def test_plan_auto_takes_every_training_precision_and_the_optimizer(capsys):
+    import json
+
+    from autopar.cli import main
+    args = ["plan", "--auto", "--model", "gpt-tiny", "--nproc", "2", "--seq-len", "32", "--global-batch-size", "4",
+            "--cost-model", "flops", "--cluster", "a100-80gb", "--json", "--top", "1"]
+    assert main([*args, "--dtype", "bf16-autocast", "--optimizer", "sgd"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["train"]["dtype"] == "bf16-autocast" and plan["strategy"]["zero"] == 0
+    assert all(stage["optimizer"] == 0 for stage in plan["prediction"]["memory_per_stage"])

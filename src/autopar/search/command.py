@@ -56,7 +56,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     profile = profile_model(ns.model, seq_len=ns.seq_len, tp_degrees=tps, model_args=model_args)
     profile, costs = with_cost_model(profile, cluster, getattr(ns, "cost_model", "auto"),
                                      lambda: measure_blocks(ns.model, seq_len=ns.seq_len, model_args=model_args))
-    model = StepModel(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype)
+    model = StepModel(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype,
+                      optimizer=getattr(ns, "optimizer", "adamw"))
     result = exhaustive(model, SearchSpace(nproc=ns.nproc))
     require_fit(result, model)
     best = result.ranked[0]

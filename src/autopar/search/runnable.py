@@ -17,6 +17,7 @@ from ..config import TrainConfig
 from ..config import rules
 from ..config.rules import Setup
 from ..config.strategy import Strategy
+from ..errors import ConfigError
 
 STAGE_AWARE_BUDGET_MB = 1.0  # a stand-in budget: the rules read only whether one is set; its value is planned later
 
@@ -35,7 +36,14 @@ def broken_rules(dp: int, tp: int, pp: int, micro_batch_size: int, num_microbatc
     config = TrainConfig(global_batch_size=dp * micro_batch_size * num_microbatches, micro_batch_size=micro_batch_size,
                          optimizer=optimizer, dtype=dtype)
     setup = Setup(strategy, config, world=dp * tp * pp)
-    return tuple(rule.name for rule in rules.RULES if rule.phase == "layout" and rule.broken(setup))
+    return tuple(rule.name for rule in rules.RULES if rule.phase == "layout" and _breaks(rule, setup))
+
+
+def _breaks(rule: rules.Rule, setup: Setup) -> bool:
+    try:
+        return bool(rule.broken(setup))
+    except ConfigError:  # the rule cannot read this layout (e.g. sizes that do not divide): it does not run either
+        return True
 
 
 def runs(dp: int, tp: int, pp: int, micro_batch_size: int, num_microbatches: int, schedule: str, chunks: int,
