@@ -15,6 +15,7 @@ from autopar.config import Strategy, TrainConfig
 from autopar.models.gpt import Block, GPTConfig
 from autopar.search.cluster import Cluster, Link
 from autopar.search.cost import Candidate, StepModel
+from autopar.search.coverage import not_covered
 from autopar.search.profile import ModelProfile, TPProfile
 from autopar.strategies import resolve
 
@@ -86,6 +87,7 @@ def test_the_search_prices_the_runs_optimizer():
         states[optimizer] = plan.record["prediction"]["memory_per_stage"][0]["optimizer"]
         if optimizer == "sgd":
             assert plan.record["search"]["refused_by_runtime"] == 0
+            assert plan.record["search"]["not_covered"] == not_covered()  # plan.json names what was not searched
     assert states["sgd"] == 0 < states["adamw"]
 
 

@@ -6,8 +6,8 @@ global batch; every schedule (interleaved with 2 or more chunks, when the stages
 recomputation none / stage-aware / whole-stage; partition uniform / parameters / time; the ZeRO
 level 0-3. What the runtime runs is the rule table's (config/rules.py, asked per layout by
 runnable.py); `search_limits` holds only the search's own (what the cost model prices, one name per
-execution). What it leaves alone is coverage.py's table. Precision is not searched: --dtype changes the numbers trained,
-so the user's choice stays and the memory and cost models follow it (bf16 master weights).
+execution). What it leaves alone is coverage.py's table. Precision is not searched: --dtype changes
+the numbers trained, so the user's choice stays and the memory and cost models follow it.
 Candidates over the device memory are pruned; the rest are ranked by predicted step time.
 
 MCMC (`mcmc`, after FlexFlow): a Metropolis walk whose state also holds the exact cut (layers
