@@ -462,3 +462,11 @@ def test_a_rule_added_to_the_table_prunes_the_search(monkeypatch):
         monkeypatch.undo()
         broken_rules.cache_clear()
     assert after == [c for c in before if not (c.zero == 2 and c.tp > 1)]
+
+
+def test_every_strategy_field_is_searched_or_named_as_not_searched():
+    """A new runtime dimension (a Strategy field) fails here until the coverage table names it."""
+    from autopar.search.coverage import COVERAGE, FIELD_ROWS, SEARCH_SETTINGS
+    fields = {f.name for f in dataclasses.fields(Strategy)}
+    assert sorted(fields - set(FIELD_ROWS) - set(SEARCH_SETTINGS)) == []
+    assert set(FIELD_ROWS.values()) <= {d.name for d in COVERAGE}

@@ -58,9 +58,23 @@ COVERAGE: tuple[Dimension, ...] = (
               "(stale gradients)"),
     Dimension("--sparse-embeddings", False, "the cost model does not price sparse row exchanges"),
     Dimension("--optimizer sparse-adam", False, "its sparse row exchange is not priced"),
+    Dimension("--batchnorm", False, "it chooses what BatchNorm's statistics are (the numbers trained)"),
     Dimension("--dtype", False, "taken as given, never switched: fp32 to bf16 changes the numbers trained "
               "(the cost and memory models follow the choice)"),
 )
+
+# Every Strategy field, by the row that names it: a field added to the runtime (a new kind of parallelism)
+# without a row here fails tests/test_search.py until the search covers it or this table says why not.
+FIELD_ROWS = {"dp": "dp x tp x pp", "tp": "dp x tp x pp", "pp": "dp x tp x pp", "stage_tp": "--stage-tp",
+              "boundary": "--boundary", "schedule": "--schedule", "vertical_sync": "--schedule pipedream",
+              "tied_delay": "--schedule pipedream", "chunks": "--chunks", "partition": "--partition",
+              "recompute": "--recompute", "memory_budget_mb": "--memory-budget-mb", "tp_subbatches": "--tp-subbatches",
+              "zero": "--zero", "batchnorm": "--batchnorm", "dp_mode": "--dp-mode gossip",
+              "topology": "--dp-mode gossip", "gossip_order": "--dp-mode gossip", "staleness": "--dp-mode async",
+              "servers": "--dp-mode async", "sparse_embeddings": "--sparse-embeddings",
+              "sparse_threshold": "--sparse-embeddings", "sparse_sharding": "--sparse-embeddings",
+              "sparse_schedule": "--sparse-embeddings"}
+SEARCH_SETTINGS = ("search", "plan", "cluster", "memory_per_device_gb", "confirm")  # how it searches, not what
 
 
 def not_covered() -> list[dict[str, str]]:
