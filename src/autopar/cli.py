@@ -323,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="block times: measured on this machine (auto: when the cluster is this machine and the "
                            "model fits its memory) or traced FLOPs at the cluster's rate (flops)")
     auto.add_argument("--global-batch-size", type=int, default=32, help="sequences per optimizer step")
-    auto.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training precision")
+    auto.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "bf16-autocast"],
+                      help="training precision, as `train --dtype` (priced, never switched)")
+    auto.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "adagrad"],
+                      help="optimizer, as `train --optimizer` (its state is priced; ZeRO needs one with state)")
     auto.add_argument("--mcmc-steps", type=int, default=0, help="then refine the winner by an MCMC walk over "
                       "per-stage cuts and recomputation (0: off)")
     calibrate = sub.add_parser("calibrate", help="measure this machine (compute, gloo links, overhead), write "

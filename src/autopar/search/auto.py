@@ -26,6 +26,7 @@ from torch import nn
 from ..config import Strategy, TrainConfig
 from ..errors import ConfigError
 from .calibration_cache import note, search_cluster
+from .coverage import not_covered
 from .command import plan_dict
 from .cost import Candidate, StepModel
 from .measure_profile import measure_module_blocks, with_cost_model
@@ -268,7 +269,8 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     profile, costs = with_cost_model(profile, cl, cost_model, lambda: _measure(model, args, kwargs, seq_len))
     if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
         raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
-    step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype)
+    step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
+                     optimizer=config.optimizer if config is not None else "adamw")
     space = SearchSpace(nproc=nproc)
     if "schedule" in fixed:
         space = dataclasses.replace(space, schedules=(fixed["schedule"],))
@@ -314,7 +316,7 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
                   search={"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,
                           "pruned_memory": result.pruned, "refused_by_runtime": len(refusals), "fixed": fixed,
                           "cluster_source": cl.source, "calibration": calibration, "costs": costs,
-                          "memory_per_device_gb": cl.memory_per_device_gb})
+                          "memory_per_device_gb": cl.memory_per_device_gb, "not_covered": not_covered()})
     return Plan(record, source="the search")
 
 

@@ -13,6 +13,7 @@ import time
 from ..config import TrainConfig
 from ..errors import ConfigError
 from .calibration_cache import note, search_cluster
+from .coverage import not_covered, not_searched_line
 from .cost import Estimate, StepModel
 from .measure_profile import measure_blocks, with_cost_model
 from .profile import profile_model
@@ -55,7 +56,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     profile = profile_model(ns.model, seq_len=ns.seq_len, tp_degrees=tps, model_args=model_args)
     profile, costs = with_cost_model(profile, cluster, getattr(ns, "cost_model", "auto"),
                                      lambda: measure_blocks(ns.model, seq_len=ns.seq_len, model_args=model_args))
-    model = StepModel(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype)
+    model = StepModel(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype,
+                      optimizer=getattr(ns, "optimizer", "adamw"))
     result = exhaustive(model, SearchSpace(nproc=ns.nproc))
     require_fit(result, model)
     best = result.ranked[0]
@@ -76,7 +78,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     if ns.json:
         print(json.dumps({**record, "search": {"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,
                                      "pruned_memory": result.pruned, "mcmc_states": walked, "seconds": elapsed,
-                                     "costs": costs, "calibration": calibration}}, indent=2))
+                                     "costs": costs, "calibration": calibration,
+                                     "not_covered": not_covered()}}, indent=2))
         return 0
     print(f"{profile.name}: {profile.num_params:,} parameters, seq_len {profile.seq_len}, global batch "
           f"{ns.global_batch_size}; cluster {cluster.name}: {cluster.num_devices} devices, "
@@ -102,4 +105,5 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     print(f"searched best's memory per stage: {mem}")
     print(f"why: {record['why']}")
     print(f"train --strategy auto would run: {runs}")
+    print(not_searched_line())
     return 0

@@ -115,6 +115,9 @@ class StepModel:
         self.rate = cluster.rate("bf16" if half else dtype)
         self.act_scale = 0.5 if half else 1.0
         self.bf16_master = dtype == "bf16"  # --dtype bf16: bf16 parameters and gradients, fp32 master weights
+        self.param_bytes = 2.0 if self.bf16_master else 4.0  # a parameter or its gradient, stored and communicated
+        # between stages: under autocast the residual stream stays fp32 (fp32 + a bf16 op's output is fp32)
+        self.boundary_scale = 0.5 if self.bf16_master else 1.0
         self._blocks: dict = {}
         self._bounds: dict = {}
         self._timelines: dict = {}
@@ -202,7 +205,7 @@ class StepModel:
             total += c.dp * c.tp * cl.all_reduce_cpu(tiny, c.pp)
             shared_first, shared_last = self.profile.shared_blocks
             if self.profile.shared_params and not any(a <= shared_first < b and a <= shared_last < b for a, b in spans):
-                total += c.dp * c.tp * cl.all_reduce_cpu(self.profile.shared_params / c.tp * 4.0, 2)
+                total += c.dp * c.tp * cl.all_reduce_cpu(self.profile.shared_params / c.tp * self.param_bytes, 2)
         if c.tp > 1:
             total += c.dp * c.pp * cl.all_reduce_cpu(tiny, c.tp)
         waits = 2 + (c.dp > 1) + (c.pp > 1) + (c.tp > 1) + (c.dp > 1)  # per rank; the last: gradients' final wait
@@ -243,7 +246,7 @@ class StepModel:
                 count = sum(counts[a:b])
                 terms["waits"] += m * (passes * count + sum(counts[a:a + k])) * c.tp * c.dp * cl.sync_cpu_s
             if b < self.profile.num_blocks:  # this stage's output forward, its gradient back; each received waits
-                nbytes = self.profile.boundary_bytes[b - 1] * mbs * self.act_scale
+                nbytes = self.profile.boundary_bytes[b - 1] * mbs * self.boundary_scale
                 terms["transfers"] += 2 * m * cl.p2p_cpu_s(nbytes) * c.dp * c.tp
                 terms["waits"] += 2 * m * cl.sync_cpu_s * c.dp * c.tp
         terms["host_syncs"] = self.host_sync_cpu(c, spans)
@@ -306,7 +309,7 @@ class StepModel:
                 forward, backward, _ = self.block_times(tp, mbs)
                 compute = [f + b for f, b in zip(forward, backward)]
                 link = self.cluster.intra_node
-                transfer = [2 * link.p2p(c * mbs * self.act_scale) for c in self.profile.boundary_bytes] + [0.0]
+                transfer = [2 * link.p2p(c * mbs * self.boundary_scale) for c in self.profile.boundary_bytes] + [0.0]
                 cut = algorithms.min_max_time(compute, stages, transfer=transfer)
             else:
                 raise ConfigError(f"partition method must be one of {choices(PARTITIONS)}, got {method!r}")
@@ -330,7 +333,7 @@ class StepModel:
         f_stage = [sum(forward[a:b]) + overhead for a, b in spans]
         b_stage = [sum(backward[a:b]) + sum(forward[a:a + k]) + overhead for (a, b), k in zip(spans, blocks)]
         inter = c.dp * c.tp >= cl.devices_per_node and c.pp > 1
-        send = [cl.p2p(self.profile.boundary_bytes[b - 1] * c.micro_batch_size * self.act_scale, inter_node=inter)
+        send = [cl.p2p(self.profile.boundary_bytes[b - 1] * c.micro_batch_size * self.boundary_scale, inter_node=inter)
                 if b < self.profile.num_blocks else 0.0 for a, b in spans]
         send_back = [0.0] + send[:-1]  # the gradient of stage s's input is as big as stage s-1's output
         i_stage, w_stage = (), ()
@@ -470,7 +473,8 @@ class StepModel:
                 block_backward_s=unit_backward, hide_gathers=not cl.gloo)
             tied = 0.0
             if tied_split and c.pp > 1 and any(rank_of[s] in (rank_of[0], rank_of[stages - 1]) for s in mine):
-                tied = cl.all_reduce(self.profile.shared_params // c.tp * 4.0, 2, span=(c.pp - 1) * span_dp + 1)
+                tied = cl.all_reduce(self.profile.shared_params // c.tp * self.param_bytes, 2,
+                                     span=(c.pp - 1) * span_dp + 1)
             optimizer = self.update_time([spans[s] for s in mine], sum(local_params[s] for s in mine), zero=c.zero,
                                          dp=c.dp)
             finish_all.append(times.finish[r] + exposed + tied + optimizer)

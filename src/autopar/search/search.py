@@ -4,9 +4,10 @@ Exhaustive space (`enumerate_candidates`): dp x tp x pp = devices, tp within a n
 degrees the TP planner accepted for this model; micro-batch size and count dividing the
 global batch; every schedule (interleaved with 2 or more chunks, when the stages exist);
 recomputation none / stage-aware / whole-stage; partition uniform / parameters / time; the ZeRO
-level 0-3 where the runtime runs it (1-3 need dp > 1 and an optimizer with per-parameter state;
-3, FSDP2, data parallelism alone). Precision is not searched: --dtype changes the numbers trained,
-so the user's choice stays and the memory and cost models follow it (bf16 master weights).
+level 0-3. What the runtime runs is the rule table's (config/rules.py, asked per layout by
+runnable.py); `search_limits` holds only the search's own (what the cost model prices, one name per
+execution). What it leaves alone is coverage.py's table. Precision is not searched: --dtype changes
+the numbers trained, so the user's choice stays and the memory and cost models follow it.
 Candidates over the device memory are pruned; the rest are ranked by predicted step time.
 
 MCMC (`mcmc`, after FlexFlow): a Metropolis walk whose state also holds the exact cut (layers
@@ -25,9 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..pipeline.schedules import SCHEDULES, minimum_microbatches, schedule_spec
+from ..pipeline.schedules import SCHEDULES, schedule_spec
 from .cost import PARTITIONS, RECOMPUTE, Candidate, Estimate, StepModel
 from .equivalence import collapse
+from .runnable import broken_rules, runs
 
 
 def divisors(n: int) -> list[int]:
@@ -47,29 +49,32 @@ class SearchSpace:
     zero_levels: tuple[int, ...] = (0, 1, 2, 3)
 
 
-def zero_valid(zero: int, dp: int, tp: int, pp: int, optimizer: str, schedule: str = "1f1b", chunks: int = 1) -> bool:
-    """What strategies.py runs: ZeRO shards over dp > 1 replicas of per-parameter optimizer state;
-    level 3 (FSDP2) with pp or tp one unit per stage, not with interleaved chunks or zb-h1."""
+def zero_valid(zero: int, dp: int, tp: int, pp: int, optimizer: str, schedule: str = "1f1b", chunks: int = 1,
+               dtype: str = "fp32") -> bool:
+    """The rule table's verdict on the ZeRO level alone (runnable.py): no rule broken at `zero` that is not
+    already broken at level 0 (the micro-batch split is not known here, so rules about it count for neither)."""
     if zero == 0:
         return True
-    if dp == 1 or optimizer == "sgd":  # sgd: plain SGD without momentum has no state to shard
-        return False
-    return zero != 3 or (tp == 1 and pp == 1) or (chunks == 1 and schedule_spec(schedule).zero3_stages)
+    at = broken_rules(dp, tp, pp, 1, 1, schedule, chunks, zero, "none", optimizer, dtype)
+    return set(at) <= set(broken_rules(dp, tp, pp, 1, 1, schedule, chunks, 0, "none", optimizer, dtype))
 
 
-def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int) -> bool:
-    if pp * chunks > num_blocks:
+def search_limits(schedule: str, pp: int, chunks: int, num_blocks: int) -> bool:
+    """The search's own limits, not the runtime's: one name per execution and what the cost model prices."""
+    if pp * chunks > num_blocks:  # every stage holds a block
         return False
     if pp == 1:
         return schedule == "1f1b" and chunks == 1  # no pipeline: every schedule is the same loop
     spec = schedule_spec(schedule)
     if spec.placement != "loop":  # the cost model places stages as a loop
         return False
-    if not spec.accepts_chunks(chunks) or (chunks > 1) != (spec.chunks != (1, 1)):  # chunks only where they interleave
-        return False
-    if m < minimum_microbatches(schedule, pp, chunks):
-        return False
-    return not (spec.microbatches == "multiple of pp" and m % pp)
+    return (chunks > 1) == (spec.chunks != (1, 1))  # chunks only where they interleave (else: the same execution)
+
+
+def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int) -> bool:
+    """The search's limits, then the rule table on the schedule with `m` micro-batches (chunks, counts)."""
+    return search_limits(schedule, pp, chunks, num_blocks) and (
+        pp == 1 or runs(1, 1, pp, 1, m, schedule, chunks, 0, "none", "adamw", "fp32"))
 
 
 def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candidate]:
@@ -88,13 +93,13 @@ def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candi
                     continue
                 for schedule in space.schedules:
                     for chunks in space.chunks:
-                        if not schedule_valid(schedule, pp, chunks, m, prof.num_blocks):
+                        if not search_limits(schedule, pp, chunks, prof.num_blocks):
                             continue
                         for recompute in space.recompute:
+                            zeros = [z for z in space.zero_levels if runs(dp, tp, pp, mbs, m, schedule, chunks, z,
+                                                                          recompute, model.optimizer, model.dtype)]
                             for method in (space.partitions if pp > 1 else ("uniform",)):
-                                for zero in space.zero_levels:
-                                    if not zero_valid(zero, dp, tp, pp, model.optimizer, schedule, chunks):
-                                        continue
+                                for zero in zeros:
                                     yield Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
                                                     schedule=schedule, chunks=chunks, recompute=recompute,
                                                     partition=method, zero=zero)
@@ -150,7 +155,7 @@ def _neighbour(c: Candidate, model: StepModel, space: SearchSpace, rng: random.R
     move = rng.randrange(5)
     if move == 0:  # new (dp, tp, pp, mbs, m): start from the time partition of the new stage count
         dp, tp, pp, mbs, m = rng.choice(degrees)
-        zero = c.zero if zero_valid(c.zero, dp, tp, pp, model.optimizer) else 0
+        zero = c.zero if zero_valid(c.zero, dp, tp, pp, model.optimizer, dtype=model.dtype) else 0
         return dataclasses.replace(c, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
                                    chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None, zero=zero)
     if move == 1:
@@ -188,9 +193,10 @@ def enumerate_mcmc_space(model: StepModel, space: SearchSpace) -> Iterator[Candi
 
 def valid(c: Candidate, model: StepModel) -> bool:
     blocks = model.profile.num_blocks
-    if not schedule_valid(c.schedule, c.pp, c.chunks, c.num_microbatches, blocks):
+    if not search_limits(c.schedule, c.pp, c.chunks, blocks):
         return False
-    if not zero_valid(c.zero, c.dp, c.tp, c.pp, model.optimizer, c.schedule, c.chunks):
+    if not runs(c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.schedule, c.chunks, c.zero,
+                "stage-aware" if c.recompute_blocks else c.recompute, model.optimizer, model.dtype):
         return False
     if c.bounds is not None:
         b = c.bounds
