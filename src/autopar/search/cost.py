@@ -33,15 +33,14 @@ scoring a candidate is arithmetic plus one simulation of a short schedule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ..config.schedules import SPLIT_SCHEDULES  # noqa: F401 (the schedules whose backward is I + W)
 from ..errors import ConfigError, choices
 from ..partition import algorithms
 from ..pipeline.actions import stage_to_rank
 from ..pipeline.schedules import placement
+from .candidate import Candidate, Estimate  # noqa: F401 (imported from here by the search's modules)
 from .cluster import Cluster
-from .memory import OPTIMIZER_STATE_BYTES, StageMemory, StageUnits, stage_units
+from .memory import OPTIMIZER_STATE_BYTES, StageUnits, stage_units
 from .memory_walk import rank_peaks
 from .profile import ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled, shared_pipeline_makespan
@@ -53,53 +52,6 @@ ADAM_BYTES_PER_PARAM = 28.0  # AdamW step: reads weight, grad, two moments; writ
 SPLIT_OVERHEAD = 0.15
 """I + W over a fused backward, where not measured: the runtime's split on CPU measured ~1.15x B (the zero-bubble
 benchmark: a second autograd call, the kept gradients read back from memory); a stated estimate, not a datasheet."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the search space: degrees, micro-batching, schedule, recomputation, cut."""
-
-    dp: int
-    tp: int
-    pp: int
-    micro_batch_size: int
-    num_microbatches: int
-    schedule: str = "1f1b"
-    chunks: int = 1
-    recompute: str = "none"  # none | stage-aware (fewest blocks per stage that fit) | all (whole stage)
-    partition: str = "time"  # uniform | parameters | time; ignored when `bounds` is given
-    bounds: tuple[int, ...] | None = None  # explicit block bounds per stage (MCMC)
-    recompute_blocks: tuple[int, ...] | None = None  # explicit recomputed blocks per stage (MCMC)
-    zero: int = 0  # ZeRO level over each dp group: 0 replicated, 1 optimizer, 2 and gradients, 3 and parameters
-
-    def describe(self) -> str:
-        cut = "custom cut" if self.bounds else f"{self.partition} cut"
-        rc = (f"recompute {list(self.recompute_blocks)}" if self.recompute_blocks is not None
-              else f"recompute {self.recompute}")
-        sched = f"{self.schedule}" + (f" x{self.chunks} chunks" if self.chunks > 1 else "")
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
-                f"{sched} {rc} {cut}" + (f" zero {self.zero}" if self.zero else ""))
-
-
-@dataclass
-class Estimate:
-    """The prediction for one candidate."""
-
-    candidate: Candidate
-    step_time_s: float
-    tokens_per_s: float
-    fits: bool
-    memory_per_stage: list[StageMemory]
-    memory_per_rank: list[float]  # per pipeline rank (a rank holds `chunks` stages)
-    bubble: float
-    comm_share: float
-    bounds: tuple[int, ...]
-    recompute_blocks: tuple[int, ...]
-    parts: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp_exposed, tied, optimizer
-
-    @property
-    def peak_memory(self) -> float:
-        return max(self.memory_per_rank)
 
 
 class StepModel:
