@@ -213,7 +213,7 @@ def worker(spec_path: Path) -> None:
     for i, c in enumerate(spec["configs"]):
         trainer = build(i, c)
         seconds: dict = {}
-        thread_timed(trainer, "_step_inputs", "inputs", seconds)
+        thread_timed(trainer.steps, "inputs", "inputs", seconds)  # the step's micro-batches (train/steps.py)
         thread_timed(trainer.engine, "forward_backward", "forward_backward", seconds)
         thread_timed(trainer.engine, "clip_gradients", "clip", seconds)
         thread_timed(trainer.optimizer, "step", "optimizer", seconds)

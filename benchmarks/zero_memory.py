@@ -137,7 +137,7 @@ class PlainFSDP2:
         self.clip = cfg.grad_clip
 
     def train_step(self, step: int) -> None:
-        batches = self.source._local_batches(step, self.source.train_data)
+        batches = self.source.loader.local_batches(step, self.source.train_data)
         for i, batch in enumerate(batches):
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
             logits = self.model(batch["input_ids"])
