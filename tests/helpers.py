@@ -46,6 +46,17 @@ def train_builtin(model_name: str, out: str, *, model_args: dict | None = None, 
     return got
 
 
+def trained_and_closed(trainer) -> dict:
+    """Train, then what the equivalence checks compare: losses, eval loss, whole parameters, this rank's share."""
+    import math
+    result = trainer.train()
+    got = {"losses": result.losses, "eval_loss": result.eval_loss, "params": whole_parameters(trainer),
+           "finite": all(math.isfinite(v) for v in result.losses),
+           "local_numel": sum(p.numel() for p in trainer.model.parameters())}
+    trainer.close()
+    return got
+
+
 def whole_parameters(trainer) -> dict:
     """This rank's parameters by name; tensor-parallel slices and ZeRO-3 shards gathered into whole tensors."""
     tp = trainer.engine.tensor_parallel

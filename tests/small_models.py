@@ -4,7 +4,6 @@ function that trains several of them in one task (module level, so spawned ranks
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -75,18 +74,13 @@ def nll(output: torch.Tensor, batch: dict) -> torch.Tensor:
 
 def train_small_model(kind: str, out: str, strategy: dict) -> dict:
     """Train one case for 2 steps; its losses, eval loss and whole parameters (tp slices gathered)."""
-    from helpers import whole_parameters
+    from helpers import trained_and_closed
     config = autopar.TrainConfig(steps=2, global_batch_size=8, micro_batch_size=4, lr=1e-2, warmup_steps=0,
                                  eval_batches=1, out=out, progress=False, timeout_s=60, checkpoint_every=0)
     trainer = autopar.Trainer(build(kind), data(), strategy=autopar.Strategy(**strategy), config=config,
                               eval_data=data(), loss_fn=nll if kind == "log-softmax" else cross_entropy,
                               init_fn=small_init if kind == "mlp-init-fn" else None)
-    result = trainer.train()
-    got = {"losses": result.losses, "eval_loss": result.eval_loss, "params": whole_parameters(trainer),
-           "finite": all(math.isfinite(v) for v in result.losses),
-           "local_numel": sum(p.numel() for p in trainer.model.parameters())}
-    trainer.close()
-    return got
+    return trained_and_closed(trainer)
 
 
 def train_small_models(cases: list[tuple[str, dict]], out: str) -> list[dict | str]:

@@ -3,7 +3,6 @@ functions that train them (module level, so spawned ranks can import them)."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -200,18 +199,13 @@ def build(kind: str) -> tuple[nn.Module, object, object]:
 def train_user_model(kind: str, out: str, *, strategy: dict | None = None, steps: int = 3,
                      global_batch_size: int = 8, micro_batch_size: int = 4, lr: float = 1e-2) -> dict:
     """Train one case with the Trainer API; returns losses, eval loss and the whole parameters."""
-    from helpers import whole_parameters
+    from helpers import trained_and_closed
     model, data, loss_fn = build(kind)
     config = autopar.TrainConfig(steps=steps, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                                  lr=lr, warmup_steps=0, eval_batches=1, out=out, progress=False, timeout_s=60)
     trainer = autopar.Trainer(model, data, strategy=autopar.Strategy(**(strategy or {})), config=config,
                               eval_data=data, loss_fn=loss_fn)
-    result = trainer.train()
-    got = {"losses": result.losses, "eval_loss": result.eval_loss, "params": whole_parameters(trainer),
-           "finite": all(math.isfinite(v) for v in result.losses),
-           "local_numel": sum(p.numel() for p in trainer.model.parameters())}
-    trainer.close()
-    return got
+    return trained_and_closed(trainer)
 
 
 def error_of(fn, *args, **kwargs) -> str:
