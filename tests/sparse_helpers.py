@@ -16,7 +16,6 @@ from torch import nn
 import autopar
 from autopar.mesh import ProcessMesh
 from autopar.sparse import ShardedEmbedding, SparseEmbeddingEngine
-from autopar.sparse.engine import SparseOptions
 from autopar.sparse.exchange import CommLedger
 
 VOCAB, DIM = 97, 6  # 6 is not divisible by 4: column shards of unequal width
@@ -97,7 +96,7 @@ def train_sparse(mode: str, optimizer: str, *, sharding: str = "column", schedul
 
     engine = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
                                    forward_fn=lambda m, b: m(b["input_ids"]), autocast=contextlib.nullcontext,
-                                   config=config, batches_for_step=local, options=SparseOptions.of(strategy))
+                                   config=config, batches_for_step=local, options=strategy.sparse)
     for ex in engine.exchanges:
         ex.priority = not break_priority
     opt = engine.build_optimizer(config)
@@ -225,7 +224,7 @@ def embrace_without_table() -> str:
     batch = {"inputs": torch.randn(2, 4), "labels": torch.zeros(2, 4)}
     return config_error_of(SparseEmbeddingEngine, NoTable(), mesh, device=torch.device("cpu"), seed=0,
                            forward_fn=lambda m, b: m(b["inputs"]), autocast=contextlib.nullcontext, config=config,
-                           batches_for_step=lambda step: [batch], options=SparseOptions.of(strategy))
+                           batches_for_step=lambda step: [batch], options=strategy.sparse)
 
 
 def embrace_small_table(vocab: int, dim: int, sharding: str = "column", optimizer: str = "sgd",
@@ -242,6 +241,6 @@ def embrace_small_table(vocab: int, dim: int, sharding: str = "column", optimize
         engine = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
                                        forward_fn=lambda m, b: m(b["input_ids"]), autocast=contextlib.nullcontext,
                                        config=config, batches_for_step=lambda step: [batch],
-                                       options=SparseOptions.of(strategy))
+                                       options=strategy.sparse)
         engine.build_optimizer(config)
     return config_error_of(build)

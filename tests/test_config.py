@@ -17,7 +17,7 @@ def test_defaults_are_the_main_job():
     job = job_from([])
     assert job.model.name == "gpt-mini" and job.launch.nproc == 4
     assert job.strategy.resolved(4) == Strategy(dp=4, tp=1, pp=1)
-    assert job.strategy.schedule == "1f1b" and job.strategy.partition == "time"
+    assert job.strategy.pipeline.schedule == "1f1b" and job.strategy.pipeline.partition == "time"
 
 
 def test_flags_override_file_and_model_args_add_up(tmp_path):
@@ -90,3 +90,43 @@ def test_batch_sizes_must_divide():
     with pytest.raises(ConfigError, match=r"global_batch_size=30 is not divisible by dp\*micro_batch_size = 2\*4 = 8"):
         config.accumulation_steps(2)
     assert TrainConfig(global_batch_size=32, micro_batch_size=4).accumulation_steps(2) == 4
+
+
+def test_strategy_groups_options_by_concern_and_names_them_flat(tmp_path):
+    """Flat keywords, flags and TOML keys land in their group; a flat read names the group to use."""
+    import dataclasses
+
+    from autopar.config import PipelineOptions, PlanningOptions, ReplicaOptions, SparseOptions
+    from autopar.strategies import pick_entry
+
+    s = Strategy(pp=2, schedule="gpipe", chunks=1, dp_mode="gossip", topology="torus", sparse_embeddings="embrace",
+                 sparse_threshold=0.2, search="auto", confirm=0, zero=1)
+    assert s.pipeline == PipelineOptions(schedule="gpipe", chunks=1)
+    assert s.replicas == ReplicaOptions(mode="gossip", topology="torus", zero=1)
+    assert s.sparse == SparseOptions(mode="embrace", threshold=0.2)
+    assert s.planning == PlanningOptions(mode="auto", confirm=0) and s.planning.searched
+    # a flat change keeps the rest of its group; a group given whole is taken as it is
+    changed = dataclasses.replace(s, schedule="1f1b", dp=2)
+    assert (changed.pipeline.schedule, changed.pipeline.chunks, changed.dp, changed.replicas.topology) == \
+        ("1f1b", 1, 2, "torus")
+    assert Strategy(replicas=ReplicaOptions(zero=2), zero=3).replicas.zero == 3
+    with pytest.raises(AttributeError, match=r"Strategy.schedule lives in its group: Strategy.pipeline.schedule"):
+        s.schedule
+    with pytest.raises(TypeError, match="unknown option 'shedule'"):
+        Strategy(shedule="gpipe")
+    # flags and TOML stay flat, and round-trip
+    names = [f.name for f in Strategy.flat_fields()]
+    assert len(names) == len(set(names)) and {"dp_mode", "sparse_embeddings", "search", "schedule"} <= set(names)
+    job = resolve_job(build_parser().parse_args(["train", "--schedule", "gpipe", "--dp-mode", "gossip",
+                                                 "--sparse-threshold", "0.3", "--strategy", "auto"]))
+    assert (job.strategy.pipeline.schedule, job.strategy.replicas.mode, job.strategy.sparse.threshold,
+            job.strategy.planning.mode) == ("gpipe", "gossip", 0.3, "auto")
+    text = to_toml(job)
+    assert 'schedule = "gpipe"' in text and 'dp_mode = "gossip"' in text and "[strategy.pipeline]" not in text
+    (tmp_path / "c.toml").write_text(text)
+    assert load_toml(tmp_path / "c.toml").strategy == job.strategy
+    with pytest.raises(ConfigError, match=r"unknown key 'mode'"):  # group attribute names are not TOML keys
+        from_dict({"strategy": {"mode": "gossip"}})
+    # engines receive their group: the data-parallel entries the replicas' options
+    entry = pick_entry(Strategy(zero=1).resolved(2), TrainConfig())
+    assert entry.options(Strategy(zero=1), TrainConfig()) == ReplicaOptions(zero=1)

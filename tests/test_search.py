@@ -455,7 +455,7 @@ def test_a_rule_added_to_the_table_prunes_the_search(monkeypatch):
     before = list(enumerate_candidates(model, SearchSpace(nproc=8)))
     assert any(c.zero == 2 and c.tp > 1 for c in before)
     extra = rules.Rule("test-no-zero-2-with-tp", "--zero 2 with tp > 1",
-                       lambda setup: setup.strategy.zero == 2 and setup.strategy.tp > 1, "seen", "why", "fix")
+                       lambda setup: setup.strategy.replicas.zero == 2 and setup.strategy.tp > 1, "seen", "why", "fix")
     monkeypatch.setattr(rules, "RULES", (*rules.RULES, extra))
     broken_rules.cache_clear()
     try:

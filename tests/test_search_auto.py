@@ -71,7 +71,7 @@ def test_plan_round_trip_reproduces_the_strategy(auto_run):
     for key, value in plan.record["strategy"].items():
         assert getattr(again.strategy, key) == value == recorded[key], key
     assert again.config.micro_batch_size == plan.train["micro_batch_size"]
-    assert again.strategy.search == "manual" and again.strategy.plan is None
+    assert again.strategy.planning.mode == "manual" and again.strategy.planning.plan is None
     # a flag that agrees with the plan is fine; one that contradicts it is refused, naming both values
     resolve(Strategy(plan=str(out / "plan.json"), pp=2), TrainConfig(steps=7), 4)
     with pytest.raises(ConfigError, match=r"--pp 4 contradicts .*pp = 2"):

@@ -183,8 +183,8 @@ def test_measure_only_when_the_top_plans_are_within_the_error():
 def test_confirm_defaults_to_when_unsure_and_zero_turns_it_off():
     assert Strategy().confirm is None and Strategy.auto().confirm is None
     parser = build_parser()
-    assert resolve_job(parser.parse_args(["train", "--confirm", "0"])).strategy.confirm == 0
-    assert resolve_job(parser.parse_args(["train", "--confirm", "3"])).strategy.confirm == 3
+    assert resolve_job(parser.parse_args(["train", "--confirm", "0"])).strategy.planning.confirm == 0
+    assert resolve_job(parser.parse_args(["train", "--confirm", "3"])).strategy.planning.confirm == 3
     with pytest.raises(ConfigError, match=r"strategy.confirm must be a non-negative integer, got -1"):
         Strategy(confirm=-1).resolved(4)
 

@@ -248,7 +248,7 @@ def test_strategy_auto_with_a_fixed_zero_level_searches_the_rest():
     model, _ = build_model("gpt-tiny", {"n_layer": 2}, vocab_size=padded_vocab_size(258), device="meta")
     example = lambda: ((torch.zeros(1, 32, dtype=torch.long, device="meta"),), {})  # noqa: E731
     resolved = resolve(Strategy.auto(zero=1), TrainConfig(global_batch_size=8), 4, model=model, example=example)
-    assert resolved.strategy.zero == 1 and resolved.strategy.dp > 1  # zero 1 needs replicas to shard over
+    assert resolved.strategy.replicas.zero == 1 and resolved.strategy.dp > 1  # zero 1 needs replicas to shard over
     assert resolved.plan.record["strategy"]["zero"] == 1 and resolved.plan.record["search"]["fixed"] == {"zero": 1}
     assert "zero 1" in resolved.plan.describe()
 

@@ -131,7 +131,7 @@ def test_stage_tp_resolves_dp_and_uniform_degrees_to_plain_tp():
     uniform = autopar.Strategy(stage_tp=(2, 2)).resolved(8)  # all equal: the --tp code path
     assert (uniform.dp, uniform.tp, uniform.pp, uniform.stage_tp) == (2, 2, 2, None)
     planned = autopar.Strategy(stage_tp="2,2", boundary="scatter_gather").resolved(4)  # keeps its planned boundary
-    assert (planned.tp, planned.pp, planned.stage_tp, planned.boundary) == (2, 2, None, "scatter_gather")
+    assert (planned.tp, planned.pp, planned.stage_tp, planned.pipeline.boundary) == (2, 2, None, "scatter_gather")
 
 
 def test_plan_shows_stage_degrees_ranks_and_boundaries(capsys):

@@ -40,7 +40,7 @@ def plan_auto(model: nn.Module, train_data: Dataset, nproc: int, *, strategy: St
     `config` the global batch size and dtype. Pass the Plan to the Trainer as its strategy.
     """
     strategy = strategy or Strategy.auto()
-    if strategy.search != "auto" and not strategy.plan:
+    if strategy.planning.mode != "auto" and not strategy.planning.plan:
         strategy = dataclasses.replace(strategy, search="auto")
     resolved = resolve(strategy, config or TrainConfig(), nproc, model=model,
                        example=lambda: example_call(model, train_data))
@@ -57,10 +57,10 @@ def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, li
                        example=lambda: example_call(parts.model, parts.train_data))
     plan = resolved.plan
     print(plan.describe(), flush=True)
-    if not job.strategy.plan:
-        measure = plans_to_measure(plan, job.strategy.confirm)
+    if not job.strategy.planning.plan:
+        measure = plans_to_measure(plan, job.strategy.planning.confirm)
         if measure:
-            if job.strategy.confirm is None:
+            if job.strategy.planning.confirm is None:
                 print(f"auto: {len(measure)} plans are within the model's {PREDICTED_TIME_ERROR:.0%} error of each "
                       f"other; measuring each for {CONFIRM_STEPS} steps (--confirm 0: trust the prediction)",
                       flush=True)

@@ -25,29 +25,29 @@ import sys
 import traceback
 from datetime import datetime
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
-from .config import BOUNDARY_TRANSFERS, PARTITION_METHODS, SECTION_TYPES, JobConfig, coerce, load_toml, merge
+from .config import (BOUNDARY_TRANSFERS, PARTITION_METHODS, SECTION_TYPES, FlatField, JobConfig, coerce, load_toml,
+                     merge, section_fields)
 from .distributed import DistEnv
 from .errors import AutoparError, ConfigError, Preempted
 
 
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+def _flag(f: FlatField) -> str:
+    return f.field.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="TOML config file; flags override its values")
     for section, cls in SECTION_TYPES.items():
         group = parser.add_argument_group(f"[{section}]", (cls.__doc__ or "").strip().splitlines()[0])
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag, dest, help_text = _flag(f), f"{section}.{f.name}", f.metadata.get("help", "")
-            default = f.default if f.default is not dataclasses.MISSING else None
+        for f in section_fields(cls):
+            flag, dest, help_text = _flag(f), f"{section}.{f.name}", f.field.metadata.get("help", "")
+            default = f.field.default if f.field.default is not dataclasses.MISSING else None
             if section == "model" and f.name == "args":
                 group.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE", help=help_text,
                                    default=argparse.SUPPRESS)
-            elif hints[f.name] is bool:
+            elif f.hint is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                    help=f"{help_text} (default: {default})", default=argparse.SUPPRESS)
             else:
@@ -71,13 +71,14 @@ def _overrides(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 args[name.strip()] = value.strip()
             value = args
         else:
-            value = coerce(raw, get_type_hints(SECTION_TYPES[section])[key], _flag(_field(section, key)))
+            field = _field(section, key)
+            value = coerce(raw, field.hint, _flag(field))
         out.setdefault(section, {})[key] = value
     return out
 
 
-def _field(section: str, key: str) -> dataclasses.Field:
-    return next(f for f in dataclasses.fields(SECTION_TYPES[section]) if f.name == key)
+def _field(section: str, key: str) -> FlatField:
+    return next(f for f in section_fields(SECTION_TYPES[section]) if f.name == key)
 
 
 def resolve_job(ns: argparse.Namespace) -> JobConfig:
@@ -131,7 +132,7 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         dry_run(job, build, lambda checked: _check_before_start(checked, build), force=ns.force)
         return 0
     hand_set = is_hand_set(job)  # before --strategy auto or --plan makes it a plan
-    if job.strategy.search == "auto" or job.strategy.plan:
+    if job.strategy.planning.mode == "auto" or job.strategy.planning.plan:
         from .autoplan import choose_before_launch  # search (or read the plan) once, here; ranks get plan.json
         job, argv = choose_before_launch(job, argv)
         build = _job_builder(job)
@@ -178,7 +179,7 @@ def _check_traced_model(job, strategy, build=None) -> None:
     --stage-tp always (its boundaries need every stage's plan)."""
     from .preflight import cheap_to_build
     degrees = strategy.stage_tps or (strategy.tp,)
-    if (max(degrees) == 1 and strategy.pp * strategy.chunks == 1) or (
+    if (max(degrees) == 1 and strategy.pp * strategy.pipeline.chunks == 1) or (
             strategy.stage_tps is None and not cheap_to_build(job)):
         return
     from .job import build_job
@@ -196,8 +197,8 @@ def _check_traced_model(job, strategy, build=None) -> None:
                 if strategy.stage_tps is None:
                     raise
                 raise ConfigError(f"--stage-tp {job.strategy.stage_tp}: stage degree {t}: {exc}") from None
-    if strategy.pp * strategy.chunks > 1:
-        check_stage_count(graph, strategy.pp, strategy.chunks)
+    if strategy.pp * strategy.pipeline.chunks > 1:
+        check_stage_count(graph, strategy.pp, strategy.pipeline.chunks)
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:

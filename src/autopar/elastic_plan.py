@@ -32,7 +32,7 @@ PLAN_FILE = "plan.json"
 
 def searches_on_the_ranks(job: JobConfig) -> bool:
     """True for `--strategy auto` without a fixed `--plan`: the ranks must agree on a plan of their own."""
-    return job.strategy.search == "auto" and not job.strategy.plan
+    return job.strategy.planning.mode == "auto" and not job.strategy.planning.plan
 
 
 def agree_on_plan(job: JobConfig) -> Plan:

@@ -44,7 +44,7 @@ class MemoryVerdict:
 
 def is_hand_set(job: JobConfig) -> bool:
     """A strategy the user chose (no --strategy auto, no saved plan): the runs the gate holds to the memory."""
-    return job.strategy.search == "manual" and not job.strategy.plan
+    return job.strategy.planning.mode == "manual" and not job.strategy.planning.plan
 
 
 def check_memory(job: JobConfig, resolved: Resolved, build: Callable, *, force: bool = False) -> MemoryVerdict:
@@ -65,7 +65,7 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
         return MemoryVerdict([f"memory not estimated for {missing}: the memory model does not cover it, so the run "
                               f"is not checked against the memory"])
     nproc = job.launch.nproc
-    memory = rank_memory(config.device, nproc, memory_per_device_gb=job.strategy.memory_per_device_gb)
+    memory = rank_memory(config.device, nproc, memory_per_device_gb=job.strategy.planning.memory_per_device_gb)
     if memory is None:
         where = "no CUDA device is visible here" if config.device == "cuda" else "this host's memory cannot be read"
         return MemoryVerdict([f"memory not estimated: {where}"])
@@ -76,7 +76,7 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
         return MemoryVerdict([f"memory not estimated: the model could not be traced on meta ({exc})"])
     base = Setting(candidate=candidate_of(strategy, config, resolved.accumulation), world=nproc, dtype=config.dtype,
                    global_batch_size=config.global_batch_size, memory=memory.bytes,
-                   stage_budget_mb=strategy.memory_budget_mb)
+                   stage_budget_mb=strategy.pipeline.memory_budget_mb)
     found = fit.assess(base)
     limit = memory.bytes * (1 + MODEL_ERROR)
     head = (f"memory per rank, predicted by the strategy search's model on the traced model (live tensors; a run is "
@@ -167,7 +167,7 @@ def _fit_model(parts, strategy, config, nproc: int, memory: RankMemory) -> Memor
     if scaled:
         profile = profile.with_layers(depth)
     default = "h100-80gb" if config.device == "cuda" else "cpu-local"  # only ranks the suggestions by speed
-    cluster = resolve_cluster(strategy.cluster) if strategy.cluster else preset(default)
+    cluster = resolve_cluster(strategy.planning.cluster) if strategy.planning.cluster else preset(default)
     return MemoryFit(profile, cluster, optimizer=config.optimizer, ranks_per_host=nproc)
 
 
@@ -177,7 +177,7 @@ def _suggestions(fit: MemoryFit, base: Setting, job: JobConfig, resolved: Resolv
     dp_given = job.strategy.dp is not None
     micro_given = job.train.micro_batches is not None
     cuda = resolved.config.device == "cuda"
-    shared_host = not cuda and job.strategy.memory_per_device_gb is None  # a given memory is per device
+    shared_host = not cuda and job.strategy.planning.memory_per_device_gb is None  # a given memory is per device
     devices = None
     if cuda:
         import torch
@@ -234,9 +234,9 @@ def _suggestions(fit: MemoryFit, base: Setting, job: JobConfig, resolved: Resolv
 def _runs(s: Setting, job: JobConfig) -> bool:
     """Whether the runtime's strategy checks accept this configuration (strategies.resolve, no model needed)."""
     c = s.candidate
-    recompute = "all" if c.recompute == "all" else ("none" if c.recompute == "none" else job.strategy.recompute)
+    recompute = "all" if c.recompute == "all" else ("none" if c.recompute == "none" else job.strategy.pipeline.recompute)
     strategy = dataclasses.replace(job.strategy, dp=c.dp if job.strategy.dp is not None else None, tp=c.tp, pp=c.pp,
-                                   schedule=c.schedule if c.pp > 1 else job.strategy.schedule,
+                                   schedule=c.schedule if c.pp > 1 else job.strategy.pipeline.schedule,
                                    chunks=c.chunks if c.pp > 1 else 1, recompute=recompute, zero=c.zero)
     micro = c.num_microbatches if job.train.micro_batches is not None else None
     config = dataclasses.replace(job.train, micro_batch_size=c.micro_batch_size, micro_batches=micro,
@@ -256,13 +256,13 @@ def dry_run(job: JobConfig, build: Callable, check: Callable[[JobConfig], Resolv
     run `check` (every check a run makes before its ranks start) and the memory estimate, print the plan; no
     process starts, no folder is made. Raises what the run would raise."""
     searched = None
-    if job.strategy.search == "auto" or job.strategy.plan:
+    if job.strategy.planning.mode == "auto" or job.strategy.planning.plan:
         from .train.fields import example_call
         parts = build()
         searched = resolve(job.strategy, job.train, job.launch.nproc, model=parts.model, model_name=parts.name,
                            example=lambda: example_call(parts.model, parts.train_data))
-        if job.strategy.confirm and not job.strategy.plan:
-            print(f"--confirm {job.strategy.confirm}: the trial runs are not made in a dry run", flush=True)
+        if job.strategy.planning.confirm and not job.strategy.planning.plan:
+            print(f"--confirm {job.strategy.planning.confirm}: the trial runs are not made in a dry run", flush=True)
         job = dataclasses.replace(job, strategy=searched.strategy, train=searched.config)
     checked = check(job)
     _print_plan(job, searched or checked, build, gated=searched is None, force=force)

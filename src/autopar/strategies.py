@@ -22,7 +22,7 @@ from torch import nn
 
 from .async_sgd.engine import AsyncEngine, check_async_setup
 from .async_sgd.loop import train_async
-from .config import ASYNC_SCHEDULES, Strategy, TrainConfig
+from .config import ASYNC_SCHEDULES, ReplicaOptions, SparseOptions, Strategy, TrainConfig
 from .config.rules import Setup, check_rules
 from .errors import ConfigError
 from .gossip import GossipEngine, GossipOptions, check_gossip_strategy
@@ -32,7 +32,7 @@ from .pipeline.engine import PipelineEngine
 from .running_stats import check_batch_norm_subbatches, check_running_stats
 from .search.auto import Example, Plan, resolve_choice
 from .search.cluster import cluster_for_ranks
-from .sparse.engine import SparseEmbeddingEngine, SparseOptions
+from .sparse.engine import SparseEmbeddingEngine
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.checkpoint import find_checkpoint
 from .train.engine import DataParallelEngine
@@ -81,7 +81,7 @@ class Resolved:
 
 
 def sparse_requested(strategy: Strategy, config: TrainConfig) -> bool:
-    return strategy.sparse_embeddings != "dense" or config.optimizer == "sparse-adam"
+    return strategy.sparse.mode != "dense" or config.optimizer == "sparse-adam"
 
 
 # ---------------------------------------------------------------------------- checks
@@ -101,7 +101,7 @@ def _synchronous_check(request: Request) -> tuple[TrainConfig, int]:
 def _check_pipedream(request: Request) -> tuple[TrainConfig, int]:
     """PipeDream-2BW resumes only a checkpoint holding its older weight version (read from the file)."""
     strategy, config = request.strategy, request.config
-    if strategy.schedule == "pipedream-2bw" and strategy.pp > 1 and config.resume:
+    if strategy.pipeline.schedule == "pipedream-2bw" and strategy.pp > 1 and config.resume:
         check_two_version_checkpoint(find_checkpoint(config.resume))
     return _synchronous_check(request)
 
@@ -126,7 +126,7 @@ def _build_gossip(ctx: EngineContext, options: GossipOptions) -> Engine:
     return GossipEngine(**ctx.common(), forward_fn=ctx.forward_fn, timeout_s=ctx.timeout_s, options=options)
 
 
-def _build_async(ctx: EngineContext, options: Strategy) -> Engine:
+def _build_async(ctx: EngineContext, options: ReplicaOptions) -> Engine:
     """Parameter server (async_sgd/engine.py): servers serve, workers run ahead."""
     return AsyncEngine(**ctx.common(), forward_fn=ctx.forward_fn, timeout_s=ctx.timeout_s,
                        weight_decay=ctx.config.weight_decay, servers=options.servers, staleness=options.staleness)
@@ -141,10 +141,10 @@ def _build_pipeline(ctx: EngineContext, options: Strategy) -> Engine:
 
 def _boundary_cluster(strategy: Strategy):
     """The cluster --boundary auto prices its choice on (--cluster; cpu-local, this host, by default)."""
-    if strategy.boundary != "auto":
+    if strategy.pipeline.boundary != "auto":
         return None
     ranks = sum(strategy.stage_tps) if strategy.stage_tps is not None else strategy.tp * strategy.pp
-    return cluster_for_ranks(strategy.cluster, strategy.dp * ranks)
+    return cluster_for_ranks(strategy.planning.cluster, strategy.dp * ranks)
 
 
 def _build_pipedream(ctx: EngineContext, options: Strategy) -> Engine:
@@ -152,16 +152,16 @@ def _build_pipedream(ctx: EngineContext, options: Strategy) -> Engine:
     same update rule on whole models (train/two_bw_oracle.py). PipeDream (weight stashing,
     pipeline/async_stash_engine.py); with pp=1 its rule is synchronous SGD (no stage lags)."""
     if options.pp == 1:
-        if options.schedule == "pipedream":
-            return _build_data_parallel(ctx, options)
+        if options.pipeline.schedule == "pipedream":
+            return _build_data_parallel(ctx, options.replicas)
         return DelayOneDataParallelEngine(**ctx.common(), forward_fn=ctx.forward_fn)
     cfg = ctx.config
     no_flush = dict(example_batch=ctx.example_batch(), timeout_s=ctx.timeout_s, strategy=options, steps=cfg.steps,
                     eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
                     batches_for_step=ctx.batches_for_step, samples_for_step=ctx.samples_for_step)
-    if options.schedule == "pipedream":
-        return PipeDreamStashEngine(**ctx.common(), **no_flush, vertical_sync=options.vertical_sync,
-                                    tied_delay=options.tied_delay)
+    if options.pipeline.schedule == "pipedream":
+        return PipeDreamStashEngine(**ctx.common(), **no_flush, vertical_sync=options.pipeline.vertical_sync,
+                                    tied_delay=options.pipeline.tied_delay)
     return PipeDream2BWEngine(**ctx.common(), **no_flush, num_microbatches=ctx.accumulation)
 
 
@@ -171,19 +171,23 @@ def _build_sparse(ctx: EngineContext, options: SparseOptions) -> Engine:
                                  batches_for_step=ctx.batches_for_step, options=options)
 
 
-def _build_fully_sharded(ctx: EngineContext, options: Strategy) -> Engine:
+def _build_fully_sharded(ctx: EngineContext, options: ReplicaOptions) -> Engine:
     """ZeRO-3: parameters sharded too, gathered per block by FSDP2 (train/fsdp_engine.py)."""
     return FullyShardedEngine(**ctx.common(), forward_fn=ctx.forward_fn, param_dtype=ctx.param_dtype,
                               batchnorm=options.batchnorm)
 
 
-def _build_data_parallel(ctx: EngineContext, options: Strategy) -> Engine:
+def _build_data_parallel(ctx: EngineContext, options: ReplicaOptions) -> Engine:
     return DataParallelEngine(**ctx.common(), forward_fn=ctx.forward_fn, zero=options.zero,
                               param_dtype=ctx.param_dtype, batchnorm=options.batchnorm)
 
 
 def _sparse_options(strategy: Strategy, config: TrainConfig) -> SparseOptions:
-    return SparseOptions.of(strategy)
+    return strategy.sparse
+
+
+def _replica_options(strategy: Strategy, config: TrainConfig) -> ReplicaOptions:
+    return strategy.replicas
 
 
 def _gossip_options(strategy: Strategy, config: TrainConfig) -> GossipOptions:
@@ -191,15 +195,17 @@ def _gossip_options(strategy: Strategy, config: TrainConfig) -> GossipOptions:
 
 
 STRATEGIES: tuple[StrategyEntry, ...] = (
-    StrategyEntry("pipedream-2bw", lambda s, c: s.schedule in ASYNC_SCHEDULES, _check_pipedream, _build_pipedream),
-    StrategyEntry("gossip", lambda s, c: s.dp_mode == "gossip", _check_gossip, _build_gossip,
+    StrategyEntry("pipedream-2bw", lambda s, c: s.pipeline.schedule in ASYNC_SCHEDULES, _check_pipedream, _build_pipedream),
+    StrategyEntry("gossip", lambda s, c: s.replicas.mode == "gossip", _check_gossip, _build_gossip,
                   options=_gossip_options),
-    StrategyEntry("parameter-server", lambda s, c: s.dp_mode == "async", _check_async, _build_async,
-                  loop=train_async),
+    StrategyEntry("parameter-server", lambda s, c: s.replicas.mode == "async", _check_async, _build_async,
+                  loop=train_async, options=_replica_options),
     StrategyEntry("pipeline", lambda s, c: s.pp > 1 or s.tp > 1, _synchronous_check, _build_pipeline),
     StrategyEntry("sparse-embeddings", sparse_requested, _synchronous_check, _build_sparse, options=_sparse_options),
-    StrategyEntry("zero-3", lambda s, c: s.zero == 3, _synchronous_check, _build_fully_sharded),
-    StrategyEntry("data-parallel", lambda s, c: True, _synchronous_check, _build_data_parallel),
+    StrategyEntry("zero-3", lambda s, c: s.replicas.zero == 3, _synchronous_check, _build_fully_sharded,
+                  options=_replica_options),
+    StrategyEntry("data-parallel", lambda s, c: True, _synchronous_check, _build_data_parallel,
+                  options=_replica_options),
 )
 
 
@@ -216,7 +222,7 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
     put an oracle engine in front).
     """
     config.validate()
-    searched = strategy.search == "auto" and not strategy.plan
+    searched = strategy.planning.mode == "auto" and not strategy.planning.plan
     # field errors first, as for any strategy (the search picks the degrees left open, so not their product)
     (dataclasses.replace(strategy, dp=None, tp=1, pp=1) if searched else strategy).resolved(world)
     check_rules(Setup(strategy, config, world, custom_forward, pretrained), phase="search")  # what it may search
@@ -245,7 +251,7 @@ def pick_entry(strategy: Strategy, config: TrainConfig,
             return entry
     names = ", ".join(e.name for e in strategies or ())
     raise ConfigError(f"no strategy entry applies to dp={strategy.dp} tp={strategy.tp} pp={strategy.pp} "
-                      f"dp_mode={strategy.dp_mode}; the entries given were: {names or 'none'}")
+                      f"dp_mode={strategy.replicas.mode}; the entries given were: {names or 'none'}")
 
 
 REPLAYING_ENTRIES = ("pipeline", "zero-3", "data-parallel")  # their engines keep BatchNorm statistics exactly
@@ -255,7 +261,7 @@ def _check_running_stats(model: nn.Module, entry: StrategyEntry, strategy: Strat
     """Layers with running statistics the chosen strategy cannot keep as one process does: refused here."""
     layout = f"strategy {entry.name} (dp={strategy.dp} tp={strategy.stage_tp or strategy.tp} pp={strategy.pp})"
     check_running_stats(model, layout=layout, replays=entry.name in REPLAYING_ENTRIES, processes=world)
-    check_batch_norm_subbatches(model, strategy.tp_subbatches)
+    check_batch_norm_subbatches(model, strategy.pipeline.tp_subbatches)
 
 
 def _entry_and_check(strategy: Strategy, config: TrainConfig, *, world: int, custom_forward: bool,

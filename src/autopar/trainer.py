@@ -118,8 +118,8 @@ class Trainer:
         """Every check that needs no communication (strategies.resolve), so each rank fails the same way, early."""
         check_trainable(self.model)
         world = dist.get_world_size() if dist.is_initialized() else DistEnv.from_environ().world_size
-        if self.strategy.confirm and self.plan is None and not self.strategy.plan:
-            raise ConfigError(f"--confirm {self.strategy.confirm} runs the top plans as separate short jobs, which "
+        if self.strategy.planning.confirm and self.plan is None and not self.strategy.planning.plan:
+            raise ConfigError(f"--confirm {self.strategy.planning.confirm} runs the top plans as separate short jobs, which "
                               f"only `autopar train` can start; in Python, measure plans yourself or use confirm=0")
         resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward,
                            pretrained=self.pretrained is not None, model=self.model,

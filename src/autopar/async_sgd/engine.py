@@ -33,7 +33,7 @@ def check_async_setup(strategy: Strategy, config: TrainConfig, world: int) -> tu
     """The batch split of an async run: returns the config with micro-batches resolved over the WORKERS
     (not the world) and the micro-batches per worker per step. What the parameter server combines with is
     the rule table's (config/rules.py), checked before this."""
-    roles = Roles.check(world, strategy.servers, strategy.staleness)
+    roles = Roles.check(world, strategy.replicas.servers, strategy.replicas.staleness)
     try:
         config = config.with_micro_batches(roles.num_workers)
         return config, config.accumulation_steps(roles.num_workers)

@@ -48,6 +48,11 @@ from .strategy import (  # noqa: F401 (re-exported: autopar.config is where call
     BATCHNORM_MODES,
     BOUNDARY_TRANSFERS,
     STAGE_TP_SCHEDULES,
+    FlatField,
+    PipelineOptions,
+    PlanningOptions,
+    ReplicaOptions,
+    SparseOptions,
     Strategy,
     parse_stage_tp,
 )
@@ -223,8 +228,18 @@ SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "strategy": Strategy,
 # ---------------------------------------------------------------------------- conversion
 
 
+def section_fields(cls: type) -> list[FlatField]:
+    """A section's options as flags and TOML name them: a Strategy's flat names, any other section's fields."""
+    if cls is Strategy:
+        return Strategy.flat_fields()
+    hints = get_type_hints(cls)
+    return [FlatField(f.name, f, hints[f.name], None, f.name) for f in dataclasses.fields(cls)]
+
+
 def to_dict(config: Any) -> dict:
-    """A dataclass as nested plain dicts, with None values left out (TOML has no null)."""
+    """A dataclass as nested plain dicts, with None values left out (TOML has no null); a Strategy flat."""
+    if isinstance(config, Strategy):
+        return {k: v for k, v in config.flat().items() if v is not None}
     out = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -254,12 +269,11 @@ def from_dict(data: dict, *, source: str = "config") -> JobConfig:
 
 
 def _section_from_dict(cls: type, values: dict, where: str) -> Any:
-    hints = get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    hints = {f.name: f.hint for f in section_fields(cls)}
     kwargs = {}
     for key, value in values.items():
-        if key not in known:
-            raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {choices(sorted(known))}")
+        if key not in hints:
+            raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {choices(sorted(hints))}")
         kwargs[key] = coerce(value, hints[key], f"{where} {key}")
     return cls(**kwargs)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import ConfigError
@@ -39,23 +40,23 @@ class Setup:
 
     @property
     def spec(self) -> ScheduleSpec:
-        return schedule_spec(self.strategy.schedule)
+        return schedule_spec(self.strategy.pipeline.schedule)
 
     @property
     def sparse(self) -> bool:
         """Sparse embedding exchange, or SparseAdam (its tables' rows travel sparsely too)."""
-        return self.strategy.sparse_embeddings != "dense" or self.config.optimizer == "sparse-adam"
+        return self.strategy.sparse.mode != "dense" or self.config.optimizer == "sparse-adam"
 
     @property
     def pipelined(self) -> bool:
         """A pipeline schedule runs (stages over ranks, or several chunks per rank)."""
-        return self.strategy.pp > 1 or self.strategy.chunks > 1
+        return self.strategy.pp > 1 or self.strategy.pipeline.chunks > 1
 
     @property
     def replicas(self) -> int:
         """Over how many processes a global batch is split: dp, or the parameter server's workers."""
         s = self.strategy
-        return self.world - s.servers if s.dp_mode == "async" else s.dp
+        return self.world - s.replicas.servers if s.replicas.mode == "async" else s.dp
 
     @cached_property
     def micro_config(self) -> TrainConfig:
@@ -71,12 +72,12 @@ class Setup:
     def other_dp_mode(self) -> str | None:
         """The way replicas combine when it is not synchronous all-reduce of dense gradients, as a flag."""
         s = self.strategy
-        if s.dp_mode == "gossip":
+        if s.replicas.mode == "gossip":
             return "--dp-mode gossip"
-        if s.dp_mode == "async":
+        if s.replicas.mode == "async":
             return "--dp-mode async (the parameter server)"
         if self.sparse:
-            return f"--sparse-embeddings {s.sparse_embeddings} / --optimizer {self.config.optimizer}"
+            return f"--sparse-embeddings {s.sparse.mode} / --optimizer {self.config.optimizer}"
         return None
 
 
@@ -94,7 +95,8 @@ class Rule:
     phase: str = "layout"  # "layout": on the resolved strategy; "search": on the user's choices, before a search
 
     def message(self, setup: Setup) -> str:
-        values = {"s": setup.strategy, "c": setup.config, "setup": setup, **self.detail(setup)}
+        # the texts name options by their flags' flat names ({s.schedule}, {s.dp_mode})
+        values = {"s": SimpleNamespace(**setup.strategy.flat()), "c": setup.config, "setup": setup, **self.detail(setup)}
         seen, why, fix = (text.format_map(values) for text in (self.seen, self.why, self.fix))
         return f"{seen}: {why}; {fix} (rule {self.name})"
 
@@ -125,11 +127,11 @@ def _stage_tp(s: Strategy) -> bool:
 
 def _zero3_stages(setup: Setup) -> bool:
     s = setup.strategy
-    return s.zero == 3 and (s.pp > 1 or s.tp > 1)
+    return s.replicas.zero == 3 and (s.pp > 1 or s.tp > 1)
 
 
 def _searched(setup: Setup) -> bool:
-    return setup.strategy.search == "auto" and not setup.strategy.plan
+    return setup.strategy.planning.mode == "auto" and not setup.strategy.planning.plan
 
 
 def _no_flush(setup: Setup) -> bool:
@@ -144,13 +146,13 @@ RULES: tuple[Rule, ...] = (
          _AUTO + " {flag}", _AUTO_WHY, _AUTO_FIX,
          detail=lambda setup: dict(zip(("flag", "want"), _outside_search(setup) or ("", ""))), phase="search"),
     Rule("stage-tp-search", "--stage-tp with --strategy auto or --plan",
-         lambda setup: _stage_tp(setup.strategy) and (setup.strategy.search != "manual"
-                                                      or setup.strategy.plan is not None),
+         lambda setup: _stage_tp(setup.strategy) and (setup.strategy.planning.mode != "manual"
+                                                      or setup.strategy.planning.plan is not None),
          _STAGE_TP + " --strategy auto / --plan", "the search does not choose per-stage degrees yet",
          "give the degrees by hand", phase="search"),
     # ---- stages of different tp degrees, planned boundaries
     Rule("stage-tp-chunks", "--stage-tp with --chunks > 1",
-         lambda setup: _stage_tp(setup.strategy) and setup.strategy.chunks > 1,
+         lambda setup: _stage_tp(setup.strategy) and setup.strategy.pipeline.chunks > 1,
          _STAGE_TP + " --chunks {s.chunks}", "interleaving puts several stages, so several tp degrees, on one rank",
          "use --chunks 1"),
     Rule("stage-tp-schedule", "--stage-tp with a schedule that does not run planned boundaries",
@@ -159,55 +161,55 @@ RULES: tuple[Rule, ...] = (
          "its stages exchange boundary tensors through the direct transport only, which needs equal layouts",
          f"use one of {_names(lambda spec: spec.stage_tp)}"),
     Rule("stage-tp-subbatches", "--stage-tp with --tp-subbatches > 1",
-         lambda setup: _stage_tp(setup.strategy) and setup.strategy.tp_subbatches > 1,
+         lambda setup: _stage_tp(setup.strategy) and setup.strategy.pipeline.tp_subbatches > 1,
          _STAGE_TP + " --tp-subbatches {s.tp_subbatches}", "sub-pipelining is written for one tp degree",
          "use 1"),
     Rule("stage-tp-zero", "--stage-tp with --zero > 0",
-         lambda setup: _stage_tp(setup.strategy) and setup.strategy.zero != 0,
+         lambda setup: _stage_tp(setup.strategy) and setup.strategy.replicas.zero != 0,
          _STAGE_TP + " --zero {s.zero}", "not tested across stages of different degrees yet", "use --zero 0"),
     Rule("stage-tp-dp-mode", "--stage-tp with --dp-mode gossip|async",
-         lambda setup: _stage_tp(setup.strategy) and setup.strategy.dp_mode != "allreduce",
+         lambda setup: _stage_tp(setup.strategy) and setup.strategy.replicas.mode != "allreduce",
          _STAGE_TP + " --dp-mode {s.dp_mode}", "its replicas sum gradients synchronously",
          "use --dp-mode allreduce"),
     Rule("stage-tp-sparse", "--stage-tp with --sparse-embeddings allgather|embrace",
-         lambda setup: _stage_tp(setup.strategy) and setup.strategy.sparse_embeddings != "dense",
+         lambda setup: _stage_tp(setup.strategy) and setup.strategy.sparse.mode != "dense",
          _STAGE_TP + " --sparse-embeddings {s.sparse_embeddings}", "sparse tables are data-parallel only",
          "use dense"),
     Rule("stage-tp-memory-budget", "--stage-tp with --memory-budget-mb",
-         lambda setup: _stage_tp(setup.strategy) and setup.strategy.memory_budget_mb is not None,
+         lambda setup: _stage_tp(setup.strategy) and setup.strategy.pipeline.memory_budget_mb is not None,
          _STAGE_TP + " --memory-budget-mb", "stage-aware recomputation plans one tp degree",
          "use --recompute instead"),
     Rule("boundary-needs-pipeline", "--boundary other than direct with pp < 2",
-         lambda setup: setup.strategy.boundary != "direct" and setup.strategy.pp < 2,
+         lambda setup: setup.strategy.pipeline.boundary != "direct" and setup.strategy.pp < 2,
          _BOUNDARY + " needs a pipeline, got pp={s.pp}", "there is no stage boundary to plan",
          "use --pp 2 or more (or --stage-tp), or --boundary direct"),
     Rule("boundary-chunks", "--boundary other than direct with --chunks > 1",
-         lambda setup: setup.strategy.boundary != "direct" and setup.strategy.chunks != 1,
+         lambda setup: setup.strategy.pipeline.boundary != "direct" and setup.strategy.pipeline.chunks != 1,
          _BOUNDARY + " cannot be combined with --chunks {s.chunks}", "it moves one stage per rank",
          "use --chunks 1 or --boundary direct"),
     Rule("boundary-schedule", "--boundary other than direct with a schedule that does not run planned boundaries",
-         lambda setup: setup.strategy.boundary != "direct" and not setup.spec.stage_tp,
+         lambda setup: setup.strategy.pipeline.boundary != "direct" and not setup.spec.stage_tp,
          _BOUNDARY + " cannot be combined with --schedule {s.schedule}",
          "its stages exchange tensors through the direct transport only",
          f"use one of {_names(lambda spec: spec.stage_tp)} or --boundary direct"),
     # ---- options that belong to one mode
     Rule("vertical-sync-needs-pipedream", "--vertical-sync without --schedule pipedream",
-         lambda setup: setup.strategy.vertical_sync and setup.strategy.schedule != "pipedream",
+         lambda setup: setup.strategy.pipeline.vertical_sync and setup.strategy.pipeline.schedule != "pipedream",
          "strategy.vertical_sync (--vertical-sync) belongs to --schedule pipedream (weight stashing), got "
          "--schedule {s.schedule}", "other schedules keep no stashed weight versions to synchronise",
          "drop it or use --schedule pipedream"),
     Rule("tied-delay-needs-pipedream", "--tied-delay without --schedule pipedream",
-         lambda setup: setup.strategy.tied_delay is not None and setup.strategy.schedule != "pipedream",
+         lambda setup: setup.strategy.pipeline.tied_delay is not None and setup.strategy.pipeline.schedule != "pipedream",
          "strategy.tied_delay (--tied-delay) belongs to --schedule pipedream (weight stashing), got "
          "--schedule {s.schedule}", "other schedules sum a tied weight's gradient within the step",
          "drop it or use --schedule pipedream"),
     Rule("sparse-schedule-needs-embrace", "--sparse-schedule without --sparse-embeddings embrace",
-         lambda setup: setup.strategy.sparse_schedule and setup.strategy.sparse_embeddings != "embrace",
+         lambda setup: setup.strategy.sparse.schedule and setup.strategy.sparse.mode != "embrace",
          "--sparse-schedule with --sparse-embeddings {s.sparse_embeddings}",
          "it schedules the row exchange of sharded tables, so it needs --sparse-embeddings embrace",
          "add --sparse-embeddings embrace or drop --sparse-schedule"),
     Rule("sparse-exchange-needs-allreduce", "--sparse-embeddings allgather|embrace with --dp-mode gossip|async",
-         lambda setup: setup.strategy.sparse_embeddings != "dense" and setup.strategy.dp_mode != "allreduce",
+         lambda setup: setup.strategy.sparse.mode != "dense" and setup.strategy.replicas.mode != "allreduce",
          "--sparse-embeddings {s.sparse_embeddings} with --dp-mode {s.dp_mode}",
          "the sparse exchange replaces the synchronous all-reduce of the embedding tables; gossip and the "
          "parameter server move whole parameters their own way and would leave the choice unused",
@@ -219,26 +221,26 @@ RULES: tuple[Rule, ...] = (
          "engines only", "use --dtype bf16-autocast there, or the default all-reduce data parallelism",
          detail=lambda setup: {"mode": setup.other_dp_mode}),
     Rule("no-flush-memory", "--schedule pipedream|pipedream-2bw with --zero > 0 or --dtype bf16",
-         lambda setup: _no_flush(setup) and (setup.strategy.zero or setup.config.dtype == "bf16"),
+         lambda setup: _no_flush(setup) and (setup.strategy.replicas.zero or setup.config.dtype == "bf16"),
          "--schedule {s.schedule} with --zero {s.zero} / --dtype {c.dtype}",
          "it keeps several whole weight versions per stage, which do not combine with sharded or bf16 master "
          "weights yet", "use --zero 0 and --dtype fp32 or bf16-autocast, or a flushing schedule such as 1f1b"),
     Rule("zero-needs-allreduce", "--zero > 0 with gossip, the parameter server or sparse embeddings",
-         lambda setup: setup.strategy.zero and setup.other_dp_mode is not None,
+         lambda setup: setup.strategy.replicas.zero and setup.other_dp_mode is not None,
          "--zero {s.zero} with {mode}", "ZeRO shards optimizer state over synchronous all-reduce replicas",
          "use --zero 0, or drop that mode", detail=lambda setup: {"mode": setup.other_dp_mode}),
     Rule("zero-needs-replicas", "--zero > 0 with dp = 1",
-         lambda setup: setup.strategy.zero and setup.strategy.dp == 1,
+         lambda setup: setup.strategy.replicas.zero and setup.strategy.dp == 1,
          "--zero {s.zero} with dp=1 (tp={s.tp} pp={s.pp})",
          "ZeRO shards over data-parallel replicas: there is nothing to shard over",
          "use --zero 0, or more processes for dp"),
     Rule("zero-needs-optimizer-state", f"--zero > 0 with an optimizer other than {', '.join(ZERO_OPTIMIZERS)}",
-         lambda setup: setup.strategy.zero and setup.config.optimizer not in ZERO_OPTIMIZERS,
+         lambda setup: setup.strategy.replicas.zero and setup.config.optimizer not in ZERO_OPTIMIZERS,
          "--zero {s.zero} with --optimizer {c.optimizer}",
          "ZeRO shards per-parameter optimizer state and this optimizer has none (plain SGD without momentum): "
          "sharding saves nothing", f"use --zero 0, or an optimizer with state: {', '.join(ZERO_OPTIMIZERS)}"),
     Rule("zero-3-stage-chunks", "--zero 3 with pp or tp, and --chunks > 1",
-         lambda setup: _zero3_stages(setup) and setup.strategy.chunks > 1,
+         lambda setup: _zero3_stages(setup) and setup.strategy.pipeline.chunks > 1,
          _ZERO3_STAGES + " --chunks {s.chunks}",
          "one FSDP2 unit per stage, and a rank's stages may share a tied weight",
          "use --chunks 1, or --zero 2 (optimizer state and gradients sharded)"),
@@ -251,11 +253,11 @@ RULES: tuple[Rule, ...] = (
          f"sharded)"),
     # ---- the no-flush pipelines (PipeDream-2BW, PipeDream): plain 1F1B stages over all-reduce replicas
     Rule("no-flush-dp-mode", "--schedule pipedream|pipedream-2bw with --dp-mode gossip|async",
-         lambda setup: _no_flush(setup) and setup.strategy.dp_mode != "allreduce",
+         lambda setup: _no_flush(setup) and setup.strategy.replicas.mode != "allreduce",
          _NO_FLUSH + " --dp-mode {s.dp_mode}", "its replicas sum each step's gradient synchronously (a "
          "parameter server or gossip would add a second, different staleness)", "use --dp-mode allreduce"),
     Rule("no-flush-chunks", "--schedule pipedream|pipedream-2bw with --chunks > 1",
-         lambda setup: _no_flush(setup) and setup.strategy.chunks > 1,
+         lambda setup: _no_flush(setup) and setup.strategy.pipeline.chunks > 1,
          _NO_FLUSH + " --chunks {s.chunks} (interleaving)", "the no-flush lists are 1F1B with one stage per rank",
          "use --chunks 1"),
     Rule("no-flush-tp", "--schedule pipedream|pipedream-2bw with tp > 1",
@@ -263,8 +265,8 @@ RULES: tuple[Rule, ...] = (
          _NO_FLUSH + " --tp {s.tp}", "tensor-parallel stages with two weight versions are not supported yet (the "
          "older version would need saving as slices)", "use --tp 1"),
     Rule("no-flush-recompute", "--schedule pipedream|pipedream-2bw with --recompute or --memory-budget-mb",
-         lambda setup: _no_flush(setup) and (setup.strategy.recompute != "none"
-                                             or setup.strategy.memory_budget_mb is not None),
+         lambda setup: _no_flush(setup) and (setup.strategy.pipeline.recompute != "none"
+                                             or setup.strategy.pipeline.memory_budget_mb is not None),
          _NO_FLUSH + " recomputation (--recompute {s.recompute}, --memory-budget-mb {s.memory_budget_mb})",
          "SCP's ingredient is not supported with the no-flush lists yet", "use --recompute none"),
     Rule("no-flush-sparse", "--schedule pipedream|pipedream-2bw with sparse embeddings or sparse-adam",
@@ -272,38 +274,38 @@ RULES: tuple[Rule, ...] = (
          _NO_FLUSH + " sparse embeddings / sparse-adam", "their deferred rows assume synchronous steps",
          "use dense embeddings"),
     Rule("two-bw-whole-model-resume", "--schedule pipedream-2bw with pp = 1 and --resume",
-         lambda setup: setup.strategy.schedule == "pipedream-2bw" and setup.strategy.pp == 1
+         lambda setup: setup.strategy.pipeline.schedule == "pipedream-2bw" and setup.strategy.pp == 1
          and bool(setup.config.resume),
          _NO_FLUSH + " --resume with pp=1", "the whole-model 2BW rule keeps its older version outside the "
          "checkpoint", "resume a pipelined (pp > 1) run"),
     # ---- data-parallel-only modes
     Rule("gossip-data-parallel-only", "--dp-mode gossip with pp > 1 or tp > 1",
-         lambda setup: setup.strategy.dp_mode == "gossip" and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
+         lambda setup: setup.strategy.replicas.mode == "gossip" and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
          "--dp-mode gossip is data-parallel only, got pp={s.pp} tp={s.tp}",
          "every replica holds the whole model and averages it with its neighbours",
          "use pp=1 tp=1, or --dp-mode allreduce"),
     Rule("parameter-server-whole-model", "--dp-mode async with pp > 1 or tp > 1",
-         lambda setup: setup.strategy.dp_mode == "async" and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
+         lambda setup: setup.strategy.replicas.mode == "async" and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
          "dp_mode=async with pp={s.pp} tp={s.tp}", "it trains the whole model on every worker; it does not "
          "combine with pp={s.pp} tp={s.tp}", "use pp=1 tp=1 (or dp_mode=allreduce)"),
     Rule("parameter-server-workers", "--dp-mode async with --servers >= the number of processes",
-         lambda setup: setup.strategy.dp_mode == "async" and setup.strategy.servers >= setup.world,
+         lambda setup: setup.strategy.replicas.mode == "async" and setup.strategy.replicas.servers >= setup.world,
          "--servers {s.servers} with {setup.world} process(es) leaves no worker",
          "the parameter server takes {s.servers} process(es) and needs at least one more to train",
          "use --servers <= {most} or --nproc >= {least}",
-         detail=lambda setup: {"most": max(1, setup.world - 1), "least": setup.strategy.servers + 1}),
+         detail=lambda setup: {"most": max(1, setup.world - 1), "least": setup.strategy.replicas.servers + 1}),
     Rule("parameter-server-sgd", "--dp-mode async with an optimizer other than sgd",
-         lambda setup: setup.strategy.dp_mode == "async" and setup.config.optimizer != "sgd",
+         lambda setup: setup.strategy.replicas.mode == "async" and setup.config.optimizer != "sgd",
          "dp_mode=async", "the servers apply every pushed gradient with plain SGD (the rule asynchronous SGD is "
          "defined for), got --optimizer {c.optimizer}",
          "use --optimizer sgd"),
     Rule("parameter-server-runs-once", "--dp-mode async with --resume, --checkpoint-every or --eval-every",
-         lambda setup: setup.strategy.dp_mode == "async" and _async_unsupported(setup) is not None,
+         lambda setup: setup.strategy.replicas.mode == "async" and _async_unsupported(setup) is not None,
          "dp_mode=async does not support {flag} yet, got {value!r}",
          "workers run ahead of each other; the run evaluates and checkpoints once, at the end",
          "drop {flag}", detail=lambda setup: dict(zip(("flag", "value"), _async_unsupported(setup) or ("", "")))),
     Rule("sparse-data-parallel-only", "--sparse-embeddings allgather|embrace with pp > 1 or tp > 1",
-         lambda setup: setup.strategy.sparse_embeddings != "dense" and (setup.strategy.pp > 1
+         lambda setup: setup.strategy.sparse.mode != "dense" and (setup.strategy.pp > 1
                                                                         or setup.strategy.tp > 1),
          "--sparse-embeddings {s.sparse_embeddings} with pp={s.pp} tp={s.tp}",
          "sparse tables work with data parallelism only", "use pp=1 tp=1 or --sparse-embeddings dense"),
@@ -312,7 +314,7 @@ RULES: tuple[Rule, ...] = (
          "--sparse-embeddings / sparse-adam with device {c.device}", "they run on CPU (gloo) in this version",
          "use --device cpu"),
     Rule("sparse-schedule-clipping", "--sparse-schedule with --grad-clip > 0",
-         lambda setup: setup.strategy.sparse_schedule and setup.strategy.sparse_embeddings == "embrace"
+         lambda setup: setup.strategy.sparse.schedule and setup.strategy.sparse.mode == "embrace"
          and setup.config.grad_clip > 0,
          "--sparse-schedule with --grad-clip {c.grad_clip}", "it defers part of the table gradient past the step, "
          "so the global gradient norm is not known when clipping would need it", "use --grad-clip 0"),
@@ -326,8 +328,8 @@ RULES: tuple[Rule, ...] = (
          "(main input 'input_ids' or 'inputs', every other non-label field as a keyword)",
          "drop forward_fn, or use data parallelism only"),
     Rule("pretrained-synchronous", "pretrained weights with --dp-mode gossip|async or sparse embeddings",
-         lambda setup: setup.pretrained and (setup.strategy.dp_mode != "allreduce"
-                                             or setup.strategy.sparse_embeddings != "dense"),
+         lambda setup: setup.pretrained and (setup.strategy.replicas.mode != "allreduce"
+                                             or setup.strategy.sparse.mode != "dense"),
          "pretrained weights with dp_mode={s.dp_mode!r} sparse_embeddings={s.sparse_embeddings!r}",
          "pretrained weights load under synchronous layouts (dp, tp, pp and their products)",
          "use --dp-mode allreduce --sparse-embeddings dense"),
@@ -340,18 +342,18 @@ RULES: tuple[Rule, ...] = (
          "set --global-batch-size to micro-batch size x dp = {one_each}",
          detail=lambda setup: {"one_each": setup.micro_config.micro_batch_size * setup.strategy.dp}),
     Rule("tp-subbatches-need-tp", "--tp-subbatches > 1 with tp = 1",
-         lambda setup: setup.strategy.tp_subbatches > 1 and setup.strategy.tp == 1,
+         lambda setup: setup.strategy.pipeline.tp_subbatches > 1 and setup.strategy.tp == 1,
          "strategy.tp_subbatches={s.tp_subbatches} with tp=1", "it splits tensor-parallel stages",
          "use --tp 2 or more, or --tp-subbatches 1"),
     Rule("tp-subbatches-divide", "--tp-subbatches that does not divide the micro-batch size",
-         lambda setup: setup.strategy.tp_subbatches > 1
-         and setup.micro_config.micro_batch_size % setup.strategy.tp_subbatches != 0,
+         lambda setup: setup.strategy.pipeline.tp_subbatches > 1
+         and setup.micro_config.micro_batch_size % setup.strategy.pipeline.tp_subbatches != 0,
          "strategy.tp_subbatches={s.tp_subbatches} does not divide micro_batch_size={size}",
          "each sub-batch must hold whole samples", "use one of {divisors} (or change the micro-batch size)",
          detail=lambda setup: {"size": (size := setup.micro_config.micro_batch_size),
                                "divisors": [d for d in range(1, size + 1) if size % d == 0]}),
     Rule("schedule-chunks", "a schedule with a --chunks it does not run",
-         lambda setup: setup.pipelined and not setup.spec.accepts_chunks(setup.strategy.chunks),
+         lambda setup: setup.pipelined and not setup.spec.accepts_chunks(setup.strategy.pipeline.chunks),
          "--schedule {s.schedule} with --chunks {s.chunks}", "it runs {runs} chunk(s) per rank", "{fix}",
          detail=lambda setup: {"runs": setup.spec.chunks_text(), "fix": _chunks_fix(setup)}),
     Rule("schedule-microbatches", "a schedule with fewer micro-batches per replica than it needs",
@@ -374,14 +376,14 @@ RULES: tuple[Rule, ...] = (
 def _outside_search(setup: Setup) -> tuple[str, str] | None:
     """The first choice outside the search's space, as (flag with value, what would work)."""
     s, c = setup.strategy, setup.config
-    for flag, value, want in (("--dp-mode", s.dp_mode, "allreduce"), ("--sparse-embeddings", s.sparse_embeddings,
-                              "dense"), ("--tp-subbatches", s.tp_subbatches, 1)):
+    for flag, value, want in (("--dp-mode", s.replicas.mode, "allreduce"), ("--sparse-embeddings", s.sparse.mode,
+                              "dense"), ("--tp-subbatches", s.pipeline.tp_subbatches, 1)):
         if value != want:
             return f"{flag} {value}", str(want)
-    if s.recompute == "all-but-last":
+    if s.pipeline.recompute == "all-but-last":
         return "--recompute all-but-last", "none or all"
-    if s.memory_budget_mb is not None:
-        return f"--memory-budget-mb {s.memory_budget_mb}", "unset (use --memory-per-device-gb)"
+    if s.pipeline.memory_budget_mb is not None:
+        return f"--memory-budget-mb {s.pipeline.memory_budget_mb}", "unset (use --memory-per-device-gb)"
     if c.optimizer == "sparse-adam":
         return "--optimizer sparse-adam", "adamw"
     return None
@@ -396,7 +398,7 @@ def _async_unsupported(setup: Setup) -> tuple[str, Any] | None:
 
 
 def _chunks_fix(setup: Setup) -> str:
-    chunks = setup.strategy.chunks
+    chunks = setup.strategy.pipeline.chunks
     others = [spec.name for spec in SCHEDULE_TABLE if spec.flushes and spec.accepts_chunks(chunks)]
     return f"use --chunks {setup.spec.chunks[0]}" + (f", or a schedule for {chunks} chunks per rank: "
                                                      f"{', '.join(others)}" if others else "")

@@ -7,7 +7,6 @@ what the code refuses (tests/test_rules.py keeps them equal). `autopar rules` pr
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError

@@ -7,6 +7,7 @@ strategy table, the search and every engine read; the valid choices are named he
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,28 +39,10 @@ BATCHNORM_MODES = ("exact", "sync")
 
 
 @dataclass(kw_only=True)
-class Strategy:
-    """How the model is spread over processes: degrees of data, tensor and pipeline parallelism.
+class PipelineOptions:
+    """How a pipeline runs: its schedule, the cut into stages, recomputation and boundary transfers."""
 
-    dp * tp * pp must equal the number of processes. Leave `dp` as None to use every
-    process not taken by tp and pp for data parallelism.
-    """
-
-    dp: int | None = _f(None, "data-parallel degree (replicas); default: nproc / (tp * pp)")
-    tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
-    pp: int = _f(1, "pipeline-parallel degree (stages)")
-    stage_tp: str | None = _f(None, "per-stage tensor-parallel degrees, e.g. 2,4 (stage 0 tp=2, stage 1 tp=4): pp is "
-                                    "the list's length and nproc = dp * their sum; all equal is the same as --tp")
-    boundary: str = _f("direct", f"pipeline boundary transfers: {'|'.join(BOUNDARY_TRANSFERS)} (direct: whole tensor "
-                                 "from one sender per receiver; the others are planned resharding, between --stage-tp "
-                                 "stages or equal tp stages alike, auto the cheapest predicted on --cluster)")
     schedule: str = _f("1f1b", f"pipeline schedule: {'|'.join(SCHEDULES + ASYNC_SCHEDULES)}")
-    vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
-                                    "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
-    tied_delay: int | None = _f(None, "--schedule pipedream: how many steps late a weight tied across stages (an "
-                                      "embedding and output head) takes its summed gradient; default pp - 1, so its "
-                                      "owners never wait for each other; 0 sums each step's at once (they meet every "
-                                      "step)")
     chunks: int = _f(1, "pipeline stages per rank (virtual stages; interleaved-1f1b needs >= 2, zbv exactly 2)")
     partition: str = _f("time", f"how to cut the model into stages: {'|'.join(PARTITION_METHODS)}")
     recompute: str = _f("none", f"whole-stage recomputation scheduled by the pipeline: {'|'.join(RECOMPUTE_MODES)}")
@@ -68,6 +51,25 @@ class Strategy:
     tp_subbatches: int = _f(1, "sub-pipelined tensor parallelism: split each micro-batch of a tensor-parallel "
                                   "stage into K sub-batches so each tp all-reduce overlaps the next sub-batch's "
                                   "compute (Merak); must divide the micro-batch size")
+    boundary: str = _f("direct", f"pipeline boundary transfers: {'|'.join(BOUNDARY_TRANSFERS)} (direct: whole tensor "
+                                 "from one sender per receiver; the others are planned resharding, between --stage-tp "
+                                 "stages or equal tp stages alike, auto the cheapest predicted on --cluster)")
+    vertical_sync: bool = _f(False, "--schedule pipedream: every stage runs a micro-batch on the weight version "
+                                    "stage 0 used for it (one delay for all stages; up to pp versions per stage)")
+    tied_delay: int | None = _f(None, "--schedule pipedream: how many steps late a weight tied across stages (an "
+                                      "embedding and output head) takes its summed gradient; default pp - 1, so its "
+                                      "owners never wait for each other; 0 sums each step's at once (they meet every "
+                                      "step)")
+
+
+@dataclass(kw_only=True)
+class ReplicaOptions:
+    """How data-parallel replicas hold and combine their state: the mode (with gossip's and the parameter
+    server's options), ZeRO sharding and BatchNorm statistics."""
+
+    mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
+                                "average with neighbours only) | async (parameter server, bounded staleness)",
+                   flat="dp_mode")
     zero: int = _f(0, "ZeRO level over each dp group: 0 (replicated), 1 (optimizer state sharded), 2 (and "
                       "gradients), 3 (and parameters, FSDP2; dp only)")
     batchnorm: str = _f("exact", f"BatchNorm statistics: {'|'.join(BATCHNORM_MODES)}. exact: one process's over the "
@@ -76,28 +78,36 @@ class Strategy:
                                  "micro-batch i of every replica normalised together, with their joint statistics "
                                  "(as torch's SyncBatchNorm, on any device; one process running dp x the "
                                  "micro-batch size when each replica has one micro-batch)")
-    # How data-parallel replicas combine their work (synchronous all-reduce by default).
-    dp_mode: str = _f("allreduce", "how replicas combine gradients: allreduce (synchronous) | gossip (D-PSGD: "
-                                   "average with neighbours only) | async (parameter server, bounded staleness)")
     topology: str = _f("ring", f"gossip graph: {'|'.join(GOSSIP_TOPOLOGIES)} (Metropolis weights), or a text file "
                                "holding the n x n doubly-stochastic mixing matrix, one row per line")
     gossip_order: str = _f("dpsgd", "gossip update order: dpsgd (gradient at the local model while mixing, "
                                     "Lian et al.) | atc (adapt, then combine)")
     staleness: int = _f(0, "parameter server: how many steps a worker's parameters may lag (0: synchronous)")
     servers: int = _f(1, "parameter server: processes holding parameter shards (taken from nproc)")
-    # How embedding tables' gradients travel between replicas (EmbRace).
-    sparse_embeddings: str = _f("dense", "embedding-table exchange: dense (all-reduce) | allgather (sparse "
-                                         "all-gather) | embrace (sharded tables, AlltoAll lookups)")
-    sparse_threshold: float = _f(0.1, "a table whose measured fraction of rows touched per step is below this "
-                                      "is sparse")
-    sparse_sharding: str = _f("column", f"how embrace shards sparse tables over replicas: {'|'.join(SPARSE_SHARDINGS)}")
-    sparse_schedule: bool = _f(False, "embrace: 2D communication scheduling (rows the next step reads are exchanged "
-                                      "and updated first, the rest deferred; needs grad_clip 0)")
-    # Letting autopar choose (search/auto.py): the fields above that are left at their defaults are searched.
-    search: str = _f("manual", f"{'|'.join(SEARCH_MODES)}: auto searches dp, tp, pp, micro-batching, schedule, chunks, "
-                               "recomputation and cut for this model and nproc before any process starts (degrees "
-                               "and a schedule given beside it stay fixed) and writes plan.json into the run folder",
-                     flag="--strategy")
+
+
+@dataclass(kw_only=True)
+class SparseOptions:
+    """How embedding tables' gradients travel between replicas (EmbRace); the sparse engine's options."""
+
+    mode: str = _f("dense", "embedding-table exchange: dense (all-reduce) | allgather (sparse all-gather) | embrace "
+                            "(sharded tables, AlltoAll lookups)", flat="sparse_embeddings")
+    threshold: float = _f(0.1, "a table whose measured fraction of rows touched per step is below this is sparse",
+                          flat="sparse_threshold")
+    sharding: str = _f("column", f"how embrace shards sparse tables over replicas: {'|'.join(SPARSE_SHARDINGS)}",
+                       flat="sparse_sharding")
+    schedule: bool = _f(False, "embrace: 2D communication scheduling (rows the next step reads are exchanged and "
+                               "updated first, the rest deferred; needs grad_clip 0)", flat="sparse_schedule")
+
+
+@dataclass(kw_only=True)
+class PlanningOptions:
+    """Letting autopar choose (search/auto.py): the search, a saved plan, the cluster priced and its memory."""
+
+    mode: str = _f("manual", f"{'|'.join(SEARCH_MODES)}: auto searches dp, tp, pp, micro-batching, schedule, chunks, "
+                             "recomputation and cut for this model and nproc before any process starts (degrees "
+                             "and a schedule given beside it stay fixed) and writes plan.json into the run folder",
+                   flat="search", flag="--strategy")
     plan: str | None = _f(None, "a saved plan (plan.json of a run folder, or `autopar plan --auto --json` output) to "
                                 "run as it is; flags that contradict it are refused")
     cluster: str | None = _f(None, "--strategy auto and --boundary auto: cluster TOML (autopar calibrate) or preset "
@@ -110,6 +120,84 @@ class Strategy:
     confirm: int | None = _f(None, "--strategy auto: run the top K plans (the default layout among them) for a few "
                                    "steps each and keep the fastest measured; unset: measure the plans whose "
                                    "predictions are within the model's error of each other; 0: never measure")
+
+    @property
+    def searched(self) -> bool:
+        """The strategy is the search's to choose (--strategy auto without a saved plan)."""
+        return self.mode == "auto" and not self.plan
+
+
+# The strategy's groups, in the order the flags and TOML list their fields.
+GROUPS: dict[str, type] = {"pipeline": PipelineOptions, "replicas": ReplicaOptions, "sparse": SparseOptions,
+                           "planning": PlanningOptions}
+
+
+@dataclass(frozen=True)
+class FlatField:
+    """One option as flags and TOML name it (flat), and where it lives in the grouped Strategy."""
+
+    name: str  # the flat name: TOML key, `--name` flag, Strategy(name=...) keyword
+    field: dataclasses.Field
+    hint: Any  # its type
+    group: str | None  # None: a degree on Strategy itself
+    attr: str  # the attribute inside the group (or on Strategy)
+
+
+@dataclass(kw_only=True, init=False)
+class Strategy:
+    """How the model is spread over processes: degrees of data, tensor and pipeline parallelism, and the
+    options of each concern in its own group (`pipeline`, `replicas`, `sparse`, `planning`).
+
+    dp * tp * pp must equal the number of processes. Leave `dp` as None to use every process not taken
+    by tp and pp for data parallelism. Flags, TOML and the constructor name every option flat
+    (`Strategy(pp=2, schedule="gpipe", dp_mode="gossip")`, `[strategy] schedule = "gpipe"`); each field's
+    metadata maps its flat name to its group (`flat_fields()`); engines receive their group.
+    """
+
+    dp: int | None = _f(None, "data-parallel degree (replicas); default: nproc / (tp * pp)")
+    tp: int = _f(1, "tensor-parallel degree (shards of each layer; adjacent ranks)")
+    pp: int = _f(1, "pipeline-parallel degree (stages)")
+    stage_tp: str | None = _f(None, "per-stage tensor-parallel degrees, e.g. 2,4 (stage 0 tp=2, stage 1 tp=4): pp is "
+                                    "the list's length and nproc = dp * their sum; all equal is the same as --tp")
+    pipeline: PipelineOptions = dataclasses.field(default_factory=PipelineOptions, metadata={"group": True})
+    replicas: ReplicaOptions = dataclasses.field(default_factory=ReplicaOptions, metadata={"group": True})
+    sparse: SparseOptions = dataclasses.field(default_factory=SparseOptions, metadata={"group": True})
+    planning: PlanningOptions = dataclasses.field(default_factory=PlanningOptions, metadata={"group": True})
+
+    def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, stage_tp: str | None = None,
+                 pipeline: PipelineOptions | None = None, replicas: ReplicaOptions | None = None,
+                 sparse: SparseOptions | None = None, planning: PlanningOptions | None = None, **flat: Any):
+        """Groups may be given whole; flat keywords (`schedule="gpipe"`) then change single options in them
+        (which is also how `dataclasses.replace(strategy, schedule=...)` works)."""
+        self.dp, self.tp, self.pp, self.stage_tp = dp, tp, pp, stage_tp
+        given = {"pipeline": pipeline, "replicas": replicas, "sparse": sparse, "planning": planning}
+        changes: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        where = _flat_index()
+        for key, value in flat.items():
+            if key not in where or where[key].group is None:
+                raise TypeError(f"Strategy got an unknown option {key!r}; valid: "
+                                f"{choices(sorted(n for n in where))}")
+            changes[where[key].group][where[key].attr] = value
+        for name, cls in GROUPS.items():
+            base = given[name] if given[name] is not None else cls()
+            setattr(self, name, dataclasses.replace(base, **changes[name]) if changes[name] else base)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not attributes: point a flat name to its group.
+        where = _flat_index().get(name)
+        if where is not None and where.group is not None:
+            raise AttributeError(f"Strategy.{name} lives in its group: Strategy.{where.group}.{where.attr}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def flat_fields(cls) -> list[FlatField]:
+        """Every option under its flat name, degrees first, then each group's fields in order."""
+        return list(_flat_index().values())
+
+    def flat(self) -> dict[str, Any]:
+        """{flat name: value} of every option (what TOML and plan records hold)."""
+        return {f.name: getattr(self if f.group is None else getattr(self, f.group), f.attr)
+                for f in self.flat_fields()}
 
     @classmethod
     def auto(cls, *, cluster: str | None = None, memory_per_device_gb: float | None = None, **fixed: Any) -> Strategy:
@@ -124,50 +212,50 @@ class Strategy:
 
     def resolved(self, world_size: int) -> Strategy:
         """Fill in dp from the world size and check that the degrees fit it."""
-        if self.boundary not in BOUNDARY_TRANSFERS:
+        if self.pipeline.boundary not in BOUNDARY_TRANSFERS:
             raise ConfigError(f"strategy.boundary (--boundary) must be one of {choices(BOUNDARY_TRANSFERS)}, "
-                              f"got {self.boundary!r}")
-        if self.batchnorm not in BATCHNORM_MODES:
+                              f"got {self.pipeline.boundary!r}")
+        if self.replicas.batchnorm not in BATCHNORM_MODES:
             raise ConfigError(f"strategy.batchnorm (--batchnorm) must be one of {choices(BATCHNORM_MODES)}, "
-                              f"got {self.batchnorm!r}")
+                              f"got {self.replicas.batchnorm!r}")
         if self.stage_tp is not None:
             return self._resolved_stage_tp(world_size)
         for name in ("tp", "pp"):
             _check_positive_int(f"strategy.{name}", getattr(self, name))
         if self.dp is not None:
             _check_positive_int("strategy.dp", self.dp)
-        _check_positive_int("strategy.chunks", self.chunks)
-        _check_positive_int("strategy.tp_subbatches", self.tp_subbatches)
-        schedule_spec(self.schedule)  # an unknown name is refused with the schedule table's names
-        if self.partition not in PARTITION_METHODS:
-            raise ConfigError(f"unknown partition method {self.partition!r}; use one of {choices(PARTITION_METHODS)}")
-        if self.gossip_order not in GOSSIP_ORDERS:
+        _check_positive_int("strategy.chunks", self.pipeline.chunks)
+        _check_positive_int("strategy.tp_subbatches", self.pipeline.tp_subbatches)
+        schedule_spec(self.pipeline.schedule)  # an unknown name is refused with the schedule table's names
+        if self.pipeline.partition not in PARTITION_METHODS:
+            raise ConfigError(f"unknown partition method {self.pipeline.partition!r}; use one of {choices(PARTITION_METHODS)}")
+        if self.replicas.gossip_order not in GOSSIP_ORDERS:
             raise ConfigError(f"strategy.gossip_order must be one of {choices(GOSSIP_ORDERS)}, "
-                              f"got {self.gossip_order!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.recompute!r}")
-        if self.dp_mode not in DP_MODES:
-            raise ConfigError(f"strategy.dp_mode must be one of {choices(DP_MODES)}, got {self.dp_mode!r}")
-        if self.search not in SEARCH_MODES:
-            raise ConfigError(f"strategy.search (--strategy) must be one of {choices(SEARCH_MODES)}, got {self.search!r}")
-        if self.confirm is not None:
-            _check_nonnegative_int("strategy.confirm", self.confirm)
-        _check_nonnegative_int("strategy.staleness", self.staleness)  # parameter server (async_sgd/)
-        if self.tied_delay is not None:
-            _check_nonnegative_int("strategy.tied_delay", self.tied_delay)
-        _check_positive_int("strategy.servers", self.servers)
-        if self.zero not in ZERO_LEVELS:
-            raise ConfigError(f"strategy.zero must be one of {choices(ZERO_LEVELS)}, got {self.zero!r}")
-        if self.sparse_embeddings not in SPARSE_EMBEDDING_MODES:
+                              f"got {self.replicas.gossip_order!r}")
+        if self.pipeline.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"strategy.recompute must be one of {choices(RECOMPUTE_MODES)}, got {self.pipeline.recompute!r}")
+        if self.replicas.mode not in DP_MODES:
+            raise ConfigError(f"strategy.dp_mode must be one of {choices(DP_MODES)}, got {self.replicas.mode!r}")
+        if self.planning.mode not in SEARCH_MODES:
+            raise ConfigError(f"strategy.search (--strategy) must be one of {choices(SEARCH_MODES)}, got {self.planning.mode!r}")
+        if self.planning.confirm is not None:
+            _check_nonnegative_int("strategy.confirm", self.planning.confirm)
+        _check_nonnegative_int("strategy.staleness", self.replicas.staleness)  # parameter server (async_sgd/)
+        if self.pipeline.tied_delay is not None:
+            _check_nonnegative_int("strategy.tied_delay", self.pipeline.tied_delay)
+        _check_positive_int("strategy.servers", self.replicas.servers)
+        if self.replicas.zero not in ZERO_LEVELS:
+            raise ConfigError(f"strategy.zero must be one of {choices(ZERO_LEVELS)}, got {self.replicas.zero!r}")
+        if self.sparse.mode not in SPARSE_EMBEDDING_MODES:
             raise ConfigError(f"strategy.sparse_embeddings must be one of {choices(SPARSE_EMBEDDING_MODES)}, "
-                              f"got {self.sparse_embeddings!r}")
-        if self.sparse_sharding not in SPARSE_SHARDINGS:
+                              f"got {self.sparse.mode!r}")
+        if self.sparse.sharding not in SPARSE_SHARDINGS:
             raise ConfigError(f"strategy.sparse_sharding must be one of {choices(SPARSE_SHARDINGS)}, "
-                              f"got {self.sparse_sharding!r}")
-        if isinstance(self.sparse_threshold, bool) or not isinstance(self.sparse_threshold, (int, float)) \
-                or not 0 <= self.sparse_threshold <= 1:
+                              f"got {self.sparse.sharding!r}")
+        if isinstance(self.sparse.threshold, bool) or not isinstance(self.sparse.threshold, (int, float)) \
+                or not 0 <= self.sparse.threshold <= 1:
             raise ConfigError(f"strategy.sparse_threshold is a fraction of rows and must be in [0, 1], got "
-                              f"{self.sparse_threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
+                              f"{self.sparse.threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
         dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
         if dp * self.tp * self.pp != world_size or dp < 1:
             raise ConfigError(
@@ -200,7 +288,28 @@ class Strategy:
                               f"{max(1, dp) * ranks} (dp={max(1, dp)}) or change the degrees")
         checked = dataclasses.replace(self, stage_tp=None, tp=1, pp=len(degrees), dp=None,
                                       boundary="direct").resolved(len(degrees))
-        return dataclasses.replace(checked, stage_tp=",".join(map(str, degrees)), dp=dp, boundary=self.boundary)
+        return dataclasses.replace(checked, stage_tp=",".join(map(str, degrees)), dp=dp, boundary=self.pipeline.boundary)
+
+
+
+_FLAT_INDEX: dict[str, FlatField] = {}
+
+
+def _flat_index() -> dict[str, FlatField]:
+    """{flat name: FlatField}, built once from the fields' metadata (a group field's `flat` name, else its own)."""
+    if not _FLAT_INDEX:
+        hints = typing.get_type_hints(Strategy)
+        for f in dataclasses.fields(Strategy):
+            if not f.metadata.get("group"):
+                _FLAT_INDEX[f.name] = FlatField(f.name, f, hints[f.name], None, f.name)
+        for group, cls in GROUPS.items():
+            group_hints = typing.get_type_hints(cls)
+            for f in dataclasses.fields(cls):
+                name = f.metadata.get("flat", f.name)
+                if name in _FLAT_INDEX:
+                    raise TypeError(f"two strategy options are named {name!r} flat; give one a `flat` name")
+                _FLAT_INDEX[name] = FlatField(name, f, group_hints[f.name], group, f.name)
+    return _FLAT_INDEX
 
 
 def parse_stage_tp(value: Any) -> tuple[int, ...]:

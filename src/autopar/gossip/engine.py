@@ -54,10 +54,10 @@ GOSSIP_ORDERS = ORDERS  # named once, in config.py
 def check_gossip_strategy(strategy) -> Topology:
     """The gossip graph `--topology` names (a built-in, or a file that must fit dp); what gossip combines
     with is the rule table's (config/rules.py)."""
-    if not isinstance(strategy.topology, str) or not strategy.topology:
+    if not isinstance(strategy.replicas.topology, str) or not strategy.replicas.topology:
         raise ConfigError(f"strategy.topology must be one of {choices(BUILTIN)} or a file path, "
-                          f"got {strategy.topology!r}")
-    return build_topology(strategy.topology, strategy.dp)
+                          f"got {strategy.replicas.topology!r}")
+    return build_topology(strategy.replicas.topology, strategy.dp)
 
 
 class FlatParameters:
@@ -99,7 +99,7 @@ class GossipOptions:
     @classmethod
     def of(cls, strategy) -> GossipOptions:
         """From a resolved Strategy (dp known: a built-in graph is made for it, a file is checked against it)."""
-        return cls(topology=check_gossip_strategy(strategy), order=strategy.gossip_order)
+        return cls(topology=check_gossip_strategy(strategy), order=strategy.replicas.gossip_order)
 
 
 class GossipEngine(EngineBase):

@@ -85,22 +85,22 @@ class PipelineEngine(EngineBase):
         if self.stage_tp is not None:  # stages of different tp degrees (mesh.StageMesh)
             tp = mesh.size("tp")
             boundary = HeteroBoundary(mesh.table, stage=mesh.stage, dp_index=mesh.dp_index, tp_index=mesh.tp_index,
-                                      device=device, num_microbatches=num_microbatches, method=strategy.boundary,
+                                      device=device, num_microbatches=num_microbatches, method=strategy.pipeline.boundary,
                                       timeout_s=timeout_s, link=boundary_link)
-        elif strategy.boundary != "direct":  # equal tp stages, boundaries planned (scatter-gather: 1/tp per link)
+        elif strategy.pipeline.boundary != "direct":  # equal tp stages, boundaries planned (scatter-gather: 1/tp per link)
             table = stage_rank_table((strategy.tp,) * strategy.pp, strategy.dp)  # the (pp, dp, tp) mesh's numbering
             boundary = HeteroBoundary(table, stage=mesh.local_rank("pp"), dp_index=mesh.local_rank("dp"),
                                       tp_index=mesh.local_rank("tp"), device=device, num_microbatches=num_microbatches,
-                                      method=strategy.boundary, timeout_s=timeout_s, link=boundary_link)
+                                      method=strategy.pipeline.boundary, timeout_s=timeout_s, link=boundary_link)
         self.pipe = build_local_pipeline(
             model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"),
             pp_group=None if self.stage_tp is not None else mesh.group("pp"),
             device=device, seed=seed,
-            example_batch=example_batch, num_microbatches=num_microbatches, schedule=strategy.schedule,
-            chunks=strategy.chunks, partition_method=strategy.partition, recompute=strategy.recompute,
-            memory_budget_bytes=None if strategy.memory_budget_mb is None else strategy.memory_budget_mb * 2**20,
+            example_batch=example_batch, num_microbatches=num_microbatches, schedule=strategy.pipeline.schedule,
+            chunks=strategy.pipeline.chunks, partition_method=strategy.pipeline.partition, recompute=strategy.pipeline.recompute,
+            memory_budget_bytes=None if strategy.pipeline.memory_budget_mb is None else strategy.pipeline.memory_budget_mb * 2**20,
             tp=tp, tp_group=mesh.group("tp") if tp > 1 else None,
-            tp_subbatches=strategy.tp_subbatches, autocast=autocast, p2p=boundary, stage_tp=self.stage_tp)
+            tp_subbatches=strategy.pipeline.tp_subbatches, autocast=autocast, p2p=boundary, stage_tp=self.stage_tp)
         pipe = self.pipe
         self.pp, self.pp_rank, self.num_stages = pipe.pp, pipe.pp_rank, pipe.num_stages
         self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime
@@ -110,7 +110,7 @@ class PipelineEngine(EngineBase):
         self.tp_rank = mesh.local_rank("tp")
         self.recompute_plan, self.recompute_report = pipe.recompute_plan, pipe.recompute_report
         self._tied_names: dict[int, str] = {}  # --stage-tp: tied parameters summed as whole tensors
-        if strategy.zero == 3:  # parameters sharded over this stage's dp group by FSDP2 (zero/fully_sharded.py)
+        if strategy.replicas.zero == 3:  # parameters sharded over this stage's dp group by FSDP2 (zero/fully_sharded.py)
             self.sync = FullyShardedStages(list(self.stages.values()), mesh.device_mesh["dp"], mesh.group("dp"),
                                            param_dtype=param_dtype, device=device)
             self.module = LocalStages(self.stages, adopt=True)
@@ -120,14 +120,14 @@ class PipelineEngine(EngineBase):
             to_compute_dtype(self.module.parameters(), param_dtype)
             self._shared = self._shared_groups(device, pipe.placement, timeout_s)
             # zero 1/2: the dp group of this stage and tp shard; tied weights reduced over stages first
-            self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.zero,
+            self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.replicas.zero,
                                       master_weights=param_dtype != torch.float32,
                                       deferred=[p for p, _, _ in self._shared], device=device)
         # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
         # the stage's replicas in one process's order after each step (running_stats/)
         # (--batchnorm sync: normalised over the stage's replicas' micro-batches together; nothing to gather)
         momenta = {name: m.momentum for name, m in batch_norm_layers(model).items()}
-        sync = strategy.batchnorm == "sync" and mesh.dp_size > 1
+        sync = strategy.replicas.batchnorm == "sync" and mesh.dp_size > 1
         self.running_stats = RunningStatsReplay(self.module, momenta, mesh.group("dp"), mesh.dp_rank, mesh.dp_size,
                                                 gather=not sync)
         for stage in self.stages.values():
@@ -383,7 +383,7 @@ class PipelineEngine(EngineBase):
             timeline.to_chrome_trace(run_dir / "timeline.json")
             try:
                 timeline.to_png(run_dir / "timeline.png", title=f"measured step {config.steps}, "
-                                f"schedule {strategy.schedule}, pp={strategy.pp}")
+                                f"schedule {strategy.pipeline.schedule}, pp={strategy.pp}")
             except ImportError:
                 print("timeline.png skipped: install matplotlib (pip install 'autopar[plot]')", flush=True)
 

@@ -94,7 +94,6 @@ def _run_variants(rank: int, world: int, args: argparse.Namespace, train_tokens:
     from ..mesh import ProcessMesh
     from ..models import build_model
     from ..sparse import SparseEmbeddingEngine
-    from ..sparse.engine import SparseOptions
     from ..train.engine import DataParallelEngine
     from ..train.optim import build_optimizer
 
@@ -125,7 +124,7 @@ def _run_variants(rank: int, world: int, args: argparse.Namespace, train_tokens:
             engines[variant] = SparseEmbeddingEngine(model, mesh, device=torch.device("cpu"), seed=0,
                                                      forward_fn=forward, autocast=contextlib.nullcontext,
                                                      config=config, batches_for_step=batches,
-                                                     options=SparseOptions.of(strategy))
+                                                     options=strategy.sparse)
             optimizers[variant] = engines[variant].build_optimizer(config)
     tokens = config.global_batch_size * args.seq_len
     times = {v: [] for v in VARIANTS}

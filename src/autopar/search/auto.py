@@ -161,7 +161,7 @@ class Plan:
                 if not isinstance(values.get(key), int) or values[key] < 1:
                     raise ConfigError(f"{source}: field {table}.{key} must be a positive integer, got "
                                       f"{values.get(key)!r}")
-        strategy_keys = {f.name for f in dataclasses.fields(Strategy)}
+        strategy_keys = {f.name for f in Strategy.flat_fields()}
         train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
         for table, known in (("strategy", strategy_keys), ("train", train_keys)):
             unknown = sorted(set(record[table]) - known)
@@ -169,7 +169,7 @@ class Plan:
                 raise ConfigError(f"{source}: unknown field {table}.{unknown[0]}; a plan's {table} table holds "
                                   f"{table.capitalize() if table == 'strategy' else 'TrainConfig'} fields")
         plan = cls(record=record, source=source)
-        if plan.strategy.search != "manual" or plan.strategy.plan:
+        if plan.strategy.planning.mode != "manual" or plan.strategy.planning.plan:
             raise ConfigError(f"{source}: field strategy.search / strategy.plan: a plan holds a concrete strategy, "
                               f"not another search or plan")
         return plan
@@ -205,10 +205,12 @@ class Plan:
 
 
 def _refuse_conflicts(source: str, table: str, given: Any, planned: dict) -> None:
-    defaults = type(given)()
+    def flat(obj: Any) -> dict[str, Any]:  # a Strategy by its flat option names, a TrainConfig by its fields
+        return obj.flat() if isinstance(obj, Strategy) else vars(obj)
+    mine_all, defaults = flat(given), flat(type(given)())
     for key, value in planned.items():
-        mine = getattr(given, key)
-        if mine != getattr(defaults, key) and mine != value:
+        mine = mine_all[key]
+        if mine != defaults[key] and mine != value:
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"{flag} {mine} contradicts {source}, which has {table}.{key} = {value}; drop {flag} "
                               f"to run the plan, or drop the plan to choose yourself")
@@ -219,10 +221,9 @@ def _refuse_conflicts(source: str, table: str, given: Any, planned: dict) -> Non
 
 def fixed_fields(strategy: Strategy, config: TrainConfig) -> dict[str, Any]:
     """What the user fixed beside `--strategy auto`: every searched field set away from its default."""
-    defaults, train_defaults = Strategy(), TrainConfig()
-    fixed = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "schedule", "chunks", "partition", "recompute",
-                                               "zero")
-             if getattr(strategy, k) != getattr(defaults, k)}
+    given, defaults, train_defaults = strategy.flat(), Strategy().flat(), TrainConfig()
+    fixed = {k: given[k] for k in ("dp", "tp", "pp", "schedule", "chunks", "partition", "recompute", "zero")
+             if given[k] != defaults[k]}
     for k in ("micro_batch_size", "micro_batches"):
         if getattr(config, k) != getattr(train_defaults, k):
             fixed[k] = getattr(config, k)
@@ -333,14 +334,14 @@ def resolve_choice(strategy: Strategy, config: TrainConfig, world: int, *, model
                    accept: Callable[[Strategy, TrainConfig], None] | None = None,
                    ) -> tuple[Strategy, TrainConfig, Plan | None]:
     """A concrete (strategy, config) from a plan, a search, or as given; with the plan that chose it."""
-    if plan is None and strategy.plan:
-        plan = Plan.load(strategy.plan)
+    if plan is None and strategy.planning.plan:
+        plan = Plan.load(strategy.planning.plan)
     if plan is not None:
         num_params = _count_parameters(model) if model is not None else None
         plan.check_for(world, num_params, model_name)
         strategy, config = plan.apply(strategy, config)
         return strategy, config, plan
-    if strategy.search != "auto":
+    if strategy.planning.mode != "auto":
         return strategy, config, None
     # what the search covers is the rule table's (config/rules.py, phase "search"), checked by resolve()
     fixed_product = (strategy.dp or 1) * strategy.tp * strategy.pp
@@ -354,7 +355,7 @@ def resolve_choice(strategy: Strategy, config: TrainConfig, world: int, *, model
     config.validate()
     fixed = fixed_fields(strategy, config)
     found = plan_auto(model, world, example=example, global_batch_size=config.global_batch_size, name=model_name,
-                      cluster=strategy.cluster, memory_per_device_gb=strategy.memory_per_device_gb, dtype=config.dtype,
+                      cluster=strategy.planning.cluster, memory_per_device_gb=strategy.planning.memory_per_device_gb, dtype=config.dtype,
                       fixed=fixed, accept=accept, config=config)
     strategy, config = found.apply(strategy, config)  # the fixed fields agree with the plan by construction
     return strategy, config, found

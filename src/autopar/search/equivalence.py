@@ -43,7 +43,7 @@ def schedule_class(schedule: str, pp: int, chunks: int, num_microbatches: int, w
     if pp == 1:
         return "none"
     shape = (pp, chunks, num_microbatches, whole_stage_recompute)
-    default = Strategy().schedule
+    default = Strategy().pipeline.schedule
     for name in (default, *(s for s in SCHEDULES if s != default)):
         if name == schedule:
             break

@@ -50,16 +50,16 @@ def not_covered(strategy: Strategy, config: TrainConfig) -> str | None:
     """What in this strategy the memory model does not estimate (it is then not gated), or None."""
     if strategy.stage_tp is not None and len(set(strategy.stage_tps)) > 1:
         return f"--stage-tp {strategy.stage_tp} (stages of different tp degrees)"
-    if strategy.dp_mode == "gossip":
+    if strategy.replicas.mode == "gossip":
         return "gossip data parallelism (--dp-mode gossip)"
-    if strategy.dp_mode == "async":
+    if strategy.replicas.mode == "async":
         return "the parameter server (--dp-mode async)"
-    if strategy.schedule in ASYNC_SCHEDULES:
-        return f"the asynchronous pipeline --schedule {strategy.schedule} (several weight versions)"
-    if strategy.pp > 1 and strategy.schedule in ("zbv", "scp"):
-        return f"--schedule {strategy.schedule}"
-    if strategy.sparse_embeddings != "dense" or config.optimizer not in OPTIMIZER_STATE_BYTES:
-        return f"sparse embeddings (--sparse-embeddings {strategy.sparse_embeddings}, --optimizer {config.optimizer})"
+    if strategy.pipeline.schedule in ASYNC_SCHEDULES:
+        return f"the asynchronous pipeline --schedule {strategy.pipeline.schedule} (several weight versions)"
+    if strategy.pp > 1 and strategy.pipeline.schedule in ("zbv", "scp"):
+        return f"--schedule {strategy.pipeline.schedule}"
+    if strategy.sparse.mode != "dense" or config.optimizer not in OPTIMIZER_STATE_BYTES:
+        return f"sparse embeddings (--sparse-embeddings {strategy.sparse.mode}, --optimizer {config.optimizer})"
     return None
 
 
@@ -71,14 +71,14 @@ def candidate_of(strategy: Strategy, config: TrainConfig, accumulation: int) -> 
     for the difference."""
     pipelined = strategy.pp > 1 or strategy.tp > 1
     recompute = "none"
-    if pipelined and strategy.memory_budget_mb is not None:
+    if pipelined and strategy.pipeline.memory_budget_mb is not None:
         recompute = "stage-aware"
-    elif pipelined and strategy.recompute != "none":
+    elif pipelined and strategy.pipeline.recompute != "none":
         recompute = "all"
     return Candidate(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, micro_batch_size=config.micro_batch_size,
-                     num_microbatches=accumulation, schedule=strategy.schedule if strategy.pp > 1 else "1f1b",
-                     chunks=strategy.chunks if strategy.pp > 1 else 1, recompute=recompute,
-                     partition=strategy.partition, zero=strategy.zero)
+                     num_microbatches=accumulation, schedule=strategy.pipeline.schedule if strategy.pp > 1 else "1f1b",
+                     chunks=strategy.pipeline.chunks if strategy.pp > 1 else 1, recompute=recompute,
+                     partition=strategy.pipeline.partition, zero=strategy.replicas.zero)
 
 
 @dataclass(frozen=True)

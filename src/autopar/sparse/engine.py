@@ -1,7 +1,7 @@
 """The data-parallel engine with sparse-embedding communication (EmbRace and its baselines).
 
 The Engine of train/base.py, like train/engine.py's data-parallel engine. At set-up it measures which embedding tables
-are sparse (sparse/classify.py, logged on rank 0), then per `Strategy.sparse_embeddings`:
+are sparse (sparse/classify.py, logged on rank 0), then per `Strategy.sparse.mode`:
 - `dense`: today's path (every gradient in the bucketed all-reduce); only chosen so that
   `sparse-adam` can apply SparseAdam to the sparse tables (their reduced gradient's
   nonzero rows);
@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .._torch_internals import foreach_norm
-from ..config import Strategy, TrainConfig
+from ..config import SparseOptions, TrainConfig
 from ..data_parallel import GradientSynchronizer
 from ..distributed import group_options
 from ..mesh import ProcessMesh
@@ -41,21 +40,6 @@ from .exchange import CommLedger, all_gather_varlen
 from .optim import HybridOptimizer, dense_optimizer, table_optimizer
 from .schedule import RowPriorityQueue
 from .sharded_embedding import ShardedEmbedding, TableExchange
-
-
-@dataclass(frozen=True)
-class SparseOptions:
-    """The engine's own options (Strategy.sparse_*)."""
-
-    mode: str = "dense"  # dense | allgather | embrace
-    threshold: float = 0.1
-    sharding: str = "column"
-    schedule: bool = False
-
-    @classmethod
-    def of(cls, strategy: Strategy) -> SparseOptions:
-        return cls(mode=strategy.sparse_embeddings, threshold=strategy.sparse_threshold,
-                   sharding=strategy.sparse_sharding, schedule=strategy.sparse_schedule)
 
 
 class SparseEmbeddingEngine(EngineBase):
