@@ -164,20 +164,21 @@ class Strategy:
     sparse: SparseOptions = dataclasses.field(default_factory=SparseOptions, metadata={"group": True})
     planning: PlanningOptions = dataclasses.field(default_factory=PlanningOptions, metadata={"group": True})
 
-    def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, stage_tp: str | None = None,
-                 pipeline: PipelineOptions | None = None, replicas: ReplicaOptions | None = None,
-                 sparse: SparseOptions | None = None, planning: PlanningOptions | None = None, **flat: Any):
-        """Groups may be given whole; flat keywords (`schedule="gpipe"`) then change single options in them
-        (which is also how `dataclasses.replace(strategy, schedule=...)` works)."""
-        self.dp, self.tp, self.pp, self.stage_tp = dp, tp, pp, stage_tp
-        given = {"pipeline": pipeline, "replicas": replicas, "sparse": sparse, "planning": planning}
+    def __init__(self, **options: Any):
+        """Options by their flat names (`Strategy(pp=2, schedule="gpipe")`); groups may also be given whole
+        (`pipeline=PipelineOptions(...)`), and flat names then change single options in them (which is
+        also how `dataclasses.replace(strategy, schedule=...)` works)."""
+        given = {name: options.pop(name, None) for name in GROUPS}
         changes: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
         where = _flat_index()
-        for key, value in flat.items():
-            if key not in where or where[key].group is None:
-                raise TypeError(f"Strategy got an unknown option {key!r}; valid: "
-                                f"{choices(sorted(n for n in where))}")
-            changes[where[key].group][where[key].attr] = value
+        for key, value in options.items():
+            if key not in where:
+                raise TypeError(f"Strategy got an unknown option {key!r}; valid: {choices(sorted(where))}")
+            if where[key].group is not None:
+                changes[where[key].group][where[key].attr] = value
+        for f in where.values():
+            if f.group is None:  # a degree: given or its default
+                setattr(self, f.name, options.get(f.name, f.field.default))
         for name, cls in GROUPS.items():
             base = given[name] if given[name] is not None else cls()
             setattr(self, name, dataclasses.replace(base, **changes[name]) if changes[name] else base)
