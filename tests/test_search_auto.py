@@ -69,7 +69,7 @@ def test_plan_round_trip_reproduces_the_strategy(auto_run):
                     example=example)
     recorded = json.loads((out / "run.json").read_text())["strategy"]
     for key, value in plan.record["strategy"].items():
-        assert getattr(again.strategy, key) == value == recorded[key], key
+        assert again.strategy.flat()[key] == value == recorded[key], key
     assert again.config.micro_batch_size == plan.train["micro_batch_size"]
     assert again.strategy.planning.mode == "manual" and again.strategy.planning.plan is None
     # a flag that agrees with the plan is fine; one that contradicts it is refused, naming both values

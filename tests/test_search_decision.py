@@ -181,7 +181,7 @@ def test_measure_only_when_the_top_plans_are_within_the_error():
 
 
 def test_confirm_defaults_to_when_unsure_and_zero_turns_it_off():
-    assert Strategy().confirm is None and Strategy.auto().confirm is None
+    assert Strategy().planning.confirm is None and Strategy.auto().planning.confirm is None
     parser = build_parser()
     assert resolve_job(parser.parse_args(["train", "--confirm", "0"])).strategy.planning.confirm == 0
     assert resolve_job(parser.parse_args(["train", "--confirm", "3"])).strategy.planning.confirm == 3

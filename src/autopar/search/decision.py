@@ -50,7 +50,7 @@ def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any],
         m = train.accumulation_steps(dp)
     except ConfigError as exc:
         return None, str(exc)
-    values = {k: fixed.get(k, getattr(defaults, k)) for k in STRATEGY_FIELDS}
+    values = {k: fixed.get(k, defaults.flat()[k]) for k in STRATEGY_FIELDS}
     return Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=train.micro_batch_size, num_microbatches=m,
                      **values), None
 

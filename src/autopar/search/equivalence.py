@@ -74,8 +74,8 @@ def execution_key(estimate: Estimate) -> tuple:
 def preference(c: Candidate) -> tuple:
     """Sort key for the name a class keeps: fewest fields away from the defaults, then the simplest schedule."""
     defaults = Strategy()
-    away = sum((c.schedule != defaults.schedule, c.partition != defaults.partition, c.recompute != "none",
-                c.zero != defaults.zero, c.bounds is not None, c.recompute_blocks is not None))
+    away = sum((c.schedule != defaults.pipeline.schedule, c.partition != defaults.pipeline.partition, c.recompute != "none",
+                c.zero != defaults.replicas.zero, c.bounds is not None, c.recompute_blocks is not None))
     order = SCHEDULES.index(c.schedule) if c.schedule in SCHEDULES else len(SCHEDULES)
     return away, order
 
