@@ -85,8 +85,9 @@ def resolve_job(ns: argparse.Namespace) -> JobConfig:
     overrides = _overrides(ns)
     if ns.config:
         job = load_toml(ns.config)
-        if _run_folder_of(Path(ns.config).parent) is not None:  # a run's config.toml: a new run, not that one
-            job = merge(job, {"train": {"out": None, "resume": None}})
+        if _run_folder_of(Path(ns.config).parent) is not None:  # a run's config.toml: a new run, not that one,
+            # with dp re-derived for this --nproc (the file holds the dp that run resolved)
+            job = merge(job, {"train": {"out": None, "resume": None}, "strategy": {"dp": None}})
     else:
         job = JobConfig()
         resume = overrides.get("train", {}).get("resume")
@@ -97,7 +98,16 @@ def resolve_job(ns: argparse.Namespace) -> JobConfig:
             job = merge(job, {"train": {"out": str(run), "resume": None}, "strategy": {"dp": None}})
     job = merge(job, overrides)
     job.validate()
+    _check_same_run(job, overrides)
     return job
+
+
+def _check_same_run(job: JobConfig, typed: dict) -> None:
+    """--resume RUN with a model, tokenizer, data or vocabulary other than RUN's config.toml: refused, both named."""
+    from .config.run_identity import check_same_run
+    run = _run_folder_of(Path(job.train.resume)) if job.train.resume else None
+    if run is not None and (run / "config.toml").is_file():
+        check_same_run(job, load_toml(run / "config.toml"), str(run / "config.toml"), typed)
 
 
 def _run_folder_of(path: Path) -> Path | None:
@@ -247,14 +257,29 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
     return 0
 
 
+EXPORT_FORMATS = ("hf", "torch")
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
-    from .train.hf_export import export_hf
-    if ns.to != "hf":
-        raise ConfigError(f"export --to {ns.to!r}: the only format is hf")
+    from .train.hf_export import export_hf, in_use
+    if ns.to not in EXPORT_FORMATS:
+        raise ConfigError(f"export --to {ns.to!r}: the formats are hf (a Hugging Face folder) and torch (one "
+                          f"state_dict file, any model)")
     if ns.max_shard_mb <= 0:
         raise ConfigError(f"--max-shard-mb must be > 0, got {ns.max_shard_mb}")
+    if in_use(ns.out):
+        raise ConfigError(f"export to {ns.out!r}: it already holds {'files' if Path(ns.out).is_dir() else 'a file'} "
+                          f"(an earlier export?) and an export never overwrites; name a new "
+                          f"{'folder' if ns.to == 'hf' else 'file'}, or delete it first")
+    if ns.to == "torch":
+        from .train.torch_export import export_torch
+        out, entries = export_torch(ns.run_dir, ns.out)
+        print(f"exported {ns.run_dir} to {out} (a PyTorch state_dict of {entries} entries: "
+              f"model.load_state_dict(torch.load({str(out)!r})))")
+        return 0
     out = export_hf(ns.run_dir, ns.out, max_shard_bytes=int(ns.max_shard_mb * 2**20))
-    print(f"exported {ns.run_dir} to {out} (Hugging Face format: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    print(f"exported {ns.run_dir} to {out} (Hugging Face format: AutoModelForCausalLM.from_pretrained({str(out)!r}), "
+          f"AutoTokenizer.from_pretrained({str(out)!r}) when the run has a tokenizer.json)")
     return 0
 
 
@@ -314,10 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--hf", action="store_true", help="list every Hugging Face model type --model hf:<type> "
                         "accepts")
     export = sub.add_parser("export", help="write a run's final checkpoint in another format (--to hf: a folder "
-                            "AutoModelForCausalLM.from_pretrained loads)")
+                            "AutoModelForCausalLM and AutoTokenizer.from_pretrained load; --to torch: one "
+                            "state_dict file of any model); never over an earlier export")
     export.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoints/step_* folder")
-    export.add_argument("--to", default="hf", help="format: hf")
-    export.add_argument("out", help="output folder")
+    export.add_argument("--to", default="hf", help="format: hf | torch")
+    export.add_argument("out", help="output folder (hf) or file (torch, e.g. model.pt); must not hold an export")
     export.add_argument("--max-shard-mb", type=float, default=2048, help="largest safetensors file (MiB); a larger "
                         "model is written as several files and an index")
     checkpoints = sub.add_parser("checkpoints", help="list a run folder's checkpoints, each verified against its "

@@ -30,6 +30,7 @@ def check_before_launch(job: JobConfig) -> None:
         from .train.manifest import choose_checkpoint
         choose_checkpoint(job.train.resume)  # no such folder, no complete checkpoint, a damaged one
     check_data_files(job)
+    check_export_folder(job)
     check_pretrained_folder(job.model.name)
     if not cheap_to_build(job):
         return
@@ -52,6 +53,16 @@ def check_data_files(job: JobConfig) -> None:
         if path is not None and not Path(path).exists():
             raise DataError(f"{flag} {path!r}: no such file or folder (looked in {str(Path.cwd())!r} for a "
                             f"relative path)")
+
+
+def check_export_folder(job: JobConfig) -> None:
+    """--export-hf names a folder that holds no earlier export: an export never overwrites one (a resumed run
+    keeps its --export-hf from config.toml, so a second export there is refused here, before any step)."""
+    from .train.hf_export import in_use
+    if job.train.export_hf and in_use(job.train.export_hf):
+        from .errors import ConfigError
+        raise ConfigError(f"--export-hf {job.train.export_hf!r} already holds files (an earlier export?) and an "
+                          f"export never overwrites; pass --export-hf with a new folder, or delete that one first")
 
 
 def schedule_warnings(job: JobConfig) -> list[str]:
