@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autopar.cli import build_parser, cmd_export, resolve_job
-from autopar.config import JobConfig, ModelConfig, DataConfig, TrainConfig, Strategy
+from autopar.config import DataConfig, JobConfig, ModelConfig, Strategy, TrainConfig
 from autopar.errors import ConfigError
 from autopar.train.run_folder import config_toml
 
@@ -24,9 +24,12 @@ def job_of(*flags: str) -> JobConfig:
 
 
 def fake_run(folder: Path, job: JobConfig) -> Path:
-    """A run folder as training leaves it, as far as the command line reads it before any process starts."""
+    """A run folder as training leaves it (config.toml holds the strategy the run resolved, as the Trainer writes
+    it), as far as the command line reads it before any process starts."""
+    from autopar.strategies import resolve
     folder.mkdir(parents=True)
-    (folder / "config.toml").write_text(config_toml(job.strategy, job.train, job, planned=False))
+    strategy = resolve(job.strategy, job.train, job.launch.nproc).strategy
+    (folder / "config.toml").write_text(config_toml(strategy, job.train, job, planned=False))
     (folder / "run.json").write_text("{}")
     return folder
 
@@ -68,7 +71,7 @@ def test_a_runs_config_rederives_dp_for_another_process_count(tmp_path):
     """The file holds the dp its run resolved (4 processes: dp=4); with --nproc 2 the degrees are derived again."""
     from autopar.strategies import resolve
     run = fake_run(tmp_path / "run", job_of("--model", "gpt-tiny", "--nproc", "4"))
-    assert tomllib.loads((run / "config.toml").read_text())["strategy"].get("dp") in (None, 4)
+    assert tomllib.loads((run / "config.toml").read_text())["strategy"]["dp"] == 4
     job = job_of("--config", str(run / "config.toml"), "--nproc", "2")
     assert resolve(job.strategy, job.train, job.launch.nproc).strategy.dp == 2
     assert job_of("--config", str(run / "config.toml"), "--nproc", "2", "--dp", "1", "--tp", "2").strategy.dp == 1

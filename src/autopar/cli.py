@@ -172,32 +172,17 @@ def _job_builder(job):
 def _check_before_start(job, build):
     """strategies.resolve, the resume folder and the model (preflight), and the traced model's checks."""
     from .config.degrees import DegreesDoNotFit
-    from .preflight import check_before_launch
+    from .preflight import check_before_launch, schedule_warnings, with_layouts_of_the_model
     from .strategies import resolve
     try:
         resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
     except DegreesDoNotFit as exc:
-        raise _with_layouts_of_the_model(job, build, exc) from None
+        raise with_layouts_of_the_model(job, build, exc) from None
     check_before_launch(job)  # the resume folder and the model, once, here
     _check_traced_model(job, resolved.strategy, build)
-    from .preflight import schedule_warnings
     for warning in schedule_warnings(job):
         print(f"autopar: warning: {warning}", file=sys.stderr, flush=True)
     return resolved
-
-
-def _with_layouts_of_the_model(job, build, exc):
-    """The degree error, with the layouts this model runs on nproc processes where it is cheap to trace here."""
-    from .config.degrees import DegreesDoNotFit
-    from .preflight import cheap_to_build, layouts_for
-    if job.strategy.stage_tp is not None or not cheap_to_build(job):
-        return exc
-    from .trace import trace
-    from .train.fields import example_call
-    parts = build()
-    graph = trace(parts.model, *example_call(parts.model, parts.train_data))
-    return DegreesDoNotFit(exc.world, exc.dp, exc.tp, exc.pp, layouts_for(graph, exc.world, job.strategy.chunks),
-                           model=parts.name)
 
 
 def _check_traced_model(job, strategy, build=None) -> None:
@@ -207,7 +192,7 @@ def _check_traced_model(job, strategy, build=None) -> None:
     Each rank would raise the same error, but only after N copies of Python and torch had started. Uniform
     layouts are checked for jobs cheap to build here (preflight.cheap_to_build; the others' ranks check);
     --stage-tp always (its boundaries need every stage's plan)."""
-    from .preflight import cheap_to_build
+    from .preflight import cheap_to_build, layouts_text_for
     degrees = strategy.stage_tps or (strategy.tp,)
     if (max(degrees) == 1 and strategy.pp * strategy.chunks == 1) or (
             strategy.stage_tps is None and not cheap_to_build(job)):
@@ -225,7 +210,7 @@ def _check_traced_model(job, strategy, build=None) -> None:
                 plan_tensor_parallel(graph, t)
             except ConfigError as exc:
                 if strategy.stage_tps is None:
-                    raise ConfigError(f"{exc}; {_layouts_text(graph, job, strategy, parts.name)}") from None
+                    raise ConfigError(f"{exc}; {layouts_text_for(graph, job, strategy, parts.name)}") from None
                 raise ConfigError(f"--stage-tp {job.strategy.stage_tp}: stage degree {t}: {exc}") from None
     if strategy.pp * strategy.chunks > 1:
         try:
@@ -233,15 +218,7 @@ def _check_traced_model(job, strategy, build=None) -> None:
         except ConfigError as exc:
             if strategy.stage_tps is not None:
                 raise
-            raise ConfigError(f"{exc}; {_layouts_text(graph, job, strategy, parts.name)}") from None
-
-
-def _layouts_text(graph, job, strategy, name: str) -> str:
-    """Which dp x tp x pp of this job's processes the traced model runs (a refused degree's way out)."""
-    from .config.degrees import layouts_text
-    from .preflight import layouts_for
-    return layouts_text(layouts_for(graph, job.launch.nproc, strategy.chunks), job.launch.nproc, strategy.tp,
-                        strategy.pp, name)
+            raise ConfigError(f"{exc}; {layouts_text_for(graph, job, strategy, parts.name)}") from None
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:

@@ -134,3 +134,24 @@ def layouts_for(graph, world: int, chunks: int = 1) -> list[tuple[int, int, int]
         if tp_ok[tp]:
             layouts.append((dp, tp, pp))
     return layouts
+
+
+def with_layouts_of_the_model(job: JobConfig, build, exc):
+    """A degree error (config.degrees.DegreesDoNotFit) with the layouts this model runs on nproc processes,
+    where the job is cheap to build and trace here; else the error as it was (its suggestions hold for any model)."""
+    from .config.degrees import DegreesDoNotFit
+    if job.strategy.stage_tp is not None or not cheap_to_build(job):
+        return exc
+    from .trace import trace
+    from .train.fields import example_call
+    parts = build()
+    graph = trace(parts.model, *example_call(parts.model, parts.train_data))
+    return DegreesDoNotFit(exc.world, exc.dp, exc.tp, exc.pp, layouts_for(graph, exc.world, job.strategy.chunks),
+                           model=parts.name)
+
+
+def layouts_text_for(graph, job: JobConfig, strategy, name: str) -> str:
+    """Which dp x tp x pp of the job's processes the traced model runs (the way out of a refused degree)."""
+    from .config.degrees import layouts_text
+    return layouts_text(layouts_for(graph, job.launch.nproc, strategy.chunks), job.launch.nproc, strategy.tp,
+                        strategy.pp, name)

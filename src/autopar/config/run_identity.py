@@ -18,7 +18,9 @@ from ..errors import ConfigError
 # (section, key, flag) of every value that names a file or folder; hf: values only when they name a path
 PATH_FIELDS = (("model", "name", "--model"), ("data", "tokenizer", "--tokenizer"), ("data", "data", "--data"),
                ("data", "eval_data", "--eval-data"), ("data", "data_cache", "--data-cache"),
-               ("train", "export_hf", "--export-hf"), ("strategy", "plan", "--plan"))
+               ("train", "export_hf", "--export-hf"), ("strategy", "plan", "--plan"),
+               ("strategy", "cluster", "--cluster"), ("strategy", "topology", "--topology"))
+NAME_OR_FILE = ("cluster", "topology")  # a preset or graph name, or a file: only an existing file is a path
 IDENTITY_FIELDS = (("model", "name", "--model"), ("data", "tokenizer", "--tokenizer"), ("data", "data", "--data"),
                    ("data", "eval_data", "--eval-data"), ("data", "corpus", "--corpus"),
                    ("data", "vocab_size", "--vocab-size"))
@@ -36,6 +38,8 @@ def absolute(key: str, value: Any) -> Any:
         if key == "name" and not ("/" in rest or rest.startswith(".") or Path(rest).exists()):
             return value  # an architecture by name (hf:llama), not a folder
         return "hf:" + str(Path(rest).expanduser().resolve())
+    if key in NAME_OR_FILE and not Path(value).is_file():
+        return value
     return str(Path(value).expanduser().resolve())
 
 
