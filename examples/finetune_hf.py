@@ -4,10 +4,10 @@
     autopar launch --nproc 4 examples/finetune_hf.py --workdir /tmp/ft --dp 2 --pp 2
     autopar launch --nproc 2 examples/finetune_hf.py --workdir /tmp/ft --tp 2
 
-With no --model folder it first saves a small random Llama (as `save_pretrained` writes any
-model) and writes a JSONL of prompt/response pairs from the embedded corpus, so it runs offline.
+With no --model folder it first makes a small pretrained folder, a random Llama and its tokenizer, and a
+JSONL of prompt/response pairs from the embedded corpus (make_pretrained.py), so it runs offline.
 The loss is on the response tokens only. The result, WORKDIR/exported, loads with
-`AutoModelForCausalLM.from_pretrained` (and its tokenizer.json with `tokenizers`).
+`AutoTokenizer` and `AutoModelForCausalLM.from_pretrained` and generates with its cache.
 The same from the command line:
 
     autopar train --model hf:PATH --tokenizer hf:PATH --data pairs.jsonl --export-hf OUT [--dp 2 --pp 2]
@@ -16,39 +16,18 @@ The same from the command line:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 
 def make_inputs(workdir: Path) -> tuple[Path, Path, Path]:
-    """A small pretrained folder, a BPE tokenizer and a prompt/response JSONL, written once (rank 0's job)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from autopar.data import load_corpus
-    from autopar.data.hf_tokenizer import HFTokenizer
-
-    folder, tokenizer_file, pairs = workdir / "pretrained", workdir / "tokenizer.json", workdir / "pairs.jsonl"
-    if pairs.is_file():
-        return folder, tokenizer_file, pairs
-    workdir.mkdir(parents=True, exist_ok=True)
-    lines = [line.strip() for line in load_corpus("stdlib").train[:400_000].decode("utf-8", "replace").splitlines()
-             if 16 <= len(line.strip()) <= 40][:96]  # short: a prompt and its response fit --seq-len 32
-    text = "\n".join(lines)
-    tokenizer = HFTokenizer.train_bpe(text, 320)
-    tokenizer_file.write_text(tokenizer.to_json())
-    config = AutoConfig.for_model("llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=1, use_cache=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="100KB")  # sharded, as large
-    # models come: several model-0000k-of-0000n.safetensors and model.safetensors.index.json
-    tmp = pairs.with_name(f"pairs.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps({"prompt": f"{a}\n", "response": b}) + "\n"
-                           for a, b in zip(lines[0::2], lines[1::2])))
-    os.replace(tmp, pairs)
-    return folder, tokenizer_file, pairs
+    """A small pretrained folder (model and tokenizer), its tokenizer.json and a prompt/response JSONL, written
+    once (rank 0's job) by make_pretrained.py."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_pretrained import make_workdir
+    folder, pairs = make_workdir(workdir)
+    return folder, folder / "tokenizer.json", pairs
 
 
 def job_for(args: argparse.Namespace, folder: Path, tokenizer: Path, pairs: Path):
@@ -73,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="where inputs, the run and the export go")
     parser.add_argument("--model", help="a pretrained folder (default: a small random Llama made here)")
-    parser.add_argument("--tokenizer", help="a tokenizer.json or folder (default: a BPE trained here)")
+    parser.add_argument("--tokenizer", help="a tokenizer.json or folder (default: the pretrained folder's BPE)")
     parser.add_argument("--data", help="a JSONL of {prompt, response} (default: made from the embedded corpus)")
     parser.add_argument("--dp", type=int, default=None)
     parser.add_argument("--tp", type=int, default=1)
@@ -87,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
         make_inputs(Path(args.workdir))
     if made_here and dist.is_available() and dist.is_initialized():
         dist.barrier()  # rank 0 wrote the inputs
-    inputs = (Path(args.workdir) / "pretrained", Path(args.workdir) / "tokenizer.json",
+    inputs = (Path(args.workdir) / "pretrained", Path(args.workdir) / "pretrained" / "tokenizer.json",
               Path(args.workdir) / "pairs.jsonl")
     trainer = make_trainer(job_for(args, *inputs))
     result = trainer.train()

@@ -168,20 +168,66 @@ def test_export_command_line_writes_the_trained_weights_sharded(rank_pool, tmp_p
     assert "from_pretrained" in capsys.readouterr().out
     shards = sorted((tmp_path / "exported").glob("model-*-of-*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "exported" / INDEX_FILE).is_file()
-    assert (tmp_path / "exported" / "tokenizer.json").read_text() == Path(inputs["tokenizer"]).read_text()
+    assert json.loads((tmp_path / "exported" / "tokenizer.json").read_text()) == \
+        json.loads(Path(inputs["tokenizer"]).read_text())  # the run's tokenizer (written compact by the run)
     weights, logits = exported(tmp_path)
     at_end, _ = exported(one_dir)
     assert weights.keys() == at_end.keys() and "lm_head.weight" not in weights  # tied: stored once
     assert all(torch.equal(weights[n], at_end[n]) for n in weights)
     assert (logits - one["logits"]).abs().max() < 1e-6
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["use_cache"] is False  # the source's own
     for rank in (1, 0):  # two writers, each its own shards (as the ranks do at the end of training): the same files
         export_hf(one_dir, tmp_path / "by-two", max_shard_bytes=int(0.05 * 2**20), rank=rank, world=2)
     files = sorted(p.name for p in (tmp_path / "exported").iterdir())
     assert sorted(p.name for p in (tmp_path / "by-two").iterdir()) == files
     for name in files:
         assert (tmp_path / "by-two" / name).read_bytes() == (tmp_path / "exported" / name).read_bytes(), name
-    with pytest.raises(ConfigError, match="the only format is hf"):
+    with pytest.raises(ConfigError, match="the formats are hf"):
         cmd_export(build_parser().parse_args(["export", str(one_dir), "--to", "gguf", str(tmp_path / "x")]))
+
+
+def test_an_exported_fine_tune_loads_with_its_tokens_and_generates_with_the_cache(rank_pool, tmp_path_factory,
+                                                                                  inputs, monkeypatch):
+    """The pretrained folder examples/make_pretrained.py writes offline (a Llama, its tokenizer with end and
+    padding tokens and a chat template), fine-tuned on one process and exported at the end of training: the
+    export loads with AutoTokenizer and AutoModelForCausalLM (offline), keeps the tokens, the template and the
+    source's use_cache (on), and generate() runs with its key/value cache, as it does without it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder, _, one_dir = one_process(rank_pool, tmp_path_factory, inputs, "llama")
+    source = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(one_dir / "exported")
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == \
+        ("<eos>", "<pad>", 1, 0)
+    assert tokenizer.chat_template == source.chat_template and "assistant" in tokenizer.chat_template
+    model = AutoModelForCausalLM.from_pretrained(one_dir / "exported").eval()
+    assert model.config.use_cache is True  # training ran without the cache; the source's own setting is back
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (1, 0)
+    prompt = tokenizer(["def main():\n"], return_tensors="pt")
+    with torch.no_grad():
+        assert model(**prompt).past_key_values is not None  # the cache is on without asking
+        cached = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+        plain = model.generate(**prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert cached.shape[1] > prompt["input_ids"].shape[1] and torch.equal(cached, plain)
+
+
+def test_a_tokenizer_trained_here_is_exported_with_its_settings(tmp_path, monkeypatch):
+    """A tokenizer.json without settings of its own (a BPE trained by the run, a model built by name): the export
+    writes tokenizer_config.json, special_tokens_map.json and generation_config.json from it and the config."""
+    from transformers import AutoTokenizer, GenerationConfig
+    from autopar.data.hf_tokenizer import HFTokenizer
+    from autopar.train.hf_export_files import write_side_files
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir(), out.mkdir()
+    (run / "tokenizer.json").write_text(HFTokenizer.train_bpe("alpha beta gamma delta\n" * 50, 300).to_json())
+    write_side_files(run, out, {"max_position_embeddings": 64, "eos_token_id": None})
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == \
+        ("<eos>", "<pad>", 1, 0)
+    assert tokenizer.model_max_length == 64
+    generation = GenerationConfig.from_pretrained(out)
+    assert (generation.eos_token_id, generation.pad_token_id) == (1, 0)
 
 
 def test_bpe_tokenizer_is_reused_on_resume(tmp_path):

@@ -86,8 +86,8 @@ def test_force_starts_it_anyway(monkeypatch, started, capsys):
 
 def test_a_small_model_is_not_refused_nor_warned(monkeypatch, started, capsys):
     host_with(monkeypatch, 2)
-    assert train("--model", "gpt-tiny", "--nproc", "2", "--steps", "1") == 0
-    assert train("--model", "gpt-tiny", "--nproc", "1", "--steps", "1") == 0
+    assert train("--model", "gpt-tiny", "--nproc", "2", "--steps", "1", "--warmup-steps", "1") == 0
+    assert train("--model", "gpt-tiny", "--nproc", "1", "--steps", "1", "--warmup-steps", "1") == 0
     assert started == [("launch", 2), ("run", 1)]
     assert "warning" not in capsys.readouterr().err
 

@@ -86,8 +86,9 @@ def resolve_job(ns: argparse.Namespace) -> JobConfig:
     overrides = _overrides(ns)
     if ns.config:
         job = load_toml(ns.config)
-        if _run_folder_of(Path(ns.config).parent) is not None:  # a run's config.toml: a new run, not that one
-            job = merge(job, {"train": {"out": None, "resume": None}})
+        if _run_folder_of(Path(ns.config).parent) is not None:  # a run's config.toml: a new run, not that one,
+            # with dp re-derived for this --nproc (the file holds the dp that run resolved)
+            job = merge(job, {"train": {"out": None, "resume": None}, "strategy": {"dp": None}})
     else:
         job = JobConfig()
         resume = overrides.get("train", {}).get("resume")
@@ -98,7 +99,16 @@ def resolve_job(ns: argparse.Namespace) -> JobConfig:
             job = merge(job, {"train": {"out": str(run), "resume": None}, "strategy": {"dp": None}})
     job = merge(job, overrides)
     job.validate()
+    _check_same_run(job, overrides)
     return job
+
+
+def _check_same_run(job: JobConfig, typed: dict) -> None:
+    """--resume RUN with a model, tokenizer, data or vocabulary other than RUN's config.toml: refused, both named."""
+    from .config.run_identity import check_same_run
+    run = _run_folder_of(Path(job.train.resume)) if job.train.resume else None
+    if run is not None and (run / "config.toml").is_file():
+        check_same_run(job, load_toml(run / "config.toml"), str(run / "config.toml"), typed)
 
 
 def _run_folder_of(path: Path) -> Path | None:
@@ -162,11 +172,17 @@ def _job_builder(job):
 
 def _check_before_start(job, build):
     """strategies.resolve, the resume folder and the model (preflight), and the traced model's checks."""
-    from .preflight import check_before_launch
+    from .config.degrees import DegreesDoNotFit
+    from .preflight import check_before_launch, schedule_warnings, with_layouts_of_the_model
     from .strategies import resolve
-    resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
+    try:
+        resolved = resolve(job.strategy, job.train, job.launch.nproc)  # every strategy check, before any process
+    except DegreesDoNotFit as exc:
+        raise with_layouts_of_the_model(job, build, exc) from None
     check_before_launch(job)  # the resume folder and the model, once, here
     _check_traced_model(job, resolved.strategy, build)
+    for warning in schedule_warnings(job):
+        print(f"autopar: warning: {warning}", file=sys.stderr, flush=True)
     return resolved
 
 
@@ -177,7 +193,7 @@ def _check_traced_model(job, strategy, build=None) -> None:
     Each rank would raise the same error, but only after N copies of Python and torch had started. Uniform
     layouts are checked for jobs cheap to build here (preflight.cheap_to_build; the others' ranks check);
     --stage-tp always (its boundaries need every stage's plan)."""
-    from .preflight import cheap_to_build
+    from .preflight import cheap_to_build, layouts_text_for
     degrees = strategy.stage_tps or (strategy.tp,)
     if (max(degrees) == 1 and strategy.pp * strategy.pipeline.chunks == 1) or (
             strategy.stage_tps is None and not cheap_to_build(job)):
@@ -195,10 +211,15 @@ def _check_traced_model(job, strategy, build=None) -> None:
                 plan_tensor_parallel(graph, t)
             except ConfigError as exc:
                 if strategy.stage_tps is None:
-                    raise
+                    raise ConfigError(f"{exc}; {layouts_text_for(graph, job, strategy, parts.name)}") from None
                 raise ConfigError(f"--stage-tp {job.strategy.stage_tp}: stage degree {t}: {exc}") from None
     if strategy.pp * strategy.pipeline.chunks > 1:
-        check_stage_count(graph, strategy.pp, strategy.pipeline.chunks)
+        try:
+            check_stage_count(graph, strategy.pp, strategy.pipeline.chunks)
+        except ConfigError as exc:
+            if strategy.stage_tps is not None:
+                raise
+            raise ConfigError(f"{exc}; {layouts_text_for(graph, job, strategy, parts.name)}") from None
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
@@ -214,14 +235,29 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
     return 0
 
 
+EXPORT_FORMATS = ("hf", "torch")
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
-    from .train.hf_export import export_hf
-    if ns.to != "hf":
-        raise ConfigError(f"export --to {ns.to!r}: the only format is hf")
+    from .train.hf_export import export_hf, in_use
+    if ns.to not in EXPORT_FORMATS:
+        raise ConfigError(f"export --to {ns.to!r}: the formats are hf (a Hugging Face folder) and torch (one "
+                          f"state_dict file, any model)")
     if ns.max_shard_mb <= 0:
         raise ConfigError(f"--max-shard-mb must be > 0, got {ns.max_shard_mb}")
+    if in_use(ns.out):
+        raise ConfigError(f"export to {ns.out!r}: it already holds {'files' if Path(ns.out).is_dir() else 'a file'} "
+                          f"(an earlier export?) and an export never overwrites; name a new "
+                          f"{'folder' if ns.to == 'hf' else 'file'}, or delete it first")
+    if ns.to == "torch":
+        from .train.torch_export import export_torch
+        out, entries = export_torch(ns.run_dir, ns.out)
+        print(f"exported {ns.run_dir} to {out} (a PyTorch state_dict of {entries} entries: "
+              f"model.load_state_dict(torch.load({str(out)!r})))")
+        return 0
     out = export_hf(ns.run_dir, ns.out, max_shard_bytes=int(ns.max_shard_mb * 2**20))
-    print(f"exported {ns.run_dir} to {out} (Hugging Face format: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    print(f"exported {ns.run_dir} to {out} (Hugging Face format: AutoModelForCausalLM.from_pretrained({str(out)!r}), "
+          f"AutoTokenizer.from_pretrained({str(out)!r}) when the run has a tokenizer.json)")
     return 0
 
 
@@ -281,10 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--hf", action="store_true", help="list every Hugging Face model type --model hf:<type> "
                         "accepts")
     export = sub.add_parser("export", help="write a run's final checkpoint in another format (--to hf: a folder "
-                            "AutoModelForCausalLM.from_pretrained loads)")
+                            "AutoModelForCausalLM and AutoTokenizer.from_pretrained load; --to torch: one "
+                            "state_dict file of any model); never over an earlier export")
     export.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoints/step_* folder")
-    export.add_argument("--to", default="hf", help="format: hf")
-    export.add_argument("out", help="output folder")
+    export.add_argument("--to", default="hf", help="format: hf | torch")
+    export.add_argument("out", help="output folder (hf) or file (torch, e.g. model.pt); must not hold an export")
     export.add_argument("--max-shard-mb", type=float, default=2048, help="largest safetensors file (MiB); a larger "
                         "model is written as several files and an index")
     checkpoints = sub.add_parser("checkpoints", help="list a run folder's checkpoints, each verified against its "

@@ -18,6 +18,7 @@ from .data.files import DataFiles, build_file_datasets, training_text
 from .errors import ConfigError
 from .models import build_model
 from .models.hf import hf_config_json, is_folder_name
+from .models.hf_side_files import source_side_files
 from .models.pretrained import PretrainedWeights
 from .preflight import check_model_fits
 from .search.auto import Plan
@@ -101,12 +102,15 @@ def build_job(job: JobConfig) -> JobParts:
     if job.model.name.startswith("hf:") and is_folder_name(job.model.name):
         pretrained = PretrainedWeights(job.model.name[3:], model)  # headers only: every rank checks, before spawning
     run_files = {}
-    config_json = hf_config_json(model)
+    model_folder = job.model.name[3:] if job.model.name.startswith("hf:") and is_folder_name(job.model.name) else None
+    config_json = hf_config_json(model, model_folder)
     if job.train.export_hf and config_json is None:
         raise ConfigError(f"--export-hf writes the Hugging Face format, but {info.name} is not a Hugging Face model; "
                           f"use --model hf:<model_type> or hf:PATH")
     if config_json is not None:
         run_files["hf/config.json"] = config_json  # `autopar export` rebuilds the model from it
+        tokenizer_source = job.data.tokenizer[3:] if job.data.tokenizer.startswith("hf:") else None
+        run_files.update(source_side_files(model_folder, tokenizer_source))  # the export writes them too
     if hasattr(tokenizer, "to_json"):
         run_files[TOKENIZER_FILE] = tokenizer.to_json()  # resume and export reuse it
     if files is not None:

@@ -29,6 +29,8 @@ def check_before_launch(job: JobConfig) -> None:
     if job.train.resume:
         from .train.manifest import choose_checkpoint
         choose_checkpoint(job.train.resume)  # no such folder, no complete checkpoint, a damaged one
+    check_data_files(job)
+    check_export_folder(job)
     check_pretrained_folder(job.model.name)
     if not cheap_to_build(job):
         return
@@ -38,6 +40,41 @@ def check_before_launch(job: JobConfig) -> None:
     _, info = build_model(job.model.name, job.model.args, vocab_size=padded_vocab_size(tokenizer.vocab_size),
                           device="meta")
     check_model_fits(info, tokenizer, job.data.seq_len)
+
+
+def check_data_files(job: JobConfig) -> None:
+    """--data and --eval-data name files that exist, each error naming the flag the path was given with."""
+    from pathlib import Path
+    from .errors import DataError
+    if job.data.eval_data is not None and job.data.data is None:
+        raise DataError(f"--eval-data {job.data.eval_data!r} is the held-out file of --data, which is not set (the "
+                        f"embedded corpus holds out its own split); add --data FILE or drop --eval-data")
+    for flag, path in (("--data", job.data.data), ("--eval-data", job.data.eval_data)):
+        if path is not None and not Path(path).exists():
+            raise DataError(f"{flag} {path!r}: no such file or folder (looked in {str(Path.cwd())!r} for a "
+                            f"relative path)")
+
+
+def check_export_folder(job: JobConfig) -> None:
+    """--export-hf names a folder that holds no earlier export: an export never overwrites one (a resumed run
+    keeps its --export-hf from config.toml, so a second export there is refused here, before any step)."""
+    from .train.hf_export import in_use
+    if job.train.export_hf and in_use(job.train.export_hf):
+        from .errors import ConfigError
+        raise ConfigError(f"--export-hf {job.train.export_hf!r} already holds files (an earlier export?) and an "
+                          f"export never overwrites; pass --export-hf with a new folder, or delete that one first")
+
+
+def schedule_warnings(job: JobConfig) -> list[str]:
+    """What about the learning-rate schedule runs but is probably not what was meant (said once, before start)."""
+    from .config import TrainConfig
+    train = job.train
+    default = " (the default)" if train.warmup_steps == TrainConfig().warmup_steps else ""
+    if train.warmup_steps > train.steps:
+        return [f"--warmup-steps {train.warmup_steps}{default} is longer than --steps {train.steps}: the learning rate "
+                f"rises to {train.steps}/{train.warmup_steps} of --lr {train.lr:g} and never reaches it (nor "
+                f"decays); use --warmup-steps {max(1, train.steps // 10)} (a tenth of the run) or more --steps"]
+    return []
 
 
 def cheap_to_build(job: JobConfig) -> bool:
@@ -72,3 +109,49 @@ def check_pretrained_folder(model_name: str) -> None:
         raise ModelError(f"{model_name}: {str(folder)!r} is not a pretrained model folder (no config.json); save one "
                          f"with model.save_pretrained(PATH), or name an architecture as hf:<model_type>")
     SafetensorsFolder(folder).close()  # no such folder, no weights, an index naming missing shards
+
+
+def layouts_for(graph, world: int, chunks: int = 1) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) of `world` processes the traced model runs: tp planned on it (heads, width,
+    vocabulary) and pp x chunks stages cut from its blocks, with the functions the ranks call."""
+    from .config.degrees import factorisations
+    from .errors import AutoparError, ConfigError
+    from .pipeline.build import check_stage_count
+    from .tensor_parallel import plan_tensor_parallel
+    tp_ok: dict[int, bool] = {}
+    layouts = []
+    for dp, tp, pp in factorisations(world):
+        if tp not in tp_ok:
+            try:
+                tp_ok[tp] = tp == 1 or bool(plan_tensor_parallel(graph, tp).params)  # one that splits nothing: no
+            except AutoparError:
+                tp_ok[tp] = False
+        try:
+            if pp * chunks > 1:
+                check_stage_count(graph, pp, chunks)
+        except ConfigError:
+            continue
+        if tp_ok[tp]:
+            layouts.append((dp, tp, pp))
+    return layouts
+
+
+def with_layouts_of_the_model(job: JobConfig, build, exc):
+    """A degree error (config.degrees.DegreesDoNotFit) with the layouts this model runs on nproc processes,
+    where the job is cheap to build and trace here; else the error as it was (its suggestions hold for any model)."""
+    from .config.degrees import DegreesDoNotFit
+    if job.strategy.stage_tp is not None or not cheap_to_build(job):
+        return exc
+    from .trace import trace
+    from .train.fields import example_call
+    parts = build()
+    graph = trace(parts.model, *example_call(parts.model, parts.train_data))
+    return DegreesDoNotFit(exc.world, exc.dp, exc.tp, exc.pp, layouts_for(graph, exc.world, job.strategy.pipeline.chunks),
+                           model=parts.name)
+
+
+def layouts_text_for(graph, job: JobConfig, strategy, name: str) -> str:
+    """Which dp x tp x pp of the job's processes the traced model runs (the way out of a refused degree)."""
+    from .config.degrees import layouts_text
+    return layouts_text(layouts_for(graph, job.launch.nproc, strategy.pipeline.chunks), job.launch.nproc, strategy.tp,
+                        strategy.pp, name)

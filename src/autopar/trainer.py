@@ -33,7 +33,7 @@ from .distributed import DistEnv, destroy_groups, init_distributed, process_grou
 from .errors import ConfigError, DataError, Preempted, TrainingError
 from .launch import ATTEMPT_ENV, restart_attempt
 from .mesh import ProcessMesh
-from .models.materialize import attach_init_fn
+from .models.materialize import attach_init_fn, tied_groups
 from .search.auto import Measured, Plan
 from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
@@ -97,6 +97,7 @@ class Trainer:
         if init_fn is not None:
             attach_init_fn(model, init_fn)
         self.model, self.train_data, self.eval_data = model, train_data, eval_data
+        self.tied_weights = tied_groups(model)[0]  # names of one tensor; run.json keeps them for `export --to torch`
         self.plan = strategy if isinstance(strategy, Plan) else None
         self.strategy = Strategy() if self.plan is not None or strategy is None else strategy
         self.config = config or TrainConfig()
@@ -195,7 +196,8 @@ class Trainer:
         if self.is_main:
             info = {"autopar": __version__, "torch": torch.__version__, "world_size": dist.get_world_size(),
                     "strategy": to_dict(self.strategy), "accumulation_steps": self.accumulation,
-                    "model_class": type(self.model).__name__, **self.run_info}
+                    "model_class": type(self.model).__name__, **self.run_info,
+                    **({"tied_weights": self.tied_weights} if self.tied_weights else {})}
             write_run_folder(run_dir, config=self._config_toml(), info=info,
                              files={**self.engine.run_files(), **self.extra_run_files})
             if self.plan is not None:  # --strategy auto / --plan: what was chosen and predicted

@@ -370,6 +370,12 @@ RULES: tuple[Rule, ...] = (
          "{setup.microbatches} per replica per step",
          "use e.g. {multiple} micro-batches per replica",
          detail=lambda setup: {"multiple": -(-setup.microbatches // setup.strategy.pp) * setup.strategy.pp}),
+    # ---- interleaving needs something to interleave
+    Rule("interleaved-one-chunk", "--schedule interleaved-1f1b with --chunks 1",
+         lambda setup: setup.strategy.pp > 1 and setup.spec.generator == "interleaved" and setup.strategy.pipeline.chunks < 2,
+         "--schedule {s.schedule} with --chunks {s.chunks} (pp={s.pp})",
+         "interleaving alternates two or more stages (chunks) on each rank; with one chunk per rank it is plain "
+         "1F1B under another name", "use --chunks 2 (or more), or --schedule 1f1b"),
 )
 
 

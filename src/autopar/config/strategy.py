@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, choices
+from .degrees import DegreesDoNotFit
 from .fields import _check_nonnegative_int, _check_positive_int, _f
 from .schedules import ASYNC_SCHEDULES, SCHEDULES, STAGE_TP_SCHEDULES, schedule_spec  # noqa: F401
 
@@ -259,12 +260,7 @@ class Strategy:
                               f"{self.sparse.threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
         dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
         if dp * self.tp * self.pp != world_size or dp < 1:
-            raise ConfigError(
-                f"dp*tp*pp = {self.dp if self.dp is not None else '?'}*{self.tp}*{self.pp} does not equal "
-                f"the number of processes ({world_size}); choose degrees whose product is {world_size}, "
-                f"e.g. dp={max(1, world_size // (self.tp * self.pp))} tp={self.tp} pp={self.pp}, "
-                f"or change --nproc"
-            )
+            raise DegreesDoNotFit(world_size, self.dp, self.tp, self.pp)
         return dataclasses.replace(self, dp=dp)
 
     def _resolved_stage_tp(self, world_size: int) -> Strategy:

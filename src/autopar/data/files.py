@@ -50,16 +50,17 @@ def _datasets():
     return datasets
 
 
-def read_records(path: str | Path, cache_dir: str | None = None):
-    """A `datasets.Dataset` of the file or folder at `path` (datasets' own arrow cache under `cache_dir`)."""
-    datasets = _datasets()
+def read_records(path: str | Path, cache_dir: str | None = None, flag: str = "--data"):
+    """A `datasets.Dataset` of the file or folder at `path` (datasets' own arrow cache under `cache_dir`);
+    errors name `flag`, the option the user gave the path with."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"--data {str(path)!r}: no such file or folder")
+        raise DataError(f"{flag} {str(path)!r}: no such file or folder")
+    datasets = _datasets()
     if path.is_dir():
         if not ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
                 or (path / "state.json").is_file()):
-            raise DataError(f"--data {str(path)!r}: a folder must be one written by datasets' save_to_disk; "
+            raise DataError(f"{flag} {str(path)!r}: a folder must be one written by datasets' save_to_disk; "
                             f"or pass a .txt, .jsonl, .parquet or .csv file")
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
@@ -67,16 +68,16 @@ def read_records(path: str | Path, cache_dir: str | None = None):
             loaded = loaded[split]
         return loaded
     if path.stat().st_size == 0:
-        raise DataError(f"--data {str(path)!r} is empty: it holds no records")
+        raise DataError(f"{flag} {str(path)!r} is empty: it holds no records")
     builder = SUFFIX_BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise DataError(f"--data {str(path)!r}: unknown file type {path.suffix!r}; use one of "
+        raise DataError(f"{flag} {str(path)!r}: unknown file type {path.suffix!r}; use one of "
                         f"{', '.join(sorted(SUFFIX_BUILDERS))} or a save_to_disk folder")
     extra = {"sample_by": "document"} if builder == "text" else {}
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **extra)
     except Exception as exc:  # datasets wraps parse errors in many types
-        raise DataError(f"--data {str(path)!r} cannot be read as {builder}: {' '.join(str(exc).split())[:300]}") \
+        raise DataError(f"{flag} {str(path)!r} cannot be read as {builder}: {' '.join(str(exc).split())[:300]}") \
             from None
 
 
@@ -91,15 +92,15 @@ def _content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _kind(records, files: DataFiles, path: str) -> str:
+def _kind(records, files: DataFiles, path: str, flag: str = "--data") -> str:
     columns = list(records.column_names)
     if len(records) == 0:
-        raise DataError(f"--data {path!r} is empty: it holds no records")
+        raise DataError(f"{flag} {path!r} is empty: it holds no records")
     if files.text_field in columns:
         return "text"
     if files.prompt_field in columns and files.response_field in columns:
         return "instruction"
-    raise DataError(f"--data {path!r} has no field {files.text_field!r} (--text-field) and no "
+    raise DataError(f"{flag} {path!r} has no field {files.text_field!r} (--text-field) and no "
                     f"{files.prompt_field!r}/{files.response_field!r} pair (--prompt-field/--response-field); "
                     f"its fields are {columns}")
 
@@ -186,7 +187,8 @@ def _tokenize(records, files: DataFiles, kind: str, tokenizer, seq_len: int) -> 
     return {"input_ids": inputs, "labels": labels}
 
 
-def tokenized(path: str, files: DataFiles, tokenizer, seq_len: int) -> tuple[str, dict[str, torch.Tensor], bool]:
+def tokenized(path: str, files: DataFiles, tokenizer, seq_len: int,
+              flag: str = "--data") -> tuple[str, dict[str, torch.Tensor], bool]:
     """(kind, tensors, read from cache) of one file, tokenized once and cached by fingerprint (a cached file is
     not parsed again)."""
     if Path(path).exists():
@@ -194,11 +196,11 @@ def tokenized(path: str, files: DataFiles, tokenizer, seq_len: int) -> tuple[str
         if cache.is_file():
             saved = torch.load(cache, weights_only=True)
             return saved["kind"], saved["tensors"], True
-    records = read_records(path, str(_cache_root(files) / "datasets"))
-    kind = _kind(records, files, path)
+    records = read_records(path, str(_cache_root(files) / "datasets"), flag)
+    kind = _kind(records, files, path, flag)
     tensors = _tokenize(records, files, kind, tokenizer, seq_len)
     if kind == "instruction" and not bool((tensors["labels"] != IGNORE_INDEX).any()):
-        raise DataError(f"--data {path!r}: no record has a response token within --seq-len {seq_len} (every prompt "
+        raise DataError(f"{flag} {path!r}: no record has a response token within --seq-len {seq_len} (every prompt "
                         f"fills it); use a longer --seq-len or shorter prompts")
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
@@ -220,7 +222,7 @@ def build_file_datasets(files: DataFiles, tokenizer, *, seq_len: int) -> tuple[D
         raise DataError(f"--eval-fraction must be in (0, 1), got {files.eval_fraction}")
     kind, tensors, cached = tokenized(files.path, files, tokenizer, seq_len)
     if files.eval_path is not None:
-        eval_kind, eval_tensors, _ = tokenized(files.eval_path, files, tokenizer, seq_len)
+        eval_kind, eval_tensors, _ = tokenized(files.eval_path, files, tokenizer, seq_len, "--eval-data")
         if eval_kind != kind:
             raise DataError(f"--eval-data {files.eval_path!r} holds {eval_kind} records but --data {files.path!r} "
                             f"holds {kind} records; give both the same fields")

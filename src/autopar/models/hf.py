@@ -332,13 +332,18 @@ def build_hf_folder(name: str, model_args: dict[str, Any], device: torch.device)
     return model, _info(name, config, model, applied)
 
 
-def hf_config_json(model: nn.Module) -> str | None:
+def hf_config_json(model: nn.Module, source_folder: str | None = None) -> str | None:
     """The model's Hugging Face config.json text (written into the run folder, used by export), if it has one;
-    `architectures` names the model's class, as save_pretrained writes it (export rebuilds that class)."""
+    `architectures` names the model's class, as save_pretrained writes it (export rebuilds that class), and
+    `use_cache` is the source's own (training turns it off; a model that generates wants it back)."""
     import copy
+    from .hf_side_files import source_use_cache
     config = getattr(model, "config", None)
     if not hasattr(config, "to_json_string"):
         return None
     config = copy.deepcopy(config)
     config.architectures = [type(model).__name__]
+    own = source_use_cache(config, source_folder)
+    if own is not None:
+        config.use_cache = own
     return config.to_json_string()

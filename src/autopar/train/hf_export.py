@@ -6,13 +6,15 @@ streams them shard by shard: each output file is read from the DCP checkpoint, w
 so no process ever holds more than one shard (`max_shard_bytes`), and several ranks can write
 different shards at once (`rank`, `world`). A tied weight (an embedding shared with the head) is
 written once, under its first name, as `save_pretrained` does. The run folder's `hf/config.json`
-(written at training time) becomes the folder's config.json; a tokenizer saved with the run is copied.
+(written at training time) becomes the folder's config.json; a tokenizer saved with the run is copied with
+its settings and the generation settings (hf_export_files.py).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from ..models.hf import import_transformers, quiet_transformers
 from ..models.materialize import tied_groups
 from ..models.pretrained import INDEX_FILE, SINGLE_FILE
 from .checkpoint import find_checkpoint
+from .hf_export_files import write_side_files
 
 HF_CONFIG = "hf/config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -117,17 +120,37 @@ def export_hf(source: str | Path, out: str | Path, *, max_shard_bytes: int = DEF
             index = {"metadata": {"total_size": sum(size for _, size in sizes)},
                      "weight_map": {n: files[k] for k, shard in enumerate(shards) for n in shard}}
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        if (run_dir / TOKENIZER_FILE).is_file():
-            shutil.copyfile(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+        write_side_files(run_dir, out, json.loads(config_path.read_text()))  # tokenizer and generation settings
     return out
 
 
 
+def in_use(out: str | Path) -> bool:
+    """`out` already holds something an export would write over (a file, or a folder that is not empty)."""
+    out = Path(out)
+    return out.exists() and (not out.is_dir() or any(out.iterdir()))
+
+
+def unused_folder(out: str | Path) -> Path:
+    """`out`, or when it holds files already the first of OUT-2, OUT-3, ... that does not: never overwritten."""
+    out, k = Path(out), 2
+    candidate = out
+    while in_use(candidate):
+        candidate, k = out.with_name(f"{out.name}-{k}"), k + 1
+    return candidate
+
+
 def export_hf_together(run_dir: Path, out: str | Path) -> Path:
     """`export_hf` of the run's latest checkpoint, every rank writing some of the shards (collective); rank 0
-    says where the folder is."""
+    says where the folder is. A folder that holds files already (an earlier export: `autopar train` refuses it
+    before start, but a run started otherwise may meet one) is left as it is: the export goes to a new one."""
+    chosen = [str(unused_folder(out)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    if dist.get_rank() == 0 and Path(chosen[0]) != Path(out):
+        print(f"autopar: warning: {out} already holds files (an earlier export?); exporting to {chosen[0]} "
+              f"instead, nothing overwritten", file=sys.stderr, flush=True)
     dist.barrier()
-    path = export_hf(run_dir, out, rank=dist.get_rank(), world=dist.get_world_size())
+    path = export_hf(run_dir, chosen[0], rank=dist.get_rank(), world=dist.get_world_size())
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"exported to {path} (Hugging Face format)", flush=True)

@@ -17,16 +17,19 @@ import tomli_w
 import torch.distributed as dist
 
 from ..config import JobConfig, Strategy, TrainConfig, to_dict, to_toml
+from ..config.run_identity import given_paths_comment, with_absolute_paths
 from ..launch import RESTARTS_LOG
 
 
 def config_toml(strategy: Strategy, train: TrainConfig, job_config: JobConfig | None, *, planned: bool) -> str:
     """The run's configuration, without where it was written or resumed from: rerunning the file starts a
-    new run folder, and `--resume RUN_DIR` reads it back. A plan also chose the micro-batches: write what runs."""
+    new run folder, and `--resume RUN_DIR` reads it back, from any directory: paths are written absolute (with
+    the ones typed as a comment). A plan also chose the micro-batches: write what runs."""
     if job_config is not None:
         chosen = train if planned else job_config.train
         chosen = dataclasses.replace(chosen, out=None, resume=None)
-        return to_toml(dataclasses.replace(job_config, strategy=strategy, train=chosen))
+        job, given = with_absolute_paths(dataclasses.replace(job_config, strategy=strategy, train=chosen))
+        return given_paths_comment(given) + to_toml(job)
     return tomli_w.dumps({"strategy": to_dict(strategy), "train": to_dict(dataclasses.replace(train, out=None,
                                                                                                resume=None))})
 
