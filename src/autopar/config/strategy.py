@@ -110,6 +110,10 @@ class Strategy:
     confirm: int | None = _f(None, "--strategy auto: run the top K plans (the default layout among them) for a few "
                                    "steps each and keep the fastest measured; unset: measure the plans whose "
                                    "predictions are within the model's error of each other; 0: never measure")
+    # sequence parallelism
+    sp: bool = _f(False, "sequence parallelism within tensor parallelism: norms, dropout and residual adds between "
+                         "a row and the next column layer run on 1/tp of the sequence (reduce-scatter and "
+                         "all-gather instead of all-reduce); needs tp > 1")
 
     @classmethod
     def auto(cls, *, cluster: str | None = None, memory_per_device_gb: float | None = None, **fixed: Any) -> Strategy:

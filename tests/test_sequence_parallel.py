@@ -1,0 +1,88 @@
+"""Sequence parallelism (--sp): tensor parallelism whose norms, dropout and residual adds hold 1/tp of the
+sequence, trains like one process.
+
+Same reference as the tensor-parallel equivalence tests: a world of one on the whole global
+batch; losses within 1e-5 relative, the same gradient norms (norm weights' gradients summed over
+the tp ranks), the same eval loss and parameters. gpt-tiny runs with dropout on, so each rank must
+draw exactly its positions' slice of the mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.errors import ConfigError
+from helpers import train_builtin
+from test_tp_equivalence import assert_matches
+
+STEPS = 4
+GLOBAL_BATCH = 8
+MODELS = {"gpt-tiny": {"n_layer": 2, "dropout": 0.1}, "hf:llama": {"num_hidden_layers": 2}}
+_references: dict = {}
+
+# (model, world, strategy, micro-batch size)
+LAYOUTS = [
+    ("gpt-tiny", 2, {"tp": 2, "sp": True}, 4),
+    ("hf:llama", 2, {"tp": 2, "sp": True}, 4),
+    ("gpt-tiny", 4, {"tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"}, 2),
+]
+
+
+def reference(rank_pool, tmp_path_factory, model: str) -> dict:
+    if model not in _references:
+        out = str(tmp_path_factory.mktemp("reference"))
+        _references[model] = rank_pool(1).run(train_builtin, model, out, model_args=MODELS[model], steps=STEPS,
+                                               warmup_steps=1, global_batch_size=GLOBAL_BATCH,
+                                               micro_batch_size=GLOBAL_BATCH)[0]
+    return _references[model]
+
+
+@pytest.mark.parametrize("model,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
+def test_sequence_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_factory, model, world, strategy,
+                                                  micro):
+    expected = reference(rank_pool, tmp_path_factory, model)
+    results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
+                                   warmup_steps=1, strategy=strategy, global_batch_size=GLOBAL_BATCH,
+                                   micro_batch_size=micro)
+    assert_matches(expected, results)
+    table = (tmp_path / "tp_plan.txt").read_text()  # the sums really became reduce-scatters over the sequence
+    assert "sequence parallel: 5 sums reduce-scattered over the 32-token sequence (16 per rank)" in table, table
+
+
+def test_plan_splits_the_regions_between_row_and_column_layers():
+    """gpt-tiny: the embedding's and each row layer's sum scatter; the residual stream, norms and dropout stay
+    split until a column layer (or the head) gathers; the position table is sliced, norm weights summed."""
+    import torch
+    from autopar.data import padded_vocab_size
+    from autopar.models import build_model
+    from autopar.tensor_parallel import plan_tensor_parallel
+    from autopar.trace import trace
+
+    model, _ = build_model("gpt-tiny", {"n_layer": 1, "dropout": 0.1}, vocab_size=padded_vocab_size(258), device="meta")
+    model.train()
+    graph = trace(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), {}, device="cpu")
+    seq = plan_tensor_parallel(graph, 2, sequence=True).sequence
+    assert seq.scatter == {"embedding", "linear_3", "linear_5"}  # token embedding, out_proj, fc_out
+    assert {"dropout", "layer_norm", "dropout_1", "add_1", "layer_norm_2"} <= set(seq.values)
+    assert seq.gathers == {"linear": ["layer_norm"], "linear_1": ["layer_norm"], "linear_2": ["layer_norm"],
+                           "linear_4": ["layer_norm_1"], "linear_6": ["layer_norm_2"]}
+    assert seq.slices == {"add": [("embedding_1", 0)]}  # the [16, 64] position rows of this rank
+    assert seq.copies["layer_norm"] == ["p_blocks_0_ln_1_weight", "p_blocks_0_ln_1_bias"]
+    assert plan_tensor_parallel(graph, 2).sequence is None
+    with pytest.raises(ConfigError, match="sequence length divisible by 3"):
+        _plan_sp_with_tp(graph, 3)
+
+
+def _plan_sp_with_tp(graph, tp: int):
+    from autopar.tensor_parallel.layout import TensorParallelPlan
+    from autopar.tensor_parallel.sequence import plan_sequence_parallel
+    return plan_sequence_parallel(graph, TensorParallelPlan(tp=tp))
+
+
+@pytest.mark.parametrize("fields, rule", [(dict(sp=True), "sp-needs-tp"),
+                                          (dict(sp=True, tp=2, tp_subbatches=2), "sp-subbatches")])
+def test_sp_without_what_it_needs_is_refused_before_ranks_start(fields, rule):
+    from autopar.strategies import resolve
+    with pytest.raises(ConfigError, match=rf"\(rule {rule}\)"):
+        resolve(autopar.Strategy(**fields), autopar.TrainConfig(global_batch_size=8, micro_batch_size=2), 2)
