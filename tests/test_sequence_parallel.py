@@ -10,16 +10,24 @@ draw exactly its positions' slice of the mask.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.errors import ConfigError
 from helpers import train_builtin
+from test_dropout import MODEL_ARGS as DROPOUT_ARGS
+from test_dropout import STEPS as DROPOUT_STEPS
+from test_dropout import reference as dropout_reference
+from test_tp_equivalence import MODELS as TP_MODELS
+from test_tp_equivalence import STEPS as TP_STEPS
 from test_tp_equivalence import assert_matches
+from test_tp_equivalence import reference as tp_reference
 
-STEPS = 4
 GLOBAL_BATCH = 8
-MODELS = {"gpt-tiny": {"n_layer": 2, "dropout": 0.1}, "hf:llama": {"num_hidden_layers": 2}}
-_references: dict = {}
+# the references (one process) are the dropout and tp equivalence tests' own, computed once per session
+CASES = {"gpt-tiny": (DROPOUT_ARGS, DROPOUT_STEPS, lambda pool, paths: dropout_reference(pool, paths, "gpt-tiny",
+                                                                                           DROPOUT_ARGS)),
+         "hf:llama": (TP_MODELS["hf:llama"], TP_STEPS, lambda pool, paths: tp_reference(pool, paths, "hf:llama"))}
 
 # (model, world, strategy, micro-batch size)
 LAYOUTS = [
@@ -29,23 +37,18 @@ LAYOUTS = [
 ]
 
 
-def reference(rank_pool, tmp_path_factory, model: str) -> dict:
-    if model not in _references:
-        out = str(tmp_path_factory.mktemp("reference"))
-        _references[model] = rank_pool(1).run(train_builtin, model, out, model_args=MODELS[model], steps=STEPS,
-                                               warmup_steps=1, global_batch_size=GLOBAL_BATCH,
-                                               micro_batch_size=GLOBAL_BATCH)[0]
-    return _references[model]
-
-
 @pytest.mark.parametrize("model,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
 def test_sequence_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_factory, model, world, strategy,
                                                   micro):
-    expected = reference(rank_pool, tmp_path_factory, model)
-    results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
-                                   warmup_steps=1, strategy=strategy, global_batch_size=GLOBAL_BATCH,
-                                   micro_batch_size=micro)
+    model_args, steps, reference = CASES[model]
+    expected = reference(rank_pool, tmp_path_factory)
+    results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=model_args, steps=steps,
+                                   strategy=strategy, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
     assert_matches(expected, results)
+    # the norm weights are whole on both tp ranks and read by different positions: their gradients summed over
+    # tp keep them bit-identical
+    for name, value in results[0]["params"].items():
+        assert torch.equal(value, results[1]["params"][name]), name
     table = (tmp_path / "tp_plan.txt").read_text()  # the sums really became reduce-scatters over the sequence
     assert "sequence parallel: 5 sums reduce-scattered over the 32-token sequence (16 per rank)" in table, table
 
@@ -53,7 +56,6 @@ def test_sequence_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_
 def test_plan_splits_the_regions_between_row_and_column_layers():
     """gpt-tiny: the embedding's and each row layer's sum scatter; the residual stream, norms and dropout stay
     split until a column layer (or the head) gathers; the position table is sliced, norm weights summed."""
-    import torch
     from autopar.data import padded_vocab_size
     from autopar.models import build_model
     from autopar.tensor_parallel import plan_tensor_parallel
