@@ -29,7 +29,8 @@ from typing import Any
 from .._torch_internals import parameter_table
 from ..dropout import shard_dropout
 from ..models.output import logits_of
-from .layers import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, vocab_parallel_cross_entropy
+from .layers import (copy_to_tp, gather_seq, linear_keeping_slice, reduce_from_tp, reduce_scatter_seq,
+                     vocab_parallel_cross_entropy)
 from .layout import SequencePlan
 from .plan import ParamShard, TensorParallelPlan
 
@@ -72,6 +73,17 @@ class GatherSeq(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gather_seq(x, self.dim, self.group, partial=self.partial)
+
+
+class ColumnKeepingSlice(nn.Module):
+    """A column layer on a gathered sequence that keeps only this rank's slice of it for backward."""
+
+    def __init__(self, dim: int, group: dist.ProcessGroup):
+        super().__init__()
+        self.dim, self.group = dim, group
+
+    def forward(self, x_full, x_local, weight, bias=None):
+        return linear_keeping_slice(x_full, x_local, weight, bias, self.dim, self.group)
 
 
 class SliceSeq(nn.Module):
@@ -195,6 +207,8 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
             node.replace_all_uses_with(lookup)
             graph.erase_node(node)
             changed += 1
+    if seq is not None:
+        changed += _columns_keep_slices(module, plan, group)
     split = dict(plan.value_shards)
     if seq is not None:  # dropout on positions: each rank draws its slice of the sequence's mask
         split.update({name: (dim, (seq.length,)) for name, dim in seq.values.items()})
@@ -207,6 +221,26 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
 def _is_partial_gather(module: nn.Module, node: fx.Node) -> bool:
     return node.op == "call_module" and isinstance(getattr(module, node.target, None), GatherSeq) \
         and getattr(module, node.target).partial
+
+
+def _columns_keep_slices(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.ProcessGroup) -> int:
+    """Column layers reading a gathered sequence save its slice, not the whole (activation memory / tp)."""
+    graph, changed = module.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.name not in plan.column or node.target is not aten.linear.default:
+            continue
+        gathered = node.args[0]
+        if not _is_partial_gather(module, gathered):
+            continue
+        gather = getattr(module, gathered.target)
+        name = _add(module, f"sp_column_{node.name}", ColumnKeepingSlice(gather.dim, group))
+        with graph.inserting_before(node):
+            replacement = graph.call_module(name, (gathered, gathered.args[0], *node.args[1:]))
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        changed += 1
+    return changed
 
 
 def _rewrite_sequence_reads(module: fx.GraphModule, plan: TensorParallelPlan, seq: SequencePlan,

@@ -131,6 +131,34 @@ def gather_seq(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, partial: 
     return _GatherSeq.apply(x, dim, group, partial)
 
 
+class _SavedSlice:
+    """What a column layer keeps of its gathered input for backward: this rank's slice (gathered again there)."""
+
+    def __init__(self, local: torch.Tensor, shape: torch.Size, dim: int, group: dist.ProcessGroup):
+        self.local, self.shape, self.dim, self.group = local, shape, dim, group
+
+
+def linear_keeping_slice(x_full: torch.Tensor, x_local: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """F.linear(x_full, ...) that saves x_local, not x_full, for its weight gradient (all-gathered again in
+    backward, as Megatron's sequence-parallel column layer does): the whole sequence is never kept."""
+    storage = x_full.untyped_storage().data_ptr()
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == storage and t.storage_offset() == 0 and t.is_contiguous() \
+                and t.numel() == x_full.numel():
+            return _SavedSlice(x_local.detach(), t.shape, dim, group)
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, _SavedSlice):
+            return _all_gather_seq(saved.local, saved.dim, saved.group).view(saved.shape)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return F.linear(x_full, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x @ W[rows of this rank].T (+ b[same rows]); the output stays sharded on its last dim."""
 
