@@ -70,7 +70,8 @@ def _measure(args, tp: int, sp: bool, data) -> int:
     from autopar.data import padded_vocab_size
     from autopar.models import build_model
 
-    model, _ = build_model(args.model, {"dropout": 0.1}, vocab_size=padded_vocab_size(258), device="meta")
+    model, _ = build_model(args.model, {"dropout": 0.1, "max_seq_len": max(256, args.seq_len)},
+                           vocab_size=padded_vocab_size(258), device="meta")
     config = autopar.TrainConfig(steps=1, global_batch_size=args.micro_batch, micro_batch_size=args.micro_batch,
                                  lr=1e-3, warmup_steps=1, out=tempfile.mkdtemp(), progress=False, timeout_s=600)
     trainer = autopar.Trainer(model, data, strategy=autopar.Strategy(tp=tp, sp=sp), config=config)
