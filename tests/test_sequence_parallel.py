@@ -53,17 +53,28 @@ def test_sequence_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_
     assert "sequence parallel: 5 sums reduce-scattered over the 32-token sequence (16 per rank)" in table, table
 
 
+_graphs: dict = {}
+
+
+def one_layer_gpt():
+    """gpt-tiny with one layer and dropout, traced on meta at batch 2 x 16 tokens (once per session)."""
+    if not _graphs:
+        from autopar.data import padded_vocab_size
+        from autopar.models import build_model
+        from autopar.trace import trace
+        model, _ = build_model("gpt-tiny", {"n_layer": 1, "dropout": 0.1}, vocab_size=padded_vocab_size(258),
+                               device="meta")
+        model.train()
+        _graphs["gpt"] = trace(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), {}, device="cpu")
+    return _graphs["gpt"]
+
+
 def test_plan_splits_the_regions_between_row_and_column_layers():
     """gpt-tiny: the embedding's and each row layer's sum scatter; the residual stream, norms and dropout stay
     split until a column layer (or the head) gathers; the position table is sliced, norm weights summed."""
-    from autopar.data import padded_vocab_size
-    from autopar.models import build_model
     from autopar.tensor_parallel import plan_tensor_parallel
-    from autopar.trace import trace
 
-    model, _ = build_model("gpt-tiny", {"n_layer": 1, "dropout": 0.1}, vocab_size=padded_vocab_size(258), device="meta")
-    model.train()
-    graph = trace(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), {}, device="cpu")
+    graph = one_layer_gpt()
     seq = plan_tensor_parallel(graph, 2, sequence=True).sequence
     assert seq.scatter == {"embedding", "linear_3", "linear_5"}  # token embedding, out_proj, fc_out
     assert {"dropout", "layer_norm", "dropout_1", "add_1", "layer_norm_2"} <= set(seq.values)
@@ -74,6 +85,18 @@ def test_plan_splits_the_regions_between_row_and_column_layers():
     assert plan_tensor_parallel(graph, 2).sequence is None
     with pytest.raises(ConfigError, match="sequence length divisible by 3"):
         _plan_sp_with_tp(graph, 3)
+
+
+def test_memory_model_splits_every_activation_of_a_split_layer_under_sp():
+    """The hand-set memory check's profile: tp keeps Megatron's 10 of 34 whole; --sp splits all 34 over tp."""
+    from autopar.search.profile import profile_graph
+
+    graph = one_layer_gpt()
+    whole = profile_graph(graph, name="gpt", seq_len=16).tp[1].saved_bytes
+    tp = profile_graph(graph, name="gpt", seq_len=16, tp_degrees=(2,)).tp[2].saved_bytes
+    sp = profile_graph(graph, name="gpt", seq_len=16, tp_degrees=(2,), sequence_parallel=True).tp[2].saved_bytes
+    assert all(s == pytest.approx(w / 2) for s, w in zip(sp, whole))  # every block of gpt holds a split layer
+    assert all(t == pytest.approx(w * (10 + 24 / 2) / 34) for t, w in zip(tp, whole))
 
 
 def _plan_sp_with_tp(graph, tp: int):
