@@ -27,7 +27,7 @@ from torch import fx, nn
 from typing import Any
 
 from .._torch_internals import parameter_table
-from ..dropout import shard_dropout
+from ..dropout import GraphDropout, shard_dropout
 from ..models.output import logits_of
 from .layers import (copy_to_tp, gather_seq, linear_keeping_slice, reduce_from_tp, reduce_scatter_seq,
                      vocab_parallel_cross_entropy)
@@ -140,9 +140,9 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
             node.args = tuple(args)
             changed += 1
         for operand in plan.copies.get(node.name, ()):  # a whole value met by shards: its gradient summed
-            source = next((a for a in node.all_input_nodes if a.name == operand), None)
-            if source is None:  # read through a sequence gather, whose backward sums already
-                continue
+            if seq is not None and operand in seq.gathers.get(node.name, ()):
+                continue  # read through a sequence gather, whose backward sums already
+            source = next(a for a in node.all_input_nodes if _traced_name(module, a) == operand)
             if source not in copies:
                 name = _add(module, f"tp_copy_{source.name}", CopyToTP(group))
                 with graph.inserting_before(node):  # (a parameter's node may sit among the placeholders)
@@ -218,6 +218,12 @@ def rewrite_graph(module: fx.GraphModule, plan: TensorParallelPlan, group: dist.
     return changed
 
 
+def _traced_name(module: nn.Module, value: fx.Node) -> str:
+    """The name the plan knows a value by: a random node replaced by a module of the stage keeps its source's."""
+    child = getattr(module, value.target, None) if value.op == "call_module" else None
+    return child.source if isinstance(child, GraphDropout) else value.name
+
+
 def _is_partial_gather(module: nn.Module, node: fx.Node) -> bool:
     return node.op == "call_module" and isinstance(getattr(module, node.target, None), GatherSeq) \
         and getattr(module, node.target).partial
@@ -252,6 +258,7 @@ def _rewrite_sequence_reads(module: fx.GraphModule, plan: TensorParallelPlan, se
     puts no copy_to_tp of its own there."""
     graph, changed = module.graph, 0
     made: dict[tuple, fx.Node] = {}
+    traced_name = lambda value: _traced_name(module, value)  # noqa: E731
 
     def read(node: fx.Node, source: fx.Node, key: tuple, make) -> None:
         if (key, source) not in made:
@@ -262,8 +269,9 @@ def _rewrite_sequence_reads(module: fx.GraphModule, plan: TensorParallelPlan, se
 
     for node in list(graph.nodes):
         if node.op == "output" and model_output:
-            for source in [a for a in node.all_input_nodes if a.name in seq.outputs]:
-                read(node, source, ("gather", "out"), lambda s=source: GatherSeq(seq.values[s.name], group, False))
+            for source in [a for a in node.all_input_nodes if traced_name(a) in seq.outputs]:
+                read(node, source, ("gather", "out"),
+                     lambda s=source: GatherSeq(seq.values[traced_name(s)], group, False))
                 changed += 1
         if node.op != "call_function":
             continue
@@ -273,7 +281,7 @@ def _rewrite_sequence_reads(module: fx.GraphModule, plan: TensorParallelPlan, se
                 args[index] = value
             node.args = tuple(args)
             changed += 1
-        inputs = {a.name: a for a in node.all_input_nodes}
+        inputs = {traced_name(a): a for a in node.all_input_nodes}
         for operand in seq.gathers.get(node.name, ()):
             partial = node.name in plan.column or operand in plan.copies.get(node.name, ())
             dim = seq.values[operand]

@@ -59,7 +59,8 @@ class SequencePlan:
 
     def summary(self) -> str:
         line = (f"sequence parallel: {len(self.scatter)} sums reduce-scattered over the {self.length}-token "
-                f"sequence ({self.length // self.tp} per rank), {sum(map(len, self.gathers.values()))} gathers")
+                f"sequence ({self.length // self.tp} per rank), "
+                f"{len({v for values in self.gathers.values() for v in values})} values all-gathered")
         return line + (f"; {len(self.kept)} kept as all-reduce" if self.kept else "")
 
 
