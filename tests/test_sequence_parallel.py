@@ -27,19 +27,23 @@ GLOBAL_BATCH = 8
 # the references (one process) are the dropout and tp equivalence tests' own, computed once per session
 CASES = {"gpt-tiny": (DROPOUT_ARGS, DROPOUT_STEPS, lambda pool, paths: dropout_reference(pool, paths, "gpt-tiny",
                                                                                            DROPOUT_ARGS)),
-         "hf:llama": (TP_MODELS["hf:llama"], TP_STEPS, lambda pool, paths: tp_reference(pool, paths, "hf:llama"))}
+         "hf:llama": (TP_MODELS["hf:llama"], TP_STEPS, lambda pool, paths: tp_reference(pool, paths, "hf:llama")),
+         "hf:gpt2": (TP_MODELS["hf:gpt2"], TP_STEPS, lambda pool, paths: tp_reference(pool, paths, "hf:gpt2"))}
 
-# (model, world, strategy, micro-batch size)
+# (model, world, strategy, micro-batch size, sums reduce-scattered)
 LAYOUTS = [
-    ("gpt-tiny", 2, {"tp": 2, "sp": True}, 4),
-    ("hf:llama", 2, {"tp": 2, "sp": True}, 4),
-    ("gpt-tiny", 4, {"tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"}, 2),
+    ("gpt-tiny", 2, {"tp": 2, "sp": True}, 4, 5),
+    ("hf:llama", 2, {"tp": 2, "sp": True}, 4, 5),
+    # Conv1D rows on [batch*sequence, hidden] keep their all-reduce; the embedding's sum is scattered, the stream
+    # gathered for the replicated ops that follow, and their whole outputs sliced where they meet it again
+    ("hf:gpt2", 2, {"tp": 2, "sp": True}, 4, 1),
+    ("gpt-tiny", 4, {"tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"}, 2, 5),
 ]
 
 
-@pytest.mark.parametrize("model,world,strategy,micro", LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("model,world,strategy,micro,scattered", LAYOUTS, ids=lambda v: str(v))
 def test_sequence_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_factory, model, world, strategy,
-                                                  micro):
+                                                  micro, scattered):
     model_args, steps, reference = CASES[model]
     expected = reference(rank_pool, tmp_path_factory)
     results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=model_args, steps=steps,
@@ -50,7 +54,8 @@ def test_sequence_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_
     for name, value in results[0]["params"].items():
         assert torch.equal(value, results[1]["params"][name]), name
     table = (tmp_path / "tp_plan.txt").read_text()  # the sums really became reduce-scatters over the sequence
-    assert "sequence parallel: 5 sums reduce-scattered over the 32-token sequence (16 per rank)" in table, table
+    assert f"sequence parallel: {scattered} sums reduce-scattered over the 32-token sequence (16 per rank)" in table, \
+        table
 
 
 _graphs: dict = {}
