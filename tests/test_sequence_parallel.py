@@ -24,7 +24,7 @@ from test_tp_equivalence import assert_matches
 from test_tp_equivalence import reference as tp_reference
 
 GLOBAL_BATCH = 8
-# the references (one process) are the dropout and tp equivalence tests' own, computed once per session
+# the references (one process) are the dropout and tp equivalence tests' own, computed once per test run
 CASES = {"gpt-tiny": (DROPOUT_ARGS, DROPOUT_STEPS, lambda pool, paths: dropout_reference(pool, paths, "gpt-tiny",
                                                                                            DROPOUT_ARGS)),
          "hf:llama": (TP_MODELS["hf:llama"], TP_STEPS, lambda pool, paths: tp_reference(pool, paths, "hf:llama")),
@@ -62,7 +62,7 @@ _graphs: dict = {}
 
 
 def one_layer_gpt():
-    """gpt-tiny with one layer and dropout, traced on meta at batch 2 x 16 tokens (once per session)."""
+    """gpt-tiny with one layer and dropout, traced on meta at batch 2 x 16 tokens (once per test run)."""
     if not _graphs:
         from autopar.data import padded_vocab_size
         from autopar.models import build_model
