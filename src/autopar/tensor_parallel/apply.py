@@ -338,9 +338,10 @@ def shard_parameters(module: nn.Module, plan: TensorParallelPlan, group: dist.Pr
 def parallelize_stage(stage: nn.Module, plan: TensorParallelPlan, group: dist.ProcessGroup) -> None:
     """Shard a materialised StageModule's weights and rewrite its graph pieces for tensor parallelism."""
     shard_parameters(stage, plan, group)
-    pieces = [piece for piece in stage.modules() if isinstance(piece, fx.GraphModule)]
-    for piece in pieces:
-        rewrite_graph(piece, plan, group, model_output=getattr(stage, "is_last", False) and piece is pieces[-1])
+    outputs = stage.pieces[-1] if getattr(stage, "is_last", False) else None  # returns the model's outputs
+    for piece in stage.modules():
+        if isinstance(piece, fx.GraphModule):
+            rewrite_graph(piece, plan, group, model_output=piece is outputs)
     if plan.sequence is not None and hasattr(stage, "input_shapes"):  # split values arrive as their slices
         seq = plan.sequence
         stage.input_shapes = [tuple(size // seq.tp if name in seq.values and d == seq.values[name] else size
