@@ -38,6 +38,8 @@ LAYOUTS = [
     # gathered for the replicated ops that follow, and their whole outputs sliced where they meet it again
     ("hf:gpt2", 2, {"tp": 2, "sp": True}, 4, 1),
     ("gpt-tiny", 4, {"tp": 2, "pp": 2, "sp": True, "schedule": "1f1b"}, 2, 5),
+    # recomputed stages: the column layers' slice-keeping hooks run inside activation checkpointing
+    ("gpt-tiny", 2, {"tp": 2, "sp": True, "recompute": "all"}, 4, 5),
 ]
 
 
