@@ -163,7 +163,8 @@ def _fit_model(parts, strategy, config, nproc: int, memory: RankMemory) -> Memor
     graph = trace(model, call_args, kwargs)
     seq_len = int(call_args[0].shape[-1]) if call_args and call_args[0].dim() >= 2 else 1
     degrees = tuple(sorted({t for t in TP_DEGREES if t <= nproc} | {strategy.tp}))
-    profile = profile_graph(graph, name=parts.name, seq_len=seq_len, tp_degrees=degrees)
+    profile = profile_graph(graph, name=parts.name, seq_len=seq_len, tp_degrees=degrees,
+                            sequence_parallel=strategy.sp)
     if scaled:
         profile = profile.with_layers(depth)
     default = "h100-80gb" if config.device == "cuda" else "cpu-local"  # only ranks the suggestions by speed

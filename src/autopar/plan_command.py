@@ -40,7 +40,7 @@ def plan(ns: argparse.Namespace, args: dict) -> int:
     tp_plan = None
     if ns.tp != 1:
         from .tensor_parallel import plan_tensor_parallel
-        tp_plan = plan_tensor_parallel(graph, ns.tp)
+        tp_plan = plan_tensor_parallel(graph, ns.tp, sequence=ns.sp)
     if ns.json:
         extra = {"tensor_parallel": tp_plan.to_dict()} if tp_plan is not None else {}
         print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len],

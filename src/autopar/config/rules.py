@@ -376,6 +376,28 @@ RULES: tuple[Rule, ...] = (
          "--schedule {s.schedule} with --chunks {s.chunks} (pp={s.pp})",
          "interleaving alternates two or more stages (chunks) on each rank; with one chunk per rank it is plain "
          "1F1B under another name", "use --chunks 2 (or more), or --schedule 1f1b"),
+    # ---- sequence parallelism (--sp: tensor_parallel/sequence.py)
+    Rule("sp-search", "--sp with --strategy auto",
+         lambda setup: setup.strategy.sp and _searched(setup),
+         _AUTO + " --sp", "the search does not choose sequence parallelism yet",
+         "choose --tp yourself with --sp, or drop --sp", phase="search"),
+    Rule("sp-needs-tp", "--sp with tp = 1",
+         lambda setup: setup.strategy.sp and setup.strategy.tp == 1 and not _stage_tp(setup.strategy),
+         "strategy.sp (--sp) with tp={s.tp}", "it splits the sequence over the tensor-parallel ranks",
+         "use --tp 2 or more with --sp, or drop --sp"),
+    Rule("sp-stage-tp", "--sp with --stage-tp",
+         lambda setup: setup.strategy.sp and _stage_tp(setup.strategy),
+         _STAGE_TP + " --sp", "stage boundaries between different tp degrees move whole tensors",
+         "use one --tp for every stage, or drop --sp"),
+    Rule("sp-subbatches", "--sp with --tp-subbatches > 1",
+         lambda setup: setup.strategy.sp and setup.strategy.pipeline.tp_subbatches > 1,
+         "strategy.sp (--sp) with --tp-subbatches {s.tp_subbatches}",
+         "sub-pipelining splits the micro-batch, sequence parallelism the sequence, and the two are not "
+         "written to combine", "use --tp-subbatches 1 with --sp, or drop --sp"),
+    Rule("sp-boundary", "--sp with --boundary other than direct",
+         lambda setup: setup.strategy.sp and setup.strategy.pipeline.boundary != "direct",
+         "strategy.sp (--sp) with " + _BOUNDARY, "planned boundaries assume every tp rank holds the whole tensor, "
+         "and under --sp each holds its slice of the sequence", "use --boundary direct with --sp"),
 )
 
 

@@ -160,6 +160,9 @@ class Strategy:
     pp: int = _f(1, "pipeline-parallel degree (stages)")
     stage_tp: str | None = _f(None, "per-stage tensor-parallel degrees, e.g. 2,4 (stage 0 tp=2, stage 1 tp=4): pp is "
                                     "the list's length and nproc = dp * their sum; all equal is the same as --tp")
+    sp: bool = _f(False, "sequence parallelism within tensor parallelism: norms, dropout and residual adds between "
+                         "a row and the next column layer run on 1/tp of the sequence (reduce-scatter and "
+                         "all-gather instead of all-reduce); needs tp > 1")
     pipeline: PipelineOptions = dataclasses.field(default_factory=PipelineOptions, metadata={"group": True})
     replicas: ReplicaOptions = dataclasses.field(default_factory=ReplicaOptions, metadata={"group": True})
     sparse: SparseOptions = dataclasses.field(default_factory=SparseOptions, metadata={"group": True})

@@ -197,6 +197,11 @@ class StageModule(nn.Module):
     def num_blocks(self) -> int:
         return len(self.piece_specs)
 
+    @property
+    def pieces(self) -> list[fx.GraphModule]:
+        """The graph pieces in order (one per block); the last stage's last one returns the model's outputs."""
+        return list(self._pieces)
+
     def forward(self, *inputs: torch.Tensor) -> Any:
         if len(inputs) != len(self.spec.inputs):
             raise ValueError(f"stage {self.spec.index} takes {len(self.spec.inputs)} inputs "

@@ -86,6 +86,7 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                          example_batch: Batch, num_microbatches: int, schedule: str = "1f1b", chunks: int = 1,
                          partition_method: str = "time", recompute: str | frozenset[int] = "none",
                          memory_budget_bytes: float | None = None, tp: int = 1, tp_group=None, tp_subbatches: int = 1,
+                         sp: bool = False,
                          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                          partition=None, p2p: P2P | None = None,
                          stage_tp: tuple[int, ...] | None = None) -> LocalPipeline:
@@ -96,7 +97,8 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
     again (a benchmark building many pipelines). `p2p`: a transport to use instead of a fresh
     P2P on `pp_group`. `stage_tp`: each stage's own tp degree (--stage-tp); `tp` and `tp_group` are then
     this rank's stage's, and `p2p` must be given (pipeline/hetero_boundary.py). With `memory_budget_bytes`, every stage's recomputed blocks are chosen to
-    fit it (pipeline/recompute.py) and every rank agrees that they fit.
+    fit it (pipeline/recompute.py) and every rank agrees that they fit. `sp`: sequence parallelism within
+    tp (tensor_parallel/sequence.py).
     """
     from ..partition import partition as make_partition
     from ..trace import trace
@@ -131,7 +133,7 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                 tensor_parallel.parallelize(stage)
     elif tp > 1:
         from ..tensor_parallel import TensorParallel, plan_tensor_parallel
-        tensor_parallel = TensorParallel(plan_tensor_parallel(graph, tp), tp_group)
+        tensor_parallel = TensorParallel(plan_tensor_parallel(graph, tp, sequence=sp), tp_group)
         for stage in stages.values():
             tensor_parallel.parallelize(stage)
         if tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)

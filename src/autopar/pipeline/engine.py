@@ -100,7 +100,7 @@ class PipelineEngine(EngineBase):
             chunks=strategy.pipeline.chunks, partition_method=strategy.pipeline.partition, recompute=strategy.pipeline.recompute,
             memory_budget_bytes=None if strategy.pipeline.memory_budget_mb is None else strategy.pipeline.memory_budget_mb * 2**20,
             tp=tp, tp_group=mesh.group("tp") if tp > 1 else None,
-            tp_subbatches=strategy.pipeline.tp_subbatches, autocast=autocast, p2p=boundary, stage_tp=self.stage_tp)
+            tp_subbatches=strategy.pipeline.tp_subbatches, sp=strategy.sp, autocast=autocast, p2p=boundary, stage_tp=self.stage_tp)
         pipe = self.pipe
         self.pp, self.pp_rank, self.num_stages = pipe.pp, pipe.pp_rank, pipe.num_stages
         self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime

@@ -48,6 +48,8 @@ COVERAGE: tuple[Dimension, ...] = (
       for spec in SCHEDULE_TABLE if not spec.searched),
     Dimension("--stage-tp", False, "per-stage tp degrees: the cost model prices one tp degree for every stage"),
     Dimension("--tp-subbatches", False, "the cost model does not price sub-pipelined tensor parallelism"),
+    Dimension("--sp", False, "sequence parallelism is not searched yet (the memory check of a strategy set by hand "
+              "models it: activations / tp)"),
     Dimension("--boundary", False, "the cost model prices whole-tensor direct transfers between stages"),
     Dimension("--recompute all-but-last", False, "the search plans recomputation itself (none, whole stages, "
               "stage-aware blocks)"),
@@ -73,7 +75,7 @@ FIELD_ROWS = {"dp": "dp x tp x pp", "tp": "dp x tp x pp", "pp": "dp x tp x pp", 
               "topology": "--dp-mode gossip", "gossip_order": "--dp-mode gossip", "staleness": "--dp-mode async",
               "servers": "--dp-mode async", "sparse_embeddings": "--sparse-embeddings",
               "sparse_threshold": "--sparse-embeddings", "sparse_sharding": "--sparse-embeddings",
-              "sparse_schedule": "--sparse-embeddings"}
+              "sparse_schedule": "--sparse-embeddings", "sp": "--sp"}
 SEARCH_SETTINGS = ("search", "plan", "cluster", "memory_per_device_gb", "confirm")  # how it searches, not what
 
 

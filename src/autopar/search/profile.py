@@ -107,8 +107,9 @@ class ModelProfile:
 
 
 def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
-                  tp_degrees: tuple[int, ...] = (1,)) -> ModelProfile:
-    """Reduce a traced graph (traced at micro-batch `batch`) to per-sequence block costs."""
+                  tp_degrees: tuple[int, ...] = (1,), sequence_parallel: bool = False) -> ModelProfile:
+    """Reduce a traced graph (traced at micro-batch `batch`) to per-sequence block costs.
+    `sequence_parallel`: the tp degrees run with --sp (a split layer's activations all / tp)."""
     blocks = graph.blocks
     scale = 1.0 / batch
     flops = tuple(b.flops * scale for b in blocks)
@@ -137,13 +138,14 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
             profile.tp[1] = TPProfile(1, flops, tuple(params), saved, (0.0,) * len(blocks), (0,) * len(blocks))
             continue
         try:
-            profile.tp[tp] = _tp_profile(graph, tp, params, scale)
+            profile.tp[tp] = _tp_profile(graph, tp, params, scale, sequence_parallel)
         except AutoparError as exc:
             profile.tp_refused[tp] = str(exc)
     return profile
 
 
-def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float) -> TPProfile:
+def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float,
+                sequence_parallel: bool = False) -> TPProfile:
     from ..tensor_parallel import plan_tensor_parallel  # read-only use of the TP planner
     plan = plan_tensor_parallel(graph, tp)
     if not plan.params:
@@ -170,7 +172,10 @@ def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float) -> 
     for fqn in split:
         if fqn in owner_block:
             local[owner_block[fqn]] -= graph.param_numel[fqn] - graph.param_numel[fqn] // tp
-    saved = tuple(b.activation_bytes * scale * ((10 + 24 / tp) / 34 if has_split[i] else 1.0)
+    # Megatron's activations per layer, sbh(34 + 5as/h): tp leaves 10 of the 34 whole (norms, dropout, residuals,
+    # the column layers' inputs); sequence parallelism splits those too (benchmarks/sp_activation_memory.py)
+    split_share = 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
+    saved = tuple(b.activation_bytes * scale * (split_share if has_split[i] else 1.0)
                   for i, b in enumerate(graph.blocks))
     return TPProfile(tp, tuple(flops), tuple(local), saved, tuple(reduce), tuple(count))
 

@@ -8,6 +8,14 @@ graph and across stage boundaries. The two conjugate operators carry the communi
 - `copy_to_tp` (Megatron's f): identity forward, all-reduce of the gradient backward;
 - `reduce_from_tp` (g): all-reduce forward, identity backward.
 
+With sequence parallelism (`--sp`) the regions between a row layer and the next column
+layer hold 1/tp of the sequence; their operators become (Megatron's g-bar and f-bar):
+
+- `reduce_scatter_seq`: the row layer's sum, each rank keeping its slice of the sequence
+  (backward: all-gather of the gradient);
+- `gather_seq`: the whole sequence for a column layer (backward: reduce-scatter, the ranks'
+  partial gradients summed) or for a replicated operation (backward: this rank's slice).
+
 A column-parallel linear holds rows [r*o/t, (r+1)*o/t) of the weight (a slice of the
 outputs); a row-parallel linear holds the matching input columns and sums partial
 results. Vocab-parallel cross-entropy computes the loss from vocabulary-sharded logits
@@ -64,6 +72,91 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
+
+
+def _seq_slices(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """[tp, ...]: x's sequence dimension cut into tp contiguous slices, stacked first (for *_tensor collectives)."""
+    tp = dist.get_world_size(group)
+    if x.shape[dim] % tp:
+        raise ValueError(f"sequence of {x.shape[dim]} positions does not split over tp={tp}")
+    return torch.stack(x.chunk(tp, dim=dim)).contiguous()
+
+
+def _all_gather_seq(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    slices = _seq_slices(x, dim, group)
+    out = torch.empty_like(slices[0])
+    dist.reduce_scatter_tensor(out, slices.flatten(0, 1), group=group)  # rank r receives the sum of slice r
+    return out
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_seq(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, partial):
+        ctx.dim, ctx.group, ctx.partial, ctx.part = dim, group, partial, x.shape[dim]
+        return _all_gather_seq(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.partial:  # each rank's gradient is its share of the whole one: summed, then sliced
+            return _reduce_scatter_seq(grad, ctx.dim, ctx.group), None, None, None
+        rank = dist.get_rank(ctx.group)  # a replicated consumer: every rank already holds the whole gradient
+        return grad.narrow(ctx.dim, rank * ctx.part, ctx.part).contiguous(), None, None, None
+
+
+def reduce_scatter_seq(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over the tp ranks, each keeping slice `rank` of dimension `dim` (the sequence)."""
+    return _ReduceScatterSeq.apply(x, dim, group)
+
+
+def gather_seq(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, partial: bool) -> torch.Tensor:
+    """The whole sequence from every rank's slice. `partial`: the consumer is split over tp (a column layer),
+    so the ranks' gradients are summed; otherwise it is replicated and each rank keeps its slice of one."""
+    return _GatherSeq.apply(x, dim, group, partial)
+
+
+class _SavedSlice:
+    """What a column layer keeps of its gathered input for backward: this rank's slice (gathered again there)."""
+
+    def __init__(self, local: torch.Tensor, shape: torch.Size, dim: int, group: dist.ProcessGroup):
+        self.local, self.shape, self.dim, self.group = local, shape, dim, group
+
+
+def linear_keeping_slice(x_full: torch.Tensor, x_local: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """F.linear(x_full, ...) that saves x_local, not x_full, for its weight gradient (all-gathered again in
+    backward, as Megatron's sequence-parallel column layer does): the whole sequence is never kept."""
+    storage = x_full.untyped_storage().data_ptr()
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == storage and t.storage_offset() == 0 and t.is_contiguous() \
+                and t.numel() == x_full.numel():
+            return _SavedSlice(x_local.detach(), t.shape, dim, group)
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, _SavedSlice):
+            return _all_gather_seq(saved.local, saved.dim, saved.group).view(saved.shape)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return F.linear(x_full, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):

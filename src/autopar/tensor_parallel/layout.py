@@ -42,6 +42,29 @@ class LayerDecision:
 
 
 @dataclass
+class SequencePlan:
+    """Sequence parallelism (--sp) on top of a tp plan: the values that hold 1/tp of the sequence, and the
+    places where the sequence is cut (a row layer's sum) or joined again (a column layer's input)."""
+
+    length: int  # the sequence length of the traced model
+    tp: int
+    values: dict[str, int] = field(default_factory=dict)  # value -> its sequence dim (held as 1/tp of it)
+    scatter: set[str] = field(default_factory=set)  # row / vocab-embedding nodes: sum becomes a reduce-scatter
+    gathers: dict[str, list[str]] = field(default_factory=dict)  # node -> sequence-split operands it reads whole
+    slices: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # node -> (whole operand, its seq dim)
+    copies: dict[str, list[str]] = field(default_factory=dict)  # node -> whole operands broadcast over the slice
+    edits: dict[str, dict[int, Any]] = field(default_factory=dict)  # reshapes: {arg index: local sizes}
+    outputs: set[str] = field(default_factory=set)  # sequence-split values the model returns (gathered there)
+    kept: list[str] = field(default_factory=list)  # row layers whose sum stays an all-reduce, and why
+
+    def summary(self) -> str:
+        line = (f"sequence parallel: {len(self.scatter)} sums reduce-scattered over the {self.length}-token "
+                f"sequence ({self.length // self.tp} per rank), "
+                f"{len({v for values in self.gathers.values() for v in values})} values all-gathered")
+        return line + (f"; {len(self.kept)} kept as all-reduce" if self.kept else "")
+
+
+@dataclass
 class TensorParallelPlan:
     tp: int
     params: dict[str, ParamShard] = field(default_factory=dict)  # primary FQN -> how it is split
@@ -57,6 +80,7 @@ class TensorParallelPlan:
     replicated_params: list[str] = field(default_factory=list)  # whole on every rank (norms, row biases, ...)
     value_shards: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # node -> (dim, segments)
     linears: int = 0  # linear layers (on parameters) in the model
+    sequence: SequencePlan | None = None  # --sp: norms, dropout and residuals on 1/tp of the sequence
 
     def summary(self) -> str:
         """One line for the run's banner: how much was split, what stayed whole and why."""
@@ -74,7 +98,7 @@ class TensorParallelPlan:
         line += f"; {count['replicated']} kept whole"
         if reasons:
             line += ": " + "; ".join(f"{n} x {why}" for why, n in reasons.items())
-        return line
+        return line + (f"; {self.sequence.summary()}" if self.sequence is not None else "")
 
     def vocab_start(self, rank: int) -> int:
         assert self.vocab_size is not None
@@ -91,6 +115,8 @@ class TensorParallelPlan:
             lines.append(f"whole on every rank: {len(self.replicated_params)} parameters (norms, biases added after "
                          f"the all-reduce, position tables, unsplit layers): {shown}")
         lines.append(self.summary())
+        if self.sequence is not None:
+            lines.extend(f"{'all-reduce kept':<16} {why}" for why in self.sequence.kept)
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

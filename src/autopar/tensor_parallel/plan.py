@@ -52,8 +52,9 @@ ADDMM = {aten.addmm.default}  # Conv1D (HF GPT-2): addmm(bias, x2d, weight[in, o
 FOLLOW = set(VIEWS) | set(PASS_THROUGH) | {aten.unsqueeze.default}  # keep a column's features whole and last
 
 
-def plan_tensor_parallel(graph: ModelGraph, tp: int) -> TensorParallelPlan:
-    """The tensor-parallel plan of a traced model for `tp` ranks (tp=1: nothing is split)."""
+def plan_tensor_parallel(graph: ModelGraph, tp: int, *, sequence: bool = False) -> TensorParallelPlan:
+    """The tensor-parallel plan of a traced model for `tp` ranks (tp=1: nothing is split).
+    `sequence`: sequence parallelism too (--sp: sequence.py)."""
     if tp < 1:
         raise ConfigError(f"tp must be a positive integer, got {tp}")
     analysis = _Analysis(graph, tp)
@@ -69,7 +70,11 @@ def plan_tensor_parallel(graph: ModelGraph, tp: int) -> TensorParallelPlan:
                 raise
             for origin in failure.origins:
                 excluded.setdefault(origin, failure.reason)
-    return analysis.finish(excluded)
+    plan = analysis.finish(excluded)
+    if sequence and tp > 1:
+        from .sequence import plan_sequence_parallel
+        plan.sequence = plan_sequence_parallel(graph, plan)
+    return plan
 
 
 class _Analysis:
