@@ -27,6 +27,11 @@ IDENTITY_FIELDS = (("model", "name", "--model"), ("data", "tokenizer", "--tokeni
 TRAINED_TOKENIZERS = ("word", "bpe")  # the ones --vocab-size sizes
 
 
+def _value(section: Any, key: str) -> Any:
+    """A section's option by the name TOML gives it (a Strategy's options are named flat, see Strategy.flat)."""
+    return section.flat()[key] if hasattr(section, "flat_fields") else getattr(section, key)
+
+
 def absolute(key: str, value: Any) -> Any:
     """`value` with its path made absolute (hf:PATH keeps its prefix; hf:<model_type> and plain names stay)."""
     if not isinstance(value, str) or not value:
@@ -47,7 +52,7 @@ def with_absolute_paths(job: Any) -> tuple[Any, dict[str, str]]:
     """The job with every path absolute, and {section.key: value as given} of those that changed."""
     given, sections = {}, {}
     for section, key, _ in PATH_FIELDS:
-        value = getattr(getattr(job, section), key)
+        value = _value(getattr(job, section), key)
         resolved = absolute(key, value)
         if resolved != value:
             given[f"{section}.{key}"] = value
@@ -73,7 +78,7 @@ def check_same_run(job: Any, stored: Any, source: str, typed: dict[str, dict[str
             continue  # only a tokenizer trained by the run is sized by it
         if key == "corpus" and stored.data.data is not None:
             continue  # the embedded corpus is not read when files are
-        mine, theirs = (absolute(key, getattr(getattr(c, section), key)) for c in (job, stored))
+        mine, theirs = (absolute(key, _value(getattr(c, section), key)) for c in (job, stored))
         if mine == theirs:
             continue
         how = flag if key in typed.get(section, {}) else f"{section}.{key} of the configuration"
