@@ -110,6 +110,10 @@ class Strategy:
     confirm: int | None = _f(None, "--strategy auto: run the top K plans (the default layout among them) for a few "
                                    "steps each and keep the fastest measured; unset: measure the plans whose "
                                    "predictions are within the model's error of each other; 0: never measure")
+    # expert parallelism (experts/, train/expert_engine.py)
+    ep: int = _f(1, "expert parallelism: the experts of each mixture-of-experts layer sharded over N ranks taken "
+                    "from the data-parallel ranks (N divides dp and the expert count; tokens travel to their "
+                    "expert's rank by all-to-all); 1: every rank holds every expert")
 
     @classmethod
     def auto(cls, *, cluster: str | None = None, memory_per_device_gb: float | None = None, **fixed: Any) -> Strategy:
@@ -138,6 +142,7 @@ class Strategy:
             _check_positive_int("strategy.dp", self.dp)
         _check_positive_int("strategy.chunks", self.chunks)
         _check_positive_int("strategy.tp_subbatches", self.tp_subbatches)
+        _check_positive_int("strategy.ep", self.ep)
         schedule_spec(self.schedule)  # an unknown name is refused with the schedule table's names
         if self.partition not in PARTITION_METHODS:
             raise ConfigError(f"unknown partition method {self.partition!r}; use one of {choices(PARTITION_METHODS)}")
