@@ -69,6 +69,7 @@ def test_every_rule_refuses_something_in_the_matrix_or_its_own_layout():
         "schedule-chunks": (dict(pp=2, chunks=2), {}, 2),
         "schedule-microbatch-groups": (dict(pp=2, chunks=2, schedule="interleaved-1f1b"),
                                        {"global_batch_size": 6, "micro_batch_size": 2}, 2),
+        "ep-divides-dp": (dict(ep=4), {}, 2),
     }
     from_matrix = {r.name for a in FEATURES for b in FEATURES if not isinstance(r := refusal((a, b)), (str, type(None)))}
     for name, (fields, train, world) in own.items():

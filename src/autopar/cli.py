@@ -303,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "predicted on --cluster); equal degrees (e.g. 2,2) show Megatron's scatter-gather too")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: show which layers are split how, "
                       "and which stay replicated and why")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel degree: show each mixture-of-experts "
+                      "layer found, how many experts a rank would hold, and routing left replicated and why")
     plan.add_argument("--method", default="time", choices=PARTITION_METHODS,
                       help="balance equal layers, parameter counts, or forward+backward time")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")

@@ -52,6 +52,10 @@ class ExpertPlan:
     def expert_params(self) -> list[str]:
         return [name for layer in self.layers for name in layer.params]
 
+    def to_dict(self) -> dict:
+        return {"layers": [dict(vars(layer), params=list(layer.params)) for layer in self.layers],
+                "replicated": list(self.unrecognised)}
+
     def table(self, ep: int = 1) -> str:
         """What `autopar plan` prints: each layer's router and experts, and how many experts a rank holds."""
         if not self.layers and not self.unrecognised:
