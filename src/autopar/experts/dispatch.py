@@ -58,6 +58,8 @@ class ExpertParallelForward:
         """Start counting anew (the engine calls it at each step's start)."""
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long)  # this rank's choices, per expert
         self.received_per_expert = torch.zeros(self.local, dtype=torch.long)  # rows its own experts ran
+        self.rows_sent_away = 0  # (token, choice) rows this rank sent to other ranks' experts
+        self.rows_from_others = 0  # rows other ranks sent to this rank's experts
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
                  **kwargs) -> torch.Tensor:
@@ -75,6 +77,8 @@ class ExpertParallelForward:
         receive = incoming.sum(1).tolist()
         self.tokens_per_expert += counts.detach().cpu()
         self.received_per_expert += incoming.sum(0).detach().cpu()
+        self.rows_sent_away += sum(send) - send[self.ep_rank]
+        self.rows_from_others += sum(receive) - receive[self.ep_rank]
 
         rows = hidden[order // k]
         weights = top_k_weights.reshape(-1)[order]
