@@ -137,6 +137,10 @@ def main() -> None:
         measured = away * (8 * hidden + 12) + came * (8 * hidden + 4)
         print(f"{r:>4} rows out {away:5d}, rows in {came:5d}: {measured:>12,.0f} bytes ({measured / formula:.2f} "
               f"of the formula)")
+    mean = sum(row["ep"]["rows_away"] * (8 * hidden + 12) + row["ep"]["rows_in"] * (8 * hidden + 4)
+               for row in rows) / world
+    print(f"mean over ranks {mean:,.0f} bytes ({mean / formula:.2f} of the formula; a rank's share follows its "
+          f"experts' load)")
     dp_time = max(row["dp"]["step_s"] for row in rows)
     ep_time = max(row["ep"]["step_s"] for row in rows)
     print(f"\nstep time (median, slowest rank): dp={world} replicated {dp_time * 1e3:.1f} ms, ep={world} "
