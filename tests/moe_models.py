@@ -40,6 +40,25 @@ class SigmoidMoE(nn.Module):
         return x + self.experts(h, index, weights).reshape(x.shape)
 
 
+class LoopedExperts(nn.Module):
+    """Routing as SigmoidMoE's, but one Linear per expert, each run on every token and masked by the choices:
+    a mixture of experts with no 3-d weight to shard (it trains with its experts replicated)."""
+
+    def __init__(self, width: int = WIDTH, experts: int = EXPERTS, top_k: int = TOP_K):
+        super().__init__()
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList([nn.Linear(width, width) for _ in range(experts)])
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = torch.topk(torch.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            gate = (weights * (index == e)).sum(-1, keepdim=True)
+            out = out + gate * expert(x)
+        return x + out
+
+
 class MoELM(nn.Module):
     """Embedding, a stack of mixture-of-experts blocks, a head."""
 

@@ -5,8 +5,8 @@ Equivalence: tiny Mixtral and Qwen2-MoE of the zoo (tests/zoo_families.py: 4 exp
 MoE with one 3-d expert weight and a sigmoid router (tests/moe_models.py) train 2 steps of 8 samples on
 one process, and on 2 ranks with ep=2 (each rank holds 2 of the 4 experts of every layer and trains one
 micro-batch of 4): losses within 1e-5 relative, whole parameters (expert rows gathered) within the zoo's
-1e-4. The ep=2 run saves a checkpoint after step 2 that one process (ep=1) resumes for a third step,
-which must equal the third step of one process's own 3-step run.
+1e-4. The ep=2 run of Mixtral saves a checkpoint after step 2 that one process (ep=1) resumes for a third
+step, which must equal the third step of one process's own 3-step run.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_models import MoELM, train_moe
+from moe_models import LoopedExperts, MoELM, train_moe
 from test_model_zoo import assert_matches_reference
 
 JOBS = [("hf:mixtral", "meta"), ("hf:qwen2_moe", "real"), ("user:moe", "real")]
+RESUMED = JOBS[:1]  # the layout change on resume is the same for every family: one is enough
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,9 @@ def one_process(rank_pool, tmp_path_factory):
 def test_ep2_matches_one_process_and_resumes_under_ep1(rank_pool, tmp_path, one_process):
     ep2 = rank_pool(2).run(train_moe, JOBS, str(tmp_path / "ep2"), strategy={"ep": 2}, micro_batch_size=4, steps=3,
                            checkpoint_every=2, timeout=600)
-    resumed = rank_pool(1).run(train_moe, JOBS, str(tmp_path / "resumed"), steps=3, resume_from=str(tmp_path / "ep2"),
-                               resume_checkpoint="checkpoints/step_00000002", timeout=600)[0]
+    resumed = rank_pool(1).run(train_moe, RESUMED, str(tmp_path / "resumed"), steps=3,
+                               resume_from=str(tmp_path / "ep2"), resume_checkpoint="checkpoints/step_00000002",
+                               timeout=600)[0]
     for job in JOBS:
         reference = one_process[job]
         assert "error" not in reference, reference.get("error")
@@ -43,23 +45,24 @@ def test_ep2_matches_one_process_and_resumes_under_ep1(rank_pool, tmp_path, one_
             assert got["expert_rows"] and set(got["expert_rows"].values()) == {2}, (job, got["expert_rows"])
             assert "each rank holds 2 of 4 experts" in got["banner"][0], got["banner"]
         assert_matches_reference(reference, ranks)
-        # the checkpoint of step 2 (whole expert tensors) resumed by one process: its step 3 is one process's
-        after = resumed[job]
+        # tokens per expert and per rank in metrics.jsonl: every (token, choice) counted once over both ranks
+        stats = ranks[0]["records"][-1]["experts"]
+        assert len(stats) == 2, stats
+        for layer in stats.values():
+            seq = 8 if job[0] == "user:moe" else 16
+            assert sum(layer["tokens_per_expert"]) == 8 * seq * 2, layer  # 8 samples, top-2
+            assert sum(layer["tokens_per_rank"]) == sum(layer["tokens_per_expert"]) and len(layer["tokens_per_rank"]) == 2
+            assert layer["expert_imbalance"] >= 1.0
+    for job in RESUMED:  # the checkpoint of step 2 (whole expert tensors) resumed by one process: its step 3
+        reference, after = one_process[job], resumed[job]
         assert "error" not in after, after.get("error")
         assert len(after["losses"]) == 1 and abs(after["losses"][0] - reference["losses"][2]) \
             < 1e-5 * abs(reference["losses"][2]), (job, after["losses"], reference["losses"])
         assert not after["expert_rows"]  # ep=1: whole experts
         assert_matches_reference(reference, [after | {"losses": reference["losses"]}])
-        # tokens per expert and per rank in metrics.jsonl: every (token, choice) counted once over both ranks
-        stats = ranks[0]["records"][-1]["experts"]
-        assert len(stats) == 2, stats
-        for layer in stats.values():
-            assert sum(layer["tokens_per_expert"]) == 8 * 16 * 2 if job[0] != "user:moe" else 8 * 8 * 2, layer
-            assert sum(layer["tokens_per_rank"]) == sum(layer["tokens_per_expert"]) and len(layer["tokens_per_rank"]) == 2
-            assert layer["expert_imbalance"] >= 1.0
 
 
-def test_plan_finds_the_user_moe_and_says_why_routing_without_batched_experts_stays_whole():
+def test_plan_finds_the_user_moe_with_its_sigmoid_router_and_3d_weight():
     from autopar.experts import find_experts
     from autopar.trace import trace
 
@@ -69,3 +72,14 @@ def test_plan_finds_the_user_moe_and_says_why_routing_without_batched_experts_st
     assert [layer.experts for layer in plan.layers] == ["blocks.0.experts", "blocks.1.experts"]
     assert plan.layers[0].score == "sigmoid" and plan.layers[0].top_k == 2 and not plan.layers[0].renormalised
     assert plan.expert_params == ["blocks.0.experts.weight", "blocks.1.experts.weight"]
+
+
+def test_routing_without_batched_experts_stays_replicated_and_the_plan_says_why():
+    from autopar.experts import find_experts
+    from autopar.trace import trace
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(LoopedExperts(), LoopedExperts())
+    plan = find_experts(trace(model, (torch.zeros(2, 8, 16, device="meta"),)), model)
+    assert not plan.layers and len(plan.unrecognised) == 2, plan.table()
+    assert "router 0.router picks 2 of 4, but no 3-d weight with 4 rows is read under its choices" in plan.table()
