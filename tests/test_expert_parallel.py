@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_models import LoopedExperts, MoELM, train_moe
+from moe_models import MORE_MOE_FAMILIES, ROUTER_SCORES, LoopedExperts, MoELM, train_moe
 from test_model_zoo import assert_matches_reference
 
 JOBS = [("hf:mixtral", "meta"), ("hf:qwen2_moe", "real"), ("user:moe", "real")]
@@ -83,3 +83,27 @@ def test_routing_without_batched_experts_stays_replicated_and_the_plan_says_why(
     plan = find_experts(trace(model, (torch.zeros(2, 8, 16, device="meta"),)), model)
     assert not plan.layers and len(plan.unrecognised) == 2, plan.table()
     assert "router 0.router picks 2 of 4, but no 3-d weight with 4 rows is read under its choices" in plan.table()
+
+
+@pytest.mark.parametrize("family", sorted(MORE_MOE_FAMILIES))
+def test_more_hf_families_experts_are_found(family):
+    """Qwen3-MoE, OLMoE, DeepSeek-V3 (sigmoid scores with a correction bias and group-limited choice, a router
+    weight cast to fp32) and gpt-oss (softmax of the chosen logits, expert biases): traced on meta, each layer's
+    experts module and its 3-d (and per-expert bias) weights are found."""
+    import transformers
+
+    from autopar.experts import find_experts
+    from autopar.models.hf import quiet_transformers, turn_off_kv_cache
+    from autopar.trace import trace
+    from zoo_families import config_of
+
+    with quiet_transformers(transformers), torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config_of(family, MORE_MOE_FAMILIES[family]))
+    turn_off_kv_cache(model)
+    plan = find_experts(trace(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),),
+                              device=torch.device("cpu")), model)
+    assert [layer.experts for layer in plan.layers] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(layer.num_experts == 4 and layer.top_k == 2 and layer.score == ROUTER_SCORES[family]
+               for layer in plan.layers), plan.table()
+    experts = {name for name, _ in model.named_parameters() if ".experts." in name}
+    assert set(plan.expert_params) == experts and not plan.unrecognised

@@ -23,8 +23,10 @@ from torch import fx, nn
 
 from ..trace.graph import ModelGraph
 
+# between the router's linear and its top-k: casts, reshapes, a score bias (DeepSeek-V3's correction), a mask
+# (group-limited routing), a temperature; the walk follows the first tensor argument
 _PASS_THROUGH = ("to", "_to_copy", "float", "view", "reshape", "contiguous", "_assert_tensor_metadata", "clone",
-                 "add", "type_as", "expand")
+                 "add", "sub", "mul", "div", "type_as", "expand", "masked_fill", "where")
 _SCORES = ("softmax", "_softmax", "sigmoid", "log_softmax")
 
 
@@ -105,7 +107,8 @@ def _router_linear(scores: fx.Node, graph: ModelGraph, shapes: dict, experts: in
     for _ in range(12):
         name = _op_name(node)
         if name in ("linear", "mm", "addmm", "matmul"):
-            params = graph.nodes[node.name].params if node.name in graph.nodes else []
+            readers = [node, *(a for a in node.args if isinstance(a, fx.Node))]  # the weight may come cast
+            params = [p for n in readers if n.name in graph.nodes for p in graph.nodes[n.name].params]
             if any(len(shapes.get(p, ())) == 2 and shapes[p][0] == experts for p in params):
                 return node, score
             return None, score
@@ -114,6 +117,8 @@ def _router_linear(scores: fx.Node, graph: ModelGraph, shapes: dict, experts: in
         elif name not in _PASS_THROUGH:
             return None, score
         inputs = [a for a in node.args if isinstance(a, fx.Node)]
+        if name == "where" and len(inputs) > 1:
+            inputs = inputs[1:]  # where(mask, scores, fill)
         if not inputs:
             return None, score
         node = inputs[0]
@@ -143,9 +148,9 @@ def _layer_at(topk: fx.Node, graph: ModelGraph, shapes: dict, modules: dict) -> 
     router, score = _router_linear(scores, graph, shapes, experts)
     if router is None:
         return None, ""  # a top-k over values no router computed (sampling, a metric): not routing
-    chosen = {int(u.args[1]): u for u in topk.users if _op_name(u) == "getitem"}
+    chosen = {int(u.args[1]): u for u in topk.users if _op_name(u) == "getitem" and u.users}
     if 1 not in chosen:
-        return None, "the router's chosen indices are never used"
+        return None, ""  # a top-k whose values only are read (a group score): not the routing itself
     router_path = graph.nodes[router.name].module_path
     block = router_path.rpartition(".")[0]  # the MoE block: the module that calls the router and the experts
     inside = lambda node: node.name in graph.nodes and _under(graph.nodes[node.name].module_path, block)
@@ -175,6 +180,8 @@ def _layer_at(topk: fx.Node, graph: ModelGraph, shapes: dict, modules: dict) -> 
         return None, (f"experts module {owner} is not called as experts(hidden, top_k_index, top_k_weights) "
                       f"(its forward takes {_positional(module)})")
     renormalised = 0 in chosen and any(_op_name(u) in ("div", "div_") for u in chosen[0].users)
+    if score == "none" and 0 in chosen and any(_op_name(u) in _SCORES for u in chosen[0].users):
+        score = "softmax of the chosen"  # gpt-oss: the top-k logits normalised among themselves
     return ExpertLayer(experts=owner, router=router_path, num_experts=experts, top_k=k, score=score,
                        renormalised=renormalised, params=tuple(sorted(own))), ""
 
