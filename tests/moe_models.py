@@ -142,3 +142,41 @@ def train_moe(jobs: list[tuple[str, str]], out: str, *, strategy: dict | None = 
         except Exception as exc:  # the test reports it
             results[name, build] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     return results
+
+
+def dispatch_against_whole(skew: bool) -> dict:
+    """On every rank of a 2-rank pool: BatchedExperts with 4 experts, sharded 2 + 2, run through the dispatch on
+    this rank's own tokens, against the whole module on the same tokens: outputs and every gradient. With
+    `skew`, every token of every rank picks experts 0 and 1, so rank 1's experts receive no row at all."""
+    import torch.distributed as dist
+
+    from autopar.experts import ExpertLayer, ExpertPlan, shard_experts
+
+    torch.manual_seed(0)
+    whole = BatchedExperts(EXPERTS, WIDTH)
+    local = BatchedExperts(EXPERTS, WIDTH)
+    local.load_state_dict(whole.state_dict())
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(10 + rank)
+    hidden = torch.randn(6, WIDTH, generator=g)
+    if skew:
+        index = torch.tensor([[0, 1]] * 6)
+    else:
+        index = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(6)])
+    weights = torch.rand(6, TOP_K, generator=g)
+    plan = ExpertPlan(layers=[ExpertLayer("experts", "router", EXPERTS, TOP_K, "sigmoid", False, ("experts.weight",))])
+    holder = nn.Module()
+    holder.experts = local
+    sharded = shard_experts(holder, plan, dist.group.WORLD, ep=2, ep_rank=rank)
+    results = {}
+    for name, module in (("whole", whole), ("ep", local)):
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(x, index, w)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        weight_grad = module.weight.grad if module.weight.grad is not None else torch.zeros_like(module.weight)
+        results[name] = {"out": out.detach(), "x": x.grad, "w": w.grad, "weight": weight_grad}  # no row: no gradient
+    whole_grads = [torch.empty_like(results["whole"]["weight"]) for _ in range(2)]
+    dist.all_gather(whole_grads, results["whole"]["weight"])  # one process's expert gradient: both ranks' tokens
+    results["whole"]["weight"] = sum(whole_grads)[rank * 2:(rank + 1) * 2]
+    results["received"] = sharded.forwards["experts"].received_per_expert.tolist()
+    return results

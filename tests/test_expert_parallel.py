@@ -107,3 +107,17 @@ def test_more_hf_families_experts_are_found(family):
                for layer in plan.layers), plan.table()
     experts = {name for name, _ in model.named_parameters() if ".experts." in name}
     assert set(plan.expert_params) == experts and not plan.unrecognised
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "rank-1-gets-nothing"])
+def test_dispatch_equals_the_whole_experts_module(rank_pool, skew):
+    """The all-to-all dispatch on 2 ranks against the whole module on each rank's tokens: outputs, input and
+    router-weight gradients, and this rank's experts' gradient (both ranks' tokens). Skewed routing leaves
+    rank 1's experts with no row: it still joins every exchange, forward and backward (no hang)."""
+    from moe_models import dispatch_against_whole
+
+    for rank, got in enumerate(rank_pool(2).run(dispatch_against_whole, skew, timeout=120)):
+        for key in ("out", "x", "w", "weight"):
+            torch.testing.assert_close(got["ep"][key], got["whole"][key], rtol=1e-5, atol=1e-5, msg=f"{rank} {key}")
+        if skew and rank == 1:
+            assert got["received"] == [0, 0]

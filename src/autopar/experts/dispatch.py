@@ -92,6 +92,6 @@ class ExpertParallelForward:
             out_in = self.local_forward(rows_in, ids_in, weights_in, *args, **kwargs)
         else:  # nothing came: still part of the graph, so this rank joins every exchange's backward
             out_in = rows_in * 0 + weights_in * 0
-        out = all_to_all_variable(out_in.reshape(sum(receive), -1), receive, send, self.group)
+        out = all_to_all_variable(out_in.reshape(sum(receive), hidden.shape[-1]), receive, send, self.group)
         combined = torch.zeros_like(hidden, dtype=out.dtype).index_add(0, order // k, out)
         return combined.to(hidden.dtype).reshape(shape)
