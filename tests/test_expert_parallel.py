@@ -45,6 +45,9 @@ def test_ep2_matches_one_process_and_resumes_under_ep1(rank_pool, tmp_path, one_
             assert got["expert_rows"] and set(got["expert_rows"].values()) == {2}, (job, got["expert_rows"])
             assert "each rank holds 2 of 4 experts" in got["banner"][0], got["banner"]
         assert_matches_reference(reference, ranks)
+        # the global gradient norm (dense parts once, every expert once) as one process's, before clipping at 1
+        norms = [[r["grad_norm"] for r in got["records"]] for got in (reference, *ranks)]
+        assert all(abs(a - b) <= 1e-5 * a for ours in norms[1:] for a, b in zip(norms[0], ours)), (job, norms)
         # tokens per expert and per rank in metrics.jsonl: every (token, choice) counted once over both ranks
         stats = ranks[0]["records"][-1]["experts"]
         assert len(stats) == 2, stats
