@@ -11,19 +11,18 @@ from torch import nn
 VOCAB, SEQ, WIDTH, EXPERTS, TOP_K = 64, 8, 16, 4, 2
 
 
-# more Hugging Face mixture-of-experts families, tiny (4 experts, top-2), for the planner's detection only
+# more Hugging Face mixture-of-experts families, tiny (4 experts, top-2), for the planner's detection only: the two
+# whose routing differs most from Mixtral's (Qwen3-MoE and OLMoE have Qwen2-MoE's form, which trains under ep)
 _TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
              num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MORE_MOE_FAMILIES: dict[str, dict] = {
-    "qwen3_moe": dict(_TINY, num_key_value_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=32),
-    "olmoe": dict(_TINY, num_key_value_heads=2, num_experts=4),
     "deepseek_v3": dict(_TINY, num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=32, n_group=1,
                         topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=8),
     "gpt_oss": dict(_TINY, num_key_value_heads=2, head_dim=8, num_local_experts=4, sliding_window=8),
 }
 # how each family's router scores its experts, as the planner reports it
-ROUTER_SCORES = {"qwen3_moe": "softmax", "olmoe": "softmax", "deepseek_v3": "sigmoid", "gpt_oss": "softmax of the chosen"}
+ROUTER_SCORES = {"deepseek_v3": "sigmoid", "gpt_oss": "softmax of the chosen"}
 
 
 class BatchedExperts(nn.Module):

@@ -90,7 +90,7 @@ def test_routing_without_batched_experts_stays_replicated_and_the_plan_says_why(
 
 @pytest.mark.parametrize("family", sorted(MORE_MOE_FAMILIES))
 def test_more_hf_families_experts_are_found(family):
-    """Qwen3-MoE, OLMoE, DeepSeek-V3 (sigmoid scores with a correction bias and group-limited choice, a router
+    """DeepSeek-V3 (sigmoid scores with a correction bias and group-limited choice, a router
     weight cast to fp32) and gpt-oss (softmax of the chosen logits, expert biases): traced on meta, each layer's
     experts module and its 3-d (and per-expert bias) weights are found."""
     import transformers
