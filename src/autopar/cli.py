@@ -343,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "and which stay replicated and why")
     plan.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism too (train's --sp): which "
                       "sums become reduce-scatters over the sequence")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel degree: show each mixture-of-experts "
+                      "layer found, how many experts a rank would hold, and routing left replicated and why")
     plan.add_argument("--method", default="time", choices=PARTITION_METHODS,
                       help="balance equal layers, parameter counts, or forward+backward time")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")

@@ -41,8 +41,13 @@ def plan(ns: argparse.Namespace, args: dict) -> int:
     if ns.tp != 1:
         from .tensor_parallel import plan_tensor_parallel
         tp_plan = plan_tensor_parallel(graph, ns.tp, sequence=ns.sp)
+    from .experts import find_experts
+    experts = find_experts(graph, model)  # mixture-of-experts layers --ep would shard, or why routing stays whole
+    ep = getattr(ns, "ep", 1) or 1
     if ns.json:
         extra = {"tensor_parallel": tp_plan.to_dict()} if tp_plan is not None else {}
+        if experts.layers or experts.unrecognised:
+            extra["experts"] = experts.to_dict()
         print(json.dumps({"model": info.name, "micro_batch": [ns.micro_batch_size, ns.seq_len],
                           "measured": ns.measure, **result.to_dict(), **extra}, indent=2))
     else:
@@ -52,6 +57,9 @@ def plan(ns: argparse.Namespace, args: dict) -> int:
         if tp_plan is not None:
             print()
             print(tp_plan.table())
+        if experts.layers or experts.unrecognised:
+            print()
+            print(experts.table(ep))
     return 0
 
 

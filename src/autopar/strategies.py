@@ -36,6 +36,7 @@ from .sparse.engine import SparseEmbeddingEngine
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.checkpoint import find_checkpoint
 from .train.engine import DataParallelEngine
+from .train.expert_engine import ExpertParallelEngine
 from .train.two_bw_oracle import DelayOneDataParallelEngine
 from .train.fsdp_engine import FullyShardedEngine
 
@@ -182,6 +183,12 @@ def _build_data_parallel(ctx: EngineContext, options: ReplicaOptions) -> Engine:
                               param_dtype=ctx.param_dtype, batchnorm=options.batchnorm)
 
 
+def _build_expert_parallel(ctx: EngineContext, options: Strategy) -> Engine:
+    """--ep: data parallelism whose expert layers are sharded over ep ranks (train/expert_engine.py)."""
+    return ExpertParallelEngine(**ctx.common(), forward_fn=ctx.forward_fn, example_batch=ctx.example_batch(),
+                                ep=options.ep, batchnorm=options.replicas.batchnorm)
+
+
 def _sparse_options(strategy: Strategy, config: TrainConfig) -> SparseOptions:
     return strategy.sparse
 
@@ -204,6 +211,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
     StrategyEntry("sparse-embeddings", sparse_requested, _synchronous_check, _build_sparse, options=_sparse_options),
     StrategyEntry("zero-3", lambda s, c: s.replicas.zero == 3, _synchronous_check, _build_fully_sharded,
                   options=_replica_options),
+    StrategyEntry("expert-parallel", lambda s, c: s.ep > 1, _synchronous_check, _build_expert_parallel),
     StrategyEntry("data-parallel", lambda s, c: True, _synchronous_check, _build_data_parallel,
                   options=_replica_options),
 )
@@ -254,7 +262,7 @@ def pick_entry(strategy: Strategy, config: TrainConfig,
                       f"dp_mode={strategy.replicas.mode}; the entries given were: {names or 'none'}")
 
 
-REPLAYING_ENTRIES = ("pipeline", "zero-3", "data-parallel")  # their engines keep BatchNorm statistics exactly
+REPLAYING_ENTRIES = ("pipeline", "zero-3", "expert-parallel", "data-parallel")  # their engines keep BatchNorm statistics exactly
 
 
 def _check_running_stats(model: nn.Module, entry: StrategyEntry, strategy: Strategy, world: int) -> None:

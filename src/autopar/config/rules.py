@@ -398,6 +398,35 @@ RULES: tuple[Rule, ...] = (
          lambda setup: setup.strategy.sp and setup.strategy.pipeline.boundary != "direct",
          "strategy.sp (--sp) with " + _BOUNDARY, "planned boundaries assume every tp rank holds the whole tensor, "
          "and under --sp each holds its slice of the sequence", "use --boundary direct with --sp"),
+    # ---- expert parallelism (--ep)
+    Rule("ep-divides-dp", "--ep that does not divide dp",
+         lambda setup: setup.strategy.ep > 1 and setup.strategy.dp is not None
+         and setup.strategy.dp % setup.strategy.ep != 0,
+         "--ep {s.ep} with dp={s.dp}", "the ep ranks of an expert group are taken from the data-parallel ranks, "
+         "so ep must divide dp", "use an --ep that divides {s.dp} (e.g. --ep {fit}), or change --nproc",
+         detail=lambda setup: {"fit": max(d for d in range(1, setup.strategy.dp + 1)
+                                          if setup.strategy.dp % d == 0 and d <= setup.strategy.ep)}),
+    Rule("ep-data-parallel-only", "--ep > 1 with pp > 1 or tp > 1",
+         lambda setup: setup.strategy.ep > 1 and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
+         "--ep {s.ep} with pp={s.pp} tp={s.tp}", "experts are sharded by the data-parallel engine, which holds the "
+         "whole model per replica; the pipeline engine keeps every expert on every rank",
+         "use pp=1 tp=1 with --ep, or --ep 1 with pp/tp"),
+    Rule("ep-synchronous-dense", "--ep > 1 with ZeRO, gossip, the parameter server, sparse embeddings or PipeDream",
+         lambda setup: setup.strategy.ep > 1 and (setup.strategy.replicas.zero > 0 or setup.other_dp_mode is not None
+                                                  or setup.strategy.pipeline.schedule in ("pipedream", "pipedream-2bw")),
+         "--ep {s.ep} with {other}", "expert parallelism runs in the synchronous data-parallel engine, whose dense "
+         "gradients are all-reduced whole", "drop {other}, or use --ep 1",
+         detail=lambda setup: {"other": setup.other_dp_mode or (f"--zero {setup.strategy.replicas.zero}"
+                                                                 if setup.strategy.replicas.zero else
+                                                                 f"--schedule {setup.strategy.pipeline.schedule}")}),
+    Rule("ep-fp32-weights", "--ep > 1 with --dtype bf16",
+         lambda setup: setup.strategy.ep > 1 and setup.config.dtype == "bf16",
+         "--ep {s.ep} with --dtype bf16", "the expert-parallel engine keeps fp32 weights (bf16 weights need the "
+         "fp32 masters of ZeRO's sharded optimizer, which it does not use)", "use --dtype bf16-autocast or fp32"),
+    Rule("ep-not-searched", "--strategy auto with --ep > 1",
+         lambda setup: _searched(setup) and setup.strategy.ep > 1,
+         _AUTO + " --ep {s.ep}", "the search does not place experts yet", "choose dp and --ep yourself, "
+         "or drop --ep", phase="search"),
 )
 
 

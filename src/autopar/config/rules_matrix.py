@@ -48,6 +48,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("parameter server", {"dp_mode": "async"}, {"optimizer": "sgd"}),
     Feature("sparse embrace", {"sparse_embeddings": "embrace"}),
     Feature("strategy auto", {"search": "auto"}),
+    Feature("ep 2", {"ep": 2}),
 )
 
 

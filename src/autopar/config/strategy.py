@@ -163,6 +163,10 @@ class Strategy:
     sp: bool = _f(False, "sequence parallelism within tensor parallelism: norms, dropout and residual adds between "
                          "a row and the next column layer run on 1/tp of the sequence (reduce-scatter and "
                          "all-gather instead of all-reduce); needs tp > 1")
+    # expert parallelism (experts/, train/expert_engine.py)
+    ep: int = _f(1, "expert parallelism: the experts of each mixture-of-experts layer sharded over N ranks taken "
+                    "from the data-parallel ranks (N divides dp and the expert count; tokens travel to their "
+                    "expert's rank by all-to-all); 1: every rank holds every expert")
     pipeline: PipelineOptions = dataclasses.field(default_factory=PipelineOptions, metadata={"group": True})
     replicas: ReplicaOptions = dataclasses.field(default_factory=ReplicaOptions, metadata={"group": True})
     sparse: SparseOptions = dataclasses.field(default_factory=SparseOptions, metadata={"group": True})
@@ -231,6 +235,7 @@ class Strategy:
             _check_positive_int("strategy.dp", self.dp)
         _check_positive_int("strategy.chunks", self.pipeline.chunks)
         _check_positive_int("strategy.tp_subbatches", self.pipeline.tp_subbatches)
+        _check_positive_int("strategy.ep", self.ep)
         schedule_spec(self.pipeline.schedule)  # an unknown name is refused with the schedule table's names
         if self.pipeline.partition not in PARTITION_METHODS:
             raise ConfigError(f"unknown partition method {self.pipeline.partition!r}; use one of {choices(PARTITION_METHODS)}")
