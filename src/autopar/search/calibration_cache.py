@@ -35,8 +35,8 @@ from pathlib import Path
 from ..errors import AutoparError
 from .cluster import Cluster, cluster_from_dict, preset, resolve_cluster, sized
 
-FORMAT = 2  # bump when what is measured, or how, changes: entries of older formats are measured again
-# (2: reduce-scatter and all-gather wall times per group size)
+FORMAT = 3  # bump when what is measured, or how, changes: entries of older formats are measured again
+# (2: reduce-scatter and all-gather wall times per group size; 3: the reference step's level, time_shared_scale)
 CACHE_ENV = "AUTOPAR_CACHE_DIR"
 CLUSTER_ENV = "AUTOPAR_CLUSTER"  # a preset or file to price on when --cluster is not given (cpu-local: never measure)
 
