@@ -147,11 +147,28 @@ def stage_units(*, param_elements: int, saved: list[float], inputs: list[float],
                 micro_batch_size: int, recompute_blocks: int, whole_stage: bool, activation_scale: float,
                 optimizer: str, dp: int, headroom: float, transient_bytes: float | None = None, zero: int = 0,
                 bf16_master: bool = False, largest_block_params: float = 0.0, held_bytes: float = 0.0,
-                num_microbatches: int = 1, gathered_units: int = 2) -> StageUnits:
+                num_microbatches: int = 1, gathered_units: int = 2, stage_input=None, stage_output=None,
+                boundary_scale: float | None = None) -> StageUnits:
     """Bytes per count of one stage (StageUnits), from the same pieces as `stage_memory`; `held_bytes`: what
-    one micro-batch's I keeps for its W."""
+    one micro-batch's I keeps for its W.
+
+    `stage_input`, `stage_output` (profile.Crossing): what enters and leaves the stage, split into bytes that
+    grow with the micro-batch and bytes that do not, with the gradients sent back (floating-point tensors only);
+    given, they replace inputs[0] and output_bytes for what is stashed, sent and received. `boundary_scale`: the
+    bytes of those tensors per fp32 byte (the residual stream stays fp32 under bf16 autocast: 1; bf16 parameters:
+    0.5); default `activation_scale`."""
     b = micro_batch_size * activation_scale
     input_bytes = inputs[0] * b if inputs else 0.0
+    output_sent = output_bytes * b
+    input_grad, output_grad = input_bytes, output_sent
+    if stage_input is not None or stage_output is not None:
+        scale = activation_scale if boundary_scale is None else boundary_scale
+        if stage_input is not None:
+            input_bytes = stage_input.at(micro_batch_size) * scale
+            input_grad = stage_input.grad_at(micro_batch_size) * scale
+        if stage_output is not None:
+            output_sent = stage_output.at(micro_batch_size) * scale
+            output_grad = stage_output.grad_at(micro_batch_size) * scale
     activations = sum(saved) * b if whole_stage else kept_bytes(saved, inputs, recompute_blocks) * b
     rebuilt = max(saved[:recompute_blocks], default=0.0) if not whole_stage else 0.0
     if transient_bytes is None:
@@ -172,6 +189,6 @@ def stage_units(*, param_elements: int, saved: list[float], inputs: list[float],
         zero3 = (gathered, end, unit)
     # the received input is the stash; every tensor sent stays alive until the step's end (p2p.wait_sends).
     # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
-    per_count = (activations, input_bytes, held_bytes, output_bytes * b, input_bytes, output_bytes * b, transient)
+    per_count = (activations, input_bytes, held_bytes, output_sent, input_grad, output_grad, transient)
     return StageUnits(params=states.params, grads=states.grads, optimizer=states.optimizer, per_count=per_count,
                       headroom=headroom, zero3=zero3)
