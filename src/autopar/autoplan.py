@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import JobConfig, Strategy, TrainConfig
+from .elastic_plan import CHOSEN_BY_SEARCH, read_previous_plan
 from .errors import ConfigError
 from .search.auto import Plan, milliseconds
 from .search.decision import PREDICTED_TIME_ERROR, to_measure
@@ -68,6 +69,14 @@ def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, li
             print(plan.describe(), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
+    if not job.strategy.plan:  # a resume with another --nproc may search again (elastic_plan.replan_on_resume)
+        plan.record["chosen_by"] = CHOSEN_BY_SEARCH
+        previous = read_previous_plan(path) if job.train.resume else None
+        if previous is not None and previous.nproc != nproc:  # the run's plan for its earlier process count
+            plan.record["earlier_plans"] = [{k: v for k, v in previous.record.items() if k != "earlier_plans"},
+                                            *previous.record.get("earlier_plans", [])]
+            plan.record["replanned"] = {"from_nproc": previous.nproc, "to_nproc": nproc, "how": "searched again"}
+            print(f"autopar: resumed with {nproc} processes instead of {previous.nproc}: re-planned", flush=True)
     plan.save(path)
     job = dataclasses.replace(job, strategy=dataclasses.replace(job.strategy, plan=str(path)),
                               train=dataclasses.replace(job.train, out=str(out)))
