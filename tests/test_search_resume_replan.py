@@ -52,3 +52,15 @@ def test_a_plan_given_by_file_is_not_replaced(run):
     (run / "plan.json").write_text(json.dumps(record))
     job = _job(run, "--nproc", "2")
     assert job.strategy.search == "manual" and job.strategy.pp == 2
+
+
+def test_the_ranks_take_the_new_plan_over_the_runs_old_layout(run, tmp_path):
+    """The CLI hands the ranks `--plan RUN/plan.json` (now for 2 processes): the layout config.toml holds from
+    the 4-process plan yields to it instead of contradicting it."""
+    from autopar.search.auto import Plan
+    new = tmp_path / "new-plan.json"
+    new.write_text(json.dumps({"nproc": 2, "strategy": {"dp": 2, "tp": 1, "pp": 1, "zero": 0},
+                               "train": {"global_batch_size": 16, "micro_batch_size": 8}}))
+    job = _job(run, "--nproc", "2", "--plan", str(new))
+    assert job.strategy.pp == 1 and job.strategy.zero == 0
+    Plan.load(new).apply(job.strategy, job.train)  # nothing the run had set contradicts the plan

@@ -40,18 +40,28 @@ LAYOUT_FIELDS = ("dp", "tp", "pp", "stage_tp", "plan", "search")  # flags that f
 def replan_on_resume(job: JobConfig, run: Path, given: dict) -> JobConfig:
     """`job` (read back from `run`'s config.toml, which holds the layout its plan chose) made a `--strategy auto`
     job again when the run's search chose that plan for another process count than this start's: the fields the
-    plan set go back to their defaults (but those given now), so the search plans them for the new count. As is
-    otherwise (no such plan, the same count, or a layout given in `given`, the command line's flags)."""
-    previous = read_previous_plan(run / PLAN_FILE)
+    plan set go back to their defaults (but those given now), so the search plans them for the new count. With a
+    plan given now (`--plan`, as the CLI hands the ranks the new plan.json), the run's old layout yields to it the
+    same way. As is otherwise (no such plan, the same count, or a layout given in `given`, the command line's)."""
     fixed = given.get("strategy", {})
+    if fixed.get("plan"):
+        chosen = read_previous_plan(Path(fixed["plan"]))
+        return _without_plan_fields(job, chosen, given) if chosen is not None else job
+    previous = read_previous_plan(run / PLAN_FILE)
     if previous is None or previous.record.get("chosen_by") != CHOSEN_BY_SEARCH or \
             previous.nproc == job.launch.nproc or any(key in fixed for key in LAYOUT_FIELDS):
         return job
-    strategy_defaults, train_defaults = Strategy(), TrainConfig()
-    strategy = dataclasses.replace(job.strategy, search="auto", plan=None, **{
-        key: getattr(strategy_defaults, key) for key in previous.record["strategy"] if key not in fixed})
+    job = _without_plan_fields(job, previous, given)
+    return dataclasses.replace(job, strategy=dataclasses.replace(job.strategy, search="auto", plan=None))
+
+
+def _without_plan_fields(job: JobConfig, plan: Plan, given: dict) -> JobConfig:
+    """`job` with the fields `plan` sets back at their defaults, but those `given` on the command line."""
+    fixed, strategy_defaults, train_defaults = given.get("strategy", {}), Strategy(), TrainConfig()
+    strategy = dataclasses.replace(job.strategy, **{
+        key: getattr(strategy_defaults, key) for key in plan.record["strategy"] if key not in fixed})
     train = dataclasses.replace(job.train, **{
-        key: getattr(train_defaults, key) for key in previous.record["train"]
+        key: getattr(train_defaults, key) for key in plan.record["train"]
         if key not in given.get("train", {}) and key != "global_batch_size"})  # the batch is the run's, not planned
     return dataclasses.replace(job, strategy=strategy, train=train)
 
