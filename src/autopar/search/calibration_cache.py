@@ -2,7 +2,9 @@
 
 The rough `cpu-local` figures are not this machine: a search priced on them picks layouts that run slower
 than the default. So a search with no cluster given measures this machine the first time (calibrate.py over
-the group sizes the search can form: 12-28 s at 4-8 ranks on 2 cores at load 15-48) and keeps them, one entry per
+the group sizes the search can form, and the step model's level from one small model's step, reference_step.py:
+12-28 s at 4-8 ranks on 2 cores at load 15-48 before that level was added, ~2 s of CPU more) and keeps them,
+one entry per
 
     calibration format, host name, CPU model, cores this process may use, GPU models, torch version, process count
 

@@ -85,7 +85,8 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
     `zero` and `bf16_master` choose the model-state bytes (zero_memory.py). Beyond them, ZeRO-2 holds
     the stage's full gradient at the end of each backward, until its reduction, when that micro-batch's
     activations are freed: a backward peaks at its start (activations and one block's transient) or at its
-    end (the full gradient), whichever is larger (StageUnits.full_gradient). ZeRO-3 (FSDP2) holds, while the activations peak (the start of a
+    end (the full gradient), whichever is larger (StageUnits.full_gradient).
+    ZeRO-3 (FSDP2) holds, while the activations peak (the start of a
     backward), `gathered_units` x `largest_block_params` gathered (its unit: a block and the prefetched
     next one under dp alone, 2; the whole stage with pp or tp, 1) and, with several micro-batches, the
     stage's unsharded gradient accumulating between them (no-sync), but no sharded gradient yet (the
