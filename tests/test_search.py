@@ -324,6 +324,7 @@ def test_calibrate_measures_gloo_links_on_two_ranks():
     # the CPU they take (time-sharing ranks pay it), how many cores two ranks get, and each blocking wait's CPU
     assert set(links["allreduce_cpu"]) == {"2"} and links["allreduce_cpu"]["2"]["bandwidth_bytes_per_s"] > 0
     assert links["p2p_cpu"]["latency_s"] >= 0 and 0 < links["effective_cores"] <= 2 and links["sync_cpu_s"] >= 0
+    assert links["reference_step_s"] > 0  # the step model's level: a small GPT's step (search/reference_step.py)
 
 
 def test_cost_model_measures_this_machine_only():

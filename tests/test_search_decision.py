@@ -200,7 +200,8 @@ def test_measured_against_predicted_line():
 
 
 def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):
-    """autoplan.confirm with the launcher replaced by one that writes each plan's metrics (no process starts)."""
+    """autoplan.confirm with the launcher replaced by one that writes each plan's measurement (no process starts):
+    one launch for all the plans (confirm_ranks.py)."""
     import json
     from pathlib import Path
 
@@ -211,15 +212,20 @@ def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):
     record.update(nproc=4, model="toy")
     plan = Plan(record, source="the search")
 
+    launches = []
+
     def fake_launch(command, nproc, **_):
-        folder = Path(command[command.index("--out") + 1])
-        ran = json.loads(Path(command[command.index("--plan") + 1]).read_text())
-        folder.mkdir(parents=True)
-        # the default layout measures slowest, the others by their zero level and degrees
-        seconds = 0.5 if ran["strategy"] == default["strategy"] else \
-            0.2 + 0.01 * (ran["strategy"]["zero"] + ran["train"]["micro_batches"])
-        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step_time_s": seconds, "peak_mem_bytes": 1}) + "\n"
-                                                      for _ in range(4)))
+        assert command[1:3] == ["-m", "autopar.confirm_ranks"] and nproc == 4
+        launches.append(command)
+        spec = json.loads(Path(command[3]).read_text())
+        measured = []
+        for path in spec["plans"]:
+            ran = json.loads(Path(path).read_text())
+            # the default layout measures slowest, the others by their zero level and degrees
+            seconds = 0.5 if ran["strategy"] == default["strategy"] else \
+                0.2 + 0.01 * (ran["strategy"]["zero"] + ran["train"]["micro_batches"])
+            measured.append({"step_times_s": [seconds] * (spec["steps"] - 1), "peak_mem_bytes": 1})
+        Path(spec["out"]).write_text(json.dumps(measured))
         return 0
 
     monkeypatch.setattr(autopar.launch, "launch", fake_launch)
@@ -234,3 +240,4 @@ def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):
     assert chosen.record["strategy"] != default["strategy"]  # measured slowest, it does not run
     assert chosen.record["why"].startswith("Predicted: ") and "Measured: " in chosen.record["why"]
     assert "kept the fastest of 3 measured" in chosen.describe()
+    assert len(launches) == 1  # the ranks start once for all the plans

@@ -3,8 +3,8 @@
 The CLI resolves the choice in its own process, before any rank starts (strategies.resolve
 runs the search, or reads and checks the plan), prints the banner line, writes plan.json into
 the run folder and starts the ranks on that plan, so they do not search again. `--confirm K`
-first runs each of the top K plans for a few steps (the launcher, one after the other, each
-in a temporary folder) and keeps the fastest measured; every measurement goes into plan.json.
+first runs each of the top K plans for a few steps (all in one launch, their steps interleaved:
+confirm_ranks.py) and keeps the fastest measured; every measurement goes into plan.json.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import JobConfig, Strategy, TrainConfig
+from .elastic_plan import CHOSEN_BY_SEARCH, read_previous_plan
 from .errors import ConfigError
 from .search.auto import Plan, milliseconds
 from .search.decision import PREDICTED_TIME_ERROR, to_measure
@@ -68,6 +69,14 @@ def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, li
             print(plan.describe(), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
+    if not job.strategy.planning.plan:  # a resume with another --nproc may search again (elastic_plan.replan_on_resume)
+        plan.record["chosen_by"] = CHOSEN_BY_SEARCH
+        previous = read_previous_plan(path) if job.train.resume else None
+        if previous is not None and previous.nproc != nproc:  # the run's plan for its earlier process count
+            plan.record["earlier_plans"] = [{k: v for k, v in previous.record.items() if k != "earlier_plans"},
+                                            *previous.record.get("earlier_plans", [])]
+            plan.record["replanned"] = {"from_nproc": previous.nproc, "to_nproc": nproc, "how": "searched again"}
+            print(f"autopar: resumed with {nproc} processes instead of {previous.nproc}: re-planned", flush=True)
     plan.save(path)
     job = dataclasses.replace(job, strategy=dataclasses.replace(job.strategy, plan=str(path)),
                               train=dataclasses.replace(job.train, out=str(out)))
@@ -84,40 +93,49 @@ def plans_to_measure(plan: Plan, k: int | None) -> list[dict]:
 
 
 def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Plan:
-    """Run each of `records` (plans) for CONFIRM_STEPS steps and return the fastest measured, all recorded."""
+    """Run each of `records` (plans) for CONFIRM_STEPS steps and return the fastest measured, all recorded.
+
+    One launch for all of them (confirm_ranks.py): the ranks start once and step the plans in turn, round after
+    round; together while their predicted peaks fit a device's memory together, else one after another."""
     from .launch import launch
     k = len(records)
     shared = {key: plan.record[key] for key in ("nproc", "num_params", "model", "seq_len", "cluster")
               if key in plan.record}
+    folder = Path(tempfile.mkdtemp(prefix="autopar-confirm-"))
     results = []
-    for i, record in enumerate(records):
-        folder = Path(tempfile.mkdtemp(prefix=f"autopar-confirm-{i}-"))
-        try:
+    try:
+        paths = []
+        for i, record in enumerate(records):
             candidate = Plan({**shared, **{key: record[key] for key in ("strategy", "train", "prediction")}})
-            candidate.save(folder / "plan.json")
+            paths.append(str(folder / f"plan-{i}.json"))
+            candidate.save(paths[-1])
             predicted = milliseconds(record["prediction"]["step_time_s"])
-            print(f"confirm {i + 1}/{len(records)}: {candidate.configuration()}, predicted {predicted} ms/step; "
-                  f"running {CONFIRM_STEPS} steps", flush=True)
-            command = [sys.executable, "-m", "autopar", *argv, "--plan", str(folder / "plan.json"),
-                       "--out", str(folder / "run"), "--steps", str(CONFIRM_STEPS), "--log-every", "1",
-                       "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress",
-                       "--confirm", "0"]
-            code = launch(command, nproc)
+            print(f"confirm {i + 1}/{len(records)}: {candidate.configuration()}, predicted {predicted} ms/step",
+                  flush=True)
+        spec = {"argv": list(argv), "plans": paths, "steps": CONFIRM_STEPS, "folder": str(folder / "runs"),
+                "out": str(folder / "measured.json"), "together": _fit_together(plan, records)}
+        (folder / "spec.json").write_text(json.dumps(spec))
+        print(f"confirm: running the {len(records)} plans for {CONFIRM_STEPS} steps each, "
+              f"{'interleaved' if spec['together'] else 'one after another'}, in one launch", flush=True)
+        code = launch([sys.executable, "-m", "autopar.confirm_ranks", str(folder / "spec.json")], nproc)
+        measured = json.loads((folder / "measured.json").read_text()) if code == 0 else [{}] * len(records)
+        for i, (record, got) in enumerate(zip(records, measured)):
             entry = {"predicted_rank": i + 1, "strategy": record["strategy"], "train": record["train"],
                      "predicted_step_time_s": record["prediction"]["step_time_s"], "exit_code": code,
                      "default_layout": same_plan(record, plan.record.get("default_layout") or {})}
-            if code == 0:
-                times = [json.loads(line)["step_time_s"] for line in
-                         (folder / "run" / "metrics.jsonl").read_text().splitlines() if line]
-                entry.update(measured_step_time_s=statistics.median(times[1:] or times), step_times_s=times,
-                             peak_mem_bytes=_last_peak(folder / "run" / "metrics.jsonl"))
+            if got.get("error"):
+                entry["error"] = got["error"]
+            elif got.get("step_times_s"):  # the first step (allocations, cold caches) ran untimed
+                entry.update(measured_step_time_s=statistics.median(got["step_times_s"]),
+                             step_times_s=got["step_times_s"], peak_mem_bytes=got["peak_mem_bytes"])
             results.append(entry)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     ran = [r for r in results if "measured_step_time_s" in r]
     if not ran:
-        raise ConfigError(f"--confirm {k}: none of the top {len(records)} plans ran (exit codes "
-                          f"{[r['exit_code'] for r in results]}); run the plan alone to see why, or drop --confirm")
+        why = [r.get("error") or f"exit code {r['exit_code']}" for r in results]
+        raise ConfigError(f"--confirm {k}: none of the top {len(records)} plans ran ({'; '.join(why)}); run the plan "
+                          f"alone to see why, or drop --confirm")
     best = min(ran, key=lambda r: r["measured_step_time_s"])
     winner = records[best["predicted_rank"] - 1]
     keep = ("strategy", "train", "prediction")
@@ -133,11 +151,17 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
     return Plan(chosen, source="the confirmed search")
 
 
+def _fit_together(plan: Plan, records: list[dict]) -> bool:
+    """Whether the plans' predicted peaks per rank, added up, fit one device's memory (all are alive at once when
+    interleaved); unknown memory: together."""
+    memory_gb = plan.record.get("search", {}).get("memory_per_device_gb")
+    if not memory_gb:
+        return True
+    peaks = [max(r.get("prediction", {}).get("peak_memory_bytes_per_rank") or [0]) for r in records]
+    return sum(peaks) <= memory_gb * 2**30
+
+
 def winner_text(winner: dict, measured: dict) -> str:
     return (f"{configuration(winner)} ({milliseconds(measured['measured_step_time_s'])} ms/step measured, "
             f"{milliseconds(winner['prediction']['step_time_s'])} predicted)")
 
-
-def _last_peak(path: Path) -> int | None:
-    records = [json.loads(line) for line in path.read_text().splitlines() if line]
-    return records[-1].get("peak_mem_bytes") if records else None

@@ -84,6 +84,7 @@ def _field(section: str, key: str) -> FlatField:
 def resolve_job(ns: argparse.Namespace) -> JobConfig:
     """defaults < --config FILE (or, with --resume RUN_DIR alone, the run's own config.toml) < flags."""
     overrides = _overrides(ns)
+    run = None
     if ns.config:
         job = load_toml(ns.config)
         if _run_folder_of(Path(ns.config).parent) is not None:  # a run's config.toml: a new run, not that one,
@@ -98,6 +99,9 @@ def resolve_job(ns: argparse.Namespace) -> JobConfig:
             # continue in the run's own folder; dp is re-derived, so a different --nproc reshards
             job = merge(job, {"train": {"out": str(run), "resume": None}, "strategy": {"dp": None}})
     job = merge(job, overrides)
+    if run is not None:  # a plan the search chose for another --nproc: search again for this one
+        from .elastic_plan import replan_on_resume
+        job = replan_on_resume(job, run, overrides)
     job.validate()
     _check_same_run(job, overrides)
     return job

@@ -14,10 +14,15 @@ What rank 0 decides from the run folder's plan.json (written by the previous sta
   checkpoint resumes under the new plan (checkpoints load into any layout);
 - no plan (or one for another model): searched.
 A plan the user fixed with `--plan FILE` is never replaced: a plan for another world is refused.
+
+The same holds for a run resumed by hand: `autopar train --resume RUN_DIR --nproc N` on a run whose plan
+`--strategy auto` chose for another process count searches again for N (replan_on_resume), unless a layout
+is given beside it; the checkpoint then resumes under the new plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +33,37 @@ from .errors import AutoparError, ConfigError, DistributedError
 from .search.auto import Plan
 
 PLAN_FILE = "plan.json"
+CHOSEN_BY_SEARCH = "--strategy auto"  # plan.json's "chosen_by" when the run's own search chose it (not --plan FILE)
+LAYOUT_FIELDS = ("dp", "tp", "pp", "stage_tp", "plan", "search")  # flags that fix the layout of a resumed run
+
+
+def replan_on_resume(job: JobConfig, run: Path, given: dict) -> JobConfig:
+    """`job` (read back from `run`'s config.toml, which holds the layout its plan chose) made a `--strategy auto`
+    job again when the run's search chose that plan for another process count than this start's: the fields the
+    plan set go back to their defaults (but those given now), so the search plans them for the new count. With a
+    plan given now (`--plan`, as the CLI hands the ranks the new plan.json), the run's old layout yields to it the
+    same way. As is otherwise (no such plan, the same count, or a layout given in `given`, the command line's)."""
+    fixed = given.get("strategy", {})
+    if fixed.get("plan"):
+        chosen = read_previous_plan(Path(fixed["plan"]))
+        return _without_plan_fields(job, chosen, given) if chosen is not None else job
+    previous = read_previous_plan(run / PLAN_FILE)
+    if previous is None or previous.record.get("chosen_by") != CHOSEN_BY_SEARCH or \
+            previous.nproc == job.launch.nproc or any(key in fixed for key in LAYOUT_FIELDS):
+        return job
+    job = _without_plan_fields(job, previous, given)
+    return dataclasses.replace(job, strategy=dataclasses.replace(job.strategy, search="auto", plan=None))
+
+
+def _without_plan_fields(job: JobConfig, plan: Plan, given: dict) -> JobConfig:
+    """`job` with the fields `plan` sets back at their defaults, but those `given` on the command line."""
+    fixed, strategy_defaults, train_defaults = given.get("strategy", {}), Strategy(), TrainConfig()
+    strategy = dataclasses.replace(job.strategy, **{
+        key: getattr(strategy_defaults, key) for key in plan.record["strategy"] if key not in fixed})
+    train = dataclasses.replace(job.train, **{
+        key: getattr(train_defaults, key) for key in plan.record["train"]
+        if key not in given.get("train", {}) and key != "global_batch_size"})  # the batch is the run's, not planned
+    return dataclasses.replace(job, strategy=strategy, train=train)
 
 
 def searches_on_the_ranks(job: JobConfig) -> bool:

@@ -141,7 +141,7 @@ def _no_flush(setup: Setup) -> bool:
 RULES: tuple[Rule, ...] = (
     # ---- what the search covers (checked on the user's choices, before it runs)
     Rule("search-scope", "--strategy auto beside --dp-mode gossip|async, --sparse-embeddings, --tp-subbatches, "
-         "--recompute all-but-last, --memory-budget-mb or --optimizer sparse-adam",
+         "--boundary other than direct, --recompute all-but-last, --memory-budget-mb or --optimizer sparse-adam",
          lambda setup: _searched(setup) and _outside_search(setup) is not None,
          _AUTO + " {flag}", _AUTO_WHY, _AUTO_FIX,
          detail=lambda setup: dict(zip(("flag", "want"), _outside_search(setup) or ("", ""))), phase="search"),
@@ -434,7 +434,8 @@ def _outside_search(setup: Setup) -> tuple[str, str] | None:
     """The first choice outside the search's space, as (flag with value, what would work)."""
     s, c = setup.strategy, setup.config
     for flag, value, want in (("--dp-mode", s.replicas.mode, "allreduce"), ("--sparse-embeddings", s.sparse.mode,
-                              "dense"), ("--tp-subbatches", s.pipeline.tp_subbatches, 1)):
+                              "dense"), ("--tp-subbatches", s.pipeline.tp_subbatches, 1),
+                              ("--boundary", s.pipeline.boundary, "direct")):
         if value != want:
             return f"{flag} {value}", str(want)
     if s.pipeline.recompute == "all-but-last":

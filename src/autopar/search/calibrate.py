@@ -14,7 +14,9 @@ Measured, each in a few seconds at most:
   (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
 - the cores the N ranks really get when all run at once (calibrate_ranks.sharing_probe):
   the node's `cores_per_node`, which the step model divides the ranks' summed work by, and the
-  CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`).
+  CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`);
+- the step model's level (`time_shared_scale`): one small GPT's replicated data-parallel step on the N ranks
+  (reference_step.py) against what the search predicts for it (step_probe.reference_level).
 Memory per device is this machine's RAM divided by N.
 
 The ranks are forked from one fresh process (calibrate_ranks.run_forked), so torch is imported once, not N
@@ -117,7 +119,7 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
     gather_wall = {int(n): Link(**fit) for n, fit in links["all_gather"].items()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return Cluster(name="calibrated", source=f"measured by autopar calibrate on {socket.gethostname()} at {stamp} "
+    cluster = Cluster(name="calibrated", source=f"measured by autopar calibrate on {socket.gethostname()} at {stamp} "
                    f"with {nproc} gloo ranks of one thread", num_devices=nproc, devices_per_node=nproc,
                    memory_per_device_gb=round(ram / nproc / 2**30, 2), flops_per_s={"fp32": fp32, "bf16": bf16},
                    compute_efficiency=1.0, memory_bandwidth_bytes_per_s=bandwidth, intra_node=p2p,
@@ -128,6 +130,10 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
                    p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
                    node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0),
                    measured_at=round(time.time(), 1))
+    if links.get("reference_step_s"):  # the step model's level, from a real step of a small model (step_probe.py)
+        from .step_probe import reference_level
+        cluster = cluster.replace(time_shared_scale=round(reference_level(cluster, links["reference_step_s"]), 4))
+    return cluster
 
 
 def cmd_calibrate(ns) -> int:

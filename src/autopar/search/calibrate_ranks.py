@@ -19,7 +19,8 @@ effective cores = ranks x alone / together (about 1.8 for 4-8 ranks on a quiet 2
 machine: the ideal 2, less what switching between processes costs; more when other jobs hold
 the cores, since then each process gets its slice whether or not our other ranks run).
 And what each blocking synchronisation costs a rank's CPU beyond that, once the ranks time-share the
-cores (`sync_cost`: context switches, caches refilled after the wait).
+cores (`sync_cost`: context switches, caches refilled after the wait). Last, one small GPT's data-parallel step on
+every rank (reference_step.py), whose time over its prediction is the step model's level (step_probe.py).
 Rank 0 writes the fits as JSON to the path given as the first argument. `--ranks N` starts the N ranks here,
 forked from this one process after torch is imported (`run_forked`), instead of being one rank under a launcher:
 N processes importing torch at once on a small machine took 20 s of the 25 a 4-rank calibration lasted. Run so
@@ -263,12 +264,28 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
     seconds["sharing"] = time.perf_counter() - began - sum(seconds.values())
     result["sync_cpu_s"] = sync_cost() if world >= 2 else 0.0
     seconds["waits"] = time.perf_counter() - began - sum(seconds.values())
+    result["reference_step_s"] = _reference_step_seconds()
+    seconds["reference"] = time.perf_counter() - began - sum(seconds.values())
     result["seconds"] = seconds
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _reference_step_seconds() -> float:
+    """The reference model's data-parallel step on every rank (reference_step.py: the level of the step model)."""
+    if __package__:
+        from .reference_step import step_seconds
+    else:  # run as a script, the package not imported: loaded by its path
+        import importlib.util
+        from pathlib import Path
+        spec = importlib.util.spec_from_file_location("reference_step", Path(__file__).with_name("reference_step.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        step_seconds = module.step_seconds
+    return step_seconds()
 
 
 def _forked_rank(rank: int, world: int, port: int, out: str, group_sizes: list[int] | None) -> None:
@@ -295,6 +312,10 @@ def run_forked(world: int, out: str, group_sizes: list[int] | None = None) -> No
 
 def main() -> None:
     import argparse
+    import sys
+    from pathlib import Path
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]  # this folder's profile.py would shadow the standard library's (which torch imports)
     parser = argparse.ArgumentParser(prog="python -m autopar.search.calibrate_ranks")
     parser.add_argument("out", help="where rank 0 writes the fits (JSON)")
     parser.add_argument("--ranks", type=int, default=None, help="fork this many ranks here (default: this "

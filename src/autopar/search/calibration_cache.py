@@ -2,7 +2,9 @@
 
 The rough `cpu-local` figures are not this machine: a search priced on them picks layouts that run slower
 than the default. So a search with no cluster given measures this machine the first time (calibrate.py over
-the group sizes the search can form: 12-28 s at 4-8 ranks on 2 cores at load 15-48) and keeps them, one entry per
+the group sizes the search can form, and the step model's level from one small model's step, reference_step.py:
+12-28 s at 4-8 ranks on 2 cores at load 15-48 before that level was added, ~2 s of CPU more) and keeps them,
+one entry per
 
     calibration format, host name, CPU model, cores this process may use, GPU models, torch version, process count
 
@@ -35,8 +37,8 @@ from pathlib import Path
 from ..errors import AutoparError
 from .cluster import Cluster, cluster_from_dict, preset, resolve_cluster, sized
 
-FORMAT = 2  # bump when what is measured, or how, changes: entries of older formats are measured again
-# (2: reduce-scatter and all-gather wall times per group size)
+FORMAT = 3  # bump when what is measured, or how, changes: entries of older formats are measured again
+# (2: reduce-scatter and all-gather wall times per group size; 3: the reference step's level, time_shared_scale)
 CACHE_ENV = "AUTOPAR_CACHE_DIR"
 CLUSTER_ENV = "AUTOPAR_CLUSTER"  # a preset or file to price on when --cluster is not given (cpu-local: never measure)
 

@@ -42,7 +42,7 @@ from .candidate import Candidate, Estimate  # noqa: F401 (imported from here by 
 from .cluster import Cluster
 from .memory import OPTIMIZER_STATE_BYTES, StageUnits, stage_units
 from .memory_walk import rank_peaks
-from .profile import ModelProfile
+from .profile import Crossing, ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled, shared_pipeline_makespan
 from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_exposed_s
 
@@ -371,9 +371,14 @@ class StepModel:
         def units_of(s: int, k: int) -> StageUnits:
             a, b = spans[s]
             out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
+            crossed = self.profile.crossings  # the stage's input and output, split by batch and gradient
+            edges = dict(stage_input=crossed[a - 1] if a > 0 else Crossing(0.0),
+                         stage_output=crossed[b - 1] if b < self.profile.num_blocks else Crossing(0.0),
+                         boundary_scale=self.boundary_scale) if crossed else {}
             return stage_units(param_elements=local_params[s], saved=list(saved_bytes[a:b]), inputs=inputs[a:b],
                                output_bytes=out, recompute_blocks=k, whole_stage=whole, transient_bytes=transient[s],
-                               largest_block_params=gathered_unit(s, a, b), held_bytes=pending[s], **memory_args)
+                               largest_block_params=gathered_unit(s, a, b), held_bytes=pending[s], **edges,
+                               **memory_args)
 
         def peaks(units: list[StageUnits], only: int | None = None) -> dict[int, dict[int, tuple[float, ...]]]:
             """Per rank, each stage's counts at the rank's peak action (memory_walk.py): the peak of the sum."""

@@ -83,8 +83,10 @@ def stage_memory(*, param_elements: int, saved: list[float], inputs: list[float]
     for this micro-batch, replacing the estimate of one block's activations twice over.
 
     `zero` and `bf16_master` choose the model-state bytes (zero_memory.py). Beyond them, ZeRO-2 holds
-    the stage's full gradient at the end of each backward, until its reduction (a transient, as the
-    activations it replaces are freed). ZeRO-3 (FSDP2) holds, while the activations peak (the start of a
+    the stage's full gradient at the end of each backward, until its reduction, when that micro-batch's
+    activations are freed: a backward peaks at its start (activations and one block's transient) or at its
+    end (the full gradient), whichever is larger (StageUnits.full_gradient).
+    ZeRO-3 (FSDP2) holds, while the activations peak (the start of a
     backward), `gathered_units` x `largest_block_params` gathered (its unit: a block and the prefetched
     next one under dp alone, 2; the whole stage with pp or tp, 1) and, with several micro-batches, the
     stage's unsharded gradient accumulating between them (no-sync), but no sharded gradient yet (the
@@ -126,12 +128,18 @@ class StageUnits:
     per_count: tuple[float, ...]  # memory_walk.COUNTS order
     headroom: float
     zero3: tuple[float, float, float] | None = None  # (gathered bytes held, bytes held at the backward's end, unit)
+    full_gradient: float = 0.0
+    """ZeRO-2: the stage's whole gradient, alive at the end of a backward until its reduction lands, when that
+    backward's micro-batch has freed its activations: the backward's peak is the larger of the two moments."""
 
     def at(self, counts: tuple[float, ...]) -> StageMemory:
         """The breakdown with `counts` of each (memory_walk.COUNTS order) alive: the terms add up to the total."""
         act, stash, held, sent_out, sent_grad, grad_in, transient = (c * u for c, u in zip(counts, self.per_count))
         buffers = sent_out + sent_grad + grad_in
         grads = self.grads
+        if self.full_gradient and counts[-1] > 0:  # during a backward: its start, or its end
+            ending = self.full_gradient - min(counts[0], 1) * self.per_count[0]  # that micro-batch's activations go
+            transient = max(transient, ending)
         if self.zero3 is not None:
             gathered, end, _ = self.zero3
             buffers += gathered
@@ -147,11 +155,28 @@ def stage_units(*, param_elements: int, saved: list[float], inputs: list[float],
                 micro_batch_size: int, recompute_blocks: int, whole_stage: bool, activation_scale: float,
                 optimizer: str, dp: int, headroom: float, transient_bytes: float | None = None, zero: int = 0,
                 bf16_master: bool = False, largest_block_params: float = 0.0, held_bytes: float = 0.0,
-                num_microbatches: int = 1, gathered_units: int = 2) -> StageUnits:
+                num_microbatches: int = 1, gathered_units: int = 2, stage_input=None, stage_output=None,
+                boundary_scale: float | None = None) -> StageUnits:
     """Bytes per count of one stage (StageUnits), from the same pieces as `stage_memory`; `held_bytes`: what
-    one micro-batch's I keeps for its W."""
+    one micro-batch's I keeps for its W.
+
+    `stage_input`, `stage_output` (profile.Crossing): what enters and leaves the stage, split into bytes that
+    grow with the micro-batch and bytes that do not, with the gradients sent back (floating-point tensors only);
+    given, they replace inputs[0] and output_bytes for what is stashed, sent and received. `boundary_scale`: the
+    bytes of those tensors per fp32 byte (the residual stream stays fp32 under bf16 autocast: 1; bf16 parameters:
+    0.5); default `activation_scale`."""
     b = micro_batch_size * activation_scale
     input_bytes = inputs[0] * b if inputs else 0.0
+    output_sent = output_bytes * b
+    input_grad, output_grad = input_bytes, output_sent
+    if stage_input is not None or stage_output is not None:
+        scale = activation_scale if boundary_scale is None else boundary_scale
+        if stage_input is not None:
+            input_bytes = stage_input.at(micro_batch_size) * scale
+            input_grad = stage_input.grad_at(micro_batch_size) * scale
+        if stage_output is not None:
+            output_sent = stage_output.at(micro_batch_size) * scale
+            output_grad = stage_output.grad_at(micro_batch_size) * scale
     activations = sum(saved) * b if whole_stage else kept_bytes(saved, inputs, recompute_blocks) * b
     rebuilt = max(saved[:recompute_blocks], default=0.0) if not whole_stage else 0.0
     if transient_bytes is None:
@@ -162,8 +187,6 @@ def stage_units(*, param_elements: int, saved: list[float], inputs: list[float],
     states = zero_model_state_bytes(param_elements, zero=zero, dp=dp, bf16=bf16_master,
                                     optimizer_bytes=float(OPTIMIZER_STATE_BYTES[optimizer]))
     element = 2.0 if bf16_master else 4.0
-    if zero == 2:
-        transient = max(transient, param_elements * element)
     zero3 = None
     if zero == 3:
         unit = largest_block_params * element
@@ -172,6 +195,6 @@ def stage_units(*, param_elements: int, saved: list[float], inputs: list[float],
         zero3 = (gathered, end, unit)
     # the received input is the stash; every tensor sent stays alive until the step's end (p2p.wait_sends).
     # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
-    per_count = (activations, input_bytes, held_bytes, output_bytes * b, input_bytes, output_bytes * b, transient)
+    per_count = (activations, input_bytes, held_bytes, output_sent, input_grad, output_grad, transient)
     return StageUnits(params=states.params, grads=states.grads, optimizer=states.optimizer, per_count=per_count,
-                      headroom=headroom, zero3=zero3)
+                      headroom=headroom, zero3=zero3, full_gradient=param_elements * element if zero == 2 else 0.0)

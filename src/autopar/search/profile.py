@@ -33,6 +33,24 @@ ATTENTION_OPS = ("scaled_dot_product_attention", "aten.bmm", "aten.matmul", "_fl
 
 
 @dataclass(frozen=True)
+class Crossing:
+    """What crosses one cut between stages, in bytes: `per_seq` grows with the micro-batch, `fixed` does not
+    (a rotary cos/sin table, position ids: computed from the sequence alone); the gradients sent back, for the
+    floating-point tensors only (the runtime sends none for token ids or a boolean mask, pipeline/runtime.py)."""
+
+    per_seq: float
+    fixed: float = 0.0
+    grad_per_seq: float = 0.0
+    grad_fixed: float = 0.0
+
+    def at(self, micro_batch: float) -> float:
+        return self.per_seq * micro_batch + self.fixed
+
+    def grad_at(self, micro_batch: float) -> float:
+        return self.grad_per_seq * micro_batch + self.grad_fixed
+
+
+@dataclass(frozen=True)
 class TPProfile:
     """Per-block costs on one rank of a tensor-parallel group of `tp` ranks (per sequence)."""
 
@@ -64,6 +82,9 @@ class ModelProfile:
     what a zero-bubble schedule's W computes (the same FLOPs again); empty: unknown (W priced as half of B)."""
     weight_out_bytes: tuple[float, ...] = ()
     """Output bytes per sequence of the ops that read a parameter: the gradients a zero-bubble I keeps for W."""
+    crossings: tuple[Crossing, ...] = ()
+    """[c]: what crosses a cut after block c, split as the memory model needs it (Crossing); empty: every byte of
+    boundary_bytes per sequence, its gradient as large."""
     measured: tuple | None = None
     """Per block, measured on this machine (measure_profile.BlockCosts): times and bytes that replace the
     FLOP-rate estimate and the traced activation bytes. None: estimate from FLOPs."""
@@ -95,13 +116,17 @@ class ModelProfile:
         tps = {t: dataclasses.replace(p, flops=grow(p.flops), params=grow(p.params), saved_bytes=grow(p.saved_bytes),
                                       allreduce_bytes=grow(p.allreduce_bytes),
                                       allreduce_count=grow(p.allreduce_count)) for t, p in self.tp.items()}
+        crossed = self.crossings
+        if crossed:
+            crossed = (crossed[0],) + (crossed[1],) * (n - 1) + (crossed[-1],) if n > 1 else (crossed[0], crossed[-1])
         names = (self.block_names[0],) + tuple(f"layer.{i}" for i in range(n)) + (self.block_names[-1],)
         last = n + 1
         shared = (self.shared_blocks[0], last if self.shared_blocks[1] == self.num_blocks - 1 else
                   self.shared_blocks[1])
         measured = grow(self.measured) if self.measured is not None else None
         return dataclasses.replace(self, block_names=names, flops=grow(self.flops), saved_bytes=grow(self.saved_bytes),
-                                   params=grow(self.params), boundary_bytes=new_cuts, tp=tps, shared_blocks=shared,
+                                   params=grow(self.params), boundary_bytes=new_cuts, crossings=crossed, tp=tps,
+                                   shared_blocks=shared,
                                    measured=measured, weight_flops=grow(self.weight_flops) if self.weight_flops else (),
                                    weight_out_bytes=grow(self.weight_out_bytes) if self.weight_out_bytes else ())
 
@@ -123,7 +148,16 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
         params[users[0]] += graph.param_numel[p]
     shared = {p: users for p, users in owner.items() if len(users) > 1}
     shared_blocks = (min(u[0] for u in shared.values()), max(u[-1] for u in shared.values())) if shared else (0, 0)
-    cut_bytes = tuple(sum(v.bytes for v in values) * scale for values in crossings(graph))
+    cut_values = crossings(graph)
+    cut_bytes = tuple(sum(v.bytes for v in values) * scale for values in cut_values)
+    batched = _batched_values(graph)
+
+    def crossing(values) -> Crossing:
+        def total(wanted) -> tuple[float, float]:
+            return (sum(v.bytes for v in values if wanted(v) and v.name in batched) * scale,
+                    float(sum(v.bytes for v in values if wanted(v) and v.name not in batched)))
+        (per_seq, fixed), (grad_per_seq, grad_fixed) = total(lambda v: True), total(lambda v: v.needs_grad)
+        return Crossing(per_seq, fixed, grad_per_seq, grad_fixed)
     weight_flops, weight_out = [0.0] * len(blocks), [0.0] * len(blocks)
     for cost in graph.nodes.values():
         if cost.params:
@@ -131,6 +165,7 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
             weight_out[cost.block] += cost.out_bytes * scale
     profile = ModelProfile(name=name, seq_len=seq_len, block_names=tuple(b.name for b in blocks), flops=flops,
                            saved_bytes=saved, params=tuple(params), boundary_bytes=cut_bytes,
+                           crossings=tuple(crossing(values) for values in cut_values),
                            shared_params=sum(graph.param_numel[p] for p in shared), shared_blocks=shared_blocks,
                            weight_flops=tuple(weight_flops), weight_out_bytes=tuple(weight_out))
     for tp in tp_degrees:
@@ -142,6 +177,18 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
         except AutoparError as exc:
             profile.tp_refused[tp] = str(exc)
     return profile
+
+
+def _batched_values(graph: ModelGraph) -> set[str]:
+    """Names of the graph's values computed from the model's inputs (so with a batch dimension); the others (a
+    rotary table, position ids) come from constants and the sequence length alone and do not grow with it."""
+    from torch.export.graph_signature import InputKind
+    batched = {spec.arg.name for spec in graph.exported.graph_signature.input_specs
+               if spec.kind == InputKind.USER_INPUT}
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and any(arg.name in batched for arg in node.all_input_nodes):
+            batched.add(node.name)
+    return batched
 
 
 def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float,

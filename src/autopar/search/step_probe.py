@@ -39,3 +39,32 @@ def time_shared_scale(measured_step_s: float, reference: Estimate) -> float:
     if measured_step_s <= 0 or bound <= 0 or bound < reference.parts.get("timeline_step_s", 0.0):
         return 1.0
     return measured_step_s / bound
+
+
+
+def reference_profile():
+    """The calibration's reference model (reference_step.py) as the search sees a user's model: traced, and its
+    blocks measured on this machine, one thread (measure_profile.py)."""
+    import torch
+
+    from ..trace import trace
+    from .measure_profile import measure_module_blocks, with_measured_blocks
+    from .profile import profile_graph
+    from .reference_step import SEQ_LEN, ReferenceGPT
+    with torch.device("meta"):
+        model = ReferenceGPT()
+    graph = trace(model, (torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"),))
+    profile = profile_graph(graph, name="calibration reference", seq_len=SEQ_LEN)
+    return with_measured_blocks(profile, measure_module_blocks(model, seq_len=SEQ_LEN, repeats=3))
+
+
+def reference_level(cluster, measured_step_s: float, profile=None) -> float:
+    """Cluster.time_shared_scale from the calibration's reference step (reference_step.py) on `cluster`'s
+    ranks: the same model and step priced as the search prices a user's model (`profile`, default
+    reference_profile(); replicated data parallelism over every rank), the measured time over that bound."""
+    from .cost import StepModel
+    from .reference_step import MICRO_BATCH
+    nproc = cluster.num_devices
+    step = StepModel(profile or reference_profile(), cluster.replace(time_shared_scale=1.0),
+                     global_batch_size=MICRO_BATCH * nproc)
+    return time_shared_scale(measured_step_s, step.evaluate(reference_candidate(nproc, MICRO_BATCH * nproc)))

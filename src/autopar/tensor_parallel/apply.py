@@ -303,9 +303,12 @@ def _add(module: nn.Module, name: str, child: nn.Module) -> str:
 
 
 def shard_tensor(full: torch.Tensor, shard: ParamShard, rank: int, tp: int) -> torch.Tensor:
-    """This rank's slices of a whole tensor (for each segment, its contiguous part), concatenated."""
+    """This rank's slices of a whole tensor (for each segment, its contiguous part), concatenated, in storage of
+    their own: a view would keep the whole tensor's storage alive beside the shard (tp times the memory)."""
     pieces = [full.narrow(shard.dim, start, length) for start, length in shard.local_slices(rank, tp)]
-    return torch.cat(pieces, dim=shard.dim).contiguous() if len(pieces) > 1 else pieces[0].contiguous()
+    if len(pieces) > 1:
+        return torch.cat(pieces, dim=shard.dim)
+    return pieces[0].clone(memory_format=torch.contiguous_format)
 
 
 def gather_tensor(local: torch.Tensor, shard: ParamShard, group: dist.ProcessGroup) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Measure several plans in one launch: the ranks of `--strategy auto`'s "measured when unsure" (autoplan.confirm).
+
+One short run per plan, each in a launch of its own, paid the start of every rank (torch and autopar imported,
+the job built) once per plan: 50 s of wall time against 16 s for the run itself on gpt-mini at 4 ranks. Here
+the ranks start once, build the job once, set up one Trainer per plan (each with its own process groups), and
+time the plans' steps interleaved, round after round: a load that drifts on a shared machine then slows every
+plan alike, instead of the one that happened to run during it. When the plans' predicted peaks together exceed
+a device's memory, each is set up, timed and closed in turn instead (still in this one launch).
+
+    python -m autopar.confirm_ranks SPEC.json        (started on N ranks by launch.py)
+
+SPEC holds the command's argv (`train ...`), the plan files, the steps per plan, whether to interleave, and where
+rank 0 writes the result: per plan its step times (the slowest rank's, each step) and peak memory, or the error
+that stopped it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _trainer(parts, job, plan_path: str, out: Path, steps: int):
+    from .trainer import Trainer
+    strategy = dataclasses.replace(job.strategy, plan=plan_path, confirm=0)
+    config = dataclasses.replace(job.train, out=str(out), steps=steps, log_every=1, eval_every=0, eval_batches=1,
+                                 checkpoint_every=0, progress=False)
+    return Trainer(copy.deepcopy(parts.model), parts.train_data, strategy=strategy, config=config,
+                   eval_data=parts.eval_data, job_config=parts.job, run_info=dict(parts.run_info),
+                   pretrained=parts.pretrained, run_files=parts.run_files)
+
+
+def _agreed(ok: bool) -> bool:
+    """Whether every rank got here without an error (a plan one rank could not set up is dropped on all)."""
+    flag = torch.tensor([0 if ok else 1])
+    dist.all_reduce(flag)
+    return int(flag) == 0
+
+
+def _timed_step(trainer, step: int) -> tuple[float, int]:
+    """One step of `trainer` from a common start: the slowest rank's seconds, and the step's peak bytes."""
+    dist.barrier()
+    began = time.perf_counter()
+    result = trainer.train_step(step)
+    elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed), int(result.peak_bytes)
+
+
+def _set_up(trainer, record: dict) -> bool:
+    """Set the trainer up and run its first step (allocations, warm caches; not timed); False on an error."""
+    try:
+        trainer._setup()  # the package's own Trainer, driven step by step as train() would
+        trainer.train_step(0)
+        ok = True
+    except Exception as exc:  # noqa: BLE001 - reported per plan; the others are still measured
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        ok = False
+    return _agreed(ok)
+
+
+def measure(spec: dict) -> list[dict]:
+    """Every plan's step times and peak memory, as rank 0 writes them (see the module docstring)."""
+    from .cli import build_parser, resolve_job
+    from .distributed import init_distributed
+    from .job import build_job
+    job = resolve_job(build_parser().parse_args(spec["argv"]))
+    init_distributed(job.train.device, job.train.timeout_s)
+    parts = build_job(job)
+    steps, folder = int(spec["steps"]), Path(spec["folder"])
+    records: list[dict] = [{"step_times_s": [], "peak_mem_bytes": 0} for _ in spec["plans"]]
+
+    def run_steps(trainer, record: dict, first: int, count: int) -> None:
+        for step in range(first, first + count):
+            seconds, peak = _timed_step(trainer, step)
+            record["step_times_s"].append(seconds)
+            record["peak_mem_bytes"] = max(record["peak_mem_bytes"], peak)
+
+    if spec.get("together", True):
+        alive = []
+        for i, path in enumerate(spec["plans"]):
+            trainer = _trainer(parts, job, path, folder / str(i), steps)
+            if _set_up(trainer, records[i]):
+                alive.append((i, trainer))
+        for step in range(1, steps):  # the first step ran in _set_up; then one step of each plan per round
+            for i, trainer in alive:
+                run_steps(trainer, records[i], step, 1)
+        for _, trainer in alive:
+            trainer.close()
+    else:
+        for i, path in enumerate(spec["plans"]):
+            trainer = _trainer(parts, job, path, folder / str(i), steps)
+            if _set_up(trainer, records[i]):
+                run_steps(trainer, records[i], 1, steps - 1)
+                trainer.close()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m autopar.confirm_ranks SPEC.json (started by `autopar train --strategy auto`)",
+              file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    torch.set_num_threads(1)
+    records = measure(spec)
+    if dist.get_rank() == 0:
+        Path(spec["out"]).write_text(json.dumps(records))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

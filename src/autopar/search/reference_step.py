@@ -1,0 +1,107 @@
+"""The reference step the calibration runs on every rank: a small GPT trained by replicated data parallelism.
+
+The step model's time-shared bound has the right shape but misses the level a real step adds when ranks share
+cores (caches refilled after every switch, gloo threads polling, the per-step work around the arithmetic;
+step_probe.py). The calibration measures that level once per machine on this fixed model, shaped like the
+built-in gpt-mini (4 layers of width 128, 128 tokens, 8 sequences per rank), so that predictions without a
+`--cluster` mean seconds on this machine, not ~30% fewer. step_probe.reference_level prices the same model and
+step with the search's own profile and cost model, and the ratio is Cluster.time_shared_scale.
+
+Torch only (no autopar import): the calibration's ranks are forked from a process that imports nothing of
+autopar's (calibrate_ranks.py), and the search process imports this file as part of the package.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, WIDTH, LAYERS, HEADS, SEQ_LEN, MICRO_BATCH = 256, 128, 4, 4, 128, 8
+STEPS = 4  # timed steps (after one warm-up): ~0.2 s each on 4 ranks of a 2-core machine
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.q, self.k, self.v, self.out = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.fc_in, self.fc_out = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln_1(x)
+        q, k, v = (p(h).view(b, t, HEADS, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.out(y)
+        return x + self.fc_out(F.gelu(self.fc_in(self.ln_2(x))))
+
+
+class ReferenceGPT(nn.Module):
+    """The calibration's model: token and position embeddings, LAYERS pre-norm blocks, a tied output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ_LEN, WIDTH)
+        self.blocks = nn.ModuleList(_Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.tok_emb.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(input_ids) + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def step_seconds(steps: int = STEPS) -> float:
+    """Wall seconds of one replicated data-parallel training step of ReferenceGPT over every rank of the default
+    group, as the data-parallel engine runs it: forward and loss, backward, the gradients all-reduced (one
+    flattened buffer), the norm clipped, an AdamW step, the loss summed for the log. Timed over `steps`
+    steps after a warm-up, the slowest rank's mean. Every rank returns the same value."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = ReferenceGPT()
+    params = list(model.parameters())
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN + 1))
+    world = dist.get_world_size()
+
+    def adamw(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), decay: float = 0.01) -> None:
+        """AdamW's arithmetic per tensor (bias correction left out: the same work). Not torch.optim: creating
+        an optimizer imports torch's compiler stack, seconds on every forked rank."""
+        with torch.no_grad():
+            for p, (m, v) in zip(params, moments):
+                p.mul_(1 - lr * decay)
+                m.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
+                v.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
+                p.addcdiv_(m, v.sqrt().add_(1e-8), value=-lr)
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        adamw()
+        dist.all_reduce(loss.detach())
+
+    step()
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    mine = torch.tensor([(time.perf_counter() - began) / steps], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine)

@@ -1,0 +1,64 @@
+"""The calibration's reference step sets the step model's level (Cluster.time_shared_scale): a small GPT's
+data-parallel step measured on the ranks, over what the search predicts for the same model and step. The ranks'
+side runs for real in test_search.py's gloo-link test; here the pricing and the wiring, with canned times."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.search import calibrate, step_probe
+from autopar.search.cluster import preset
+from autopar.search.cost import StepModel
+
+
+def _links(reference_s: float | None) -> dict:
+    link = {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}
+    tables = {name: {"2": link, "4": link} for name in ("allreduce", "allreduce_cpu", "reduce_scatter", "all_gather",
+                                                         "reduce_scatter_cpu", "all_gather_cpu")}
+    links = {**tables, "p2p": link, "p2p_cpu": link, "effective_cores": 1.5, "sync_cpu_s": 1e-4,
+             "aggregate": link}
+    if reference_s is not None:
+        links["reference_step_s"] = reference_s
+    return links
+
+
+@pytest.mark.parametrize("reference_s, scale", [(0.25, 0.25 * 7), (None, 1.0)])
+def test_calibrate_keeps_the_level_the_reference_step_gives(monkeypatch, reference_s, scale):
+    """A calibration whose ranks timed the reference step keeps reference_level's factor; one without (an older
+    ranks' file) keeps 1. Machine figures are not measured here (canned)."""
+    monkeypatch.setattr(calibrate, "measure_links", lambda nproc, group_sizes=None: _links(reference_s))
+    monkeypatch.setattr(calibrate, "matmul_rate", lambda dtype=None: 1e10)
+    monkeypatch.setattr(calibrate, "action_overhead", lambda: 1e-4)
+    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 1e10)
+    seen = []
+
+    def level(cluster, measured_s):
+        seen.append((cluster.time_shared_scale, cluster.num_devices, measured_s))
+        return measured_s * 7
+
+    monkeypatch.setattr(step_probe, "reference_level", level)
+    cluster = calibrate.calibrate(4, group_sizes=[2, 4])
+    assert cluster.time_shared_scale == pytest.approx(scale)
+    assert seen == ([(1.0, 4, reference_s)] if reference_s else [])  # priced unscaled, on the ranks measured
+
+
+def test_reference_level_is_the_measured_step_over_its_predicted_bound():
+    """Priced as the search prices a user's model: replicated data parallelism over every rank, one micro-batch of
+    8 each, at scale 1 whatever the cluster holds (a level is not compounded); on 4 ranks sharing one core the
+    bound rules, so the level is measured / bound. A hand-made profile at FLOP rates stands for the reference
+    model's (the calibration traces it and measures its blocks: reference_profile), so the bound is exact."""
+    from autopar.search.profile import ModelProfile, TPProfile
+    from autopar.search.reference_step import MICRO_BATCH
+    n = 6
+    flops, saved, params = (1e6,) + (4e7,) * 4 + (2e7,), (2e4,) * n, (30_000,) + (200_000,) * 4 + (256,)
+    profile = ModelProfile(name="reference", seq_len=128, block_names=tuple(f"b{i}" for i in range(n)), flops=flops,
+                           saved_bytes=saved, params=params, boundary_bytes=(6e4,) * (n - 1), shared_params=0,
+                           tp={1: TPProfile(1, flops, params, saved, (0.0,) * n, (0,) * n)})
+    cluster = preset("cpu-local").replace(name="calibrated", num_devices=4, devices_per_node=4, cores_per_node=1.0)
+    estimate = StepModel(profile, cluster, global_batch_size=4 * MICRO_BATCH).evaluate(
+        step_probe.reference_candidate(4, 4 * MICRO_BATCH))
+    bound = estimate.parts["time_shared_s"]
+    assert bound >= estimate.parts["timeline_step_s"] > 0  # the bound rules: a level applies
+    already = cluster.replace(time_shared_scale=3.0)
+    assert step_probe.reference_level(already, 0.5, profile) == pytest.approx(0.5 / bound)
+    assert step_probe.reference_level(already, 1.0, profile) == pytest.approx(1.0 / bound)
