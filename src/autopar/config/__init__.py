@@ -125,6 +125,9 @@ class TrainConfig:
     trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
     export_hf: str | None = _f(None, "after training, write the final model to this folder in the Hugging Face "
                                      "format (config.json + safetensors; hf: models only)")
+    compile: bool = _f(False, "torch.compile each repeated block (pipeline and tensor-parallel stages: each block's "
+                              "piece); equal to eager within fp32 tolerance, dropout masks exact; compiled kernels "
+                              "cached across runs (docs/features/compile.md)")
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):

@@ -16,6 +16,7 @@ import torch
 
 from .._torch_internals import safe_softmax
 from ..errors import ModelError
+from .compiled import compiled_sample_keys
 from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions, uniform
 from .scope import DropoutScope
 
@@ -59,6 +60,8 @@ def _draws(shape: tuple[int, ...], op: int, scope: DropoutScope, *, device: torc
     samples = scope.samples_on(device)
     cache = scope.element_keys if cache is None else cache
     elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=cache)
+    if torch.compiler.is_compiling():  # one opaque op: the step stays a runtime argument, never baked in
+        return compiled_sample_keys(scope.seed, scope.step_tensor, op, samples), elements
     return sample_keys(scope.seed, scope.step, op, samples), elements
 
 
