@@ -49,6 +49,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("parameter server", {"dp_mode": "async"}, {"optimizer": "sgd"}),
     Feature("sparse embrace", {"sparse_embeddings": "embrace"}),
     Feature("strategy auto", {"search": "auto"}),
+    Feature("compile", train={"compile": True}),
 )
 
 

@@ -88,7 +88,7 @@ class CompileAccount:
     def __init__(self, regions: list[str], cache_dir: Path):
         self.regions, self.cache_dir = regions, cache_dir
         self.start = compile_counters()
-        self.after_first: dict[str, Any] | None = None  # counters at the end of the run's first step
+        self.after_first: dict[str, Any] | None = None  # counters at the end of the first step that compiled
         self.breaks_reported = False
 
     def _since_start(self) -> dict[str, Any]:
@@ -101,14 +101,17 @@ class CompileAccount:
                 "graph_breaks": {r: c for r, c in breaks.items() if c > 0}}
 
     def step_fields(self) -> dict[str, Any]:
-        """Fields of a step's metrics record: recompilations (frames compiled after the first step: a
-        changed shape or mode; the first evaluation compiles the eval forward once) and graph breaks."""
+        """Fields of a step's metrics record: recompilations (frames compiled after the first step that
+        compiled: a changed shape or mode; the first evaluation compiles the eval forward once), graph
+        breaks and compile seconds so far. A whole model's first step runs eagerly when its dropout is
+        checked op by op (dropout/__init__.py), so its regions compile in the second."""
         now = self._since_start()
         if not now:
             return {}
-        if self.after_first is None:
+        if self.after_first is None and now["frames"]:  # (the run's first step is eager: dropout/__init__.py)
             self.after_first = now
-        return {"compile_recompiles": now["frames"] - self.after_first["frames"],
+        first = self.after_first or now
+        return {"compile_recompiles": now["frames"] - first["frames"],
                 "compile_graph_breaks": sum(now["graph_breaks"].values()),
                 "compile_s": round(now["seconds"], 3)}
 
