@@ -184,7 +184,7 @@ class Trainer:
     def _compile(self) -> CompileAccount:
         """--compile: the engine's regions compiled (train/compile.py), before the first step, on every rank."""
         cache = use_inductor_cache()
-        return CompileAccount(compile_regions(self.engine.compile_regions()), cache)
+        return CompileAccount(compile_regions(self.engine.compile_regions(), self.config.compile_backend), cache)
 
     def _build_steps(self) -> Steps:
         """The engine's kind of steps (synchronous or deferred), wrapped with the injected fault when one is set."""

@@ -68,16 +68,16 @@ def repeated_blocks(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.M
     return found
 
 
-def compile_forward(module: nn.Module) -> None:
+def compile_forward(module: nn.Module, backend: str = "inductor") -> None:
     """The module's forward, compiled; hooks, parameters and names stay the module's own."""
-    module.forward = torch.compile(module.forward)
+    module.forward = torch.compile(module.forward, backend=backend)
 
 
-def compile_regions(regions: list[tuple[str, nn.Module]]) -> list[str]:
+def compile_regions(regions: list[tuple[str, nn.Module]], backend: str = "inductor") -> list[str]:
     """Compile each region's forward; returns their names (for the banner)."""
     allow_compiled_regions(len(regions))
     for _, module in regions:
-        compile_forward(module)
+        compile_forward(module, backend)
     return [name for name, _ in regions]
 
 
