@@ -30,7 +30,8 @@ import torch
 import torch.multiprocessing as mp
 
 LAYOUTS = {"dp1": (1, {}), "dp2": (2, {"dp": 2}), "pp2": (2, {"pp": 2, "schedule": "1f1b"}), "tp2": (2, {"tp": 2})}
-MODEL_ARGS = {"gpt-small": {}, "gpt-tiny": {"n_layer": 2, "d_model": 32, "n_head": 2},
+MODEL_ARGS = {"gpt-small": {},
+              "gpt-tiny": {"n_layer": 2, "d_model": 32, "n_head": 2, "dropout": 0.1},  # tests/test_compile.py's model
               "hf:llama": {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 704,
                            "num_attention_heads": 8, "num_key_value_heads": 4}}
 
@@ -144,7 +145,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dropout-model", default="gpt-small", help="the model timed again with dropout 0.1 (dp1)")
     parser.add_argument("--no-dropout-part", action="store_true", help="skip part 2")
-    parser.add_argument("--quick", action="store_true", help="smoke test: gpt-tiny at dp1, 2 rounds of 2 x 16")
+    parser.add_argument("--quick", action="store_true", help="smoke test: gpt-tiny (dropout 0.1) at dp1, 2 rounds of 2 x 16")
     parser.add_argument("--runs", default="runs/bench-compile", help="run folders of the timed trainers")
     args = parser.parse_args()
     if args.quick:
@@ -166,7 +167,8 @@ def main() -> None:
                "runs": f"{args.runs}/{model.replace(':', '-')}-{layout}"}
         r = time_layout(job, world)
         eager, compiled = r["median"]["eager"], r["median"]["compiled"]
-        print(f"  {model:<10} {layout:<6} {'0.1' if extra else 'off':<8} {eager * 1e3:9.1f} {compiled * 1e3:12.1f} "
+        dropout = str(job["model_args"].get("dropout") or job["model_args"].get("attention_dropout") or "off")
+        print(f"  {model:<10} {layout:<6} {dropout:<8} {eager * 1e3:9.1f} {compiled * 1e3:12.1f} "
               f"{compiled / eager:6.2f} {r['compile_s']:10.1f} {r['warm']['eager']:6.1f}/{r['warm']['compiled']:<7.1f} "
               f"{r['cache_hits']:>7}/{r['cache_misses']:<7} {r['recompiles']:>10} {r['graph_breaks']:>6}", flush=True)
     if not args.no_dropout_part:

@@ -127,3 +127,22 @@ def test_dropout_masks_compile_to_the_eager_bits(rank_pool):
     pool rank, whose compiler is already warm)."""
     equal, recompiled = rank_pool(1).run(_mask_bits_and_frames)[0]
     assert equal and recompiled == 0, (equal, recompiled)
+
+
+def test_a_graph_break_is_reported_once_with_torchs_reason(tmp_path):
+    """A construct the compiler cannot capture (here a print) is counted per step and explained once."""
+    from autopar.train.compile import CompileAccount
+    account = CompileAccount(["f"], tmp_path)
+
+    def f(x):
+        x = x + 1
+        print(end="")
+        return x * 2
+
+    torch.compile(f, backend="eager")(torch.ones(2))  # eager backend: dynamo's capture only, no kernels built
+    fields = account.step_fields()
+    assert fields["compile_graph_breaks"] == 1 and fields["compile_recompiles"] == 0, fields
+    report = account.graph_break_report()
+    assert report is not None and "1x" in report and "print" in report, report
+    assert account.graph_break_report() is None  # once
+    assert list(account.summary()["graph_breaks"].values()) == [1]
