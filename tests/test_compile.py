@@ -74,9 +74,10 @@ def test_compiled_run_resumes_where_it_stopped(rank_pool, tmp_path, tmp_path_fac
     """Two compiled steps, then a third on --resume (compiled again, from the cache): the uninterrupted run."""
     expected = _eager(rank_pool, tmp_path_factory)
     pool = rank_pool(1)
-    pool.run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODEL_ARGS, micro_batch_size=4, compile=True,
+    # micro-batches of 2, as the dp=1 case: this rank's compiled graphs serve (a new shape would compile anew)
+    pool.run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODEL_ARGS, micro_batch_size=2, compile=True,
              **{**RUN, "steps": 2})
-    got = pool.run(train_builtin, "gpt-tiny", str(tmp_path / "resumed"), model_args=MODEL_ARGS, micro_batch_size=4,
+    got = pool.run(train_builtin, "gpt-tiny", str(tmp_path / "resumed"), model_args=MODEL_ARGS, micro_batch_size=2,
                    compile=True, resume=str(tmp_path), **RUN)[0]
     assert got["first_step"] == 3
     assert abs(got["losses"][-1] - expected["losses"][-1]) / expected["losses"][-1] < 1e-5
