@@ -13,7 +13,7 @@ dropout, eager against compiled (the hash is ~10 int64 element-wise passes that 
 
     PYTHONPATH=src python benchmarks/compile.py                     # gpt-small + hf:llama, dp1 dp2 pp2 tp2
     PYTHONPATH=src python benchmarks/compile.py --models gpt-small --layouts dp1,pp2 --rounds 5
-    PYTHONPATH=src python benchmarks/compile.py --quick              # smoke test: gpt-tiny dp1, 2 rounds
+    PYTHONPATH=src python benchmarks/compile.py --quick              # smoke test: gpt-tiny dp1, aot_eager
 
 Compiled kernels are cached (autopar's cache folder, or TORCHINDUCTOR_CACHE_DIR): a second run
 compiles from the cache, which the compile column shows.
@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
             train_data, _ = build_datasets(load_corpus("stdlib"), tokenizer, seq_len=job["seq"], task=info.task, seed=0)
         config = autopar.TrainConfig(steps=10_000, global_batch_size=job["batch"], micro_batch_size=job["micro"],
                                      progress=False, warmup_steps=1, out=f"{job['runs']}/{variant}",
-                                     compile=variant == "compiled")
+                                     compile=variant == "compiled", compile_backend=job["backend"])
         trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**job["strategy"]), config=config)
         trainer._setup()
         trainers[variant] = trainer
@@ -145,17 +145,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dropout-model", default="gpt-small", help="the model timed again with dropout 0.1 (dp1)")
     parser.add_argument("--no-dropout-part", action="store_true", help="skip part 2")
-    parser.add_argument("--quick", action="store_true", help="smoke test: gpt-tiny (dropout 0.1) at dp1, 2 rounds of 2 x 16")
+    parser.add_argument("--backend", default="inductor", help="TrainConfig.compile_backend: inductor | aot_eager")
+    parser.add_argument("--quick", action="store_true", help="smoke test of the script: gpt-tiny (dropout 0.1) at dp1, "
+                                                             "2 rounds of 2 x 16, aot_eager (no kernels built)")
     parser.add_argument("--runs", default="runs/bench-compile", help="run folders of the timed trainers")
     args = parser.parse_args()
     if args.quick:
         args.models, args.layouts, args.seq, args.batch, args.rounds = "gpt-tiny", "dp1", 16, 2, 2
-        args.dropout_model, args.no_dropout_part = "", True
+        args.dropout_model, args.no_dropout_part, args.backend = "", True, "aot_eager"
     cases = [(m, layout, {}) for m in args.models.split(",") for layout in args.layouts.split(",")]
     if args.dropout_model:
         dropout_arg = {"attention_dropout": 0.1} if args.dropout_model.startswith("hf:") else {"dropout": 0.1}
         cases.append((args.dropout_model, "dp1", dropout_arg))
-    print(f"eager vs --compile, CPU, one thread per rank, global batch {args.batch} x {args.seq} tokens, median of "
+    print(f"eager vs --compile (backend {args.backend}), CPU, one thread per rank, global batch {args.batch} x {args.seq} tokens, median of "
           f"{args.rounds} interleaved steps (slowest rank); compile apart")
     print(f"  {'model':<10} {'layout':<6} {'dropout':<8} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} "
           f"{'compile s':>10} {'warm-up s e/c':>14} {'cache hit/miss':>15} {'recompiles':>10} {'breaks':>6}")
@@ -163,7 +165,7 @@ def main() -> None:
         world, strategy = LAYOUTS[layout]
         micro = args.batch // (strategy.get("dp", 1) * (2 if strategy.get("pp", 1) > 1 else 1))
         job = {"model": model, "model_args": {**MODEL_ARGS.get(model, {}), **extra}, "strategy": strategy,
-               "seq": args.seq, "batch": args.batch, "micro": micro, "rounds": args.rounds,
+               "seq": args.seq, "batch": args.batch, "micro": micro, "rounds": args.rounds, "backend": args.backend,
                "runs": f"{args.runs}/{model.replace(':', '-')}-{layout}"}
         r = time_layout(job, world)
         eager, compiled = r["median"]["eager"], r["median"]["compiled"]
