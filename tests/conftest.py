@@ -15,6 +15,10 @@ from rank_pool import RankPool  # noqa: E402
 # the same plans on every machine, and no measuring in tests that are not about it (test_search_calibration.py
 # clears this). Set here, so the ranks and CLI subprocesses the tests start inherit it.
 os.environ["AUTOPAR_CLUSTER"] = "cpu-local"
+# Kernels --compile builds (inductor's C++) kept across test sessions, inside the checkout, never the user's cache:
+# compiling gpt-tiny's blocks cold costs tens of seconds on a small CPU, reading them back a few.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".pytest_cache", "inductor"))
 
 
 def _cpu_model() -> str:

@@ -287,6 +287,25 @@ def touch_is_fx_generated():
     assert not ti.is_fx_generated(__file__)
 
 
+def touch_compile_counters():
+    _need("torch._dynamo.utils.counters", "torch._dynamo.utils.calculate_time_spent")
+    before = ti.compile_counters()
+    assert set(before) == {"frames", "graph_breaks", "cache_hits", "cache_misses", "seconds"}
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    assert ti.compile_counters()["frames"] == before["frames"] + 1, "dynamo's frame counter did not move"
+
+
+def touch_allow_compiled_regions():
+    _need("torch._dynamo.config.recompile_limit")
+    from torch._dynamo import config
+    before = config.recompile_limit
+    try:
+        ti.allow_compiled_regions(before)
+        assert config.recompile_limit == 2 * before, "torch._dynamo.config.recompile_limit is not read back"
+    finally:
+        config.recompile_limit = before
+
+
 TOUCHES = {name[len("touch_"):]: fn for name, fn in dict(globals()).items() if name.startswith("touch_")}
 
 

@@ -295,3 +295,34 @@ FX_GENERATED_FILE = "<eval_with_key>"
 def is_fx_generated(filename: str) -> bool:
     """Whether a frame's file is code torch.fx generated for a graph (one `name = op(...)` line per node)."""
     return filename.startswith(FX_GENERATED_FILE)
+
+
+# ------------------------------------------------------------------ torch.compile's own accounting
+
+@_wraps("torch._dynamo.utils.counters, torch._dynamo.utils.calculate_time_spent",
+        "empty: compiled runs report no graph breaks, recompilations or compile time")
+def compile_counters() -> dict[str, Any]:
+    """What torch.compile did so far in this process: frames compiled, graph breaks (reason -> count),
+    inductor cache hits and misses, seconds spent compiling. torch has no public account of these."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent, counters
+    except ImportError:
+        return {}
+    spent = calculate_time_spent()
+    return {"frames": int(counters["frames"]["total"]), "graph_breaks": dict(counters["graph_break"]),
+            "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
+            "seconds": float(sum(v for k, v in spent.items() if k.startswith("entire_")))}
+
+
+@_wraps("torch._dynamo.config.recompile_limit",
+        "none: past torch's limit (8 per code object), further blocks of one class run eagerly, with a warning")
+def allow_compiled_regions(count: int) -> None:
+    """Let one code object (a block class's forward) hold a compiled graph per region: torch guards each
+    compiled block on its own module, so n blocks of one class are n entries of one code object's cache."""
+    try:
+        from torch._dynamo import config
+    except ImportError:
+        return
+    if hasattr(config, "recompile_limit"):
+        config.recompile_limit = max(config.recompile_limit, 2 * count)

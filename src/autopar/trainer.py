@@ -39,6 +39,7 @@ from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.checkpointer import Checkpointer
+from .train.compile import CompileAccount, compile_regions, use_inductor_cache
 from .train.deferred import StepResult
 from .train.evaluator import Evaluator
 from .train.faults import Fault, FaultySteps
@@ -159,6 +160,7 @@ class Trainer:
             samples_for_step=self.loader.local_positions))
         self.run_info.update(self.engine.run_info())
         self.model = self.engine.module
+        self.compiled = self._compile() if cfg.compile else None
         if self.pretrained is not None and not cfg.resume:  # a resumed run takes every weight from its checkpoint
             self.pretrained_bytes_read, info = load_pretrained(self.pretrained, self.model, self.engine.tensor_parallel)
             self.run_info.update(info)
@@ -179,6 +181,11 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir=self.run_dir, engine=self.engine, model=self.model,
                                          optimizer=self.optimizer, scheduler=self.scheduler, config=cfg,
                                          manifest_info=layout)
+
+    def _compile(self) -> CompileAccount:
+        """--compile: the engine's regions compiled (train/compile.py), before the first step, on every rank."""
+        cache = use_inductor_cache()
+        return CompileAccount(compile_regions(self.engine.compile_regions(), self.config.compile_backend), cache)
 
     def _build_steps(self) -> Steps:
         """The engine's kind of steps (synchronous or deferred), wrapped with the injected fault when one is set."""
@@ -318,6 +325,11 @@ class Trainer:
                 record = step_record(number, out.loss, finished.lr, out.grad_norm, out.tokens, elapsed, out.peak_bytes)
                 if bad.total:
                     record.update(skipped=out.skipped, bad_steps=bad.total)
+                if self.compiled is not None:  # recompilations and graph breaks so far (read every step: cheap)
+                    record.update(self.compiled.step_fields())
+                    report = self.compiled.graph_break_report()
+                    if report and self.is_main:
+                        progress.write(report)
                 if metrics.due(number) or self.evaluator.due(number):  # a record with an eval loss is written
                     # the engine's own statistics cost a collective and a host read: only for records written
                     record.update(finished.stats if finished.stats is not None else
@@ -373,7 +385,8 @@ class Trainer:
         if self.plan is not None and self.step_times_s:
             self._record_measured()
         if self.is_main:
-            write_summary(self.run_dir, self.config.steps, result.losses, result.eval_loss)
+            write_summary(self.run_dir, self.config.steps, result.losses, result.eval_loss,
+                          extra={"compile": self.compiled.summary()} if getattr(self, "compiled", None) else None)
         dist.barrier()  # when train() returns, on any rank, the run folder is complete
         return result
 
@@ -392,6 +405,7 @@ class Trainer:
         return start_banner(world=dist.get_world_size(), strategy=self.strategy,
                             parameters=self.engine.num_parameters(), accumulation=self.accumulation,
                             micro_batch_size=self.config.micro_batch_size, run_dir=self.run_dir,
-                            run_info=self.run_info, engine_lines=self.engine.banner_lines(),
+                            run_info=self.run_info, engine_lines=self.engine.banner_lines() +
+                            ([self.compiled.banner_line()] if self.compiled is not None else []),
                             plan=None if self.plan is None else self.plan.describe(), start=start,
                             resumed_from=getattr(self, "resumed_from", None), attempt=self.attempt)

@@ -90,6 +90,9 @@ class DataConfig:
                                       "(default ~/.cache/autopar/data)")
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """The training loop: batch sizes, optimizer, schedule, evaluation, checkpoints, output."""
@@ -130,6 +133,12 @@ class TrainConfig:
     trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
     export_hf: str | None = _f(None, "after training, write the final model to this folder in the Hugging Face "
                                      "format (config.json + safetensors; hf: models only)")
+    compile: bool = _f(False, "torch.compile each repeated block (pipeline and tensor-parallel stages: each block's "
+                              "piece); equal to eager within fp32 tolerance, dropout masks exact; compiled kernels "
+                              "cached across runs (docs/features/compile.md)")
+    compile_backend: str = _f("inductor", f"--compile: torch.compile backend: {'|'.join(COMPILE_BACKENDS)} (inductor: "
+                                          "generated kernels; aot_eager: graphs captured forward and backward, run by "
+                                          "torch's own kernels, to tell a capture problem from a kernel one)")
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
@@ -163,6 +172,9 @@ class TrainConfig:
             raise ConfigError(f"train.dtype must be one of {choices(DTYPES)}, got {self.dtype!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"train.timeout_s must be > 0, got {self.timeout_s}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(f"train.compile_backend must be one of {choices(COMPILE_BACKENDS)}, got "
+                              f"{self.compile_backend!r}")
 
     @property
     def checkpoint_interval(self) -> int:

@@ -427,6 +427,19 @@ RULES: tuple[Rule, ...] = (
          lambda setup: _searched(setup) and setup.strategy.ep > 1,
          _AUTO + " --ep {s.ep}", "the search does not place experts yet", "choose dp and --ep yourself, "
          "or drop --ep", phase="search"),
+    # ---- --compile (train/compile.py): what a compiled region cannot run under
+    Rule("compile-split-backward", "--compile with a split-backward schedule (zb-h1, zbv)",
+         lambda setup: setup.config.compile and setup.spec.split_backward,
+         "--compile with --schedule {s.schedule}",
+         "its input- and weight-gradient passes (I, W) are cut from each matmul's own autograd node and its saved "
+         "tensors, and a compiled block is one autograd node whose backward computes both at once",
+         f"use one of {_names(lambda spec: spec.flushes and not spec.split_backward)}, or leave out --compile"),
+    Rule("compile-no-flush", "--compile with --schedule pipedream|pipedream-2bw",
+         lambda setup: setup.config.compile and not setup.spec.flushes,
+         "--compile with --schedule {s.schedule}",
+         "its stages swap stashed weight versions into the modules between micro-batches, which the compiled "
+         "regions' guards would see as new modules (a recompilation per version)",
+         "use a synchronous schedule (1f1b, gpipe, ...), or leave out --compile"),
 )
 
 

@@ -49,6 +49,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("sparse embrace", {"sparse_embeddings": "embrace"}),
     Feature("strategy auto", {"search": "auto"}),
     Feature("ep 2", {"ep": 2}),
+    Feature("compile", train={"compile": True}),
 )
 
 

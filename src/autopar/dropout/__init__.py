@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from .graph import GraphDropout, dropout_numbering, replace_dropout_nodes, shard_dropout
 from .scope import DropoutScope, active_scope, checkpoint_context_fn, dropout_step, micro_batch
 
@@ -69,7 +71,9 @@ def eager_micro_batch(index: int):
         if scope is None:
             yield
         elif scope.scan_random_ops:
-            with RandomOpScan() as scan, LayoutFreeDropoutMode(scope, scan):
+            # the scan must see every aten op, so compiled regions (--compile) run eagerly for this micro-batch;
+            # torch.compile would skip them under a dispatch mode anyway, and then for good, not just this once
+            with torch.compiler.set_stance("force_eager"), RandomOpScan() as scan, LayoutFreeDropoutMode(scope, scan):
                 yield
         else:
             with LayoutFreeDropoutMode(scope):

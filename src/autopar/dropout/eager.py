@@ -227,8 +227,8 @@ def _name(func) -> str:
 def _inside_checkpoint() -> bool:
     """Whether this call runs in a checkpointed region (whose backward-time recomputation torch runs
     without this mode: torch.utils.checkpoint restores only device modes) or in backward itself."""
-    if in_backward():
-        return True
     if not torch.is_grad_enabled():  # a training forward with gradients off: reentrant checkpoint (or no_grad)
         return True
-    return in_checkpointed_region()
+    if torch.compiler.is_compiling():  # a compiled region is traced once, in forward; a checkpoint inside it is
+        return False  # the compiler's, which recomputes the same graph, mask operator included (compiled.py)
+    return in_backward() or in_checkpointed_region()

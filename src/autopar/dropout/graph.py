@@ -27,6 +27,7 @@ from torch import fx, nn
 from ..errors import ModelError
 from . import ops
 from .random_ops import draws, refusal, stack_hint
+from .compiled import ScopeAtRunTime
 from .scope import active_scope
 
 aten = torch.ops.aten
@@ -89,6 +90,8 @@ class GraphDropout(nn.Module):
         return f"{self.kind}, op={self.op}, node={self.source}" + (f", {self.shard}" if self.shard else "")
 
     def _scope(self, subbatch: int):
+        if torch.compiler.is_compiling():  # the scope is read when the compiled graph runs (compiled.py)
+            return ScopeAtRunTime(self.batch, subbatch)
         scope = active_scope()
         if scope is None or scope.samples is None:
             return None

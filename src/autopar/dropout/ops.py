@@ -16,6 +16,7 @@ import torch
 
 from .._torch_internals import safe_softmax
 from ..errors import ModelError
+from .compiled import ScopeAtRunTime, compiled_sample_keys, scope_keys
 from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions, uniform
 from .scope import DropoutScope
 
@@ -56,6 +57,14 @@ def _element_keys(shape: tuple[int, ...], batch: int, *, channel: bool, shard: T
 def _draws(shape: tuple[int, ...], op: int, scope: DropoutScope, *, device: torch.device, channel: bool,
            shard: TPShard | None, cache: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-sample keys [B], per-element keys) of operation `op` for an activation of `shape`."""
+    if torch.compiler.is_compiling():  # keys by one opaque operator, read at run time (compiled.py); no caches:
+        # a cache filled while tracing would be a guard, and the per-element keys fuse into the mask anyway
+        if isinstance(scope, ScopeAtRunTime):
+            elements = _element_keys(tuple(shape), scope.batch, channel=channel, shard=shard, device=device, cache=None)
+            return scope_keys(op, scope.batch, scope.subbatch, device), elements
+        samples = scope.samples.to(device)
+        elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=None)
+        return compiled_sample_keys(scope.seed, scope.step_tensor, op, samples), elements
     samples = scope.samples_on(device)
     cache = scope.element_keys if cache is None else cache
     elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=cache)

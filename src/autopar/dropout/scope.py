@@ -36,6 +36,9 @@ class DropoutScope:
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
     # per-element hashes by layout, shared by the step's micro-batches (they depend on shapes only)
     element_keys: dict = field(default_factory=dict, compare=False, repr=False)
+    # the step as a tensor made outside any compiled region, so a compiled model reads it at run time
+    # (compiled.py) instead of specialising, and recompiling, on each step's number
+    step_tensor: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def samples_on(self, device: torch.device) -> torch.Tensor:
         if self.samples is None:
@@ -79,7 +82,8 @@ def micro_batch(index: int):
         raise RuntimeError(f"micro-batch {index} is outside the step's {len(scope.micro_batches)} micro-batches")
     samples = torch.tensor(scope.micro_batches[index], dtype=torch.int64)
     return _activate(DropoutScope(scope.seed, scope.step, scope.micro_batches, samples, scope.scan_random_ops,
-                                  index, element_keys=scope.element_keys))
+                                  index, element_keys=scope.element_keys,
+                                  step_tensor=torch.tensor(scope.step, dtype=torch.int64)))
 
 
 def checkpoint_context_fn():

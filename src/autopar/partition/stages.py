@@ -194,6 +194,11 @@ class StageModule(nn.Module):
                 replace_dropout_nodes(piece, numbering, batch)
 
     @property
+    def pieces(self) -> list[fx.GraphModule]:
+        """The stage's graph pieces, one per block, in order (what --compile compiles)."""
+        return list(self._pieces)
+
+    @property
     def num_blocks(self) -> int:
         return len(self.piece_specs)
 

@@ -141,6 +141,11 @@ class PipelineEngine(EngineBase):
             return token_loss_sum(output, batch)
         return self.tensor_parallel.loss_sum(output, batch, IGNORE_INDEX)
 
+    def compile_regions(self) -> list[tuple[str, nn.Module]]:
+        """--compile: each stage's pieces (one traced graph per block, tensor-parallel ones included)."""
+        return [(f"stage {index} block {i}", piece) for index, stage in sorted(self.stages.items())
+                for i, piece in enumerate(stage.pieces)]
+
     def banner_lines(self) -> list[str]:
         """What this engine chose that the run should say at its start: the layers cut, the TP split, the recomputation."""
         lines = [self.partition.layers_line()] if self.partition.num_stages > 1 else []

@@ -95,6 +95,11 @@ class EngineBase:
             return ShardedOptimizer(optimizer, sync, names)
         return optimizer
 
+    def compile_regions(self) -> list[tuple[str, nn.Module]]:
+        """The modules --compile compiles (train/compile.py): the whole model's repeated blocks."""
+        from .compile import repeated_blocks
+        return repeated_blocks(self.module)
+
     def before_checkpoint(self) -> None:
         """Make the parameters the ones to save (gossip: the replicas' average; sparse: deferred rows landed)."""
 

@@ -1,0 +1,188 @@
+"""What --compile buys: step time eager against compiled, per model and layout, and dropout's cost under both.
+
+Part 1, layouts: for each model and layout, the ranks build two trainers of the same job, one eager
+and one with TrainConfig(compile=True), and time their steps interleaved (the order alternates
+round by round, so drift on a shared machine hits both alike); the slowest rank's time counts, the
+table gives medians and the ratio compiled / eager. Compile time is reported apart: the seconds
+torch.compile spent (its own account, as summary.json gives it) and the wall time of the compiled
+trainer's warm-up steps. A model with dropout is timed as its own case.
+
+Part 2, dropout: one process, gpt-tiny with dropout 0.1, four variants (torch's dropout or the
+layout-free one, eager or compiled blocks), alternating; the layout-free overhead over torch's
+dropout, eager against compiled (the hash is ~10 int64 element-wise passes that inductor fuses).
+
+    PYTHONPATH=src python benchmarks/compile.py                     # gpt-small + hf:llama, dp1 dp2 pp2 tp2
+    PYTHONPATH=src python benchmarks/compile.py --models gpt-small --layouts dp1,pp2 --rounds 5
+    PYTHONPATH=src python benchmarks/compile.py --quick              # smoke test: gpt-tiny dp1, aot_eager
+
+Compiled kernels are cached (autopar's cache folder, or TORCHINDUCTOR_CACHE_DIR): a second run
+compiles from the cache, which the compile column shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+LAYOUTS = {"dp1": (1, {}), "dp2": (2, {"dp": 2}), "pp2": (2, {"pp": 2, "schedule": "1f1b"}), "tp2": (2, {"tp": 2})}
+MODEL_ARGS = {"gpt-small": {},
+              "gpt-tiny": {"n_layer": 2, "d_model": 32, "n_head": 2, "dropout": 0.1},  # tests/test_compile.py's model
+              "hf:llama": {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 704,
+                           "num_attention_heads": 8, "num_key_value_heads": 4}}
+
+
+def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
+    from autopar.models import build_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    tokenizer = build_tokenizer("byte")
+    train_data = None
+    trainers = {}
+    for variant in ("eager", "compiled"):
+        model, info = build_model(job["model"], job["model_args"], vocab_size=padded_vocab_size(tokenizer.vocab_size),
+                                  device="meta")
+        if train_data is None:
+            train_data, _ = build_datasets(load_corpus("stdlib"), tokenizer, seq_len=job["seq"], task=info.task, seed=0)
+        config = autopar.TrainConfig(steps=10_000, global_batch_size=job["batch"], micro_batch_size=job["micro"],
+                                     progress=False, warmup_steps=1, out=f"{job['runs']}/{variant}",
+                                     compile=variant == "compiled", compile_backend=job["backend"])
+        trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**job["strategy"]), config=config)
+        trainer._setup()
+        trainers[variant] = trainer
+    warm: dict[str, float] = {}
+    for variant, trainer in trainers.items():  # the first steps: a whole model's first is eager (its dropout
+        began = time.perf_counter()  # check), the compiled trainer compiles in the others
+        for step in range(3):
+            trainer.train_step(step)
+        warm[variant] = time.perf_counter() - began
+    times = {variant: [] for variant in trainers}
+    order = list(trainers)
+    for r in range(job["rounds"]):
+        for variant in (order if r % 2 == 0 else order[::-1]):
+            dist.barrier()
+            began = time.perf_counter()
+            trainers[variant].train_step(3 + r)
+            elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[variant].append(float(elapsed))
+    if rank == 0:
+        account = trainers["compiled"].compiled.summary()
+        results.put({"median": {v: statistics.median(t) for v, t in times.items()}, "warm": warm,
+                     "compile_s": account["compile_s"], "cache_hits": account["cache_hits"],
+                     "cache_misses": account["cache_misses"], "recompiles": account["recompiles"],
+                     "graph_breaks": sum(account["graph_breaks"].values())})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def time_layout(job: dict, world: int) -> dict:
+    from autopar.launch import free_port
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_rank, args=(world, free_port(), job, results), nprocs=world, start_method="spawn", join=True)
+    return results.get()
+
+
+def dropout_overhead(batch: int, seq: int, rounds: int) -> dict[str, float]:
+    """Median step time of gpt-tiny with dropout 0.1: torch's or layout-free dropout, eager or compiled blocks."""
+    from autopar.dropout import dropout_step, eager_micro_batch
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.train.compile import compile_regions, repeated_blocks, use_inductor_cache
+
+    use_inductor_cache()
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=4, d_model=64, max_seq_len=256, vocab_size=512, dropout=0.1)
+    eager, compiled = GPT(config), GPT(config)
+    compiled.load_state_dict(eager.state_dict())
+    compile_regions(repeated_blocks(compiled))
+    ids = torch.randint(0, 512, (batch, seq))
+
+    @contextlib.contextmanager
+    def layout_free():
+        with dropout_step(0, 1, [list(range(batch))]), eager_micro_batch(0):
+            yield
+
+    def step(model, scope) -> float:
+        began = time.perf_counter()
+        with scope():
+            logits = model(ids)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - began
+
+    variants = {"eager, torch dropout": (eager, contextlib.nullcontext), "eager, layout-free": (eager, layout_free),
+                "compiled, torch dropout": (compiled, contextlib.nullcontext),
+                "compiled, layout-free": (compiled, layout_free)}
+    for model, scope in variants.values():  # warm-up: compiles
+        step(model, scope), step(model, scope)
+    times = {name: [] for name in variants}
+    for r in range(rounds):
+        names = list(variants)
+        for name in names[r % 4:] + names[:r % 4]:
+            times[name].append(step(*variants[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt-small,hf:llama")
+    parser.add_argument("--layouts", default="dp1,dp2,pp2,tp2")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dropout-model", default="gpt-small", help="the model timed again with dropout 0.1 (dp1)")
+    parser.add_argument("--no-dropout-part", action="store_true", help="skip part 2")
+    parser.add_argument("--backend", default="inductor", help="TrainConfig.compile_backend: inductor | aot_eager")
+    parser.add_argument("--quick", action="store_true", help="smoke test of the script: gpt-tiny (dropout 0.1) at dp1, "
+                                                             "2 rounds of 2 x 16, aot_eager (no kernels built)")
+    parser.add_argument("--runs", default="runs/bench-compile", help="run folders of the timed trainers")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.layouts, args.seq, args.batch, args.rounds = "gpt-tiny", "dp1", 16, 2, 2
+        args.dropout_model, args.no_dropout_part, args.backend = "", True, "aot_eager"
+    cases = [(m, layout, {}) for m in args.models.split(",") for layout in args.layouts.split(",")]
+    if args.dropout_model:
+        dropout_arg = {"attention_dropout": 0.1} if args.dropout_model.startswith("hf:") else {"dropout": 0.1}
+        cases.append((args.dropout_model, "dp1", dropout_arg))
+    print(f"eager vs --compile (backend {args.backend}), CPU, one thread per rank, global batch {args.batch} x {args.seq} tokens, median of "
+          f"{args.rounds} interleaved steps (slowest rank); compile apart")
+    print(f"  {'model':<10} {'layout':<6} {'dropout':<8} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} "
+          f"{'compile s':>10} {'warm-up s e/c':>14} {'cache hit/miss':>15} {'recompiles':>10} {'breaks':>6}")
+    for model, layout, extra in cases:
+        world, strategy = LAYOUTS[layout]
+        micro = args.batch // (strategy.get("dp", 1) * (2 if strategy.get("pp", 1) > 1 else 1))
+        job = {"model": model, "model_args": {**MODEL_ARGS.get(model, {}), **extra}, "strategy": strategy,
+               "seq": args.seq, "batch": args.batch, "micro": micro, "rounds": args.rounds, "backend": args.backend,
+               "runs": f"{args.runs}/{model.replace(':', '-')}-{layout}"}
+        r = time_layout(job, world)
+        eager, compiled = r["median"]["eager"], r["median"]["compiled"]
+        dropout = str(job["model_args"].get("dropout") or job["model_args"].get("attention_dropout") or "off")
+        print(f"  {model:<10} {layout:<6} {dropout:<8} {eager * 1e3:9.1f} {compiled * 1e3:12.1f} "
+              f"{compiled / eager:6.2f} {r['compile_s']:10.1f} {r['warm']['eager']:6.1f}/{r['warm']['compiled']:<7.1f} "
+              f"{r['cache_hits']:>7}/{r['cache_misses']:<7} {r['recompiles']:>10} {r['graph_breaks']:>6}", flush=True)
+    if not args.no_dropout_part:
+        torch.set_num_threads(1)
+        batch, seq = (2, 32) if args.quick else (8, 128)
+        median = dropout_overhead(batch, seq, max(args.rounds, 8))
+        print(f"dropout 0.1 on gpt-tiny (2 layers, d_model 64), batch {batch} x {seq}, one thread, median of "
+              f"{max(args.rounds, 8)} alternating forward+backward passes")
+        for name, value in median.items():
+            base = median[name.split(",")[0] + ", torch dropout"]
+            print(f"  {name:<26} {value * 1e3:8.2f} ms   layout-free overhead x{value / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()

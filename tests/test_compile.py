@@ -1,0 +1,149 @@
+"""--compile (train/compile.py): every synchronous layout compiled trains as it does eagerly.
+
+The equivalence runs train gpt-tiny (two blocks, dropout 0.1 on embeddings, residual branches and
+attention weights) compiled under dp=1, dp=2, pp=2 (recomputed) and tp=2, against one eager process
+on the same global batches. Tolerance: losses 1e-5 relative, parameters 1e-5 absolute, as between
+eager layouts; not bitwise, because inductor fuses element-wise chains and may reassociate reductions
+(layer norm, softmax sums). Dropout masks are integer hashes, exact under fusion: a wrong mask moves
+the loss by ~1e-2 (test_dropout.py's reference check), far outside these tolerances.
+
+Compiling on CPU costs seconds per graph: the cases are few and tiny, and inductor's kernels are
+cached across test sessions (conftest.py points TORCHINDUCTOR_CACHE_DIR at .pytest_cache).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.config import Strategy, TrainConfig
+from autopar.config.rules import Setup, check_rules
+from autopar.errors import ConfigError
+from autopar.train.compile import repeated_blocks
+from helpers import max_relative_difference, train_builtin
+
+MODEL_ARGS = {"n_layer": 2, "d_model": 32, "n_head": 2, "dropout": 0.1}
+RUN = dict(steps=3, global_batch_size=4, seq_len=16, eval_batches=1)
+_reference: dict = {}
+
+
+def _eager(rank_pool, tmp_path_factory) -> dict:
+    if not _reference:
+        out = str(tmp_path_factory.mktemp("eager"))
+        _reference.update(rank_pool(1).run(train_builtin, "gpt-tiny", out, model_args=MODEL_ARGS,
+                                           micro_batch_size=4, **RUN)[0])
+    return _reference
+
+
+def _assert_matches(expected: dict, got: dict, where: str) -> None:
+    assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (where, expected["losses"],
+                                                                              got["losses"])
+    for name, value in got["params"].items():
+        assert (value - expected["params"][name]).abs().max() < 1e-5, (where, name)
+
+
+# (world, strategy, micro-batch size, backend). Inductor's kernels are checked at dp=1 (and on resume, and the masks'
+# bits below); the multi-rank layouts capture the same kind of graphs through their own engines (stage pieces,
+# tensor-parallel collectives, recomputation) and run them with aot_eager, which skips inductor's C++ build: it
+# would cost minutes per layout on a cold cache of a 2-core machine
+LAYOUTS = {"dp1": (1, {}, 2, "inductor"), "dp2": (2, {"dp": 2}, 2, "aot_eager"),
+           "pp2": (2, {"pp": 2, "schedule": "1f1b", "recompute": "all"}, 1, "aot_eager"),
+           "tp2": (2, {"tp": 2}, 4, "aot_eager")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_layout_matches_eager(rank_pool, tmp_path, tmp_path_factory, layout):
+    world, strategy, micro, backend = LAYOUTS[layout]
+    expected = _eager(rank_pool, tmp_path_factory)
+    results = rank_pool(world).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODEL_ARGS, strategy=strategy,
+                                   micro_batch_size=micro, compile=True, compile_backend=backend, **RUN)
+    for rank, got in enumerate(results):
+        _assert_matches(expected, got, f"{layout} rank {rank}")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["compile_recompiles"] for r in records] == [0] * RUN["steps"], records  # compiled once, not per step
+    assert all(r["compile_graph_breaks"] == 0 for r in records), records
+    summary = json.loads((tmp_path / "summary.json").read_text())["compile"]
+    assert summary["regions"] >= 2 and summary["compile_s"] > 0 and summary["graph_breaks"] == {}, summary
+
+
+def test_compiled_run_resumes_where_it_stopped(rank_pool, tmp_path, tmp_path_factory):
+    """Two compiled steps, then a third on --resume (compiled again, from the cache): the uninterrupted run."""
+    expected = _eager(rank_pool, tmp_path_factory)
+    pool = rank_pool(1)
+    # micro-batches of 2, as the dp=1 case: this rank's compiled graphs serve (a new shape would compile anew)
+    pool.run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODEL_ARGS, micro_batch_size=2, compile=True,
+             **{**RUN, "steps": 2})
+    got = pool.run(train_builtin, "gpt-tiny", str(tmp_path / "resumed"), model_args=MODEL_ARGS, micro_batch_size=2,
+                   compile=True, resume=str(tmp_path), **RUN)[0]
+    assert got["first_step"] == 3
+    assert abs(got["losses"][-1] - expected["losses"][-1]) / expected["losses"][-1] < 1e-5
+    for name, value in got["params"].items():
+        assert (value - expected["params"][name]).abs().max() < 1e-5, name
+
+
+def test_repeated_blocks_are_the_regions():
+    from autopar.models.gpt import GPT, GPTConfig
+    gpt = GPT(GPTConfig(n_layer=3))
+    assert [name for name, _ in repeated_blocks(gpt)] == ["blocks.0", "blocks.1", "blocks.2"]
+    plain = nn.Sequential(nn.Linear(2, 2), nn.ReLU())  # no run of one class: the whole model is the region
+    assert repeated_blocks(plain) == [("(whole model)", plain)]
+
+
+@pytest.mark.parametrize("schedule,chunks", [("zb-h1", 1), ("pipedream-2bw", 1)])
+def test_schedules_a_compiled_region_cannot_run_are_refused(schedule, chunks):
+    setup = Setup(Strategy(dp=1, pp=2, schedule=schedule, chunks=chunks), TrainConfig(compile=True), world=2)
+    with pytest.raises(ConfigError, match="--compile"):
+        check_rules(setup)
+    check_rules(Setup(Strategy(dp=1, pp=2, schedule=schedule, chunks=chunks), TrainConfig(), world=2))
+
+
+def _mask_bits_and_frames() -> tuple[bool, int]:
+    """Dropout compiled alone over three steps: (every step's mask equal to eager's, frames compiled after step 1)."""
+    from autopar._torch_internals import compile_counters
+    from autopar.dropout import dropout_step, eager_micro_batch
+
+    def dropped(x):
+        return torch.nn.functional.dropout(x, 0.5) * 2
+
+    compiled = torch.compile(dropped)
+    x = torch.ones(2, 3, 8)
+    equal, frames = True, None
+    for step in range(3):
+        with dropout_step(5, step, [[4, 9]]):
+            with eager_micro_batch(0):
+                eager = dropped(x)
+            with eager_micro_batch(0):  # (a mask is numbered by its call within the micro-batch: a fresh one)
+                got = compiled(x)
+        equal = equal and torch.equal(eager, got) and not torch.equal(eager, x * 2)
+        frames = compile_counters()["frames"] if frames is None else frames
+    return equal, compile_counters()["frames"] - frames
+
+
+def test_dropout_masks_compile_to_the_eager_bits(rank_pool):
+    """The mask under torch.compile: the same bits as eager, across steps, without recompiling per step (run in a
+    pool rank, whose compiler is already warm)."""
+    equal, recompiled = rank_pool(1).run(_mask_bits_and_frames)[0]
+    assert equal and recompiled == 0, (equal, recompiled)
+
+
+def test_a_graph_break_is_reported_once_with_torchs_reason(tmp_path):
+    """A construct the compiler cannot capture (here a print) is counted per step and explained once."""
+    from autopar.train.compile import CompileAccount
+    account = CompileAccount(["f"], tmp_path)
+
+    def f(x):
+        x = x + 1
+        print(end="")
+        return x * 2
+
+    torch.compile(f, backend="eager")(torch.ones(2))  # eager backend: dynamo's capture only, no kernels built
+    fields = account.step_fields()
+    assert fields["compile_graph_breaks"] == 1 and fields["compile_recompiles"] == 0, fields
+    report = account.graph_break_report()
+    assert report is not None and "1x" in report and "print" in report, report
+    assert account.graph_break_report() is None  # once
+    assert list(account.summary()["graph_breaks"].values()) == [1]
