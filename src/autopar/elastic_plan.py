@@ -57,9 +57,9 @@ def replan_on_resume(job: JobConfig, run: Path, given: dict) -> JobConfig:
 
 def _without_plan_fields(job: JobConfig, plan: Plan, given: dict) -> JobConfig:
     """`job` with the fields `plan` sets back at their defaults, but those `given` on the command line."""
-    fixed, strategy_defaults, train_defaults = given.get("strategy", {}), Strategy(), TrainConfig()
+    fixed, strategy_defaults, train_defaults = given.get("strategy", {}), Strategy().flat(), TrainConfig()
     strategy = dataclasses.replace(job.strategy, **{
-        key: getattr(strategy_defaults, key) for key in plan.record["strategy"] if key not in fixed})
+        key: strategy_defaults[key] for key in plan.record["strategy"] if key not in fixed})
     train = dataclasses.replace(job.train, **{
         key: getattr(train_defaults, key) for key in plan.record["train"]
         if key not in given.get("train", {}) and key != "global_batch_size"})  # the batch is the run's, not planned
