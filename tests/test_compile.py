@@ -7,7 +7,8 @@ eager layouts; not bitwise, because inductor fuses element-wise chains and may r
 (layer norm, softmax sums). Dropout masks are integer hashes, exact under fusion: a wrong mask moves
 the loss by ~1e-2 (test_dropout.py's reference check), far outside these tolerances.
 
-Compiling on CPU costs seconds per graph: the cases are few and tiny, and inductor's kernels are
+Compiling on CPU costs seconds per graph: the cases are few and tiny, the layouts run on aot_eager
+(dynamo's capture and AOTAutograd, no C++ build), and the inductor kernels the mask test builds are
 cached across test sessions (conftest.py points TORCHINDUCTOR_CACHE_DIR at .pytest_cache).
 """
 
