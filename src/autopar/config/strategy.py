@@ -35,6 +35,7 @@ BOUNDARY_TRANSFERS = ("direct", "send_recv", "scatter_gather", "broadcast", "aut
 # BatchNorm statistics (running_stats/): exact is one process's over the same micro-batches; sync normalises
 # with the statistics of the replicas' micro-batches together (torch's SyncBatchNorm).
 BATCHNORM_MODES = ("exact", "sync")
+CP_MODES = ("ring", "all-to-all")  # how attention sees the whole sequence under --cp (context_parallel/)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +111,12 @@ class Strategy:
     confirm: int | None = _f(None, "--strategy auto: run the top K plans (the default layout among them) for a few "
                                    "steps each and keep the fastest measured; unset: measure the plans whose "
                                    "predictions are within the model's error of each other; 0: never measure")
+    # Context parallelism (context_parallel/): the sequence split over cp ranks.
+    cp: int = _f(1, "context-parallel degree: every sequence split over cp ranks (between dp and tp); attention "
+                    "runs over the whole sequence by --cp-mode, positions and masks follow each rank's tokens")
+    cp_mode: str = _f("ring", "how attention sees the whole sequence under --cp: ring (key/value blocks passed "
+                              "around, load-balanced causal chunks) | all-to-all (sequence swapped for heads; "
+                              "heads divisible by cp)")
 
     @classmethod
     def auto(cls, *, cluster: str | None = None, memory_per_device_gb: float | None = None, **fixed: Any) -> Strategy:
@@ -168,13 +175,19 @@ class Strategy:
                 or not 0 <= self.sparse_threshold <= 1:
             raise ConfigError(f"strategy.sparse_threshold is a fraction of rows and must be in [0, 1], got "
                               f"{self.sparse_threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
-        dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
-        if dp * self.tp * self.pp != world_size or dp < 1:
+        _check_positive_int("strategy.cp", self.cp)
+        if self.cp_mode not in CP_MODES:
+            raise ConfigError(f"strategy.cp_mode (--cp-mode) must be one of {choices(CP_MODES)}, got {self.cp_mode!r}")
+        others = self.tp * self.pp * self.cp
+        dp = self.dp if self.dp is not None else world_size // others
+        if dp * others != world_size or dp < 1:
+            cp_text = "*cp" if self.cp > 1 else ""
             raise ConfigError(
-                f"dp*tp*pp = {self.dp if self.dp is not None else '?'}*{self.tp}*{self.pp} does not equal "
+                f"dp*tp*pp{cp_text} = {self.dp if self.dp is not None else '?'}*{self.tp}*{self.pp}"
+                f"{f'*{self.cp}' if self.cp > 1 else ''} does not equal "
                 f"the number of processes ({world_size}); choose degrees whose product is {world_size}, "
-                f"e.g. dp={max(1, world_size // (self.tp * self.pp))} tp={self.tp} pp={self.pp}, "
-                f"or change --nproc"
+                f"e.g. dp={max(1, world_size // others)} tp={self.tp} pp={self.pp}"
+                f"{f' cp={self.cp}' if self.cp > 1 else ''}, or change --nproc"
             )
         return dataclasses.replace(self, dp=dp)
 
