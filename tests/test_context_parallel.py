@@ -58,3 +58,68 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_f
     results = rank_pool(world).run(train_builtin, model, str(tmp_path), model_args=MODELS[model], steps=STEPS,
                                    strategy=strategy, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
     assert_matches(expected, results)
+
+
+def test_padded_batches_match_single_process(rank_pool, tmp_path, tmp_path_factory):
+    """GPT-2 (learned positions) on left-padded batches with attention_mask: the padding follows the shard."""
+    from test_batch_fields import DROPPED, reference as padded_reference, train as train_padded
+    expected = padded_reference(rank_pool, tmp_path_factory, "gpt2")
+    without = padded_reference(rank_pool, tmp_path_factory, "gpt2", DROPPED["gpt2"])
+    assert max_relative_difference(expected["losses"], without["losses"]) > 1e-4  # the mask matters here
+    for rank, got in enumerate(rank_pool(2).run(train_padded, "gpt2", str(tmp_path), strategy={"cp": 2})):
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, expected, got)
+        assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5, (rank, expected, got)
+
+
+def _traced(model, seq: int, **kwargs):
+    import torch
+    from autopar.trace import trace
+    return trace(model, (torch.zeros(2, seq, dtype=torch.long),), kwargs, device="cpu")
+
+
+class _SlidingWindow:
+    """A tiny attention model whose mask is a causal sliding window of 2 tokens."""
+
+    @staticmethod
+    def build():
+        import torch
+        from torch import nn
+        import torch.nn.functional as F
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(16, 8)
+
+            def forward(self, ids):
+                x = self.emb(ids)[:, None]  # one head
+                pos = torch.arange(ids.shape[1])
+                window = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 2)
+                return F.scaled_dot_product_attention(x, x, x, attn_mask=window)
+        return Model()
+
+
+def test_attention_that_cannot_follow_the_shard_is_refused_with_its_node():
+    import torch
+    from autopar.context_parallel.rewrite import check_rewritable, mask_kinds
+    from autopar.errors import ModelError
+    from autopar.models.registry import build_model
+    model, _ = build_model("gpt-tiny", {"n_layer": 1}, vocab_size=64, device="cpu")
+    with pytest.raises(ModelError, match=r"scaled_dot_product_attention.* 4 heads, not divisible by --cp 8"):
+        check_rewritable(_traced(model, 16), 8, "all-to-all")
+    window = _traced(_SlidingWindow.build(), 8)
+    with pytest.raises(ModelError, match=r"attention node scaled_dot_product_attention .*sliding window"):
+        mask_kinds(window, {"__main__": torch.zeros(2, 8, dtype=torch.long)})
+    assert [k.describe() for k in mask_kinds(_traced(model, 8), {"__main__": torch.zeros(2, 8, dtype=torch.long)})] \
+        == ["causal"]
+
+
+@pytest.mark.parametrize("fields, rule", [({"tp": 2}, "cp-tp"), ({"zero": 3}, "cp-engine"),
+                                          ({"search": "auto"}, "cp-search")])
+def test_combinations_refused_before_ranks_start(fields, rule):
+    import autopar
+    from autopar.errors import ConfigError
+    from autopar.strategies import resolve
+    config = autopar.TrainConfig(global_batch_size=8, micro_batch_size=2)
+    with pytest.raises(ConfigError, match=rf"rule {rule}\b"):
+        resolve(autopar.Strategy(cp=2, **fields), config, 4 if "tp" not in fields else 4)

@@ -368,6 +368,25 @@ RULES: tuple[Rule, ...] = (
          "{setup.microbatches} per replica per step",
          "use e.g. {multiple} micro-batches per replica",
          detail=lambda setup: {"multiple": -(-setup.microbatches // setup.strategy.pp) * setup.strategy.pp}),
+    # ---- context parallelism (--cp): the sequence split over ranks
+    Rule("cp-search", "--cp > 1 with --strategy auto or --plan",
+         lambda setup: setup.strategy.cp > 1 and (setup.strategy.search != "manual" or setup.strategy.plan is not None),
+         "--cp {s.cp} with --strategy auto / --plan", "the search does not choose context parallelism yet",
+         "give the degrees by hand (e.g. --cp {s.cp} --dp N)", phase="search"),
+    Rule("cp-tp", "--cp > 1 with --tp > 1 or --stage-tp",
+         lambda setup: setup.strategy.cp > 1 and (setup.strategy.tp > 1 or setup.strategy.stage_tp is not None),
+         "--cp {s.cp} with tp={s.tp}{stage}", "the tensor-parallel planner does not split the rewritten ring or "
+         "all-to-all attention yet", "use --tp 1 (cp combines with dp and pp)",
+         detail=lambda setup: {"stage": f" --stage-tp {setup.strategy.stage_tp}" if setup.strategy.stage_tp else ""}),
+    Rule("cp-engine", "--cp > 1 with ZeRO, gossip or asynchronous replicas, PipeDream schedules or sparse "
+         "embeddings", lambda setup: setup.strategy.cp > 1 and _cp_conflict(setup) is not None,
+         "--cp {s.cp} with {flag}", "context parallelism runs in the synchronous pipeline engine, which sums "
+         "gradients over dp x cp; that choice runs elsewhere", "use {want}",
+         detail=lambda setup: dict(zip(("flag", "want"), _cp_conflict(setup) or ("", "")))),
+    Rule("cp-forward", "--cp > 1 with a forward_fn of the Trainer's own",
+         lambda setup: setup.strategy.cp > 1 and setup.custom_forward,
+         "--cp {s.cp} with a custom forward_fn", "the traced model runs on each rank's share of the sequence, and a "
+         "forward of one's own would see whole batches", "drop forward_fn (batch fields reach the model as keywords)"),
 )
 
 
@@ -384,6 +403,19 @@ def _outside_search(setup: Setup) -> tuple[str, str] | None:
         return f"--memory-budget-mb {s.memory_budget_mb}", "unset (use --memory-per-device-gb)"
     if c.optimizer == "sparse-adam":
         return "--optimizer sparse-adam", "adamw"
+    return None
+
+
+def _cp_conflict(setup: Setup) -> tuple[str, str] | None:
+    """The first choice context parallelism does not run with, as (flag with value, what would work)."""
+    s = setup.strategy
+    for flag, value, want in (("--zero", s.zero, 0), ("--dp-mode", s.dp_mode, "allreduce"),
+                              ("--schedule", s.schedule, "1f1b" if not setup.spec.flushes else s.schedule),
+                              ("--sparse-embeddings", s.sparse_embeddings, "dense")):
+        if value != want:
+            return f"{flag} {value}", f"{flag} {want}"
+    if setup.sparse:
+        return f"--optimizer {setup.config.optimizer}", "--optimizer adamw"
     return None
 
 

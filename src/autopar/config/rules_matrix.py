@@ -49,6 +49,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("parameter server", {"dp_mode": "async"}, {"optimizer": "sgd"}),
     Feature("sparse embrace", {"sparse_embeddings": "embrace"}),
     Feature("strategy auto", {"search": "auto"}),
+    Feature("cp 2", {"cp": 2}),
 )
 
 
@@ -69,7 +70,7 @@ def refusal(features: tuple[Feature, ...]) -> Rule | str | None:
     if fields is None or train is None:
         return "one field, two values"
     strategy = Strategy(dp=DP, **fields)
-    world = DP * (sum(strategy.stage_tps) if strategy.stage_tp else strategy.tp * strategy.pp)
+    world = DP * strategy.cp * (sum(strategy.stage_tps) if strategy.stage_tp else strategy.tp * strategy.pp)
     try:
         resolved = strategy.resolved(world)
     except ConfigError:
