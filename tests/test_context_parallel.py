@@ -42,6 +42,7 @@ LAYOUTS = [
     ("gpt-tiny", 2, {"cp": 2, "cp_mode": "all-to-all"}, 2),
     ("gpt-tiny", 4, {"cp": 4}, 4),
     ("gpt-tiny", 4, {"cp": 2, "dp": 2}, 2),
+    ("gpt-tiny", 4, {"cp": 2, "pp": 2, "schedule": "1f1b"}, 2),
     ("hf:llama", 2, {"cp": 2}, 4),
 ]
 

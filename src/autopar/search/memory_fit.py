@@ -58,6 +58,8 @@ def not_covered(strategy: Strategy, config: TrainConfig) -> str | None:
         return f"the asynchronous pipeline --schedule {strategy.schedule} (several weight versions)"
     if strategy.pp > 1 and strategy.schedule in ("zbv", "scp"):
         return f"--schedule {strategy.schedule}"
+    if strategy.cp > 1:  # its traced activations are the whole sequence's; a rank keeps 1/cp of them
+        return f"context parallelism (--cp {strategy.cp})"
     if strategy.sparse_embeddings != "dense" or config.optimizer not in OPTIMIZER_STATE_BYTES:
         return f"sparse embeddings (--sparse-embeddings {strategy.sparse_embeddings}, --optimizer {config.optimizer})"
     return None
