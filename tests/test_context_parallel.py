@@ -1,9 +1,9 @@
 """Context parallelism (--cp) trains like one process: the sequence split over ranks, attention whole.
 
 Same reference as the other equivalence tests: a world of one on the whole global batch. Ring attention
-(load-balanced chunks) at cp=2 and cp=4, all-to-all at cp=2, cp with dp, and LLaMA (rotary positions,
-grouped-query attention) with right-padded batches: losses, gradient norms, eval loss and parameters
-equal at fp32 tolerance.
+(load-balanced chunks) at cp=2 and cp=4, all-to-all at cp=2, cp with pp, cp with dp (then resumed
+without cp), LLaMA (rotary positions, grouped-query attention), GPT-2 on padded batches: losses,
+gradient norms, eval loss and parameters equal at fp32 tolerance.
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ def assert_matches(expected: dict, results: list[dict]) -> None:
 
 # (model, world, strategy, micro-batch size)
 LAYOUTS = [
-    ("gpt-tiny", 2, {"cp": 2}, 4),
     ("gpt-tiny", 2, {"cp": 2, "cp_mode": "all-to-all"}, 2),
     ("gpt-tiny", 4, {"cp": 4}, 4),
-    ("gpt-tiny", 4, {"cp": 2, "dp": 2}, 2),
     ("gpt-tiny", 4, {"cp": 2, "pp": 2, "schedule": "1f1b"}, 2),
     ("hf:llama", 2, {"cp": 2}, 4),
 ]
@@ -124,3 +122,24 @@ def test_combinations_refused_before_ranks_start(fields, rule):
     config = autopar.TrainConfig(global_batch_size=8, micro_batch_size=2)
     with pytest.raises(ConfigError, match=rf"rule {rule}\b"):
         resolve(autopar.Strategy(cp=2, **fields), config, 4 if "tp" not in fields else 4)
+
+
+def _cp_then_resume_without(out: str) -> dict:
+    """Two steps at cp=2 x dp=2 with a checkpoint, then resumed to the end as four data-parallel replicas."""
+    common = dict(model_args=MODELS["gpt-tiny"], global_batch_size=GLOBAL_BATCH, micro_batch_size=1)
+    first = train_builtin("gpt-tiny", f"{out}/cp", steps=2, strategy={"cp": 2}, checkpoint_every=2, **common)
+    return {"first": first, "resumed": train_builtin("gpt-tiny", f"{out}/dp", steps=STEPS, resume=f"{out}/cp",
+                                                     **common)}
+
+
+def test_cp_with_dp_and_resume_under_another_cp(rank_pool, tmp_path, tmp_path_factory):
+    """Checkpoints hold whole parameters: a cp=2 x dp=2 run resumes as dp=4 and ends where one process does."""
+    expected = reference(rank_pool, tmp_path_factory, "gpt-tiny")
+    for rank, got in enumerate(rank_pool(4).run(_cp_then_resume_without, str(tmp_path))):
+        first, resumed = got["first"], got["resumed"]
+        assert max_relative_difference(expected["losses"][:2], first["losses"]) < 1e-5, (rank, expected, first)
+        assert max_relative_difference(expected["grad_norms"][:2], first["grad_norms"]) < 1e-4, rank
+        assert resumed["first_step"] == 3, rank  # resumed after step 2
+        assert max_relative_difference(expected["losses"][2:], resumed["losses"][-2:]) < 1e-5, (rank, expected, got)
+        for name, value in resumed["params"].items():
+            assert (value - expected["params"][name]).abs().max() < 1e-5, (rank, name)
