@@ -378,10 +378,10 @@ RULES: tuple[Rule, ...] = (
          "--cp {s.cp} with tp={s.tp}{stage}", "the tensor-parallel planner does not split the rewritten ring or "
          "all-to-all attention yet", "use --tp 1 (cp combines with dp and pp)",
          detail=lambda setup: {"stage": f" --stage-tp {setup.strategy.stage_tp}" if setup.strategy.stage_tp else ""}),
-    Rule("cp-engine", "--cp > 1 with ZeRO, gossip or asynchronous replicas, PipeDream schedules or sparse "
-         "embeddings", lambda setup: setup.strategy.cp > 1 and _cp_conflict(setup) is not None,
-         "--cp {s.cp} with {flag}", "context parallelism runs in the synchronous pipeline engine, which sums "
-         "gradients over dp x cp; that choice runs elsewhere", "use {want}",
+    Rule("cp-engine", "--cp > 1 with ZeRO, gossip or asynchronous replicas, PipeDream or zero-bubble schedules or "
+         "sparse embeddings", lambda setup: setup.strategy.cp > 1 and _cp_conflict(setup) is not None,
+         "--cp {s.cp} with {flag}", "context parallelism runs in the synchronous pipeline engine with whole "
+         "backward passes, summing gradients over dp x cp; that choice is not checked with it yet", "use {want}",
          detail=lambda setup: dict(zip(("flag", "want"), _cp_conflict(setup) or ("", "")))),
     Rule("cp-forward", "--cp > 1 with a forward_fn of the Trainer's own",
          lambda setup: setup.strategy.cp > 1 and setup.custom_forward,
@@ -409,8 +409,9 @@ def _outside_search(setup: Setup) -> tuple[str, str] | None:
 def _cp_conflict(setup: Setup) -> tuple[str, str] | None:
     """The first choice context parallelism does not run with, as (flag with value, what would work)."""
     s = setup.strategy
+    plain = not setup.spec.flushes or (setup.spec.split_backward and setup.pipelined)  # (zero-bubble: untested)
     for flag, value, want in (("--zero", s.zero, 0), ("--dp-mode", s.dp_mode, "allreduce"),
-                              ("--schedule", s.schedule, "1f1b" if not setup.spec.flushes else s.schedule),
+                              ("--schedule", s.schedule, "1f1b" if plain else s.schedule),
                               ("--sparse-embeddings", s.sparse_embeddings, "dense")):
         if value != want:
             return f"{flag} {value}", f"{flag} {want}"
