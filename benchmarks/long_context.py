@@ -9,8 +9,9 @@ per replica per step. Per-rank memory is measured, not assumed:
 
 Why not the process's peak RSS: on CPU it never goes down, so one process could not try several
 lengths. Activations grow linearly with the tokens a rank holds (ring attention keeps q, k, v, the
-output and the row log-sum-exp; torch's CPU attention the same), so two measured lengths fix the line
-per cp, a third (longer) measured length checks it (the error is printed), and the longest length
+output and the row log-sum-exp; torch's CPU attention the same), so two measured lengths fix the line of
+states + activations per cp (states grow too: the learned position table is as long as the sequence), a
+third (longer) measured length checks it (the error is printed), and the longest length
 within --budget-mb is read off the line. Then tokens/s of a few steps at --speed-length for each cp,
 beside cp=1. DTensor's context_parallel (torch.distributed.tensor.experimental) is tried on the same
 ranks: on CPU it stops at torch's CPU attention kernel (no sharding strategy registered for it), and
@@ -135,22 +136,23 @@ def report(args: argparse.Namespace, results: dict) -> list[str]:
     budget = args.budget_mb * 2**20
     lines = [f"{args.model}, {WORLD} gloo CPU ranks, one sequence per replica; budget {args.budget_mb:g} MiB per "
              f"rank (states + saved activations)",
-             "cp | states MiB | activations MiB at " + " / ".join(map(str, args.lengths))
+             f"cp | states MiB at {args.lengths[0]} | activations MiB at " + " / ".join(map(str, args.lengths))
              + f" | line's error at {args.check_length or '-'} | longest length | x cp=1 | tokens/s at "
              + f"{args.speed_length} | x cp=1"]
     longest: dict[int, int] = {}
     for cp in args.cps:
-        points = [(n, results["memory"][(cp, n)]["activations"]) for n in args.fit_lengths]
+        total = lambda n: results["memory"][(cp, n)]["state"] + results["memory"][(cp, n)]["activations"]  # noqa: E731
+        points = [(n, total(n)) for n in args.fit_lengths]  # (states grow too: the position table is n long)
         (n0, a0), (n1, a1) = points
         slope = (a1 - a0) / (n1 - n0)
         base = a0 - slope * n0
         error = "-"
         if args.check_length:
-            check = results["memory"][(cp, args.check_length)]["activations"]
+            check = total(args.check_length)
             error = f"{(base + slope * args.check_length - check) / check:+.1%}"
         state = results["memory"][(cp, n0)]["state"]
         step = 2 * cp
-        longest[cp] = int((budget - state - base) / slope) // step * step if budget > state + base else 0
+        longest[cp] = int((budget - base) / slope) // step * step if budget > base else 0
         acts = " / ".join(f"{results['memory'][(cp, n)]['activations'] / 2**20:.1f}"
                           for n in args.lengths)
         speed = results["speed"][cp]

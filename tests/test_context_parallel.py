@@ -143,3 +143,17 @@ def test_cp_with_dp_and_resume_under_another_cp(rank_pool, tmp_path, tmp_path_fa
         assert max_relative_difference(expected["losses"][2:], resumed["losses"][-2:]) < 1e-5, (rank, expected, got)
         for name, value in resumed["params"].items():
             assert (value - expected["params"][name]).abs().max() < 1e-5, (rank, name)
+
+
+def test_a_loss_of_ones_own_is_refused(tmp_path):
+    """A Trainer loss_fn averages whole samples; under cp each rank holds part of each: refused before any rank."""
+    import autopar
+    from autopar.errors import ConfigError
+    from autopar.models.registry import build_model
+    from helpers import small_data
+    model, info = build_model("gpt-tiny", MODELS["gpt-tiny"], vocab_size=320, device="meta")
+    config = autopar.TrainConfig(steps=1, global_batch_size=4, micro_batch_size=2, out=str(tmp_path), progress=False)
+    trainer = autopar.Trainer(model, small_data(info.task, 32)[0], strategy=autopar.Strategy(cp=2), config=config,
+                              loss_fn=lambda output, batch: output.float().mean())
+    with pytest.raises(ConfigError, match=r"--cp 2 with a loss_fn of one's own"):
+        trainer.train()
