@@ -12,7 +12,7 @@ lengths. Activations grow linearly with the tokens a rank holds (ring attention 
 output and the row log-sum-exp; torch's CPU attention the same), so two measured lengths fix the line of
 states + activations per cp (states grow too: the learned position table is as long as the sequence), a
 third (longer) measured length checks it (the error is printed), and the longest length
-within --budget-mb is read off the line. Then tokens/s of a few steps at --speed-length for each cp,
+within --budget-mb is read off the line and measured once more (not in --quick). Then tokens/s of a few steps at --speed-length for each cp,
 beside cp=1. DTensor's context_parallel (torch.distributed.tensor.experimental) is tried on the same
 ranks: on CPU it stops at torch's CPU attention kernel (no sharding strategy registered for it), and
 the benchmark prints what it raised.
@@ -117,12 +117,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    results: dict = {"memory": {}, "speed": {}}
+    results: dict = {"memory": {}, "speed": {}, "at_longest": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for cp in args.cps:
             for length in args.lengths:
                 out = os.path.join(scratch, f"m{cp}-{length}")
                 results["memory"][(cp, length)] = measure_memory(args.model, cp, length, out)
+            if args.verify:  # the length read off the line, measured (every rank holds the same figures)
+                length = fitted(args, results, cp)[0]
+                results["at_longest"][cp] = measure_memory(args.model, cp, length, os.path.join(scratch, f"v{cp}"))
             out = os.path.join(scratch, f"s{cp}")
             results["speed"][cp] = measure_speed(args.model, cp, args.speed_length, args.steps, out)
     results["dtensor"] = try_dtensor(args.speed_length)
@@ -132,31 +135,38 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     dist.destroy_process_group()
 
 
-def report(args: argparse.Namespace, results: dict) -> list[str]:
+def fitted(args: argparse.Namespace, results: dict, cp: int) -> tuple[int, str]:
+    """(longest length within the budget on the line through the fit lengths, the line's error at the check length)."""
+    total = lambda n: results["memory"][(cp, n)]["state"] + results["memory"][(cp, n)]["activations"]  # noqa: E731
+    (n0, a0), (n1, a1) = [(n, total(n)) for n in args.fit_lengths]  # (states grow too: the position table)
+    slope = (a1 - a0) / (n1 - n0)
+    base = a0 - slope * n0
     budget = args.budget_mb * 2**20
+    step = 2 * cp
+    longest = int((budget - base) / slope) // step * step if budget > base else 0
+    error = "-"
+    if args.check_length:
+        check = total(args.check_length)
+        error = f"{(base + slope * args.check_length - check) / check:+.1%}"
+    return longest, error
+
+
+def report(args: argparse.Namespace, results: dict) -> list[str]:
     lines = [f"{args.model}, {WORLD} gloo CPU ranks, one sequence per replica; budget {args.budget_mb:g} MiB per "
              f"rank (states + saved activations)",
              f"cp | states MiB at {args.lengths[0]} | activations MiB at " + " / ".join(map(str, args.lengths))
-             + f" | line's error at {args.check_length or '-'} | longest length | x cp=1 | tokens/s at "
+             + f" | line's error at {args.check_length or '-'} | longest length | MiB measured there | x cp=1 | "
+             + "tokens/s at "
              + f"{args.speed_length} | x cp=1"]
     longest: dict[int, int] = {}
     for cp in args.cps:
-        total = lambda n: results["memory"][(cp, n)]["state"] + results["memory"][(cp, n)]["activations"]  # noqa: E731
-        points = [(n, total(n)) for n in args.fit_lengths]  # (states grow too: the position table is n long)
-        (n0, a0), (n1, a1) = points
-        slope = (a1 - a0) / (n1 - n0)
-        base = a0 - slope * n0
-        error = "-"
-        if args.check_length:
-            check = total(args.check_length)
-            error = f"{(base + slope * args.check_length - check) / check:+.1%}"
-        state = results["memory"][(cp, n0)]["state"]
-        step = 2 * cp
-        longest[cp] = int((budget - base) / slope) // step * step if budget > base else 0
-        acts = " / ".join(f"{results['memory'][(cp, n)]['activations'] / 2**20:.1f}"
-                          for n in args.lengths)
+        longest[cp], error = fitted(args, results, cp)
+        state = results["memory"][(cp, args.lengths[0])]["state"]
+        acts = " / ".join(f"{results['memory'][(cp, n)]['activations'] / 2**20:.1f}" for n in args.lengths)
+        measured = results["at_longest"].get(cp)
+        there = f"{(measured['state'] + measured['activations']) / 2**20:.1f}" if measured else "-"
         speed = results["speed"][cp]
-        lines.append(f"{cp} | {state / 2**20:.1f} | {acts} | {error} | {longest[cp]} | "
+        lines.append(f"{cp} | {state / 2**20:.1f} | {acts} | {error} | {longest[cp]} | {there} | "
                      f"{longest[cp] / max(longest[args.cps[0]], 1):.2f} | {speed:.0f} | "
                      f"{speed / results['speed'][args.cps[0]]:.2f}")
     lines.append(f"DTensor context_parallel (torch {torch.__version__}): {results['dtensor']}")
@@ -173,11 +183,11 @@ def main() -> None:
     if args.quick:
         args.model, args.fit_lengths, args.check_length = args.model or "gpt-tiny", [32, 64], None
         args.budget_mb = args.budget_mb or 24.0
-        args.speed_length, args.steps = 64, 2
+        args.speed_length, args.steps, args.verify = 64, 2, False
     else:
         args.model, args.fit_lengths, args.check_length = args.model or "gpt-small", [256, 512], 1024
         args.budget_mb = args.budget_mb or 4096.0
-        args.speed_length = 1024
+        args.speed_length, args.verify = 1024, True
     args.cps = [1, 2, 4]
     args.lengths = [*args.fit_lengths, *([args.check_length] if args.check_length else [])]
     from autopar.launch import free_port
