@@ -59,13 +59,15 @@ def test_context_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_f
     assert_matches(expected, results)
 
 
-def test_padded_batches_match_single_process(rank_pool, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("mode", ["ring", "all-to-all"])
+def test_padded_batches_match_single_process(rank_pool, tmp_path, tmp_path_factory, mode):
     """GPT-2 (learned positions) on left-padded batches with attention_mask: the padding follows the shard."""
     from test_batch_fields import DROPPED, reference as padded_reference, train as train_padded
     expected = padded_reference(rank_pool, tmp_path_factory, "gpt2")
     without = padded_reference(rank_pool, tmp_path_factory, "gpt2", DROPPED["gpt2"])
     assert max_relative_difference(expected["losses"], without["losses"]) > 1e-4  # the mask matters here
-    for rank, got in enumerate(rank_pool(2).run(train_padded, "gpt2", str(tmp_path), strategy={"cp": 2})):
+    for rank, got in enumerate(rank_pool(2).run(train_padded, "gpt2", str(tmp_path),
+                                                    strategy={"cp": 2, "cp_mode": mode})):
         assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, expected, got)
         assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5, (rank, expected, got)
 
