@@ -276,8 +276,8 @@ def _print_plan(job: JobConfig, resolved: Resolved, build: Callable, *, gated: b
     params = sum(p.numel() for p in {id(p): p for p in parts.model.parameters()}.values())
     world = job.launch.nproc
     lines = [f"autopar {__version__}: {world} process(es), strategy dp={strategy.dp} "  # as the Trainer's banner
-             f"tp={strategy.stage_tp or strategy.tp} pp={strategy.pp}, {params:,} parameters, "
-             f"{resolved.accumulation} micro-batch(es) of {config.micro_batch_size} per replica per step",
+             f"tp={strategy.stage_tp or strategy.tp} pp={strategy.pp}{f' cp={strategy.cp}' if strategy.cp > 1 else ''}, "
+             f"{params:,} parameters, {resolved.accumulation} micro-batch(es) of {config.micro_batch_size} per replica per step",
              f"run folder: {job.train.out or 'runs/<start time> (made when the run starts)'}"]
     lines += [f"{k}: {v}" for k, v in parts.run_info.items() if k in ("corpus", "model", "data", "tokenizer",
                                                                        "pretrained")]

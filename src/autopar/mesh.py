@@ -1,9 +1,10 @@
-"""The process mesh: ranks arranged as pp x dp x tp, groups looked up by name.
+"""The process mesh: ranks arranged as pp x dp x tp (pp x dp x cp x tp with --cp), groups looked up by name.
 
 tp is the innermost dimension, so a tensor-parallel group is made of adjacent ranks (on
 one machine, where its frequent all-reduces are cheapest); pp is the outermost, so
 pipeline stages may span machines, where only point-to-point activations travel. Built
-on torch's DeviceMesh; every sub-group gets the run's timeout.
+on torch's DeviceMesh; every sub-group gets the run's timeout. Context parallelism (cp) sits between
+dp and tp: its ring exchanges blocks every layer, more often than dp's once-per-step sums.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from .distributed import backend_for, group_options
 from .errors import ConfigError, choices
 
 DIM_NAMES = ("pp", "dp", "tp")
+CP_DIM_NAMES = ("pp", "dp", "cp", "tp")  # with --cp > 1
 
 
 @dataclass
 class ProcessMesh:
-    """This rank's view of the pp x dp x tp mesh."""
+    """This rank's view of the pp x dp x tp mesh (pp x dp x cp x tp with --cp)."""
 
     device_mesh: DeviceMesh
     device_type: str
+    dims: tuple[str, ...] = DIM_NAMES
+    replica_group: dist.ProcessGroup | None = None  # with --cp: the ranks of one (pp, tp) over dp x cp
 
     @classmethod
     def build(cls, strategy: Strategy, *, device: str = "cpu", timeout_s: float = 300.0) -> ProcessMesh:
@@ -33,15 +37,30 @@ class ProcessMesh:
         strategy = strategy.resolved(world)
         if strategy.stage_tps is not None:
             return StageMesh.build(strategy, device=device, timeout_s=timeout_s)
-        shape = (strategy.pp, strategy.dp, strategy.tp)
+        cp = strategy.cp
+        dims = CP_DIM_NAMES if cp > 1 else DIM_NAMES
+        shape = (strategy.pp, strategy.dp, cp, strategy.tp) if cp > 1 else (strategy.pp, strategy.dp, strategy.tp)
         backend = backend_for(device)
-        override = {name: (backend, group_options(backend, timeout_s)) for name in DIM_NAMES}
-        mesh = init_device_mesh(device, shape, mesh_dim_names=DIM_NAMES, backend_override=override)
-        return cls(device_mesh=mesh, device_type=device)
+        override = {name: (backend, group_options(backend, timeout_s)) for name in dims}
+        mesh = init_device_mesh(device, shape, mesh_dim_names=dims, backend_override=override)
+        replica_group = None
+        if cp > 1:  # weight gradients are summed over dp x cp: one group per (pp, tp), made on every rank in order
+            ranks = mesh.mesh.reshape(strategy.pp, strategy.dp * cp, strategy.tp)
+            for p in range(strategy.pp):
+                for t in range(strategy.tp):
+                    members = [int(r) for r in ranks[p, :, t]]
+                    group = dist.new_group(members, backend=backend, pg_options=group_options(backend, timeout_s))
+                    if dist.get_rank() in members:
+                        replica_group = group
+        return cls(device_mesh=mesh, device_type=device, dims=dims, replica_group=replica_group)
 
     def _check(self, name: str) -> None:
-        if name not in DIM_NAMES:
-            raise ConfigError(f"unknown mesh dimension {name!r}; valid: {choices(DIM_NAMES)}")
+        if name not in self.dims:
+            raise ConfigError(f"unknown mesh dimension {name!r}; valid: {choices(self.dims)}")
+
+    def gradient_group(self) -> dist.ProcessGroup:
+        """Where weight gradients are summed: the dp group, or dp x cp with context parallelism."""
+        return self.replica_group if self.replica_group is not None else self.group("dp")
 
     def group(self, name: str) -> dist.ProcessGroup:
         self._check(name)
@@ -49,7 +68,7 @@ class ProcessMesh:
 
     def size(self, name: str) -> int:
         self._check(name)
-        return self.device_mesh.size(DIM_NAMES.index(name))
+        return self.device_mesh.size(self.dims.index(name))
 
     def local_rank(self, name: str) -> int:
         self._check(name)
@@ -73,7 +92,7 @@ class ProcessMesh:
         return self.rank // self.size("tp")
 
     def describe(self) -> str:
-        coords = ", ".join(f"{n}={self.local_rank(n)}/{self.size(n)}" for n in DIM_NAMES)
+        coords = ", ".join(f"{n}={self.local_rank(n)}/{self.size(n)}" for n in self.dims)
         return f"rank {self.rank}: {coords}"
 
 

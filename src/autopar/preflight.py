@@ -32,6 +32,9 @@ def check_before_launch(job: JobConfig) -> None:
     check_data_files(job)
     check_export_folder(job)
     check_pretrained_folder(job.model.name)
+    if job.strategy.cp > 1:  # every sequence is cut into 2 x cp equal chunks (context_parallel/layout.py)
+        from .context_parallel.layout import check_divisible
+        check_divisible(job.data.seq_len, job.strategy.cp)
     if not cheap_to_build(job):
         return
     from .data import build_tokenizer, padded_vocab_size

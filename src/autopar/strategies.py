@@ -207,7 +207,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   options=_gossip_options),
     StrategyEntry("parameter-server", lambda s, c: s.replicas.mode == "async", _check_async, _build_async,
                   loop=train_async, options=_replica_options),
-    StrategyEntry("pipeline", lambda s, c: s.pp > 1 or s.tp > 1, _synchronous_check, _build_pipeline),
+    StrategyEntry("pipeline", lambda s, c: s.pp > 1 or s.tp > 1 or s.cp > 1, _synchronous_check, _build_pipeline),
     StrategyEntry("sparse-embeddings", sparse_requested, _synchronous_check, _build_sparse, options=_sparse_options),
     StrategyEntry("zero-3", lambda s, c: s.replicas.zero == 3, _synchronous_check, _build_fully_sharded,
                   options=_replica_options),

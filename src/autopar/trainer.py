@@ -123,6 +123,10 @@ class Trainer:
         if self.strategy.planning.confirm and self.plan is None and not self.strategy.planning.plan:
             raise ConfigError(f"--confirm {self.strategy.planning.confirm} runs the top plans as separate short jobs, which "
                               f"only `autopar train` can start; in Python, measure plans yourself or use confirm=0")
+        if self.strategy.cp > 1 and self.loss_fn is not None:
+            raise ConfigError(f"--cp {self.strategy.cp} with a loss_fn of one's own: each cp rank holds part of every "
+                              f"sequence, and loss_fn is a mean over whole samples; drop loss_fn (the built-in token "
+                              f"loss follows the split) or use --cp 1")
         resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward,
                            pretrained=self.pretrained is not None, model=self.model,
                            example=lambda: example_call(self.model, self.train_data), plan=self.plan,

@@ -440,6 +440,26 @@ RULES: tuple[Rule, ...] = (
          "its stages swap stashed weight versions into the modules between micro-batches, which the compiled "
          "regions' guards would see as new modules (a recompilation per version)",
          "use a synchronous schedule (1f1b, gpipe, ...), or leave out --compile"),
+    # ---- context parallelism (--cp): the sequence split over ranks
+    Rule("cp-search", "--cp > 1 with --strategy auto or --plan",
+         lambda setup: setup.strategy.cp > 1 and (setup.strategy.planning.mode != "manual"
+                                                  or setup.strategy.planning.plan is not None),
+         "--cp {s.cp} with --strategy auto / --plan", "the search does not choose context parallelism yet",
+         "give the degrees by hand (e.g. --cp {s.cp} --dp N)", phase="search"),
+    Rule("cp-tp", "--cp > 1 with --tp > 1 or --stage-tp",
+         lambda setup: setup.strategy.cp > 1 and (setup.strategy.tp > 1 or setup.strategy.stage_tp is not None),
+         "--cp {s.cp} with tp={s.tp}{stage}", "the tensor-parallel planner does not split the rewritten ring or "
+         "all-to-all attention yet", "use --tp 1 (cp combines with dp and pp)",
+         detail=lambda setup: {"stage": f" --stage-tp {setup.strategy.stage_tp}" if setup.strategy.stage_tp else ""}),
+    Rule("cp-engine", "--cp > 1 with ZeRO, gossip or asynchronous replicas, PipeDream or zero-bubble schedules or "
+         "sparse embeddings", lambda setup: setup.strategy.cp > 1 and _cp_conflict(setup) is not None,
+         "--cp {s.cp} with {flag}", "context parallelism runs in the synchronous pipeline engine with whole "
+         "backward passes, summing gradients over dp x cp; that choice is not checked with it yet", "use {want}",
+         detail=lambda setup: dict(zip(("flag", "want"), _cp_conflict(setup) or ("", "")))),
+    Rule("cp-forward", "--cp > 1 with a forward_fn of the Trainer's own",
+         lambda setup: setup.strategy.cp > 1 and setup.custom_forward,
+         "--cp {s.cp} with a custom forward_fn", "the traced model runs on each rank's share of the sequence, and a "
+         "forward of one's own would see whole batches", "drop forward_fn (batch fields reach the model as keywords)"),
 )
 
 
@@ -457,6 +477,20 @@ def _outside_search(setup: Setup) -> tuple[str, str] | None:
         return f"--memory-budget-mb {s.pipeline.memory_budget_mb}", "unset (use --memory-per-device-gb)"
     if c.optimizer == "sparse-adam":
         return "--optimizer sparse-adam", "adamw"
+    return None
+
+
+def _cp_conflict(setup: Setup) -> tuple[str, str] | None:
+    """The first choice context parallelism does not run with, as (flag with value, what would work)."""
+    s = setup.strategy
+    plain = not setup.spec.flushes or (setup.spec.split_backward and setup.pipelined)  # (zero-bubble: untested)
+    for flag, value, want in (("--zero", s.replicas.zero, 0), ("--dp-mode", s.replicas.mode, "allreduce"),
+                              ("--schedule", s.pipeline.schedule, "1f1b" if plain else s.pipeline.schedule),
+                              ("--sparse-embeddings", s.sparse.mode, "dense")):
+        if value != want:
+            return f"{flag} {value}", f"{flag} {want}"
+    if setup.sparse:
+        return f"--optimizer {setup.config.optimizer}", "--optimizer adamw"
     return None
 
 

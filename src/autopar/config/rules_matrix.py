@@ -50,6 +50,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("strategy auto", {"search": "auto"}),
     Feature("ep 2", {"ep": 2}),
     Feature("compile", train={"compile": True}),
+    Feature("cp 2", {"cp": 2}),
 )
 
 
@@ -70,7 +71,7 @@ def refusal(features: tuple[Feature, ...]) -> Rule | str | None:
     if fields is None or train is None:
         return "one field, two values"
     strategy = Strategy(dp=DP, **fields)
-    world = DP * (sum(strategy.stage_tps) if strategy.stage_tp else strategy.tp * strategy.pp)
+    world = DP * strategy.cp * (sum(strategy.stage_tps) if strategy.stage_tp else strategy.tp * strategy.pp)
     try:
         resolved = strategy.resolved(world)
     except ConfigError:

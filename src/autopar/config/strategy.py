@@ -37,6 +37,7 @@ BOUNDARY_TRANSFERS = ("direct", "send_recv", "scatter_gather", "broadcast", "aut
 # BatchNorm statistics (running_stats/): exact is one process's over the same micro-batches; sync normalises
 # with the statistics of the replicas' micro-batches together (torch's SyncBatchNorm).
 BATCHNORM_MODES = ("exact", "sync")
+CP_MODES = ("ring", "all-to-all")  # how attention sees the whole sequence under --cp (context_parallel/)
 
 
 @dataclass(kw_only=True)
@@ -167,6 +168,12 @@ class Strategy:
     ep: int = _f(1, "expert parallelism: the experts of each mixture-of-experts layer sharded over N ranks taken "
                     "from the data-parallel ranks (N divides dp and the expert count; tokens travel to their "
                     "expert's rank by all-to-all); 1: every rank holds every expert")
+    # Context parallelism (context_parallel/): the sequence split over cp ranks.
+    cp: int = _f(1, "context-parallel degree: every sequence split over cp ranks (between dp and tp); attention "
+                    "runs over the whole sequence by --cp-mode, positions and masks follow each rank's tokens")
+    cp_mode: str = _f("ring", "how attention sees the whole sequence under --cp: ring (key/value blocks passed "
+                              "around, load-balanced causal chunks) | all-to-all (sequence swapped for heads; "
+                              "heads divisible by cp)")
     pipeline: PipelineOptions = dataclasses.field(default_factory=PipelineOptions, metadata={"group": True})
     replicas: ReplicaOptions = dataclasses.field(default_factory=ReplicaOptions, metadata={"group": True})
     sparse: SparseOptions = dataclasses.field(default_factory=SparseOptions, metadata={"group": True})
@@ -266,9 +273,19 @@ class Strategy:
                 or not 0 <= self.sparse.threshold <= 1:
             raise ConfigError(f"strategy.sparse_threshold is a fraction of rows and must be in [0, 1], got "
                               f"{self.sparse.threshold!r}; e.g. 0.1 (tables touching < 10% of rows per step are sparse)")
-        dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
-        if dp * self.tp * self.pp != world_size or dp < 1:
+        _check_positive_int("strategy.cp", self.cp)
+        if self.cp_mode not in CP_MODES:
+            raise ConfigError(f"strategy.cp_mode (--cp-mode) must be one of {choices(CP_MODES)}, got {self.cp_mode!r}")
+        others = self.tp * self.pp * self.cp
+        dp = self.dp if self.dp is not None else world_size // others
+        if (dp * others != world_size or dp < 1) and self.cp == 1:
             raise DegreesDoNotFit(world_size, self.dp, self.tp, self.pp)
+        if dp * others != world_size or dp < 1:
+            raise ConfigError(
+                f"dp*tp*pp*cp = {self.dp if self.dp is not None else '?'}*{self.tp}*{self.pp}*{self.cp} does not "
+                f"equal the number of processes ({world_size}); choose degrees whose product is {world_size}, "
+                f"e.g. dp={max(1, world_size // others)} tp={self.tp} pp={self.pp} cp={self.cp}, or change --nproc"
+            )
         return dataclasses.replace(self, dp=dp)
 
     def _resolved_stage_tp(self, world_size: int) -> Strategy:

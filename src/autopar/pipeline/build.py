@@ -30,6 +30,7 @@ from .runtime import PipelineRuntime
 from .schedules import build_schedule, placement, recomputed_stages
 
 if TYPE_CHECKING:
+    from ..context_parallel import ContextParallel
     from ..partition.plan import Partition
     from ..tensor_parallel.apply import TensorParallel
     from ..trace.graph import ModelGraph
@@ -89,7 +90,8 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                          sp: bool = False,
                          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                          partition=None, p2p: P2P | None = None,
-                         stage_tp: tuple[int, ...] | None = None) -> LocalPipeline:
+                         stage_tp: tuple[int, ...] | None = None,
+                         context_parallel: ContextParallel | None = None) -> LocalPipeline:
     """This rank's pipeline of `model` (on meta, or built for real on every rank: then rank 0's weights win).
 
     Collective over the world (errors one rank finds are raised on all) and over `pp_group`.
@@ -98,7 +100,8 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
     P2P on `pp_group`. `stage_tp`: each stage's own tp degree (--stage-tp); `tp` and `tp_group` are then
     this rank's stage's, and `p2p` must be given (pipeline/hetero_boundary.py). With `memory_budget_bytes`, every stage's recomputed blocks are chosen to
     fit it (pipeline/recompute.py) and every rank agrees that they fit. `sp`: sequence parallelism within
-    tp (tensor_parallel/sequence.py).
+    tp (tensor_parallel/sequence.py). `context_parallel`: the model is traced on this rank's share of the
+    sequence and its attention and positions rewritten (context_parallel/).
     """
     from ..partition import partition as make_partition
     from ..trace import trace
@@ -112,7 +115,14 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
         traced_on = (next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
                      if built_for_real else torch.device("meta"))
         model.train()  # the training graph (dropout nodes on), as whole-model engines run it
+        if context_parallel is not None:  # what the masks mean, read on a short probe; then trace the shard
+            on_every_rank(lambda: context_parallel.probe(
+                lambda batch: trace(model, *_traced_call(model, batch, traced_on), device=device), example_batch,
+                device))
+            example_batch = context_parallel.shard(example_batch)
         graph = trace(model, *_traced_call(model, example_batch, traced_on), device=device)
+        if context_parallel is not None:
+            on_every_rank(lambda: context_parallel.rewrite(graph))
         check_stage_count(graph, pp, chunks)
         partition = make_partition(graph, num_stages, method=partition_method)
     elif partition.num_stages != num_stages:

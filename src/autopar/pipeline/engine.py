@@ -19,6 +19,7 @@ from torch import nn
 
 from .._torch_internals import parameter_table
 from ..config import PARTITION_METHODS, Strategy
+from ..context_parallel import ContextParallel
 from ..data.datasets import IGNORE_INDEX
 from ..distributed import backend_for, group_options
 from ..mesh import ProcessMesh, stage_rank_table
@@ -92,6 +93,8 @@ class PipelineEngine(EngineBase):
             boundary = HeteroBoundary(table, stage=mesh.local_rank("pp"), dp_index=mesh.local_rank("dp"),
                                       tp_index=mesh.local_rank("tp"), device=device, num_microbatches=num_microbatches,
                                       method=strategy.pipeline.boundary, timeout_s=timeout_s, link=boundary_link)
+        self.context_parallel = (ContextParallel(strategy.cp, mesh.local_rank("cp"), strategy.cp_mode, mesh.group("cp"))
+                                 if strategy.cp > 1 else None)  # the sequence split (context_parallel/)
         self.pipe = build_local_pipeline(
             model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"),
             pp_group=None if self.stage_tp is not None else mesh.group("pp"),
@@ -100,7 +103,8 @@ class PipelineEngine(EngineBase):
             chunks=strategy.pipeline.chunks, partition_method=strategy.pipeline.partition, recompute=strategy.pipeline.recompute,
             memory_budget_bytes=None if strategy.pipeline.memory_budget_mb is None else strategy.pipeline.memory_budget_mb * 2**20,
             tp=tp, tp_group=mesh.group("tp") if tp > 1 else None,
-            tp_subbatches=strategy.pipeline.tp_subbatches, sp=strategy.sp, autocast=autocast, p2p=boundary, stage_tp=self.stage_tp)
+            tp_subbatches=strategy.pipeline.tp_subbatches, sp=strategy.sp, autocast=autocast, p2p=boundary,
+            stage_tp=self.stage_tp, context_parallel=self.context_parallel)
         pipe = self.pipe
         self.pp, self.pp_rank, self.num_stages = pipe.pp, pipe.pp_rank, pipe.num_stages
         self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime
@@ -120,7 +124,7 @@ class PipelineEngine(EngineBase):
             to_compute_dtype(self.module.parameters(), param_dtype)
             self._shared = self._shared_groups(device, pipe.placement, timeout_s)
             # zero 1/2: the dp group of this stage and tp shard; tied weights reduced over stages first
-            self.sync = gradient_sync(self.module.parameters(), mesh.group("dp"), zero=strategy.replicas.zero,
+            self.sync = gradient_sync(self.module.parameters(), mesh.gradient_group(), zero=strategy.replicas.zero,
                                       master_weights=param_dtype != torch.float32,
                                       deferred=[p for p, _, _ in self._shared], device=device)
         # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
@@ -149,6 +153,8 @@ class PipelineEngine(EngineBase):
     def banner_lines(self) -> list[str]:
         """What this engine chose that the run should say at its start: the layers cut, the TP split, the recomputation."""
         lines = [self.partition.layers_line()] if self.partition.num_stages > 1 else []
+        if self.context_parallel is not None:
+            lines.append(self.context_parallel.summary())
         if self.tensor_parallel is not None:
             lines.append(self.tensor_parallel.plan.summary() + " (tp_plan.txt)")
         if self.recompute_report is not None:
@@ -181,7 +187,7 @@ class PipelineEngine(EngineBase):
         """One group per tied parameter whose owning stages sit on different pp ranks."""
         if self.stage_tp is not None:
             return self._shared_groups_by_stage(device, timeout_s)
-        coords = self.mesh.device_mesh.mesh  # (pp, dp, tp) -> global rank
+        coords = self.mesh.device_mesh.mesh.reshape(self.pp, -1)  # (pp, dp [x cp] x tp) -> global rank
         backend = backend_for(device.type)
         result = []
         for fqn, owner_stages in self._trained_ties():
@@ -189,12 +195,11 @@ class PipelineEngine(EngineBase):
             if len(pp_ranks) < 2:
                 continue
             mine = None
-            for d in range(coords.shape[1]):
-                for t in range(coords.shape[2]):
-                    ranks = [int(coords[p, d, t]) for p in pp_ranks]
-                    group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, timeout_s))
-                    if dist.get_rank() in ranks:
-                        mine = group
+            for column in range(coords.shape[1]):
+                ranks = [int(coords[p, column]) for p in pp_ranks]
+                group = dist.new_group(ranks, backend=backend, pg_options=group_options(backend, timeout_s))
+                if dist.get_rank() in ranks:
+                    mine = group
             if mine is not None:
                 first_owner = stage_to_rank(min(owner_stages), self.pp, self.num_stages, placement) == self.pp_rank
                 result.append((self.module.get_parameter(fqn), mine, first_owner))
@@ -227,6 +232,7 @@ class PipelineEngine(EngineBase):
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         self.module.train()
+        batches = self._local_sequences(batches)
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
             self.pipe.first_stage_inputs(batch)
         sync = lambda last: contextlib.nullcontext() if last else self.sync.no_sync()
@@ -241,6 +247,13 @@ class PipelineEngine(EngineBase):
                 self.sync.finish()
             self._reduce_tied()
         return step.loss if self.tp_rank == 0 else torch.zeros_like(step.loss)  # tp ranks share one loss
+
+    def _local_sequences(self, batches: list[Batch]) -> list[Batch]:
+        """With --cp: this rank's tokens of every micro-batch (labels and padding mask with them); the loss
+        is still divided by the global target count, counted on whole batches before the split."""
+        if self.context_parallel is None:
+            return batches
+        return [self.context_parallel.shard(batch) for batch in batches]
 
     def _reduce_tied(self) -> None:
         for param, group, _ in self._shared:  # tied weights: sum the stages' gradients (zero 3: equal shards)
@@ -312,6 +325,7 @@ class PipelineEngine(EngineBase):
         """Forward-only pass; the last stage's rank returns [loss sum, target count], the others zeros."""
         for stage in self.stages.values():  # LocalStages holds parameters, not the stages: set their mode
             stage.eval()  # dropout off
+        batches = self._local_sequences(batches)
         for batch in batches:
             self.pipe.first_stage_inputs(batch)
         step = self.runtime.run(self.eval_actions, batches, loss_fn=eval_loss)
@@ -353,7 +367,9 @@ class PipelineEngine(EngineBase):
         degrees = self._degrees()
         replicas = self.mesh.size("dp") * max(degrees)  # slots per stage; stage s fills dp * degrees[s] of them
         slots = torch.zeros(self.STAT_ROWS, self.pp, replicas, dtype=torch.float64)
-        replica = self.mesh.local_rank("dp") * max(degrees) + self.tp_rank  # (dp, tp) slot
+        within = self.tp_rank if self.context_parallel is None else \
+            self.context_parallel.rank * self.mesh.size("tp") + self.tp_rank  # (cp, tp) within a replica
+        replica = self.mesh.local_rank("dp") * max(degrees) + within  # (dp, cp, tp) slot
         slots[:, self.pp_rank, replica] = torch.tensor(
             [max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0, peak_bytes, busy, elapsed,
              self.waits.seconds("pipeline"), self.waits.seconds("data_parallel")], dtype=torch.float64)

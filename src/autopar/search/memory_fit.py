@@ -60,6 +60,8 @@ def not_covered(strategy: Strategy, config: TrainConfig) -> str | None:
         return f"--schedule {strategy.pipeline.schedule}"
     if strategy.sparse.mode != "dense" or config.optimizer not in OPTIMIZER_STATE_BYTES:
         return f"sparse embeddings (--sparse-embeddings {strategy.sparse.mode}, --optimizer {config.optimizer})"
+    if strategy.cp > 1:  # its traced activations are the whole sequence's; a rank keeps 1/cp of them
+        return f"context parallelism (--cp {strategy.cp})"
     return None
 
 

@@ -15,7 +15,7 @@ def start_banner(*, world: int, strategy: Strategy, parameters: int, accumulatio
                  run_dir: Path, run_info: dict[str, Any], engine_lines: list[str], plan: str | None, start: int,
                  resumed_from: Path | None, attempt: int) -> str:
     lines = [f"autopar {__version__}: {world} process(es), strategy dp={strategy.dp} "
-             f"tp={strategy.stage_tp or strategy.tp} pp={strategy.pp}"
+             f"tp={strategy.stage_tp or strategy.tp} pp={strategy.pp}{f' cp={strategy.cp}' if strategy.cp > 1 else ''}"
              f"{f' ep={strategy.ep}' if getattr(strategy, 'ep', 1) > 1 else ''}, {parameters:,} parameters, "
              f"{accumulation} micro-batch(es) of {micro_batch_size} per replica per step",
              f"run folder: {run_dir}"]
