@@ -29,7 +29,7 @@ from typing import Any
 
 from .config import (BOUNDARY_TRANSFERS, PARTITION_METHODS, SECTION_TYPES, FlatField, JobConfig, coerce, load_toml,
                      merge, section_fields)
-from .distributed import DistEnv
+from .dist_env import DistEnv
 from .errors import AutoparError, ConfigError, Preempted
 
 
@@ -266,7 +266,6 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_models(ns: argparse.Namespace) -> int:
-    from .models import available_models, build_model
     if getattr(ns, "hf", False):
         from .models.hf import causal_lm_types
         types = causal_lm_types()
@@ -275,12 +274,8 @@ def cmd_models(ns: argparse.Namespace) -> int:
         for model_type in types:
             print(f"  hf:{model_type}")
         return 0
-    for name in available_models():
-        try:
-            _, info = build_model(name, device="meta")
-            print(f"{name:12s} {info.task:10s} {info.num_params:>14,} params  max_seq_len {info.max_seq_len}")
-        except AutoparError as exc:
-            print(f"{name:12s} unavailable: {exc}")
+    from .models.catalog import catalog_lines  # a table checked against the builders: no torch to start
+    print("\n".join(catalog_lines()))
     return 0
 
 
@@ -428,8 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autopar: failed{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr, flush=True)
         _exit(1)
-    from .distributed import shutdown
-    shutdown()
+    if "torch.distributed" in sys.modules:  # a command that never imported torch has no group to leave
+        from .distributed import shutdown
+        shutdown()
     return code
 
 
