@@ -7,6 +7,7 @@ Slurm or CI log shows the run as it goes."""
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import time
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from ..launch import STDERR_TTY_ENV
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -41,8 +44,8 @@ def peak_memory_source(device: torch.device) -> str:
 
 
 def shows_bar(progress: bool) -> bool:
-    """The tqdm bar only where someone watches a terminal."""
-    return progress and sys.stderr.isatty()
+    """The tqdm bar only where someone watches a terminal (the launcher's, when it passes our stderr on)."""
+    return progress and (sys.stderr.isatty() or os.environ.get(STDERR_TTY_ENV) == "1")
 
 
 def prints_lines(progress: bool) -> bool:
