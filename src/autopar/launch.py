@@ -195,6 +195,8 @@ class RankOutput:
         self.folder = Path(tempfile.mkdtemp(prefix="autopar-ranks-"))
         self.nproc, self.attempt, self.run_dir = nproc, attempt, run_dir
         self.cause_rank: int | None = None
+        self._decided = threading.Event()  # set once the cause is known
+        self._procs: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
         self._console = threading.Lock()
 
@@ -203,6 +205,7 @@ class RankOutput:
         return str(Path(self.run_dir) / LOGS_DIR / "rank_N.log") if self.run_dir else str(self.folder / "rank_N.log")
 
     def follow(self, procs: list[subprocess.Popen]) -> None:
+        self._procs = procs
         for rank, proc in enumerate(procs):
             thread = threading.Thread(target=self._pump, args=(rank, proc.stderr), daemon=True)
             thread.start()
@@ -211,6 +214,7 @@ class RankOutput:
     def collapse(self, cause_rank: int, drain_s: float = 1.0) -> None:
         """From now on only `cause_rank` speaks in full; first let its last words (a traceback) through."""
         self.cause_rank = cause_rank
+        self._decided.set()
         self._threads[cause_rank].join(timeout=drain_s)
 
     def _pump(self, rank: int, pipe) -> None:
@@ -219,6 +223,8 @@ class RankOutput:
             while chunk := os.read(pipe.fileno(), 65536):
                 log.write(chunk)
                 log.flush()
+                if self.cause_rank is None and self._another_failed(rank):
+                    self._decided.wait(timeout=1.0)  # a peer's death reached us before the launcher's poll did
                 if self.cause_rank is None or rank == self.cause_rank:
                     self._show(pending + chunk)  # as it comes: a progress bar's carriage returns included
                     pending = b""
@@ -227,6 +233,9 @@ class RankOutput:
                 self._show(b"".join(line + b"\n" for line in lines
                                     if line.startswith(b"autopar: ") and self.CONSEQUENCE not in line))
         pipe.close()
+
+    def _another_failed(self, rank: int) -> bool:
+        return any(r != rank and proc.poll() not in (None, 0, PREEMPTED_EXIT) for r, proc in enumerate(self._procs))
 
     def _show(self, data: bytes) -> None:
         if data:
