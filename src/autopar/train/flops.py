@@ -7,52 +7,58 @@
     recomputation          = forward FLOPs run again in backward, reported apart and never in MFU
 
 The forward FLOPs are counted by torch's flop counter (torch.utils.flop_counter, the counter
-trace/graph.py costs every traced node with) over one forward of the model on meta tensors of one
-sample: no data is read and nothing is allocated. Matmuls, convolutions and attention are counted;
-elementwise work is not, as in every MFU figure. The same step time and FLOPs on any layout give the
+trace/graph.py costs every traced node with) over one forward of a copy of the model on fake tensors
+of one sample, as torch.export traces: no data is read and nothing is allocated. Matmuls,
+convolutions and attention are counted; elementwise work is not, as in every MFU figure. The same step time and FLOPs on any layout give the
 same MFU, so layouts compare on it. The peak comes from search/device_peak.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
+from .._torch_internals import fake_tensor_mode
 from .loss import Batch, as_batch
 
 
-class _Call(nn.Module):
-    """The user's forward as a module, so that functional_call can swap every tensor of the model for meta."""
-
-    def __init__(self, model: nn.Module, forward_fn: Callable[[nn.Module, Batch], Any]):
-        super().__init__()
-        self.model, self.forward_fn = model, forward_fn
-
-    def forward(self, batch: Batch) -> Any:
-        return self.forward_fn(self.model, batch)
+def meta_copy(model: nn.Module, as_fake: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> nn.Module:
+    """The model with every parameter and buffer replaced by an empty meta tensor of its shape (made fake by
+    `as_fake`): nothing the count's forward does (a cache a module fills on its first call) reaches the model
+    that trains, and no weight is copied."""
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        empty = as_fake(torch.empty_like(tensor, device="meta"))
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
 
 
 def forward_flops_per_sample(model: nn.Module, forward_fn: Callable[[nn.Module, Batch], Any], sample: Any
                              ) -> int | None:
-    """Forward FLOPs of `forward_fn(model, batch of sample)`, on meta copies of the model's tensors and the sample's:
-    the model itself (meta or real) is not touched. None when the model cannot run on meta tensors."""
-    call = _Call(model, forward_fn)
-    meta = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
-    tensors = {name: meta(t) for name, t in [*call.named_parameters(remove_duplicate=False),
-                                              *call.named_buffers(remove_duplicate=False)]}
-    batch = {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in default_collate([as_batch(sample)]).items()}
+    """Forward FLOPs of `forward_fn(model, batch of sample)`, run on a copy of the model and the sample whose
+    tensors are fake (shapes only, as torch.export traces with): the model itself, meta or real, is not touched.
+    Fake rather than plain meta tensors, because model code that reads its data skips those reads for them (a
+    Hugging Face mask checks its positions unless traced). None when the model cannot run so."""
+    mode = fake_tensor_mode()
+    as_fake = (lambda t: t) if mode is None else mode.from_tensor
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), FlopCounterMode(display=False) as counter:
-            functional_call(call, tensors, (batch,), tie_weights=False, strict=False)
-    except Exception:  # an estimate: a model that only runs on real tensors gets no MFU, and still trains
+        copied = meta_copy(model, as_fake)
+        real = default_collate([as_batch(sample)])  # (outside the fake mode, which refuses real tensors)
+        with mode or contextlib.nullcontext():
+            batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+                     for k, v in real.items()}
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), FlopCounterMode(display=False) as counter:
+                forward_fn(copied, batch)
+        return int(counter.get_total_flops())
+    except Exception:  # an estimate: a model that cannot run on shapes alone gets no MFU, and still trains
         return None
-    return int(counter.get_total_flops())
 
 
 @dataclass(frozen=True)
