@@ -161,6 +161,29 @@ def test_csv_rows_after_a_resumed_checkpoint_are_dropped_and_new_columns_widen_i
                                                                       ("3", "0.5", "0.7")]
 
 
+def test_wandb_is_offline_in_the_run_folder_unless_configured(tmp_path, monkeypatch):
+    """W&B is not a test dependency: a stand-in module records what the logger asks of it."""
+    import types
+
+    from autopar.train.loggers import WandbLogger
+    calls = []
+    run = types.SimpleNamespace(log=lambda values, step: calls.append(("log", values, step)),
+                                finish=lambda: calls.append(("finish",)))
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT"):
+        monkeypatch.delenv(key, raising=False)
+    logger = WandbLogger(tmp_path, {"train": {"lr": 0.1}})
+    logger.log({"step": 3, "loss": 2.5, "eval_loss": 2.0, "time": "t", "elapsed_s": 1.0, "grad_norm": None})
+    logger.close()
+    init = calls[0][1]
+    assert init["mode"] == "offline" and init["dir"] == str(tmp_path / "wandb") and init["project"] == "autopar"
+    assert calls[1:] == [("log", {"train/loss": 2.5, "eval/loss": 2.0}, 3), ("finish",)]
+    monkeypatch.setenv("WANDB_MODE", "online")  # configured by the user: theirs to choose
+    WandbLogger(tmp_path, {})
+    assert calls[-1][1]["mode"] is None
+
+
 def test_plain_lines_banner_lines_and_scalars():
     record = {"step": 40, "loss": 3.21544, "lr": 2.85e-3, "tokens_per_s": 41210.4, "tflops_per_device": 1.92,
               "mfu": 0.0412, "peak_mem_bytes": 1.3 * 2**30, "time": "2026-01-01T00:00:00.000+00:00"}
@@ -198,6 +221,12 @@ def test_a_killed_rank_is_named_first_and_the_survivors_are_kept_in_logs(tmp_pat
     assert "Traceback" not in done.stderr and "Connection" not in done.stderr, done.stderr
     logs = Path(re.search(r"every rank's whole output: (\S+)", lines[-1]).group(1))
     assert "Traceback" in (logs / "rank_0.log").read_text()  # kept whole, not shown
+
+
+def test_every_exit_status_is_documented():
+    from autopar.launch import EXIT_STATUSES
+    table = (ROOT / "docs" / "features" / "command-line.md").read_text()
+    assert [status for status in EXIT_STATUSES if f"| {status} |" not in table] == []
 
 
 def test_the_command_line_starts_without_torch():

@@ -31,6 +31,7 @@ from .config import (BOUNDARY_TRANSFERS, PARTITION_METHODS, SECTION_TYPES, FlatF
                      merge, section_fields)
 from .dist_env import DistEnv
 from .errors import AutoparError, ConfigError, Preempted
+from .launch import EXIT_STATUSES
 
 
 def _flag(f: FlatField) -> str:
@@ -297,7 +298,9 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Train unmodified PyTorch models with data, "
-                                     "tensor and pipeline parallelism chosen and applied for you.")
+                                     "tensor and pipeline parallelism chosen and applied for you.",
+                                     epilog="exit statuses: " + "; ".join(f"{status}: {meaning}" for status, meaning
+                                                                         in EXIT_STATUSES.items()))
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: gpt-mini on the embedded corpus, 4 processes)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)

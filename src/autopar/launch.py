@@ -61,16 +61,15 @@ RESTARTS_LOG = "restarts.jsonl"
 NO_RESTART = (2, PREEMPTED_EXIT, 130)
 STDERR_TTY_ENV = "AUTOPAR_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe to it)
 LOGS_DIR = "logs"
-EXIT_STATUSES = {
-    0: "the job finished",
-    1: "a failure: a bug (its traceback is shown) or a rank that failed unexpectedly",
-    2: "bad input or a refused combination: one line says what and what would work; nothing ran, or every "
-       "rank refused alike",
-    PREEMPTED_EXIT: "stopped on SIGTERM/SIGINT after saving a checkpoint: continue with --resume RUN",
-    HANG_EXIT: "stopped by the hang watchdog (--hang-timeout-s); its report is in RUN/hang_rank*.txt",
-    130: "interrupted (Ctrl-C) before a checkpoint could be saved",
-    128 + 9: "128 + N: a rank was killed by signal N, e.g. 137 SIGKILL (often the out-of-memory killer), "
-             "134 SIGABRT, 139 SIGSEGV, 143 SIGTERM",
+EXIT_STATUSES = {  # what `autopar train` and `autopar launch` exit with (docs/features/command-line.md)
+    "0": "the job finished",
+    "1": "a failure: a bug (its traceback is shown) or a rank that failed unexpectedly",
+    "2": "bad input or a refused combination: one line says what and what would work",
+    str(PREEMPTED_EXIT): "stopped on SIGTERM/SIGINT after saving a checkpoint: continue with --resume RUN",
+    str(HANG_EXIT): "stopped by the hang watchdog (--hang-timeout-s); its report is in RUN/hang_rank*.txt",
+    "130": "interrupted (Ctrl-C) before a checkpoint could be saved",
+    "128+N": "a rank was killed by signal N: 137 SIGKILL (often the out-of-memory killer), 134 SIGABRT, "
+             "139 SIGSEGV, 143 SIGTERM",
 }
 
 
