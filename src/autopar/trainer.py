@@ -201,7 +201,7 @@ class Trainer:
         if not self.forward_flops:
             return None
         peak, source = device_peak(self.device, self.config.dtype, world=dist.get_world_size(),
-                                   cluster=self.strategy.cluster)
+                                   cluster=self.strategy.planning.cluster)
         return StepFlops.of(self.forward_flops, self.config.global_batch_size, devices=dist.get_world_size(),
                             recomputed_fraction=self.engine.recomputed_forward_fraction(),
                             peak_flops_per_device=peak, peak_source=source)
