@@ -126,6 +126,19 @@ def test_mfu_formula_on_a_hand_computed_case():
     assert "mfu" not in StepFlops.of(forward, 8, devices=2, peak_flops_per_device=None, peak_source="?").rates(1.0)
 
 
+def test_the_peak_is_the_gpus_datasheet_or_the_named_cluster(monkeypatch):
+    from autopar.search.device_peak import device_peak
+    monkeypatch.delenv("AUTOPAR_CLUSTER", raising=False)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert device_peak(cuda, "bf16-autocast", world=8)[0] == 989e12  # H100 SXM5 datasheet, bf16 dense
+    assert device_peak(cuda, "fp32", world=8)[0] == 67e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    peak, source = device_peak(cuda, "fp32", world=8)
+    assert peak is None and "no datasheet figure for 'Tesla T4'" in source  # no MFU rather than a wrong one
+    assert device_peak(cuda, "bf16", world=8, cluster="a100-80gb")[0] == 312e12  # a named cluster wins
+
+
 def test_a_model_that_cannot_run_on_meta_gets_no_mfu():
     class OnlyReal(nn.Module):
         def __init__(self):
