@@ -253,7 +253,9 @@ def test_the_command_line_starts_without_torch():
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         assert done.returncode == 0, done.stderr
         assert "HEAVY []" in done.stdout, (args, done.stdout[-500:])
-    from autopar.models.catalog import CATALOG, live_catalog
-    live = live_catalog()
-    assert live == CATALOG, ("the model catalog (src/autopar/models/catalog.py) differs from what the registry "
+    from autopar.config.model_catalog import CATALOG
+    from autopar.models import available_models, build_model
+    live = tuple((name, info.task, info.num_params, info.max_seq_len)
+                 for name, info in ((name, build_model(name, device="meta")[1]) for name in available_models()))
+    assert live == CATALOG, ("the model catalog (src/autopar/config/model_catalog.py) differs from what the registry "
                              "builds; paste this as CATALOG:\n" + "\n".join(f"    {row!r}," for row in live))

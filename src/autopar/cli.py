@@ -275,7 +275,7 @@ def cmd_models(ns: argparse.Namespace) -> int:
         for model_type in types:
             print(f"  hf:{model_type}")
         return 0
-    from .models.catalog import catalog_lines  # a table checked against the builders: no torch to start
+    from .config.model_catalog import catalog_lines  # a table checked against the builders: no torch to start
     print("\n".join(catalog_lines()))
     return 0
 

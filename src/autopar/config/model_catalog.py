@@ -1,9 +1,9 @@
 """The built-in models as `autopar models` lists them, written down so that listing them needs no torch.
 
 Building thirteen models on meta to count their parameters imports torch and transformers (seconds);
-this table holds what those builds report, and tests/test_run_logs.py rebuilds every model and
-compares, so it cannot drift: a model added to the registry fails that test until its row is here
-(the failure prints the table to paste).
+this table holds what those builds report, and tests/test_run_logs.py rebuilds every model of the
+registry (models/registry.py) and compares, so it cannot drift: a model added there fails that test
+until its row is here (the failure prints the table to paste). Kept in config/, which imports no torch.
 """
 
 from __future__ import annotations
@@ -26,16 +26,6 @@ CATALOG: tuple[tuple[str, str, int, int], ...] = (
     ("hf:llama", "causal-lm", 125248, 256),
     ("hf:bert", "masked-lm", 137536, 256),
 )
-
-
-def live_catalog() -> tuple[tuple[str, str, int, int], ...]:
-    """What the registry builds now, in CATALOG's form (imports torch and transformers)."""
-    from .registry import available_models, build_model
-    rows = []
-    for name in available_models():
-        _, info = build_model(name, device="meta")
-        rows.append((name, info.task, info.num_params, info.max_seq_len))
-    return tuple(rows)
 
 
 def catalog_lines() -> list[str]:
