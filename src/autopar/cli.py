@@ -29,8 +29,9 @@ from typing import Any
 
 from .config import (BOUNDARY_TRANSFERS, PARTITION_METHODS, SECTION_TYPES, FlatField, JobConfig, coerce, load_toml,
                      merge, section_fields)
-from .distributed import DistEnv
+from .dist_env import DistEnv
 from .errors import AutoparError, ConfigError, Preempted
+from .launch import EXIT_STATUSES
 
 
 def _flag(f: FlatField) -> str:
@@ -266,7 +267,6 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_models(ns: argparse.Namespace) -> int:
-    from .models import available_models, build_model
     if getattr(ns, "hf", False):
         from .models.hf import causal_lm_types
         types = causal_lm_types()
@@ -275,12 +275,8 @@ def cmd_models(ns: argparse.Namespace) -> int:
         for model_type in types:
             print(f"  hf:{model_type}")
         return 0
-    for name in available_models():
-        try:
-            _, info = build_model(name, device="meta")
-            print(f"{name:12s} {info.task:10s} {info.num_params:>14,} params  max_seq_len {info.max_seq_len}")
-        except AutoparError as exc:
-            print(f"{name:12s} unavailable: {exc}")
+    from .config.model_catalog import catalog_lines  # a table checked against the builders: no torch to start
+    print("\n".join(catalog_lines()))
     return 0
 
 
@@ -302,7 +298,9 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Train unmodified PyTorch models with data, "
-                                     "tensor and pipeline parallelism chosen and applied for you.")
+                                     "tensor and pipeline parallelism chosen and applied for you.",
+                                     epilog="exit statuses: " + "; ".join(f"{status}: {meaning}" for status, meaning
+                                                                         in EXIT_STATUSES.items()))
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: gpt-mini on the embedded corpus, 4 processes)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -428,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autopar: failed{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr, flush=True)
         _exit(1)
-    from .distributed import shutdown
-    shutdown()
+    if "torch.distributed" in sys.modules:  # a command that never imported torch has no group to leave
+        from .distributed import shutdown
+        shutdown()
     return code
 
 

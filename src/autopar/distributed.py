@@ -13,37 +13,14 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ._torch_internals import backend_options, clear_dtensor_caches, registered_process_groups, tcp_store
+from .dist_env import DistEnv  # noqa: F401 (re-exported: where callers have always found it)
 from .errors import DistributedError
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process stands in the job, read from the launcher's environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    launched: bool  # True when a launcher (torchrun / autopar launch) set the env
-
-    @classmethod
-    def from_environ(cls) -> DistEnv:
-        env = os.environ
-        if "WORLD_SIZE" not in env:
-            return cls(rank=0, world_size=1, local_rank=0, launched=False)
-        try:
-            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-            local = int(env.get("LOCAL_RANK", rank))
-        except (KeyError, ValueError) as exc:
-            raise DistributedError(f"launcher environment is incomplete or malformed ({exc}); "
-                                   f"RANK and WORLD_SIZE must be integers, as torchrun sets them") from None
-        return cls(rank=rank, world_size=world, local_rank=local, launched=True)
 
 
 def backend_for(device: str) -> str:

@@ -10,6 +10,14 @@ multi-node agents and restarts; locally we only need spawn, wait, and fail fast,
 message. When one rank exits with an error, the others are stopped after a short grace
 period instead of waiting in a collective until their timeout; with max_restarts the job is
 then started again (the trainer resumes from the run's latest complete checkpoint).
+
+The launcher owns the console when a rank fails. Every rank's stderr passes through it and is
+kept whole in a per-rank log (RUN/logs/rank_N.log). Once a rank has failed, the launcher says so
+first, in one line naming the rank and its cause; from then on the other ranks' tracebacks and
+torch's connection errors (consequences of the first failure) go to their logs only, and just
+their own one-line "autopar: ..." reports still reach the console, unless they only say that a
+peer was lost. Exit statuses (`EXIT_STATUSES`): the first failed rank's, with a rank killed by
+signal N reported as 128 + N, as shells do (not Python's 256 - N: 247 for SIGKILL).
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +59,18 @@ RESTARTS_LOG = "restarts.jsonl"
 # A failed rank with one of these statuses is not restarted: bad input (2) fails the same way again, and
 # preemption (errors.PREEMPTED_EXIT) or an interrupt (130) means the job was asked to stop.
 NO_RESTART = (2, PREEMPTED_EXIT, 130)
+STDERR_TTY_ENV = "AUTOPAR_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe to it)
+LOGS_DIR = "logs"
+EXIT_STATUSES = {  # what `autopar train` and `autopar launch` exit with (docs/features/command-line.md)
+    "0": "the job finished",
+    "1": "a failure: a bug (its traceback is shown) or a rank that failed unexpectedly",
+    "2": "bad input or a refused combination: one line says what and what would work",
+    str(PREEMPTED_EXIT): "stopped on SIGTERM/SIGINT after saving a checkpoint: continue with --resume RUN",
+    str(HANG_EXIT): "stopped by the hang watchdog (--hang-timeout-s); its report is in RUN/hang_rank*.txt",
+    "130": "interrupted (Ctrl-C) before a checkpoint could be saved",
+    "128+N": "a rank was killed by signal N: 137 SIGKILL (often the out-of-memory killer), 134 SIGABRT, "
+             "139 SIGSEGV, 143 SIGTERM",
+}
 
 
 def restart_attempt() -> int:
@@ -72,14 +94,19 @@ def launch(command: Sequence[str], nproc: int, *, grace_s: float = 5.0, poll_s: 
     forwarding = _SignalForwarder()
     with forwarding:
         for attempt in range(max_restarts + 1):
-            code, cause = _run_once(command, nproc, {ATTEMPT_ENV: str(attempt)}, forwarding, grace_s, poll_s)
+            output = RankOutput(nproc, attempt, run_dir)
+            code, cause = _run_once(command, nproc, {ATTEMPT_ENV: str(attempt)}, forwarding, grace_s, poll_s,
+                                    output)
+            logs = output.keep(run_dir, failed=code not in (0, PREEMPTED_EXIT))
             if code == 0 or code in NO_RESTART or forwarding.signal is not None or attempt == max_restarts:
                 if code not in (0, PREEMPTED_EXIT) and cause:
-                    print(f"autopar launch: {cause}; see its message above", file=sys.stderr, flush=True)
+                    said = "; see its message above" if code > 0 else ""  # a killed rank says nothing
+                    where = f"; every rank's whole output: {logs}" if logs else ""
+                    print(f"autopar launch: {cause}{said}{where}", file=sys.stderr, flush=True)
                 if code not in (0, *NO_RESTART) and max_restarts:
                     print(f"autopar launch: giving up after {attempt} restart(s) (--max-restarts {max_restarts})",
                           file=sys.stderr, flush=True)
-                return code
+                return exit_status(code)
             resumes = _latest_checkpoint(run_dir)
             print(f"autopar launch: {cause}; restart {attempt + 1} of {max_restarts}, from "
                   f"{resumes or 'the beginning (no checkpoint yet)'}", file=sys.stderr, flush=True)
@@ -91,12 +118,19 @@ def launch(command: Sequence[str], nproc: int, *, grace_s: float = 5.0, poll_s: 
     return code
 
 
+def exit_status(code: int) -> int:
+    """A rank's return code as the launcher's exit status: killed by signal N (Popen's -N) is 128 + N."""
+    return 128 - code if code < 0 else code
+
+
 def _run_once(command: Sequence[str], nproc: int, extra_env: dict[str, str], forwarding: _SignalForwarder,
-              grace_s: float, poll_s: float) -> tuple[int, str | None]:
+              grace_s: float, poll_s: float, output: RankOutput) -> tuple[int, str | None]:
     """One start of the job: (exit code, cause of the failure or None)."""
     port = free_port()
-    procs = [subprocess.Popen(list(command), env={**rank_environment(r, nproc, port), **extra_env})
-             for r in range(nproc)]
+    tty = {STDERR_TTY_ENV: "1"} if sys.stderr.isatty() else {}
+    procs = [subprocess.Popen(list(command), env={**rank_environment(r, nproc, port), **extra_env, **tty},
+                              stderr=subprocess.PIPE) for r in range(nproc)]
+    output.follow(procs)
     forwarding.procs = procs
     failed: tuple[int, int] | None = None
     deadline = None
@@ -108,8 +142,14 @@ def _run_once(command: Sequence[str], nproc: int, extra_env: dict[str, str], for
             # a rank killed by a signal is the cause; a peer's error exit is usually its consequence
             killed = next(((rank, code) for rank, code in failing if code < 0), None)
             if failing and (failed is None or (failed[1] > 0 and killed is not None)):
+                first = failed is None
                 failed = killed or failing[0]
                 deadline = deadline or time.monotonic() + grace_s
+                if first:  # the cause, first; what the others print about it goes to their logs
+                    output.collapse(cause_rank=failed[0])
+                    print(f"autopar launch: rank {failed[0]} {_describe_exit(failed[1])} (exit status "
+                          f"{exit_status(failed[1])}); stopping the other ranks (their whole output: "
+                          f"{output.where()})", file=sys.stderr, flush=True)
             if all(code is not None for code in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -121,6 +161,7 @@ def _run_once(command: Sequence[str], nproc: int, extra_env: dict[str, str], for
             time.sleep(poll_s)
     finally:
         forwarding.procs = []
+        output.finish()
     if failed is not None:
         return failed[1], f"rank {failed[0]} {_describe_exit(failed[1])}"
     codes = [p.returncode for p in procs]
@@ -136,6 +177,93 @@ def _describe_exit(code: int) -> str:
     if code == HANG_EXIT:
         return "was stopped by the hang watchdog (exit code 124; its report is above and in hang_rank*.txt)"
     return f"failed (exit code {code})"
+
+
+class RankOutput:
+    """Every rank's stderr, passed to the console as it comes and kept whole in a log file per rank.
+
+    After `collapse`, the cause rank's output still reaches the console whole; the others' only as their
+    "autopar: ..." one-line reports (a report that a peer was lost, which the launcher's line explains,
+    not even that). Written to a temporary folder while the ranks run (the trainer removes a run folder
+    that fails before its first step, and must find none it did not make); `keep` moves the logs into
+    RUN/logs/ when the run folder exists."""
+
+    CONSEQUENCE = b"lost contact with another rank"
+
+    def __init__(self, nproc: int, attempt: int, run_dir: str | None = None):
+        self.folder = Path(tempfile.mkdtemp(prefix="autopar-ranks-"))
+        self.nproc, self.attempt, self.run_dir = nproc, attempt, run_dir
+        self.cause_rank: int | None = None
+        self._decided = threading.Event()  # set once the cause is known
+        self._procs: list[subprocess.Popen] = []
+        self._threads: list[threading.Thread] = []
+        self._console = threading.Lock()
+
+    def where(self) -> str:
+        """Where the logs will be: the run folder's logs/ (if the run got as far as making it), else here."""
+        return str(Path(self.run_dir) / LOGS_DIR / "rank_N.log") if self.run_dir else str(self.folder / "rank_N.log")
+
+    def follow(self, procs: list[subprocess.Popen]) -> None:
+        self._procs = procs
+        for rank, proc in enumerate(procs):
+            thread = threading.Thread(target=self._pump, args=(rank, proc.stderr), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def collapse(self, cause_rank: int, drain_s: float = 1.0) -> None:
+        """From now on only `cause_rank` speaks in full; first let its last words (a traceback) through."""
+        self.cause_rank = cause_rank
+        self._decided.set()
+        self._threads[cause_rank].join(timeout=drain_s)
+
+    def _pump(self, rank: int, pipe) -> None:
+        pending = b""
+        with open(self.folder / f"rank_{rank}.log", "wb") as log:
+            while chunk := os.read(pipe.fileno(), 65536):
+                log.write(chunk)
+                log.flush()
+                if self.cause_rank is None and self._another_failed(rank):
+                    self._decided.wait(timeout=1.0)  # a peer's death reached us before the launcher's poll did
+                if self.cause_rank is None or rank == self.cause_rank:
+                    self._show(pending + chunk)  # as it comes: a progress bar's carriage returns included
+                    pending = b""
+                    continue
+                *lines, pending = (pending + chunk).split(b"\n")
+                self._show(b"".join(line + b"\n" for line in lines
+                                    if line.startswith(b"autopar: ") and self.CONSEQUENCE not in line))
+        pipe.close()
+
+    def _another_failed(self, rank: int) -> bool:
+        return any(r != rank and proc.poll() not in (None, 0, PREEMPTED_EXIT) for r, proc in enumerate(self._procs))
+
+    def _show(self, data: bytes) -> None:
+        if data:
+            with self._console:
+                sys.stderr.buffer.write(data)
+                sys.stderr.buffer.flush()
+
+    def finish(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+
+    def keep(self, run_dir: str | None, *, failed: bool) -> str | None:
+        """Move the non-empty logs into RUN/logs (appended, after a header, on a restart or resume); without a
+        run folder keep them where they are if the job failed. Returns where they are, or None."""
+        logs = [p for p in sorted(self.folder.glob("rank_*.log")) if p.stat().st_size]
+        target = Path(run_dir) / LOGS_DIR if run_dir is not None and Path(run_dir).is_dir() else None
+        if target is None or not logs:
+            if not (failed and logs):
+                shutil.rmtree(self.folder, ignore_errors=True)
+                return None
+            return str(self.folder)
+        target.mkdir(exist_ok=True)
+        stamp = datetime.now().isoformat(timespec="seconds")
+        for path in logs:
+            with open(target / path.name, "ab") as out:
+                out.write(f"--- {stamp}, start {self.attempt} of this job, {self.nproc} ranks ---\n".encode())
+                out.write(path.read_bytes())
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return str(target)
 
 
 def _latest_checkpoint(run_dir: str | None) -> str | None:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from .launch import ATTEMPT_ENV, restart_attempt
 from .mesh import ProcessMesh
 from .models.materialize import attach_init_fn, tied_groups
 from .search.auto import Measured, Plan
+from .search.device_peak import device_peak
 from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
@@ -47,10 +49,13 @@ from .train.fields import example_call
 from .train.inputs import BatchLoader, Losses
 from .train.interrupt import StopRequest
 from .train.shared_failure import failures_shared, run_set_up
-from .train.loss import Batch, LossFn, default_forward, label_shift
-from .train.banner import start_banner
+from .train.loss import Batch, LossFn, as_batch, default_forward, label_shift
+from .train.banner import batch_line, start_banner
+from .train.flops import StepFlops, forward_flops_per_sample
+from .train.log_lines import PlainLines
+from .train.loggers import build_loggers
 from .train.metrics import (MetricsLog, Progress, peak_memory_bytes, peak_memory_per_rank, peak_memory_source,
-                            step_record)
+                            prints_lines, shows_bar, step_record)
 from .train.optim import build_scheduler, check_trainable
 from .train.pretrained_load import load_pretrained
 from .train.run_folder import (agree_on_run_dir, config_toml, log_torchrun_restart, truncate_metrics, write_run_folder,
@@ -111,6 +116,7 @@ class Trainer:
             raise ConfigError(f"Trainer(strategies=...) takes strategies.StrategyEntry items, got "
                               f"{[type(e).__name__ for e in self.strategy_table]}")
         self.step_times_s: list[float] = []
+        self.tokens_trained = 0  # in the steps of this call (summary.json)
         convention = label_convention or getattr(train_data, "label_convention", "model")
         self.shift_labels = label_shift(model, convention) and loss_fn is None  # a custom loss sees labels as given
 
@@ -154,6 +160,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
         self.loader = BatchLoader(config=cfg, sampler=self.sampler, device=self.device, shift_labels=self.shift_labels,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
+        self._count_model()  # before the engine: the whole model, still as the user gave it
         first = lambda: self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,  # noqa: E731
                                                          micro_batch_size=cfg.micro_batch_size)[0]
         self.engine: Engine = resolved.entry.build(EngineContext(
@@ -179,6 +186,7 @@ class Trainer:
                                    config=cfg, device=self.device, replica=(self.mesh.dp_rank, self.mesh.dp_size))
         self.steps = self._build_steps()
         self.is_main = dist.get_rank() == 0
+        self.step_flops = self._step_flops() if self.is_main else None
         self.run_dir = self._make_run_dir()
         layout = {"layout": to_dict(self.strategy),
                   "config_sha256": hashlib.sha256(self._config_toml().encode()).hexdigest()}
@@ -190,6 +198,24 @@ class Trainer:
         """--compile: the engine's regions compiled (train/compile.py), before the first step, on every rank."""
         cache = use_inductor_cache()
         return CompileAccount(compile_regions(self.engine.compile_regions(), self.config.compile_backend), cache)
+
+    def _count_model(self) -> None:
+        """Rank 0: the model's parameters and forward FLOPs of one sample (train/flops.py), for the banner and MFU."""
+        self.total_parameters = self.forward_flops = None
+        if dist.get_rank() == 0:
+            unique = {id(p): p for p in self.model.parameters() if p.requires_grad}
+            self.total_parameters = sum(p.numel() for p in unique.values())
+            self.forward_flops = forward_flops_per_sample(self.model, self.forward_fn, self.train_data[0])
+
+    def _step_flops(self) -> StepFlops | None:
+        """What a step computes against this device's peak (search/device_peak.py); None if it cannot be counted."""
+        if not self.forward_flops:
+            return None
+        peak, source = device_peak(self.device, self.config.dtype, world=dist.get_world_size(),
+                                   cluster=self.strategy.planning.cluster)
+        return StepFlops.of(self.forward_flops, self.config.global_batch_size, devices=dist.get_world_size(),
+                            recomputed_fraction=self.engine.recomputed_forward_fraction(),
+                            peak_flops_per_device=peak, peak_source=source)
 
     def _build_steps(self) -> Steps:
         """The engine's kind of steps (synchronous or deferred), wrapped with the injected fault when one is set."""
@@ -248,6 +274,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         before = process_groups()
+        self.began = time.monotonic()
         try:
             return self._train()
         finally:  # the mesh's and the engine's groups, for close()
@@ -268,9 +295,9 @@ class Trainer:
             return self.loop(self._loop_services())
         start = self._start()
         cfg, rank = self.config, dist.get_rank()
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl" if self.is_main else None, every=cfg.log_every,
-                             last=cfg.steps)
-        progress = Progress(total=cfg.steps, initial=start, enabled=self.is_main and cfg.progress)
+        metrics = MetricsLog(self._loggers(start) if self.is_main else None, every=cfg.log_every, last=cfg.steps)
+        progress = Progress(total=cfg.steps, initial=start, enabled=self.is_main and shows_bar(cfg.progress),
+                            main=self.is_main)
         progress.write(self._banner(start))
         result = TrainResult(run_dir=self.run_dir, first_step=start + 1)
         stop_request = StopRequest(rank)
@@ -285,6 +312,14 @@ class Trainer:
             if hasattr(self, "engine"):  # (gone after a failure: _forget_engine)
                 self.engine.close()
         return self.close_run(result)
+
+    def _loggers(self, start: int) -> list:
+        """Rank 0's: metrics.jsonl and each --log target (train/loggers.py), plain lines where no one sees a bar."""
+        loggers = build_loggers(self.config.log, self.run_dir, start=start,
+                                config={"strategy": to_dict(self.strategy), "train": to_dict(self.config)})
+        if prints_lines(self.config.progress):
+            loggers.append(PlainLines(start=start, total=self.config.steps))
+        return loggers
 
     def _start(self) -> int:
         """The step this run starts after: a checkpoint's on --resume or a restart (else 0), told to the run folder."""
@@ -326,7 +361,10 @@ class Trainer:
                 elapsed = seconds.pop(number)
                 result.losses.append(out.loss)
                 self.step_times_s.append(elapsed)  # this rank's clock (plan.json's measured step time)
+                self.tokens_trained += out.tokens
                 record = step_record(number, out.loss, finished.lr, out.grad_norm, out.tokens, elapsed, out.peak_bytes)
+                if self.step_flops is not None:
+                    record.update(self.step_flops.rates(elapsed))
                 if bad.total:
                     record.update(skipped=out.skipped, bad_steps=bad.total)
                 if self.compiled is not None:  # recompilations and graph breaks so far (read every step: cheap)
@@ -389,10 +427,23 @@ class Trainer:
         if self.plan is not None and self.step_times_s:
             self._record_measured()
         if self.is_main:
-            write_summary(self.run_dir, self.config.steps, result.losses, result.eval_loss,
-                          extra={"compile": self.compiled.summary()} if getattr(self, "compiled", None) else None)
+            facts = self._run_facts()
+            if getattr(self, "compiled", None):
+                facts = {**(facts or {}), "compile": self.compiled.summary()}
+            write_summary(self.run_dir, self.config.steps, result.losses, result.eval_loss, facts)
         dist.barrier()  # when train() returns, on any rank, the run folder is complete
         return result
+
+    def _run_facts(self) -> dict[str, Any]:
+        """summary.json's account of this call: wall time, tokens, mean throughput and MFU over its steps."""
+        facts: dict[str, Any] = {"duration_s": round(time.monotonic() - self.began, 3)}
+        stepping = sum(self.step_times_s)
+        if self.tokens_trained and stepping > 0:
+            facts.update(tokens=self.tokens_trained, tokens_per_s=self.tokens_trained / stepping)
+            if getattr(self, "step_flops", None) is not None:
+                facts.update(self.step_flops.times(len(self.step_times_s)).rates(stepping),
+                             mfu_peak_source=self.step_flops.peak_source)
+        return facts
 
     def _record_measured(self) -> None:
         """plan.json gets the measured step time and every rank's peak memory beside the prediction."""
@@ -412,4 +463,19 @@ class Trainer:
                             run_info=self.run_info, engine_lines=self.engine.banner_lines() +
                             ([self.compiled.banner_line()] if self.compiled is not None else []),
                             plan=None if self.plan is None else self.plan.describe(), start=start,
-                            resumed_from=getattr(self, "resumed_from", None), attempt=self.attempt)
+                            resumed_from=getattr(self, "resumed_from", None), attempt=self.attempt,
+                            total_parameters=self.total_parameters, facts=self._banner_facts())
+
+    def _banner_facts(self) -> list[str]:
+        """The banner's lines about the batch and data, the FLOPs a step computes, and what --trace will do."""
+        first = as_batch(self.train_data[0])
+        per_sample = first["input_ids"].numel() if isinstance(first.get("input_ids"), torch.Tensor) else None
+        lines = [batch_line(global_batch_size=self.config.global_batch_size, tokens_per_sample=per_sample,
+                            train_samples=len(self.train_data), steps=self.config.steps,
+                            eval_samples=None if self.eval_data is None else len(self.eval_data))]
+        if self.step_flops is not None:
+            lines.append(self.step_flops.describe())
+        if self.config.trace and not hasattr(self.engine, "gather_events"):
+            lines.append("--trace records the pipeline's measured step timeline (timeline.json); this run has no "
+                         "pipeline engine (pp=1, tp=1), so it writes none")
+        return lines

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ..version import __version__
 from ..train.base import LoopServices, TrainResult
 from ..train.loss import count_targets, tokens_in
-from ..train.metrics import MetricsLog, Progress, peak_memory_bytes
+from ..train.loggers import build_loggers
+from ..train.metrics import MetricsLog, Progress, peak_memory_bytes, shows_bar
 from ..train.optim import lr_factor
 from .runner import push_staleness
 
@@ -59,7 +60,8 @@ def _worker_steps(services: LoopServices, progress: Progress) -> list[dict]:
 def train_async(services: LoopServices) -> TrainResult:
     """The parameter-server strategy's loop, on every rank (servers and workers), after the trainer's set-up."""
     cfg, engine = services.config, services.engine
-    progress = Progress(total=cfg.steps, initial=0, enabled=services.is_main and cfg.progress)
+    progress = Progress(total=cfg.steps, initial=0, enabled=services.is_main and shows_bar(cfg.progress),
+                        main=services.is_main)
     roles = engine.roles
     progress.write(f"autopar {__version__}: {roles.world} processes, parameter server: {roles.num_workers} "
                    f"worker(s) (ranks 0-{roles.num_workers - 1}), {roles.servers} server(s) (ranks "
@@ -114,7 +116,9 @@ def _write_metrics(services: LoopServices, logs: list[list[dict]], result: Train
     cfg = services.config
     by_push = push_staleness(pushes)
     histogram = Counter(by_push.values())
-    with_log = MetricsLog(services.run_dir / "metrics.jsonl", every=cfg.log_every, last=cfg.steps)
+    # written after the run, from every worker's records: no wall-clock stamps (each has its step time)
+    with_log = MetricsLog(build_loggers(cfg.log, services.run_dir, start=0, config={}), every=cfg.log_every,
+                          last=cfg.steps, stamp=False)
     try:
         for s in range(cfg.steps):
             number = s + 1

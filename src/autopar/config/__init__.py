@@ -30,6 +30,7 @@ import tomli_w
 
 from ..errors import ConfigError, choices
 from .fields import _check_nonnegative_int, _check_positive_int, _f
+from .log_targets import logger_names
 from .strategy import (  # noqa: F401 (re-exported: autopar.config is where callers look)
     SCHEDULES,
     ASYNC_SCHEDULES,
@@ -122,14 +123,17 @@ class TrainConfig:
                                "stop after K such steps in a row; 0: stop at the first one")
     hang_timeout_s: float = _f(0.0, "if no step finishes for this many seconds, report which operation each rank "
                                     "is in, dump every thread's stack into the run folder and stop (0: off)")
-    log_every: int = _f(1, "write metrics every N steps")
+    log_every: int = _f(1, "write a metrics record (metrics.jsonl, each --log target) and, when stdout is not a "
+                           "terminal or the bar is off, a plain log line every N steps")
+    log: str = _f("", "also log every metric to: a comma-separated list of csv (metrics.csv), tensorboard (event "
+                      "files in RUN/tensorboard), wandb (offline in RUN/wandb unless W&B is configured)")
     out: str | None = _f(None, "run folder (default runs/<timestamp>/)")
     resume: str | None = _f(None, "resume from a run folder or a checkpoint folder")
     device: str = _f("cpu", "cpu or cuda")
     dtype: str = _f("fp32", "fp32 | bf16 (bf16 parameters, gradients and communication; fp32 master weights, "
                             "optimizer state and accumulation) | bf16-autocast (fp32 parameters, bf16 autocast)")
     timeout_s: float = _f(300.0, "seconds any collective may wait before the run fails (no hangs)")
-    progress: bool = _f(True, "show a progress bar on rank 0")
+    progress: bool = _f(True, "show a progress bar on rank 0 when stderr is a terminal (elsewhere: plain log lines)")
     trace: bool = _f(False, "write the last step's measured pipeline timeline to timeline.json (Chrome trace)")
     export_hf: str | None = _f(None, "after training, write the final model to this folder in the Hugging Face "
                                      "format (config.json + safetensors; hf: models only)")
@@ -147,6 +151,7 @@ class TrainConfig:
             _check_nonnegative_int(f"train.{name}", getattr(self, name))
         if self.checkpoint_every is not None:
             _check_nonnegative_int("train.checkpoint_every", self.checkpoint_every)
+        logger_names(self.log)
         if not self.hang_timeout_s >= 0:
             raise ConfigError(f"train.hang_timeout_s must be >= 0 (0: no watchdog), got {self.hang_timeout_s}")
         if self.hang_timeout_s and self.hang_timeout_s >= self.timeout_s:

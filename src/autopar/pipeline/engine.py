@@ -165,6 +165,18 @@ class PipelineEngine(EngineBase):
                          f"{chosen} (recompute_plan.txt)")
         return lines
 
+    def recomputed_forward_fraction(self) -> float:
+        """Traced forward FLOPs of the blocks recomputed in backward (whole stages the schedule recomputes, or the
+        blocks a memory budget chose per stage) over the whole model's."""
+        blocks = self.partition.graph.blocks
+        budgeted = self.recompute_report.blocks if self.recompute_report is not None else {}
+        again = 0
+        for spec in self.partition.specs:
+            first, last = spec.block_range
+            count = last - first if spec.index in self.pipe.recompute else budgeted.get(spec.index, 0)
+            again += sum(block.flops for block in blocks[first:first + count])
+        return again / max(1, sum(block.flops for block in blocks))
+
     def run_files(self) -> dict[str, str]:
         """Files for the run folder (name -> text): the TP plan table and the recomputation plan."""
         files = {}

@@ -121,6 +121,11 @@ class EngineBase:
     def step_stats(self, elapsed: float, peak_bytes: int) -> dict:
         return {}
 
+    def recomputed_forward_fraction(self) -> float:
+        """Share of the model's forward FLOPs this engine runs again during backward (train/flops.py reports them
+        apart from MFU); 0 for an engine that recomputes nothing."""
+        return 0.0
+
     deferred_rule: str | None = None
     """None: the trainer's synchronous step (update decided by all ranks together, right away). "global" or
     "per-stage": the engine's update may wait for later steps (train/deferred.py, which says what else

@@ -1,17 +1,25 @@
-"""What users see of a run: a progress bar on rank 0 and metrics.jsonl in the run folder."""
+"""What users see of a run: a progress bar or plain lines on rank 0, and the metric records every logger gets.
+
+The bar is drawn only on a terminal (elsewhere it would be one long carriage-return line in a log);
+plain lines (train/log_lines.py) are printed when stdout is not a terminal or the bar is off, so a
+Slurm or CI log shows the run as it goes."""
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import resource
 import sys
-from pathlib import Path
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from ..launch import STDERR_TTY_ENV
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -35,25 +43,40 @@ def peak_memory_source(device: torch.device) -> str:
             "resource.getrusage ru_maxrss (the whole process: Python, torch, data and tensors)")
 
 
-class MetricsLog:
-    """Appends one JSON object per line; only rank 0 writes. `due` says which steps' records are written
-    (every `every` steps and the last); a step with an eval loss is written as well (the loop decides)."""
+def shows_bar(progress: bool) -> bool:
+    """The tqdm bar only where someone watches a terminal (the launcher's, when it passes our stderr on)."""
+    return progress and (sys.stderr.isatty() or os.environ.get(STDERR_TTY_ENV) == "1")
 
-    def __init__(self, path: Path | None, *, every: int = 1, last: int | None = None):
-        self.path, self.every, self.last = path, every, last
-        self._file = open(path, "a", buffering=1) if path is not None else None
+
+def prints_lines(progress: bool) -> bool:
+    """Plain periodic lines: when stdout is a log (not a terminal), or there is no bar."""
+    return not sys.stdout.isatty() or not shows_bar(progress)
+
+
+class MetricsLog:
+    """Hands each record to every logger (train/loggers.py: metrics.jsonl, CSV, TensorBoard, W&B, plain lines);
+    rank 0 has loggers, the others none. `due` says which steps' records are written (every `every` steps and the
+    last); a step with an eval loss is written as well (the loop decides). `stamp`: each record gets its wall
+    clock time (UTC, ISO 8601) and the seconds since the log was opened, when written as the step ends."""
+
+    def __init__(self, loggers: Sequence[Any] | None, *, every: int = 1, last: int | None = None, stamp: bool = True):
+        self.loggers, self.every, self.last, self.stamp = list(loggers or []), every, last, stamp
+        self._opened = time.monotonic()
 
     def due(self, number: int) -> bool:
         return number % self.every == 0 or number == self.last
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+        if self.stamp:
+            record.update(time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                          elapsed_s=round(time.monotonic() - self._opened, 3))
+        for logger in self.loggers:
+            logger.log(record)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close()
 
 
 def step_record(number: int, loss: float, lr: float, grad_norm: float | None, tokens: int, elapsed: float,
@@ -65,9 +88,11 @@ def step_record(number: int, loss: float, lr: float, grad_norm: float | None, to
 
 
 class Progress:
-    """A tqdm bar: step, loss, tokens/s and ETA; silent on ranks other than 0."""
+    """A tqdm bar (step, loss, tokens/s and ETA) when `enabled` (rank 0, --progress, a terminal). `write` prints
+    rank 0's messages (the banner) above the bar, or on stdout when there is no bar: `main` says this is rank 0."""
 
-    def __init__(self, *, total: int, initial: int, enabled: bool):
+    def __init__(self, *, total: int, initial: int, enabled: bool, main: bool | None = None):
+        self.main = enabled if main is None else main
         self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                          disable=not enabled, file=sys.stderr, mininterval=0.5)
 
@@ -78,6 +103,8 @@ class Progress:
     def write(self, text: str) -> None:
         if not self._bar.disable:
             self._bar.write(text, file=sys.stderr)
+        elif self.main:
+            print(text, flush=True)
 
     def close(self) -> None:
         self._bar.close()

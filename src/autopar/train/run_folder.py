@@ -52,10 +52,11 @@ def write_run_folder(run_dir: Path, *, config: str, info: dict[str, Any], files:
 
 
 def write_summary(run_dir: Path, steps: int, losses: list[float], eval_loss: float | None,
-                  extra: dict | None = None) -> None:
-    """summary.json (with `extra` entries, e.g. what --compile did), and the run's last line ("done: ...")."""
+                  facts: dict[str, Any] | None = None) -> None:
+    """summary.json, and the run's last line ("done: ..."). `facts`: the trainer's account of the run (duration,
+    tokens, mean tokens/s, TFLOP/s per device and MFU over the steps of this call)."""
     summary = {"steps": steps, "final_loss": losses[-1] if losses else None, "eval_loss": eval_loss,
-               "run_dir": str(run_dir), **(extra or {})}
+               "run_dir": str(run_dir), **(facts or {})}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"done: {steps} steps, final loss {summary['final_loss']}, eval loss "
           f"{eval_loss if eval_loss is not None else 'n/a'}; run folder {run_dir}", flush=True)
