@@ -56,7 +56,7 @@ def _train(strategy: dict, hidden: int, steps: int, world: int, data) -> dict:
     plan = getattr(engine, "plan", None)
     names = dict(trainer.model.named_parameters())
     forwards = list(engine.experts.forwards.values()) if plan is not None else []
-    got = {"losses": result.losses, "step_s": statistics.median(trainer.step_times_s[1:]),
+    got = {"losses": result.losses, "step_s": statistics.median(trainer.account.step_times_s[1:]),
            "param_bytes": sum(p.numel() * p.element_size() for p in names.values()),
            "expert_names": plan.expert_params if plan is not None else None,
            "rows_away": sum(f.rows_sent_away for f in forwards), "rows_in": sum(f.rows_from_others for f in forwards)}

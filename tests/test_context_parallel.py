@@ -147,8 +147,11 @@ def test_cp_with_dp_and_resume_under_another_cp(rank_pool, tmp_path, tmp_path_fa
             assert (value - expected["params"][name]).abs().max() < 1e-5, (rank, name)
 
 
-def test_a_loss_of_ones_own_is_refused(tmp_path):
-    """A Trainer loss_fn averages whole samples; under cp each rank holds part of each: refused before any rank."""
+def test_a_loss_of_ones_own_is_refused(tmp_path, monkeypatch):
+    """A Trainer loss_fn averages whole samples; under cp each rank holds part of each: refused (rule cp-loss)
+    before any process group exists (rank 0 of 2, as a launcher would set it)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
     import autopar
     from autopar.errors import ConfigError
     from autopar.models.registry import build_model
@@ -157,5 +160,5 @@ def test_a_loss_of_ones_own_is_refused(tmp_path):
     config = autopar.TrainConfig(steps=1, global_batch_size=4, micro_batch_size=2, out=str(tmp_path), progress=False)
     trainer = autopar.Trainer(model, small_data(info.task, 32)[0], strategy=autopar.Strategy(cp=2), config=config,
                               loss_fn=lambda output, batch: output.float().mean())
-    with pytest.raises(ConfigError, match=r"--cp 2 with a loss_fn of one's own"):
+    with pytest.raises(ConfigError, match=r"--cp 2 with a loss_fn of one's own.*\(rule cp-loss\)"):
         trainer.train()

@@ -64,6 +64,7 @@ def test_every_rule_refuses_something_in_the_matrix_or_its_own_layout():
         "sparse-resume": (dict(sparse_embeddings="allgather"), {"resume": "runs/x"}, 2),
         "traced-forward": (dict(tp=2), {}, 2),
         "cp-forward": (dict(cp=2), {}, 2),
+        "cp-loss": (dict(cp=2), {}, 2),
         "pretrained-synchronous": (dict(dp_mode="gossip"), {}, 2),
         "tp-subbatches-need-tp": (dict(tp_subbatches=2), {}, 2),
         "tp-subbatches-divide": (dict(tp=2, tp_subbatches=3), {}, 2),
@@ -82,7 +83,8 @@ def test_every_rule_refuses_something_in_the_matrix_or_its_own_layout():
     for name, (fields, train, world) in own.items():
         setup = Setup(autopar.Strategy(**fields).resolved(world),
                       autopar.TrainConfig(**{"global_batch_size": 8, "micro_batch_size": 2, **train}), world,
-                      custom_forward=name in ("traced-forward", "cp-forward"), pretrained=name == "pretrained-synchronous")
+                      custom_forward=name in ("traced-forward", "cp-forward"), pretrained=name == "pretrained-synchronous",
+                      custom_loss=name == "cp-loss")
         broken = [rule.name for rule in RULES if rule.broken(setup)]
         assert broken[:1] == [name], (name, broken)
     assert {rule.name for rule in RULES} <= from_matrix | set(own), {rule.name for rule in RULES} - from_matrix - set(own)

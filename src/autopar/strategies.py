@@ -218,6 +218,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
 
 
 def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forward: bool = False,
+            custom_loss: bool = False,
             pretrained: bool = False, model: nn.Module | None = None, example: Example | None = None,
             plan: Plan | None = None, model_name: str | None = None,
             strategies: Sequence[StrategyEntry] | None = None) -> Resolved:
@@ -233,8 +234,10 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
     searched = strategy.planning.mode == "auto" and not strategy.planning.plan
     # field errors first, as for any strategy (the search picks the degrees left open, so not their product)
     (dataclasses.replace(strategy, dp=None, tp=1, pp=1) if searched else strategy).resolved(world)
-    check_rules(Setup(strategy, config, world, custom_forward, pretrained), phase="search")  # what it may search
-    choices = dict(world=world, custom_forward=custom_forward, pretrained=pretrained, strategies=strategies)
+    check_rules(Setup(strategy, config, world, custom_forward, pretrained, custom_loss),
+                phase="search")  # what it may search
+    choices = dict(world=world, custom_forward=custom_forward, pretrained=pretrained, custom_loss=custom_loss,
+                   strategies=strategies)
 
     def accept(candidate: Strategy, candidate_config: TrainConfig) -> None:
         resolved = candidate.resolved(world)
@@ -273,9 +276,9 @@ def _check_running_stats(model: nn.Module, entry: StrategyEntry, strategy: Strat
 
 
 def _entry_and_check(strategy: Strategy, config: TrainConfig, *, world: int, custom_forward: bool,
-                     pretrained: bool, strategies: Sequence[StrategyEntry] | None,
+                     pretrained: bool, custom_loss: bool, strategies: Sequence[StrategyEntry] | None,
                      ) -> tuple[StrategyEntry, TrainConfig, int]:
-    check_rules(Setup(strategy, config, world, custom_forward, pretrained))
+    check_rules(Setup(strategy, config, world, custom_forward, pretrained, custom_loss))
     entry = pick_entry(strategy, config, strategies)
     config, accumulation = entry.check(Request(strategy, config, world, custom_forward))
     return entry, config, accumulation

@@ -41,7 +41,6 @@ from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.checkpointer import Checkpointer
-from .train.compile import CompileAccount, compile_regions, use_inductor_cache
 from .train.deferred import StepResult
 from .train.evaluator import Evaluator
 from .train.faults import Fault, FaultySteps
@@ -49,17 +48,15 @@ from .train.fields import example_call
 from .train.inputs import BatchLoader, Losses
 from .train.interrupt import StopRequest
 from .train.shared_failure import failures_shared, run_set_up
-from .train.loss import Batch, LossFn, as_batch, default_forward, label_shift
-from .train.banner import batch_line, start_banner
-from .train.flops import StepFlops, forward_flops_per_sample
-from .train.log_lines import PlainLines
-from .train.loggers import build_loggers
+from .train.loss import Batch, LossFn, default_forward, label_shift
+from .train.banner import start_banner
+from .train.loggers import run_loggers
 from .train.metrics import (MetricsLog, Progress, peak_memory_bytes, peak_memory_per_rank, peak_memory_source,
-                            prints_lines, shows_bar, step_record)
+                            shows_bar, step_record)
 from .train.optim import build_scheduler, check_trainable
 from .train.pretrained_load import load_pretrained
-from .train.run_folder import (agree_on_run_dir, config_toml, log_torchrun_restart, truncate_metrics, write_run_folder,
-                               write_summary)
+from .train.run_account import RunAccount
+from .train.run_folder import config_toml, open_run_dir, write_summary
 from .train.steps import HOST_SYNCS_PER_STEP, Steps, SynchronousSteps, steps_for
 from .train.watchdog import Watchdog
 from .timing import StepTimer
@@ -115,8 +112,6 @@ class Trainer:
         if self.strategy_table is not None and not all(isinstance(e, StrategyEntry) for e in self.strategy_table):
             raise ConfigError(f"Trainer(strategies=...) takes strategies.StrategyEntry items, got "
                               f"{[type(e).__name__ for e in self.strategy_table]}")
-        self.step_times_s: list[float] = []
-        self.tokens_trained = 0  # in the steps of this call (summary.json)
         convention = label_convention or getattr(train_data, "label_convention", "model")
         self.shift_labels = label_shift(model, convention) and loss_fn is None  # a custom loss sees labels as given
 
@@ -129,11 +124,8 @@ class Trainer:
         if self.strategy.planning.confirm and self.plan is None and not self.strategy.planning.plan:
             raise ConfigError(f"--confirm {self.strategy.planning.confirm} runs the top plans as separate short jobs, which "
                               f"only `autopar train` can start; in Python, measure plans yourself or use confirm=0")
-        if self.strategy.cp > 1 and self.loss_fn is not None:
-            raise ConfigError(f"--cp {self.strategy.cp} with a loss_fn of one's own: each cp rank holds part of every "
-                              f"sequence, and loss_fn is a mean over whole samples; drop loss_fn (the built-in token "
-                              f"loss follows the split) or use --cp 1")
         resolved = resolve(self.strategy, self.config, world, custom_forward=self.forward_fn is not default_forward,
+                           custom_loss=self.loss_fn is not None,
                            pretrained=self.pretrained is not None, model=self.model,
                            example=lambda: example_call(self.model, self.train_data), plan=self.plan,
                            strategies=self.strategy_table)
@@ -160,7 +152,8 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
         self.loader = BatchLoader(config=cfg, sampler=self.sampler, device=self.device, shift_labels=self.shift_labels,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
-        self._count_model()  # before the engine: the whole model, still as the user gave it
+        self.account = RunAccount.of_model(self.model, self.forward_fn, self.train_data[0],  # as the user gave it
+                                           main=dist.get_rank() == 0, began=self.began)
         first = lambda: self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,  # noqa: E731
                                                          micro_batch_size=cfg.micro_batch_size)[0]
         self.engine: Engine = resolved.entry.build(EngineContext(
@@ -171,7 +164,8 @@ class Trainer:
             samples_for_step=self.loader.local_positions))
         self.run_info.update(self.engine.run_info())
         self.model = self.engine.module
-        self.compiled = self._compile() if cfg.compile else None
+        if cfg.compile:
+            self.account.compile(self.engine, cfg)
         if self.pretrained is not None and not cfg.resume:  # a resumed run takes every weight from its checkpoint
             self.pretrained_bytes_read, info = load_pretrained(self.pretrained, self.model, self.engine.tensor_parallel)
             self.run_info.update(info)
@@ -186,36 +180,15 @@ class Trainer:
                                    config=cfg, device=self.device, replica=(self.mesh.dp_rank, self.mesh.dp_size))
         self.steps = self._build_steps()
         self.is_main = dist.get_rank() == 0
-        self.step_flops = self._step_flops() if self.is_main else None
+        if self.is_main:
+            self.account.price_steps(self.engine, cfg, world=dist.get_world_size(), peak=lambda: device_peak(
+                self.device, cfg.dtype, world=dist.get_world_size(), cluster=self.strategy.planning.cluster))
         self.run_dir = self._make_run_dir()
         layout = {"layout": to_dict(self.strategy),
                   "config_sha256": hashlib.sha256(self._config_toml().encode()).hexdigest()}
         self.checkpointer = Checkpointer(run_dir=self.run_dir, engine=self.engine, model=self.model,
                                          optimizer=self.optimizer, scheduler=self.scheduler, config=cfg,
                                          manifest_info=layout)
-
-    def _compile(self) -> CompileAccount:
-        """--compile: the engine's regions compiled (train/compile.py), before the first step, on every rank."""
-        cache = use_inductor_cache()
-        return CompileAccount(compile_regions(self.engine.compile_regions(), self.config.compile_backend), cache)
-
-    def _count_model(self) -> None:
-        """Rank 0: the model's parameters and forward FLOPs of one sample (train/flops.py), for the banner and MFU."""
-        self.total_parameters = self.forward_flops = None
-        if dist.get_rank() == 0:
-            unique = {id(p): p for p in self.model.parameters() if p.requires_grad}
-            self.total_parameters = sum(p.numel() for p in unique.values())
-            self.forward_flops = forward_flops_per_sample(self.model, self.forward_fn, self.train_data[0])
-
-    def _step_flops(self) -> StepFlops | None:
-        """What a step computes against this device's peak (search/device_peak.py); None if it cannot be counted."""
-        if not self.forward_flops:
-            return None
-        peak, source = device_peak(self.device, self.config.dtype, world=dist.get_world_size(),
-                                   cluster=self.strategy.planning.cluster)
-        return StepFlops.of(self.forward_flops, self.config.global_batch_size, devices=dist.get_world_size(),
-                            recomputed_fraction=self.engine.recomputed_forward_fraction(),
-                            peak_flops_per_device=peak, peak_source=source)
 
     def _build_steps(self) -> Steps:
         """The engine's kind of steps (synchronous or deferred), wrapped with the injected fault when one is set."""
@@ -228,18 +201,13 @@ class Trainer:
         return FaultySteps(steps, self.fault, rank=dist.get_rank(), attempt=self.attempt)
 
     def _make_run_dir(self) -> Path:
-        run_dir = agree_on_run_dir(self.config.out)
-        self._fresh_run_dir = self.is_main and not run_dir.exists()  # removed again if we fail before step 1
-        if self.is_main:
-            info = {"autopar": __version__, "torch": torch.__version__, "world_size": dist.get_world_size(),
-                    "strategy": to_dict(self.strategy), "accumulation_steps": self.accumulation,
-                    "model_class": type(self.model).__name__, **self.run_info,
-                    **({"tied_weights": self.tied_weights} if self.tied_weights else {})}
-            write_run_folder(run_dir, config=self._config_toml(), info=info,
-                             files={**self.engine.run_files(), **self.extra_run_files})
-            if self.plan is not None:  # --strategy auto / --plan: what was chosen and predicted
-                self.plan.record.pop("measured", None)  # a rerun plan's old measurements belong to its old run
-                self.plan.save(run_dir / "plan.json")
+        info = {"autopar": __version__, "torch": torch.__version__, "world_size": dist.get_world_size(),
+                "strategy": to_dict(self.strategy), "accumulation_steps": self.accumulation,
+                "model_class": type(self.model).__name__, **self.run_info,
+                **({"tied_weights": self.tied_weights} if self.tied_weights else {})}
+        run_dir, self._fresh_run_dir = open_run_dir(self.config.out, main=self.is_main, config=self._config_toml(),
+                                                    info=info, files={**self.engine.run_files(),
+                                                                      **self.extra_run_files}, plan=self.plan)
         return run_dir
 
     def _config_toml(self) -> str:
@@ -295,7 +263,9 @@ class Trainer:
             return self.loop(self._loop_services())
         start = self._start()
         cfg, rank = self.config, dist.get_rank()
-        metrics = MetricsLog(self._loggers(start) if self.is_main else None, every=cfg.log_every, last=cfg.steps)
+        metrics = MetricsLog(run_loggers(cfg, self.run_dir, start=start, run_config={  # rank 0's loggers
+            "strategy": to_dict(self.strategy), "train": to_dict(cfg)}) if self.is_main else None,
+            every=cfg.log_every, last=cfg.steps)
         progress = Progress(total=cfg.steps, initial=start, enabled=self.is_main and shows_bar(cfg.progress),
                             main=self.is_main)
         progress.write(self._banner(start))
@@ -313,29 +283,15 @@ class Trainer:
                 self.engine.close()
         return self.close_run(result)
 
-    def _loggers(self, start: int) -> list:
-        """Rank 0's: metrics.jsonl and each --log target (train/loggers.py), plain lines where no one sees a bar."""
-        loggers = build_loggers(self.config.log, self.run_dir, start=start,
-                                config={"strategy": to_dict(self.strategy), "train": to_dict(self.config)})
-        if prints_lines(self.config.progress):
-            loggers.append(PlainLines(start=start, total=self.config.steps))
-        return loggers
-
     def _start(self) -> int:
-        """The step this run starts after: a checkpoint's on --resume or a restart (else 0), told to the run folder."""
-        cfg = self.config
+        """The step this run starts after: a checkpoint's on --resume or a restart (else 0)."""
         try:
-            start = self.checkpointer.restore(restarted=self.attempt > 0)
-            self.resumed_from = self.checkpointer.resumed_from
-            if start > cfg.steps:
-                raise ConfigError(f"the checkpoint is at step {start}, beyond --steps {cfg.steps}; raise --steps")
+            start = self.checkpointer.start(attempt=self.attempt, main=self.is_main,
+                                            torchrun_restart=bool(self.attempt) and ATTEMPT_ENV not in os.environ)
         except BaseException:
             self._discard_fresh_run_dir()
             raise
-        if self.is_main and (start or self.attempt):
-            truncate_metrics(self.run_dir / "metrics.jsonl", start)
-        if self.is_main and self.attempt and ATTEMPT_ENV not in os.environ:  # torchrun restarted us
-            log_torchrun_restart(self.run_dir, self.attempt, self.resumed_from)
+        self.resumed_from = self.checkpointer.resumed_from
         return start
 
     def _run_steps(self, start: int, result: TrainResult, stop_request: StopRequest, watchdog: Watchdog,
@@ -360,18 +316,12 @@ class Trainer:
                 bad.count(finished)
                 elapsed = seconds.pop(number)
                 result.losses.append(out.loss)
-                self.step_times_s.append(elapsed)  # this rank's clock (plan.json's measured step time)
-                self.tokens_trained += out.tokens
                 record = step_record(number, out.loss, finished.lr, out.grad_norm, out.tokens, elapsed, out.peak_bytes)
-                if self.step_flops is not None:
-                    record.update(self.step_flops.rates(elapsed))
+                report = self.account.step(record, elapsed, out.tokens)  # FLOP rates, compile counters
+                if report and self.is_main:
+                    progress.write(report)
                 if bad.total:
                     record.update(skipped=out.skipped, bad_steps=bad.total)
-                if self.compiled is not None:  # recompilations and graph breaks so far (read every step: cheap)
-                    record.update(self.compiled.step_fields())
-                    report = self.compiled.graph_break_report()
-                    if report and self.is_main:
-                        progress.write(report)
                 if metrics.due(number) or self.evaluator.due(number):  # a record with an eval loss is written
                     # the engine's own statistics cost a collective and a host read: only for records written
                     record.update(finished.stats if finished.stats is not None else
@@ -424,58 +374,25 @@ class Trainer:
 
     def close_run(self, result: TrainResult) -> TrainResult:
         """summary.json and the "done:" line on rank 0; returns once the run folder is complete on every rank."""
-        if self.plan is not None and self.step_times_s:
-            self._record_measured()
+        if self.plan is not None and self.account.step_times_s:  # plan.json: measured beside the prediction
+            peaks = peak_memory_per_rank(self.device)  # every rank's peak memory (a collective)
+            if self.is_main:
+                self.plan.record_measured(Measured(
+                    step_times_s=self.account.step_times_s, peak_memory_bytes_per_rank=peaks,
+                    peak_memory_source=peak_memory_source(self.device), pp=self.strategy.pp,
+                    ranks_per_stage=self.strategy.dp * self.strategy.tp), self.run_dir)
         if self.is_main:
-            facts = self._run_facts()
-            if getattr(self, "compiled", None):
-                facts = {**(facts or {}), "compile": self.compiled.summary()}
-            write_summary(self.run_dir, self.config.steps, result.losses, result.eval_loss, facts)
+            write_summary(self.run_dir, self.config.steps, result.losses, result.eval_loss, self.account.facts())
         dist.barrier()  # when train() returns, on any rank, the run folder is complete
         return result
-
-    def _run_facts(self) -> dict[str, Any]:
-        """summary.json's account of this call: wall time, tokens, mean throughput and MFU over its steps."""
-        facts: dict[str, Any] = {"duration_s": round(time.monotonic() - self.began, 3)}
-        stepping = sum(self.step_times_s)
-        if self.tokens_trained and stepping > 0:
-            facts.update(tokens=self.tokens_trained, tokens_per_s=self.tokens_trained / stepping)
-            if getattr(self, "step_flops", None) is not None:
-                facts.update(self.step_flops.times(len(self.step_times_s)).rates(stepping),
-                             mfu_peak_source=self.step_flops.peak_source)
-        return facts
-
-    def _record_measured(self) -> None:
-        """plan.json gets the measured step time and every rank's peak memory beside the prediction."""
-        peaks = peak_memory_per_rank(self.device)
-        if self.is_main:
-            self.plan.record["measured"] = Measured(
-                step_times_s=self.step_times_s, peak_memory_bytes_per_rank=peaks,
-                peak_memory_source=peak_memory_source(self.device), pp=self.strategy.pp,
-                ranks_per_stage=self.strategy.dp * self.strategy.tp).to_dict()
-            self.plan.save(self.run_dir / "plan.json")
-            print(self.plan.measured_vs_predicted(), flush=True)
 
     def _banner(self, start: int) -> str:
         return start_banner(world=dist.get_world_size(), strategy=self.strategy,
                             parameters=self.engine.num_parameters(), accumulation=self.accumulation,
                             micro_batch_size=self.config.micro_batch_size, run_dir=self.run_dir,
-                            run_info=self.run_info, engine_lines=self.engine.banner_lines() +
-                            ([self.compiled.banner_line()] if self.compiled is not None else []),
+                            run_info=self.run_info, engine_lines=self.account.banner_lines(self.engine),
                             plan=None if self.plan is None else self.plan.describe(), start=start,
                             resumed_from=getattr(self, "resumed_from", None), attempt=self.attempt,
-                            total_parameters=self.total_parameters, facts=self._banner_facts())
-
-    def _banner_facts(self) -> list[str]:
-        """The banner's lines about the batch and data, the FLOPs a step computes, and what --trace will do."""
-        first = as_batch(self.train_data[0])
-        per_sample = first["input_ids"].numel() if isinstance(first.get("input_ids"), torch.Tensor) else None
-        lines = [batch_line(global_batch_size=self.config.global_batch_size, tokens_per_sample=per_sample,
-                            train_samples=len(self.train_data), steps=self.config.steps,
-                            eval_samples=None if self.eval_data is None else len(self.eval_data))]
-        if self.step_flops is not None:
-            lines.append(self.step_flops.describe())
-        if self.config.trace and not hasattr(self.engine, "gather_events"):
-            lines.append("--trace records the pipeline's measured step timeline (timeline.json); this run has no "
-                         "pipeline engine (pp=1, tp=1), so it writes none")
-        return lines
+                            total_parameters=self.account.total_parameters,
+                            facts=self.account.banner_facts(config=self.config, train_data=self.train_data,
+                                                            eval_data=self.eval_data, engine=self.engine))

@@ -37,6 +37,7 @@ class Setup:
     world: int
     custom_forward: bool = False  # the Trainer got a forward_fn of its own
     pretrained: bool = False  # the Trainer got pretrained weights to load
+    custom_loss: bool = False  # the Trainer got a loss_fn of its own
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -456,6 +457,10 @@ RULES: tuple[Rule, ...] = (
          "--cp {s.cp} with {flag}", "context parallelism runs in the synchronous pipeline engine with whole "
          "backward passes, summing gradients over dp x cp; that choice is not checked with it yet", "use {want}",
          detail=lambda setup: dict(zip(("flag", "want"), _cp_conflict(setup) or ("", "")))),
+    Rule("cp-loss", "--cp > 1 with a loss_fn of the Trainer's own",
+         lambda setup: setup.strategy.cp > 1 and setup.custom_loss,
+         "--cp {s.cp} with a loss_fn of one's own", "each cp rank holds part of every sequence, and a loss_fn is a "
+         "mean over whole samples", "drop loss_fn (the built-in token loss follows the split) or use --cp 1"),
     Rule("cp-forward", "--cp > 1 with a forward_fn of the Trainer's own",
          lambda setup: setup.strategy.cp > 1 and setup.custom_forward,
          "--cp {s.cp} with a custom forward_fn", "the traced model runs on each rank's share of the sequence, and a "

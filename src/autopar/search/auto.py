@@ -133,6 +133,12 @@ class Plan:
 
     # ------------------------------------------------------------------ files
 
+    def record_measured(self, measured: Measured, run_dir: Path) -> None:
+        """plan.json gets what the run measured beside the prediction, and the console the comparison."""
+        self.record["measured"] = measured.to_dict()
+        self.save(run_dir / "plan.json")
+        print(self.measured_vs_predicted(), flush=True)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.record, indent=2) + "\n")
 

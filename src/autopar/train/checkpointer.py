@@ -12,8 +12,10 @@ from typing import Any
 from torch import nn
 
 from ..config import TrainConfig
+from ..errors import ConfigError
 from . import checkpoint as ckpt
 from .resume import agree_on_resume_checkpoint
+from .run_folder import log_torchrun_restart, truncate_metrics
 
 
 class Checkpointer:
@@ -48,3 +50,15 @@ class Checkpointer:
             group["lr"] = lr  # the rate the checkpointed step would use next
         self.engine.zero_grad()
         return int(state["step"])
+
+    def start(self, *, attempt: int, main: bool, torchrun_restart: bool) -> int:
+        """The step this run starts after (`restore`), checked against --steps and told to the run folder:
+        metrics.jsonl cut back to it, a torchrun restart logged. Collective."""
+        start = self.restore(restarted=attempt > 0)
+        if start > self.config.steps:
+            raise ConfigError(f"the checkpoint is at step {start}, beyond --steps {self.config.steps}; raise --steps")
+        if main and (start or attempt):
+            truncate_metrics(self.run_dir / "metrics.jsonl", start)
+        if main and torchrun_restart:
+            log_torchrun_restart(self.run_dir, attempt, self.resumed_from)
+        return start

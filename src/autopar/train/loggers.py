@@ -123,8 +123,19 @@ class WandbLogger:
         self._run.finish()
 
 
-def build_loggers(spec: str, run_dir: Path, *, start: int, config: dict[str, Any]) -> list[Logger]:
-    """metrics.jsonl, then each logger `--log` names (rank 0 only)."""
+def run_loggers(config: Any, run_dir: Path, *, start: int, run_config: dict[str, Any]) -> list[Logger]:
+    """Rank 0's loggers for a run of TrainConfig `config`: metrics.jsonl, each --log target, and plain lines
+    where no one sees a bar (train/log_lines.py)."""
+    from .log_lines import PlainLines
+    from .metrics import prints_lines
+    lines = PlainLines(start=start, total=config.steps) if prints_lines(config.progress) else None
+    return build_loggers(config.log, run_dir, start=start, config=run_config, lines=lines)
+
+
+def build_loggers(spec: str, run_dir: Path, *, start: int, config: dict[str, Any],
+                  lines: Logger | None = None) -> list[Logger]:
+    """metrics.jsonl, then each logger `--log` names, then `lines` (plain log lines where no bar is seen);
+    rank 0 only."""
     loggers: list[Logger] = [JsonLinesLogger(run_dir / "metrics.jsonl")]
     for name in logger_names(spec):
         if name == "csv":
@@ -133,4 +144,4 @@ def build_loggers(spec: str, run_dir: Path, *, start: int, config: dict[str, Any
             loggers.append(TensorBoardLogger(run_dir / TENSORBOARD_DIR, start))
         else:
             loggers.append(WandbLogger(run_dir, config))
-    return loggers
+    return loggers + ([lines] if lines is not None else [])

@@ -41,6 +41,21 @@ def agree_on_run_dir(out: str | None) -> Path:
     return Path(shared[0])
 
 
+def open_run_dir(out: str | None, *, main: bool, config: str, info: dict[str, Any], files: dict[str, str],
+                 plan: Any = None) -> tuple[Path, bool]:
+    """The run folder, agreed on every rank (collective), written by rank 0 (`main`): config.toml, run.json,
+    the files, and the plan that chose the strategy (plan.json, without an earlier run's measurements).
+    Returns (folder, whether rank 0 made it now: such a folder is removed again if the run fails before step 1)."""
+    run_dir = agree_on_run_dir(out)
+    fresh = main and not run_dir.exists()
+    if main:
+        write_run_folder(run_dir, config=config, info=info, files=files)
+        if plan is not None:  # --strategy auto / --plan: what was chosen and predicted
+            plan.record.pop("measured", None)  # a rerun plan's old measurements belong to its old run
+            plan.save(run_dir / "plan.json")
+    return run_dir, fresh
+
+
 def write_run_folder(run_dir: Path, *, config: str, info: dict[str, Any], files: dict[str, str]) -> None:
     """config.toml, run.json and the engine's and job's own files (tp_plan.txt, hf/config.json, ...)."""
     run_dir.mkdir(parents=True, exist_ok=True)
