@@ -63,6 +63,8 @@ COVERAGE: tuple[Dimension, ...] = (
     Dimension("--batchnorm", False, "it chooses what BatchNorm's statistics are (the numbers trained)"),
     Dimension("--ep", False, "expert parallelism: the cost model prices neither the all-to-all nor 1/ep of the "
               "experts' memory yet"),
+    Dimension("--cp", False, "context parallelism: neither the ring's or the all-to-all's traffic nor 1/cp of the "
+              "activations is in the cost and memory models yet"),
     Dimension("--dtype", False, "taken as given, never switched: fp32 to bf16 changes the numbers trained "
               "(the cost and memory models follow the choice)"),
 )
@@ -77,7 +79,8 @@ FIELD_ROWS = {"dp": "dp x tp x pp", "tp": "dp x tp x pp", "pp": "dp x tp x pp", 
               "topology": "--dp-mode gossip", "gossip_order": "--dp-mode gossip", "staleness": "--dp-mode async",
               "servers": "--dp-mode async", "sparse_embeddings": "--sparse-embeddings",
               "sparse_threshold": "--sparse-embeddings", "sparse_sharding": "--sparse-embeddings",
-              "sparse_schedule": "--sparse-embeddings", "sp": "--sp", "ep": "--ep"}
+              "sparse_schedule": "--sparse-embeddings", "sp": "--sp", "ep": "--ep", "cp": "--cp",
+              "cp_mode": "--cp"}
 SEARCH_SETTINGS = ("search", "plan", "cluster", "memory_per_device_gb", "confirm")  # how it searches, not what
 
 
