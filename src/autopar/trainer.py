@@ -153,7 +153,7 @@ class Trainer:
         self.loader = BatchLoader(config=cfg, sampler=self.sampler, device=self.device, shift_labels=self.shift_labels,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
         self.account = RunAccount.of_model(self.model, self.forward_fn, self.train_data[0],  # as the user gave it
-                                           main=dist.get_rank() == 0, began=self.began)
+                                           main=dist.get_rank() == 0, began=getattr(self, "began", None))
         first = lambda: self.sampler.local_micro_batches(0, dp_rank=0, dp_size=self.strategy.dp,  # noqa: E731
                                                          micro_batch_size=cfg.micro_batch_size)[0]
         self.engine: Engine = resolved.entry.build(EngineContext(
