@@ -162,6 +162,10 @@ class StageMesh:
                               f"count); valid: {choices(sorted(self.groups))}")
         return self.groups[name]
 
+    def gradient_group(self) -> dist.ProcessGroup:
+        """Where weight gradients are summed: the dp group (context parallelism does not run with --stage-tp)."""
+        return self.group("dp")
+
     def size(self, name: str) -> int:
         return {"pp": len(self.table), "dp": self.dp, "tp": len(self.table[self.stage][0]),
                 "replica": sum(self.stage_tp)}[name]

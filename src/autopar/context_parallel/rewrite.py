@@ -33,11 +33,12 @@ from .all_to_all import all_to_all_attention
 from .layout import shard_positions
 from .ring import ring_attention
 
-SDPA = torch.ops.aten.scaled_dot_product_attention.default
+aten = torch.ops.aten  # graph operators by name, as the tensor-parallel rules match them
+SDPA = aten.scaled_dot_product_attention.default
 ATTENTION_FUNCTIONS = {"ring": ring_attention, "all-to-all": all_to_all_attention}
-_SOFTMAX = (torch.ops.aten.softmax.int, torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default)
-_ARANGE = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
-_PURE_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
+_SOFTMAX = (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default)
+_ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+_PURE_ASSERTS = (aten._assert_tensor_metadata.default,)
 
 
 @dataclass(frozen=True)
