@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[variant].append(float(elapsed))
     if rank == 0:
-        account = trainers["compiled"].compiled.summary()
+        account = trainers["compiled"].account.compiled.summary()
         results.put({"median": {v: statistics.median(t) for v, t in times.items()}, "warm": warm,
                      "compile_s": account["compile_s"], "cache_hits": account["cache_hits"],
                      "cache_misses": account["cache_misses"], "recompiles": account["recompiles"],
