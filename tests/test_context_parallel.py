@@ -40,8 +40,11 @@ def assert_matches(expected: dict, results: list[dict]) -> None:
 LAYOUTS = [
     ("gpt-tiny", 2, {"cp": 2, "cp_mode": "all-to-all"}, 2),
     ("gpt-tiny", 4, {"cp": 4}, 4),
+    ("gpt-tiny", 4, {"cp": 4, "cp_mode": "all-to-all"}, 4),
     ("gpt-tiny", 4, {"cp": 2, "pp": 2, "schedule": "1f1b"}, 2),
+    ("gpt-tiny", 4, {"cp": 2, "tp": 2, "cp_mode": "all-to-all"}, 4),
     ("hf:llama", 2, {"cp": 2}, 4),
+    ("hf:llama", 4, {"cp": 2, "tp": 2, "sp": True}, 4),
 ]
 
 
@@ -108,6 +111,8 @@ def test_attention_that_cannot_follow_the_shard_is_refused_with_its_node():
     model, _ = build_model("gpt-tiny", {"n_layer": 1}, vocab_size=64, device="cpu")
     with pytest.raises(ModelError, match=r"scaled_dot_product_attention.* 4 heads, not divisible by --cp 8"):
         check_rewritable(_traced(model, 16), 8, "all-to-all")
+    with pytest.raises(ModelError, match=r"4 heads \(2 per tp rank at tp=2\), not divisible by --cp 4"):
+        check_rewritable(_traced(model, 16), 4, "all-to-all", tp=2)
     window = _traced(_SlidingWindow.build(), 8)
     with pytest.raises(ModelError, match=r"attention node scaled_dot_product_attention .*sliding window"):
         mask_kinds(window, {"__main__": torch.zeros(2, 8, dtype=torch.long)})
@@ -115,7 +120,23 @@ def test_attention_that_cannot_follow_the_shard_is_refused_with_its_node():
         == ["causal"]
 
 
-@pytest.mark.parametrize("fields, rule", [({"tp": 2}, "cp-tp"), ({"zero": 3}, "cp-engine"),
+@pytest.mark.parametrize("model, args", [("gpt-tiny", {"n_layer": 1}), ("hf:llama", {"num_hidden_layers": 1})])
+def test_rewritten_attention_is_split_by_heads_under_tp(model, args):
+    """cp x tp: the ring attention standing in for torch's is split by heads like it, so every linear of the
+    attention block is split (not kept whole around an operation the planner does not know)."""
+    from autopar.context_parallel.rewrite import MaskKind, attention_nodes, rewrite_graph
+    from autopar.models.registry import build_model
+    from autopar.tensor_parallel import plan_tensor_parallel
+    built, _ = build_model(model, args, vocab_size=64, device="cpu")
+    graph = _traced(built, 8)
+    rewrite_graph(graph, [MaskKind(True, False)] * len(attention_nodes(graph.graph)), mode="ring", group=None,
+                  rank=0, cp=2)
+    plan = plan_tensor_parallel(graph, 2, sequence=True)
+    assert not [d for d in plan.decisions if d.role == "replicated"], plan.summary()
+    assert sum(d.role in ("column", "row", "vocab-head") for d in plan.decisions) == plan.linears, plan.summary()
+
+
+@pytest.mark.parametrize("fields, rule", [({"tp": 2, "tp_subbatches": 2}, "cp-tp"), ({"zero": 3}, "cp-engine"),
                                           ({"search": "auto"}, "cp-search")])
 def test_combinations_refused_before_ranks_start(fields, rule):
     import autopar

@@ -392,11 +392,14 @@ RULES: tuple[Rule, ...] = (
                                                   or setup.strategy.planning.plan is not None),
          "--cp {s.cp} with --strategy auto / --plan", "the search does not choose context parallelism yet",
          "give the degrees by hand (e.g. --cp {s.cp} --dp N)", phase="search"),
-    Rule("cp-tp", "--cp > 1 with --tp > 1 or --stage-tp",
-         lambda setup: setup.strategy.cp > 1 and (setup.strategy.tp > 1 or setup.strategy.stage_tp is not None),
-         "--cp {s.cp} with tp={s.tp}{stage}", "the tensor-parallel planner does not split the rewritten ring or "
-         "all-to-all attention yet", "use --tp 1 (cp combines with dp and pp)",
-         detail=lambda setup: {"stage": f" --stage-tp {setup.strategy.stage_tp}" if setup.strategy.stage_tp else ""}),
+    Rule("cp-tp", "--cp > 1 with --stage-tp or --tp-subbatches > 1",
+         lambda setup: setup.strategy.cp > 1 and (setup.strategy.stage_tp is not None
+                                                  or setup.strategy.pipeline.tp_subbatches > 1),
+         "--cp {s.cp} with {flag}", "context parallelism composes with one tp degree for every stage, each tp rank's "
+         "heads exchanged within its cp group; per-stage degrees and sub-pipelined tp are not checked with it yet",
+         "use one --tp for all stages, without --tp-subbatches",
+         detail=lambda setup: {"flag": f"--stage-tp {setup.strategy.stage_tp}" if setup.strategy.stage_tp
+                               else f"--tp-subbatches {setup.strategy.pipeline.tp_subbatches}"}),
     Rule("cp-engine", "--cp > 1 with ZeRO, gossip or asynchronous replicas, PipeDream or zero-bubble schedules or "
          "sparse embeddings", lambda setup: setup.strategy.cp > 1 and _cp_conflict(setup) is not None,
          "--cp {s.cp} with {flag}", "context parallelism runs in the synchronous pipeline engine with whole "

@@ -30,6 +30,7 @@ class ContextParallel:
     rank: int
     mode: str
     group: dist.ProcessGroup
+    tp: int = 1  # heads are split by tp first: each tp rank's exchange runs in its own cp group
     kinds: list[MaskKind] | None = None  # per attention node, from the probe
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -41,12 +42,12 @@ class ContextParallel:
         check_divisible(_length(example_batch), self.cp)
         probe_batch = _probe_batch(example_batch, device)
         graph: ModelGraph = trace_fn(probe_batch)
-        check_rewritable(graph, self.cp, self.mode)
+        check_rewritable(graph, self.cp, self.mode, self.tp)
         main = "input_ids" if "input_ids" in probe_batch else "inputs"
         self.kinds = mask_kinds(graph, {**probe_batch, "__main__": probe_batch[main]})
 
     def rewrite(self, graph: ModelGraph) -> int:
-        check_rewritable(graph, self.cp, self.mode)
+        check_rewritable(graph, self.cp, self.mode, self.tp)
         return rewrite_graph(graph, self.kinds, mode=self.mode, group=self.group, rank=self.rank, cp=self.cp)
 
     def summary(self) -> str:

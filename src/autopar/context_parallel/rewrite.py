@@ -56,8 +56,9 @@ def attention_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is SDPA]
 
 
-def check_rewritable(graph: ModelGraph, cp: int, mode: str) -> None:
-    """Refuse, with the node named, attention this rewrite cannot run over a split sequence."""
+def check_rewritable(graph: ModelGraph, cp: int, mode: str, tp: int = 1) -> None:
+    """Refuse, with the node named, attention this rewrite cannot run over a split sequence (`tp`: the
+    heads are split by tensor parallelism first, so all-to-all swaps 1/tp of them)."""
     nodes = attention_nodes(graph.graph)
     for node in graph.graph.nodes:
         if node.op != "call_function":
@@ -82,10 +83,12 @@ def check_rewritable(graph: ModelGraph, cp: int, mode: str) -> None:
             raise ModelError(f"context parallelism: attention node {node.name} (in {_where(graph, node)}) has "
                              f"dropout_p={dropout}; attention dropout over a split sequence is not supported yet: "
                              f"set the model's attention dropout to 0 or use --cp 1")
-        if mode == "all-to-all" and q.shape[1] % cp:
+        local_heads = q.shape[1] // tp if q.shape[1] % tp == 0 else q.shape[1]  # tp's own check names the rest
+        if mode == "all-to-all" and local_heads % cp:
+            held = f"{q.shape[1]} heads" + (f" ({local_heads} per tp rank at tp={tp})" if tp > 1 else "")
             raise ModelError(f"--cp-mode all-to-all swaps the sequence split for a head split, but attention node "
-                             f"{node.name} (in {_where(graph, node)}) has {q.shape[1]} heads, not divisible by "
-                             f"--cp {cp}; use --cp-mode ring or a cp dividing {q.shape[1]}")
+                             f"{node.name} (in {_where(graph, node)}) has {held}, not divisible by --cp {cp}; use "
+                             f"--cp-mode ring or a cp dividing {local_heads}")
         if k.shape[1] != q.shape[1] and not node.kwargs.get("enable_gqa", False):
             raise ModelError(f"context parallelism: attention node {node.name} has {q.shape[1]} query heads and "
                              f"{k.shape[1]} key heads without enable_gqa; use --cp 1")
@@ -228,6 +231,9 @@ def _attention_call(function: Callable, group: dist.ProcessGroup) -> Callable:
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         valid = padding_mask != 0 if padding_mask is not None else None
         return function(q, k, v, valid, causal=causal, scale=scale, group=group)
+    # attention is independent per head (dimension 1): the tensor-parallel planner splits it by heads as it
+    # splits torch's attention, and each tp rank's exchange runs within its own cp group
+    context_parallel_attention.per_head_attention = True
     return context_parallel_attention
 
 

@@ -93,7 +93,8 @@ class PipelineEngine(EngineBase):
             boundary = HeteroBoundary(table, stage=mesh.local_rank("pp"), dp_index=mesh.local_rank("dp"),
                                       tp_index=mesh.local_rank("tp"), device=device, num_microbatches=num_microbatches,
                                       method=strategy.pipeline.boundary, timeout_s=timeout_s, link=boundary_link)
-        self.context_parallel = (ContextParallel(strategy.cp, mesh.local_rank("cp"), strategy.cp_mode, mesh.group("cp"))
+        self.context_parallel = (ContextParallel(strategy.cp, mesh.local_rank("cp"), strategy.cp_mode, mesh.group("cp"),
+                                                 tp=strategy.tp)
                                  if strategy.cp > 1 else None)  # the sequence split (context_parallel/)
         self.pipe = build_local_pipeline(
             model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"),

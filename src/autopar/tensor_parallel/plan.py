@@ -43,6 +43,7 @@ from ..errors import ConfigError
 from ..trace import ModelGraph
 from .layout import LayerDecision, ParamShard, TensorParallelPlan
 from .rules import PASS_THROUGH, SPLITS, SUMMED, VIEWS, PlanFailure, RuleContext, Shard, norm_dim, rule_for, shape_of
+from .rules import is_per_head_attention
 from .rules import arg as rule_arg
 
 aten = torch.ops.aten
@@ -95,7 +96,7 @@ class _Analysis:
     def check_heads(self) -> None:
         """A tp that does not divide the query heads of an attention is an error, not a silent whole attention."""
         for node in self.graph.graph.nodes:
-            q_shape = shape_of(node.args[0]) if node.target is aten.scaled_dot_product_attention.default else None
+            q_shape = shape_of(node.args[0]) if is_per_head_attention(node.target) else None
             if self.tp > 1 and q_shape and len(q_shape) == 4 and q_shape[1] % self.tp:
                 raise ConfigError(f"tp={self.tp} does not divide the {q_shape[1]} heads of the attention in "
                                   f"{self.module_of(node) or node.name!r}; use a tp that divides {q_shape[1]}")

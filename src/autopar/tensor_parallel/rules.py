@@ -449,4 +449,12 @@ def rule_for(target: Any) -> Rule | None:
     found = RULES.get(target)
     if found is None and torch.Tag.pointwise in getattr(target, "tags", ()):
         return elementwise
+    if found is None and is_per_head_attention(target):
+        return attention
     return found
+
+
+def is_per_head_attention(target: Any) -> bool:
+    """torch's attention, or a function standing in for it (context parallelism's ring and all-to-all
+    attention mark themselves `per_head_attention`): q, k, v (B, H, T, D), independent per head."""
+    return target is aten.scaled_dot_product_attention.default or getattr(target, "per_head_attention", False)
