@@ -14,7 +14,10 @@ from helpers import max_relative_difference, train_builtin
 
 STEPS = 4
 GLOBAL_BATCH = 4
-MODELS = {"gpt-tiny": {"n_layer": 2}, "hf:llama": {"num_hidden_layers": 2}}
+MODELS = {"gpt-tiny": {"n_layer": 2}, "hf:llama": {"num_hidden_layers": 2},
+          # a causal sliding window of 4 tokens on its second layer, the first full: the window bites at 32 tokens
+          "hf:qwen2": {"num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 4,
+                       "max_window_layers": 1}}
 _references: dict = {}
 
 
@@ -45,6 +48,8 @@ LAYOUTS = [
     ("gpt-tiny", 4, {"cp": 2, "tp": 2, "cp_mode": "all-to-all"}, 4),
     ("hf:llama", 2, {"cp": 2}, 4),
     ("hf:llama", 4, {"cp": 2, "tp": 2, "sp": True}, 4),
+    ("hf:qwen2", 2, {"cp": 2}, 4),
+    ("hf:qwen2", 4, {"cp": 2, "tp": 2, "cp_mode": "all-to-all"}, 4),
 ]
 
 
@@ -81,11 +86,11 @@ def _traced(model, seq: int, **kwargs):
     return trace(model, (torch.zeros(2, seq, dtype=torch.long),), kwargs, device="cpu")
 
 
-class _SlidingWindow:
-    """A tiny attention model whose mask is a causal sliding window of 2 tokens."""
+class _MaskedAttention:
+    """A tiny one-head attention model whose mask is made from positions by `allowed(query, key)`."""
 
     @staticmethod
-    def build():
+    def build(allowed):
         import torch
         from torch import nn
         import torch.nn.functional as F
@@ -98,8 +103,7 @@ class _SlidingWindow:
             def forward(self, ids):
                 x = self.emb(ids)[:, None]  # one head
                 pos = torch.arange(ids.shape[1])
-                window = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 2)
-                return F.scaled_dot_product_attention(x, x, x, attn_mask=window)
+                return F.scaled_dot_product_attention(x, x, x, attn_mask=allowed(pos[:, None], pos[None, :]))
         return Model()
 
 
@@ -113,11 +117,29 @@ def test_attention_that_cannot_follow_the_shard_is_refused_with_its_node():
         check_rewritable(_traced(model, 16), 8, "all-to-all")
     with pytest.raises(ModelError, match=r"4 heads \(2 per tp rank at tp=2\), not divisible by --cp 4"):
         check_rewritable(_traced(model, 16), 4, "all-to-all", tp=2)
-    window = _traced(_SlidingWindow.build(), 8)
-    with pytest.raises(ModelError, match=r"attention node scaled_dot_product_attention .*sliding window"):
-        mask_kinds(window, {"__main__": torch.zeros(2, 8, dtype=torch.long)})
+    probe = {"__main__": torch.zeros(2, 8, dtype=torch.long)}
+    documents = _traced(_MaskedAttention.build(lambda q, k: (q >= k) & (q // 4 == k // 4)), 8)  # two documents
+    with pytest.raises(ModelError, match=r"attention node scaled_dot_product_attention .*document mask"):
+        mask_kinds(documents, probe)
+    window = _traced(_MaskedAttention.build(lambda q, k: (q >= k) & (q - k < 2)), 8)  # causal sliding window
+    assert [k.describe() for k in mask_kinds(window, probe)] == ["causal window 2"]
     assert [k.describe() for k in mask_kinds(_traced(model, 8), {"__main__": torch.zeros(2, 8, dtype=torch.long)})] \
         == ["causal"]
+
+
+def test_probe_is_long_enough_to_show_a_declared_window():
+    """A window the config declares (here 8 tokens, which an 8-token probe cannot tell from causal) is read
+    on a probe long enough to show it."""
+    import torch
+    from autopar.context_parallel import ContextParallel, declared_window
+    from autopar.models.registry import build_model
+    from autopar.trace import trace
+    args = {**MODELS["hf:qwen2"], "num_hidden_layers": 1, "max_window_layers": 0, "sliding_window": 8}
+    model, _ = build_model("hf:qwen2", args, vocab_size=64, device="cpu")
+    context = ContextParallel(cp=2, rank=0, mode="ring", group=None)
+    context.probe(lambda batch: trace(model, (batch["input_ids"],), {}, device="cpu"),
+                  {"input_ids": torch.zeros(2, 32, dtype=torch.long)}, torch.device("cpu"), declared_window(model))
+    assert [k.describe() for k in context.kinds] == ["causal window 8"]
 
 
 @pytest.mark.parametrize("model, args", [("gpt-tiny", {"n_layer": 1}), ("hf:llama", {"num_hidden_layers": 1})])

@@ -36,11 +36,15 @@ class ContextParallel:
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return shard_batch(batch, self.rank, self.cp)
 
-    def probe(self, trace_fn, example_batch: dict[str, torch.Tensor], device: torch.device) -> None:
+    def probe(self, trace_fn, example_batch: dict[str, torch.Tensor], device: torch.device,
+              declared_window: int | None = None) -> None:
         """Trace the model on a short probe and read what each attention's mask means (rewrite.py).
-        `trace_fn(batch)` traces the model on a batch and returns its ModelGraph."""
-        check_divisible(_length(example_batch), self.cp)
-        probe_batch = _probe_batch(example_batch, device)
+        `trace_fn(batch)` traces the model on a batch and returns its ModelGraph. `declared_window`: a
+        sliding window the model declares (declared_window()); the probe is made long enough to show it."""
+        length = _length(example_batch)
+        check_divisible(length, self.cp)
+        tokens = PROBE_TOKENS + (declared_window or 0)  # a window shows once a query sees past it
+        probe_batch = _probe_batch(example_batch, device, tokens)
         graph: ModelGraph = trace_fn(probe_batch)
         check_rewritable(graph, self.cp, self.mode, self.tp)
         main = "input_ids" if "input_ids" in probe_batch else "inputs"
@@ -60,10 +64,17 @@ def _length(batch: dict[str, torch.Tensor]) -> int:
     return batch["input_ids" if "input_ids" in batch else "inputs"].shape[1]
 
 
-def _probe_batch(example: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def declared_window(model: torch.nn.Module) -> int | None:
+    """The sliding window a model's config declares (`config.sliding_window`, the Hugging Face convention),
+    if any: whether its attention uses it is still read from the mask on the probe."""
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
+def _probe_batch(example: dict[str, torch.Tensor], device: torch.device, tokens: int) -> dict[str, torch.Tensor]:
     """A short, concrete batch: two rows of the example's first tokens, the second padded at its end."""
     length = _length(example)
-    size = min(PROBE_TOKENS, length)
+    size = min(tokens, length)
     rows = {k: v[:2] if v.dim() >= 1 else v for k, v in example.items()}
     if rows[next(iter(rows))].shape[0] < 2:
         rows = {k: torch.cat([v, v]) if v.dim() >= 1 else v for k, v in rows.items()}
@@ -75,4 +86,5 @@ def _probe_batch(example: dict[str, torch.Tensor], device: torch.device) -> dict
     return batch
 
 
-__all__ = ["CP_MODES", "ContextParallel", "MaskKind", "chunk_indices", "shard_batch", "shard_positions"]
+__all__ = ["CP_MODES", "ContextParallel", "MaskKind", "chunk_indices", "declared_window", "shard_batch",
+           "shard_positions"]

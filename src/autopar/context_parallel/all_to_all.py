@@ -49,20 +49,28 @@ def _swap(x: torch.Tensor, group: dist.ProcessGroup, *, split_dim: int, join_dim
 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, *,
-                         causal: bool, scale: float, group: dist.ProcessGroup) -> torch.Tensor:
-    """Attention of this rank's tokens (B, H, T/cp, D), exact; heads must be divisible by cp."""
+                         causal: bool, scale: float, group: dist.ProcessGroup, window: int | None = None) -> torch.Tensor:
+    """Attention of this rank's tokens (B, H, T/cp, D), exact; heads must be divisible by cp. Each rank sees
+    the whole sequence of its heads, so a causal sliding `window` masks as in one process."""
     cp = dist.get_world_size(group)
     local = q.shape[2]
     order = torch.cat([shard_positions(local * cp, r, cp, device=q.device) for r in range(cp)])
     natural = torch.argsort(order)  # tokens arrive in rank order; attention wants sequence order
     q, k, v = (_SequenceToHeads.apply(t, group).index_select(2, natural) for t in (q, k, v))
-    mask = None
+    n = q.shape[2]
+    index = torch.arange(n, device=q.device)
+    back = index[:, None] - index[None, :]  # how far back each key lies
+    positional = None  # which keys each query may see by position (None: torch's is_causal, or all)
+    if window is not None:  # causal, keys fewer than `window` positions back
+        positional = (back >= 0) & (back < window)
+    elif causal and key_valid is not None:
+        positional = back >= 0
+    mask = positional
     if key_valid is not None:
         gathered = [torch.empty_like(key_valid) for _ in range(cp)]
         dist.all_gather(gathered, key_valid.contiguous(), group=group)
         valid = torch.cat(gathered, dim=1).index_select(1, natural)[:, None, None, :]
-        n = q.shape[2]
-        mask = valid & torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if causal else valid
+        mask = valid if positional is None else valid & positional
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale)
     return _HeadsToSequence.apply(out.index_select(2, order), group)  # back to rank order: order inverts natural
 

@@ -12,8 +12,9 @@ node, same block: the partitioner and the stage builder see the graph they alway
 
 What the model's mask means is decided once on a short probe: the model is traced at a few tokens,
 the mask computation alone is run on concrete inputs (one row padded at the end), and the result must
-be causal or full, with or without the padding of `attention_mask`. A sliding window, a bias
-(ALiBi), attention written as matmul + softmax, or a mask that needs weights is refused with the
+be causal or full, with or without the padding of `attention_mask`, or a causal sliding window (the
+probe is long enough to show a window the model's config declares, `config.sliding_window`). A bias
+(ALiBi), a document mask, attention written as matmul + softmax, or a mask that needs weights is refused with the
 node named. Masks built for the whole sequence become dead and are dropped with what feeds them.
 """
 
@@ -43,13 +44,16 @@ _PURE_ASSERTS = (aten._assert_tensor_metadata.default,)
 
 @dataclass(frozen=True)
 class MaskKind:
-    """What one attention's mask means: causal or not, and whether padding keys of attention_mask are hidden."""
+    """What one attention's mask means: causal or not, whether padding keys of attention_mask are hidden, and
+    a causal sliding window (a query sees keys less than `window` positions back; None: no window)."""
 
     causal: bool
     padding: bool
+    window: int | None = None
 
     def describe(self) -> str:
-        return ("causal" if self.causal else "full") + (" + padding" if self.padding else "")
+        return (("causal" if self.causal else "full") + (f" window {self.window}" if self.window else "")
+                + (" + padding" if self.padding else ""))
 
 
 def attention_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -162,21 +166,29 @@ def _evaluate(graph: fx.Graph, target: fx.Node, values: dict[str, object], atten
 def _classify(node: fx.Node, allowed: torch.Tensor, is_causal: bool, padding_rows: torch.Tensor | None) -> MaskKind:
     length = allowed.shape[-1]
     tril = torch.ones(length, length, dtype=torch.bool).tril()
-    for kind in (MaskKind(True, True), MaskKind(True, False), MaskKind(False, True), MaskKind(False, False)):
-        if kind.padding and padding_rows is None:
+    index = torch.arange(length, dtype=torch.int32)
+    back = index[:, None] - index[None, :]  # how far back each key lies
+    windows = []  # the one causal sliding window the mask can be: the farthest key any query sees, plus one
+    seen = allowed.cpu() & tril
+    if seen.any():
+        window = int(torch.broadcast_to(back, seen.shape)[seen].max()) + 1
+        windows = [(window, tril & (back < window))] if window < length else []
+    for padding in (True, False):
+        if padding and padding_rows is None:
             continue
-        expected = tril if kind.causal else torch.ones_like(tril)
-        if kind.padding:
-            expected = expected & (padding_rows != 0)[:, None, None, :].cpu()
-        if is_causal:
-            expected = expected & tril
-        if torch.equal(torch.broadcast_to(allowed.cpu(), torch.broadcast_shapes(allowed.shape, expected.shape)),
-                       torch.broadcast_to(expected, torch.broadcast_shapes(allowed.shape, expected.shape))):
-            return MaskKind(causal=kind.causal or is_causal, padding=kind.padding)
+        for causal, window, expected in [(True, None, tril), (False, None, torch.ones_like(tril)),
+                                         *((True, w, m) for w, m in windows)]:
+            if padding:
+                expected = expected & (padding_rows != 0)[:, None, None, :].cpu()
+            if is_causal:
+                expected = expected & tril
+            shape = torch.broadcast_shapes(allowed.shape, expected.shape)
+            if torch.equal(torch.broadcast_to(allowed.cpu(), shape), torch.broadcast_to(expected, shape)):
+                return MaskKind(causal=causal or is_causal, padding=padding, window=window)
     raise ModelError(f"context parallelism: the mask of attention node {node.name} is neither causal nor full "
-                     f"(with or without the padding of attention_mask) on a probe of {length} tokens, e.g. a "
-                     f"sliding window or a document mask; ring and all-to-all attention cannot re-make it yet; "
-                     f"use --cp 1")
+                     f"(with or without the padding of attention_mask, or a causal sliding window) on a probe of "
+                     f"{length} tokens, e.g. a document mask; ring and all-to-all attention cannot re-make it "
+                     f"yet; use --cp 1")
 
 
 def rewrite_graph(graph: ModelGraph, kinds: list[MaskKind], *, mode: str, group: dist.ProcessGroup,
@@ -194,7 +206,8 @@ def rewrite_graph(graph: ModelGraph, kinds: list[MaskKind], *, mode: str, group:
         scale = node.kwargs.get("scale")
         node.target = attend
         node.args = (node.args[0], node.args[1], node.args[2], padding_input if kind.padding else None)
-        node.kwargs = {"causal": kind.causal, "scale": float(scale) if scale is not None else q.shape[-1] ** -0.5}
+        node.kwargs = {"causal": kind.causal, "scale": float(scale) if scale is not None else q.shape[-1] ** -0.5,
+                       "window": kind.window}
     local = graph.example_inputs[0].shape[1]
     positions = 0
     for node in list(fx_graph.nodes):
@@ -225,12 +238,12 @@ def _input_node(graph: ModelGraph, key: str) -> fx.Node | None:
 
 
 def _attention_call(function: Callable, group: dist.ProcessGroup) -> Callable:
-    def context_parallel_attention(q, k, v, padding_mask, *, causal: bool, scale: float):
+    def context_parallel_attention(q, k, v, padding_mask, *, causal: bool, scale: float, window: int | None = None):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: every query head its key/value head
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         valid = padding_mask != 0 if padding_mask is not None else None
-        return function(q, k, v, valid, causal=causal, scale=scale, group=group)
+        return function(q, k, v, valid, causal=causal, scale=scale, window=window, group=group)
     # attention is independent per head (dimension 1): the tensor-parallel planner splits it by heads as it
     # splits torch's attention, and each tp rank's exchange runs within its own cp group
     context_parallel_attention.per_head_attention = True

@@ -9,7 +9,8 @@ never the whole sequence.
 
 Chunk pairs under a causal mask (layout.py: rank r holds chunks r and 2cp-1-r): a query chunk
 after a key chunk attends to all of it, the same chunk attends causally, an earlier one not at
-all and is skipped, which is where the load balancing saves its work.
+all and is skipped, which is where the load balancing saves its work. A causal sliding window hides
+keys `window` or more positions back: a chunk pair wholly outside it is skipped too, one it cuts is masked.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from .layout import chunk_indices
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, *,
-                   causal: bool, scale: float, group: dist.ProcessGroup) -> torch.Tensor:
+                   causal: bool, scale: float, group: dist.ProcessGroup, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries (B, H, T/cp, D) over the whole sequence's keys and values.
-    `key_valid`: (B, T/cp) bool, False for padding keys (None: all valid)."""
+    `key_valid`: (B, T/cp) bool, False for padding keys (None: all valid). `window` (causal only): a query
+    sees keys fewer than `window` positions back."""
     if key_valid is not None:  # tiny: every rank's padding flags at once, indexed by the block's owner
         gathered = [torch.empty_like(key_valid) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, key_valid.contiguous(), group=group)
         key_valid = torch.stack(gathered)
-    return _RingAttention.apply(q, k, v, key_valid, causal, scale, group)
+    return _RingAttention.apply(q, k, v, key_valid, causal, scale, group, window)
 
 
 class _Ring:
@@ -54,22 +56,40 @@ class _Ring:
         return received
 
 
-def _pairs(rank: int, source: int, cp: int, causal: bool):
-    """(query half, key half, diagonal) pairs that attend: halves index the two chunks a rank holds."""
+def _pairs(rank: int, source: int, cp: int):
+    """(query half, key half, chunk distance) of every pair: halves index the two chunks a rank holds."""
     mine, theirs = chunk_indices(rank, cp), chunk_indices(source, cp)
     for i, a in enumerate(mine):
         for j, b in enumerate(theirs):
-            if not causal or a > b:
-                yield i, j, False
-            elif a == b:
-                yield i, j, True
+            yield i, j, a - b
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool, valid: torch.Tensor | None):
+class _BlockMasks:
+    """Which keys of a chunk `distance` chunks back each query sees: None (all), SKIP (none) or a mask."""
+
+    SKIP = False
+
+    def __init__(self, size: int, causal: bool, window: int | None, device: torch.device):
+        self.size, self.causal, self.window, self.device = size, causal, window, device
+        self.cache: dict[int, torch.Tensor | bool | None] = {}
+
+    def __call__(self, distance: int) -> torch.Tensor | bool | None:
+        if not self.causal:
+            return None
+        if distance not in self.cache:
+            index = torch.arange(self.size, device=self.device)
+            back = distance * self.size + index[:, None] - index[None, :]  # how far back each key lies
+            seen = back >= 0
+            if self.window is not None:
+                seen = seen & (back < self.window)
+            self.cache[distance] = None if bool(seen.all()) else self.SKIP if not bool(seen.any()) else seen
+        return self.cache[distance]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, seen: torch.Tensor | None, valid: torch.Tensor | None):
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if diagonal:
-        n = s.shape[-1]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if seen is not None:
+        s = s.masked_fill(~seen, float("-inf"))
     if valid is not None:
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     return s
@@ -78,9 +98,10 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool, vali
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, key_valid, causal, scale, group):
+    def forward(ctx, q, k, v, key_valid, causal, scale, group, window):
         ring = _Ring(group)
         half = q.shape[2] // 2
+        masks = _BlockMasks(half, causal, window, q.device)
         shape = q.shape[:3]
         row_max = torch.full(shape, float("-inf"), device=q.device)
         row_sum = torch.zeros(shape, device=q.device)
@@ -89,11 +110,14 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             pending = ring.start(block) if step < ring.size - 1 else None
-            for i, j, diagonal in _pairs(ring.rank, source, ring.size, causal):
+            for i, j, distance in _pairs(ring.rank, source, ring.size):
+                seen = masks(distance)
+                if seen is _BlockMasks.SKIP:
+                    continue
                 rows = slice(i * half, (i + 1) * half)
                 cols = slice(j * half, (j + 1) * half)
                 valid = key_valid[source][:, cols] if key_valid is not None else None
-                s = _scores(q[:, :, rows], block[0][:, :, cols], scale, diagonal, valid)
+                s = _scores(q[:, :, rows], block[0][:, :, cols], scale, seen, valid)
                 new_max = torch.maximum(row_max[:, :, rows], s.amax(-1))
                 safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
                 p = torch.exp(s - safe[..., None])
@@ -107,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
         out = (acc / torch.where(empty, torch.ones_like(row_sum), row_sum)[..., None]).to(q.dtype)
         lse = torch.where(empty, torch.full_like(row_max, float("inf")), row_max + torch.log(row_sum))
         ctx.save_for_backward(q, k, v, out, lse, key_valid)
-        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        ctx.causal, ctx.scale, ctx.group, ctx.window = causal, scale, group, window
         ctx.has_valid = key_valid is not None
         return out
 
@@ -117,6 +141,7 @@ class _RingAttention(torch.autograd.Function):
         key_valid = key_valid if ctx.has_valid else None
         ring, scale = _Ring(ctx.group), ctx.scale
         half = q.shape[2] // 2
+        masks = _BlockMasks(half, ctx.causal, ctx.window, q.device)
         grad_out = grad_out.float()
         delta = (grad_out * out.float()).sum(-1)
         grad_q = torch.zeros(q.shape, device=q.device)
@@ -126,12 +151,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             pending = ring.start(block) if step < ring.size - 1 else None
-            for i, j, diagonal in _pairs(ring.rank, source, ring.size, ctx.causal):
+            for i, j, distance in _pairs(ring.rank, source, ring.size):
+                seen = masks(distance)
+                if seen is _BlockMasks.SKIP:
+                    continue
                 rows = slice(i * half, (i + 1) * half)
                 cols = slice(j * half, (j + 1) * half)
                 valid = key_valid[source][:, cols] if key_valid is not None else None
                 kj, vj = block[0][:, :, cols].float(), block[1][:, :, cols].float()
-                s = _scores(qf[:, :, rows], kj, scale, diagonal, valid)
+                s = _scores(qf[:, :, rows], kj, scale, seen, valid)
                 p = torch.exp(s - lse[:, :, rows][..., None])
                 g = grad_out[:, :, rows]
                 grads[1][:, :, cols] += torch.matmul(p.transpose(-1, -2), g)
@@ -141,4 +169,4 @@ class _RingAttention(torch.autograd.Function):
             grads = _Ring.finish(ring.start(grads))  # to the next rank: after the last step, home
             if pending is not None:
                 block = _Ring.finish(pending)
-        return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None
+        return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None

@@ -116,9 +116,10 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                      if built_for_real else torch.device("meta"))
         model.train()  # the training graph (dropout nodes on), as whole-model engines run it
         if context_parallel is not None:  # what the masks mean, read on a short probe; then trace the shard
+            from ..context_parallel import declared_window
             on_every_rank(lambda: context_parallel.probe(
                 lambda batch: trace(model, *_traced_call(model, batch, traced_on), device=device), example_batch,
-                device))
+                device, declared_window(model)))
             example_batch = context_parallel.shard(example_batch)
         graph = trace(model, *_traced_call(model, example_batch, traced_on), device=device)
         if context_parallel is not None:
