@@ -3,22 +3,30 @@
 Four gloo CPU ranks; cp ranks split every sequence, the rest are data-parallel replicas, one sequence
 per replica per step. Per-rank memory is measured, not assumed:
 
-  states       parameters, gradients and AdamW's two moments (fp32): 16 bytes per parameter
+  states       parameters, gradients and AdamW's two moments (fp32): 16 bytes per parameter of the
+               whole model at that length (counted on the meta device: no memory)
   activations  the bytes autograd keeps for backward during one training step (every tensor saved,
                counted once per storage, parameters excluded), recorded by torch's saved-tensor hooks
 
-Why not the process's peak RSS: on CPU it never goes down, so one process could not try several
-lengths. Activations grow linearly with the tokens a rank holds (ring attention keeps q, k, v, the
-output and the row log-sum-exp; torch's CPU attention the same), so two measured lengths fix the line of
-states + activations per cp (states grow too: the learned position table is as long as the sequence), a
-third (longer) measured length checks it (the error is printed), and the longest length
-within --budget-mb is read off the line and measured once more (not in --quick). Then tokens/s of a few steps at --speed-length for each cp,
-beside cp=1. DTensor's context_parallel (torch.distributed.tensor.experimental) is tried on the same
-ranks: on CPU it stops at torch's CPU attention kernel (no sharding strategy registered for it), and
-the benchmark prints what it raised.
+The whole model is not built: its 16 bytes per parameter on each of four ranks do not fit a small
+shared host. The model's transformer layers are identical, so activations are measured on slices of
+it with 1 and 2 layers (same width, heads, vocabulary, everything else): the difference is one
+layer's, the rest is what is outside the layers (embeddings, head, loss), and the whole model's are
+the 1-layer slice's plus (layers - 1) x one layer's. A 3-layer slice checks that (the error is
+printed; not in --quick). Why not the process's peak RSS: on CPU it never goes down, so one process
+could not try several lengths.
+
+Activations grow linearly with the tokens a rank holds (ring attention keeps q, k, v, the output and
+the row log-sum-exp; torch's CPU attention the same), so two measured lengths fix the line of states +
+activations per cp (states grow too: the learned position table is as long as the sequence), a third
+(longer) measured length checks it (the error is printed), and the longest length within --budget-mb
+is read off the line. Then tokens/s of a few steps at --speed-length for each cp on the 2-layer slice
+(not in --quick), beside cp=1. DTensor's context_parallel (torch.distributed.tensor.experimental) is
+tried on the same ranks: on CPU it stops at torch's CPU attention kernel (no sharding strategy
+registered for it), and the benchmark prints what it raised.
 
     python benchmarks/long_context.py            # gpt-small, lengths 256/512 fit, 1024 checks
-    python benchmarks/long_context.py --quick    # smoke: gpt-tiny, cp 1 and 4, lengths 32/64, no check
+    python benchmarks/long_context.py --quick    # smoke: gpt-tiny, cp 1 and 4, lengths 32/64, no checks
 """
 
 from __future__ import annotations
@@ -47,10 +55,17 @@ def _data(vocab: int, length: int, samples: int) -> list[dict]:
     return [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
 
 
-def _trainer(model_name: str, cp: int, length: int, steps: int, out: str):
+VOCAB = 512
+
+
+def _model_args(length: int, layers: int | None = None) -> dict:
+    return {"max_seq_len": length, "dropout": 0.0, **({"n_layer": layers} if layers else {})}
+
+
+def _trainer(model_name: str, cp: int, length: int, steps: int, out: str, layers: int):
     import autopar
     from autopar.models.registry import build_model
-    model, _ = build_model(model_name, {"max_seq_len": length, "dropout": 0.0}, vocab_size=512, device="meta")
+    model, _ = build_model(model_name, _model_args(length, layers), vocab_size=VOCAB, device="meta")
     replicas = WORLD // cp
     config = autopar.TrainConfig(steps=steps, global_batch_size=replicas, micro_batch_size=1, lr=1e-4,
                                  warmup_steps=0, checkpoint_every=0, out=out,
@@ -59,8 +74,16 @@ def _trainer(model_name: str, cp: int, length: int, steps: int, out: str):
                            config=config)
 
 
-def measure_memory(model_name: str, cp: int, length: int, out: str) -> dict:
-    """This rank's state bytes and saved activation bytes for one step at `length` tokens per sequence."""
+def whole_model(model_name: str, length: int) -> tuple[int, int]:
+    """(layers, state bytes) of the whole model at `length`: 16 bytes per parameter, counted on meta."""
+    from autopar.models.registry import build_model
+    model, _ = build_model(model_name, _model_args(length), vocab_size=VOCAB, device="meta")
+    return len(model.blocks), 16 * sum(p.numel() for p in model.parameters())
+
+
+def measure_memory(model_name: str, cp: int, length: int, out: str, layers: int) -> dict:
+    """The `layers`-layer slice's state bytes on this rank and saved activation bytes (the fullest rank's)
+    for one step at `length` tokens per sequence."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -72,7 +95,7 @@ def measure_memory(model_name: str, cp: int, length: int, out: str) -> dict:
                 pass
         return t
 
-    trainer = _trainer(model_name, cp, length, 1, out)
+    trainer = _trainer(model_name, cp, length, 1, out, layers)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         trainer.train()
     params = list(trainer.model.parameters())
@@ -85,9 +108,9 @@ def measure_memory(model_name: str, cp: int, length: int, out: str) -> dict:
     return {"state": int(most[0]), "activations": int(most[1])}
 
 
-def measure_speed(model_name: str, cp: int, length: int, steps: int, out: str) -> float | None:
+def measure_speed(model_name: str, cp: int, length: int, steps: int, out: str, layers: int) -> float | None:
     """Median tokens/s of the steps after the first (rank 0 writes the metrics; None elsewhere)."""
-    trainer = _trainer(model_name, cp, length, steps, out)
+    trainer = _trainer(model_name, cp, length, steps, out, layers)
     trainer.train()
     trainer.close()
     if dist.get_rank() != 0:
@@ -117,27 +140,35 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    results: dict = {"memory": {}, "speed": {}, "at_longest": {}}
+    results: dict = {"memory": {}, "speed": {}, "layer_check": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for cp in args.cps:
-            for length in args.lengths:
-                out = os.path.join(scratch, f"m{cp}-{length}")
-                results["memory"][(cp, length)] = measure_memory(args.model, cp, length, out)
-            if args.verify:  # the length read off the line, measured (every rank holds the same figures)
-                length = fitted(args, results, cp)[0]
-                results["at_longest"][cp] = measure_memory(args.model, cp, length, os.path.join(scratch, f"v{cp}"))
-            out = os.path.join(scratch, f"s{cp}")
-            results["speed"][cp] = measure_speed(args.model, cp, args.speed_length, args.steps, out)
-    results["dtensor"] = try_dtensor(args.speed_length)
+            for layers in (1, 2):
+                for length in args.lengths:
+                    out = os.path.join(scratch, f"m{cp}-{layers}-{length}")
+                    results["memory"][(cp, layers, length)] = measure_memory(args.model, cp, length, out, layers)
+            if args.check_layers:  # one more layer, at the longer fit length: is the model linear in layers?
+                out = os.path.join(scratch, f"c{cp}")
+                results["layer_check"][cp] = measure_memory(args.model, cp, args.fit_lengths[1], out, 3)
+            if args.speed_length:
+                out = os.path.join(scratch, f"s{cp}")
+                results["speed"][cp] = measure_speed(args.model, cp, args.speed_length, args.steps, out, 2)
+    results["dtensor"] = try_dtensor(args.speed_length or args.fit_lengths[1])
     if rank == 0:
         queue.put(results)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def activations(results: dict, cp: int, length: int, layers: int) -> float:
+    """Saved activation bytes of a `layers`-layer model: the 1-layer slice's plus (layers - 1) x one layer's."""
+    one, two = (results["memory"][(cp, n, length)]["activations"] for n in (1, 2))
+    return one + (layers - 1) * (two - one)
+
+
 def fitted(args: argparse.Namespace, results: dict, cp: int) -> tuple[int, str]:
     """(longest length within the budget on the line through the fit lengths, the line's error at the check length)."""
-    total = lambda n: results["memory"][(cp, n)]["state"] + results["memory"][(cp, n)]["activations"]  # noqa: E731
+    total = lambda n: args.states[n] + activations(results, cp, n, args.layers)  # noqa: E731
     (n0, a0), (n1, a1) = [(n, total(n)) for n in args.fit_lengths]  # (states grow too: the position table)
     slope = (a1 - a0) / (n1 - n0)
     base = a0 - slope * n0
@@ -151,24 +182,31 @@ def fitted(args: argparse.Namespace, results: dict, cp: int) -> tuple[int, str]:
     return longest, error
 
 
+def layer_error(args: argparse.Namespace, results: dict, cp: int) -> str:
+    measured = results["layer_check"].get(cp)
+    if measured is None:
+        return "-"
+    predicted = activations(results, cp, args.fit_lengths[1], 3)
+    return f"{(predicted - measured['activations']) / measured['activations']:+.1%}"
+
+
 def report(args: argparse.Namespace, results: dict) -> list[str]:
-    lines = [f"{args.model}, {WORLD} gloo CPU ranks, one sequence per replica; budget {args.budget_mb:g} MiB per "
-             f"rank (states + saved activations)",
+    lines = [f"{args.model} ({args.layers} layers), {WORLD} gloo CPU ranks, one sequence per replica; budget "
+             f"{args.budget_mb:g} MiB per rank (states + saved activations); activations from 1- and 2-layer slices",
              f"cp | states MiB at {args.lengths[0]} | activations MiB at " + " / ".join(map(str, args.lengths))
-             + f" | line's error at {args.check_length or '-'} | longest length | MiB measured there | x cp=1 | "
-             + "tokens/s at "
-             + f"{args.speed_length} | x cp=1"]
+             + f" | 3-layer slice's error at {args.fit_lengths[1]} | line's error at {args.check_length or '-'} | "
+             + "longest length | x cp=1"
+             + (f" | tokens/s at {args.speed_length} (2-layer slice) | x cp=1" if args.speed_length else "")]
     longest: dict[int, int] = {}
     for cp in args.cps:
         longest[cp], error = fitted(args, results, cp)
-        state = results["memory"][(cp, args.lengths[0])]["state"]
-        acts = " / ".join(f"{results['memory'][(cp, n)]['activations'] / 2**20:.1f}" for n in args.lengths)
-        measured = results["at_longest"].get(cp)
-        there = f"{(measured['state'] + measured['activations']) / 2**20:.1f}" if measured else "-"
-        speed = results["speed"][cp]
-        lines.append(f"{cp} | {state / 2**20:.1f} | {acts} | {error} | {longest[cp]} | {there} | "
-                     f"{longest[cp] / max(longest[args.cps[0]], 1):.2f} | {speed:.0f} | "
-                     f"{speed / results['speed'][args.cps[0]]:.2f}")
+        acts = " / ".join(f"{activations(results, cp, n, args.layers) / 2**20:.1f}" for n in args.lengths)
+        line = (f"{cp} | {args.states[args.lengths[0]] / 2**20:.1f} | {acts} | {layer_error(args, results, cp)} | "
+                f"{error} | {longest[cp]} | {longest[cp] / max(longest[args.cps[0]], 1):.2f}")
+        if args.speed_length:
+            speed = results["speed"][cp]
+            line += f" | {speed:.0f} | {speed / results['speed'][args.cps[0]]:.2f}"
+        lines.append(line)
     lines.append(f"DTensor context_parallel (torch {torch.__version__}): {results['dtensor']}")
     return lines
 
@@ -183,13 +221,16 @@ def main() -> None:
     if args.quick:
         args.model, args.fit_lengths, args.check_length = args.model or "gpt-tiny", [32, 64], None
         args.budget_mb = args.budget_mb or 24.0
-        args.speed_length, args.steps, args.verify = 64, 2, False
+        args.speed_length, args.check_layers = None, False
     else:
         args.model, args.fit_lengths, args.check_length = args.model or "gpt-small", [256, 512], 1024
         args.budget_mb = args.budget_mb or 4096.0
-        args.speed_length, args.verify = 1024, True
+        args.speed_length, args.check_layers = 1024, True
     args.cps = [1, 4] if args.quick else [1, 2, 4]  # (the smoke run within its 20 s)
     args.lengths = [*args.fit_lengths, *([args.check_length] if args.check_length else [])]
+    states = {n: whole_model(args.model, n) for n in args.lengths}
+    args.layers = states[args.lengths[0]][0]
+    args.states = {n: state for n, (_, state) in states.items()}
     from autopar.launch import free_port
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(free_port(), args, queue), nprocs=WORLD)
