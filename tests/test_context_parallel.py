@@ -169,6 +169,16 @@ def test_combinations_refused_before_ranks_start(fields, rule):
         resolve(autopar.Strategy(cp=2, **fields), config, 4 if "tp" not in fields else 4)
 
 
+def test_sequence_length_must_split_over_cp_and_then_sp():
+    """36 tokens cut into 2 x cp = 4 chunks, but with --sp at tp=4 each rank's 18 do not split over 4: refused."""
+    from autopar.context_parallel.layout import check_divisible
+    from autopar.errors import ConfigError
+    check_divisible(36, 2)
+    with pytest.raises(ConfigError, match=r"again over --sp's tp=4, but the sequence length is 36; use a length "
+                                          r"divisible by 8 \(e.g. 32\)"):
+        check_divisible(36, 2, 4)
+
+
 def _cp_then_resume_without(out: str) -> dict:
     """Two steps at cp=2 x dp=2 with a checkpoint, then resumed to the end as four data-parallel replicas."""
     common = dict(model_args=MODELS["gpt-tiny"], global_batch_size=GLOBAL_BATCH, micro_batch_size=1)

@@ -34,7 +34,7 @@ def check_before_launch(job: JobConfig) -> None:
     check_pretrained_folder(job.model.name)
     if job.strategy.cp > 1:  # every sequence is cut into 2 x cp equal chunks (context_parallel/layout.py)
         from .context_parallel.layout import check_divisible
-        check_divisible(job.data.seq_len, job.strategy.cp)
+        check_divisible(job.data.seq_len, job.strategy.cp, job.strategy.tp if job.strategy.sp else 1)
     if not cheap_to_build(job):
         return
     from .data import build_tokenizer, padded_vocab_size

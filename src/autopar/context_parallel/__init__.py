@@ -31,6 +31,7 @@ class ContextParallel:
     mode: str
     group: dist.ProcessGroup
     tp: int = 1  # heads are split by tp first: each tp rank's exchange runs in its own cp group
+    sp: bool = False  # --sp: each rank's share of the sequence is cut again over tp
     kinds: list[MaskKind] | None = None  # per attention node, from the probe
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -42,7 +43,7 @@ class ContextParallel:
         `trace_fn(batch)` traces the model on a batch and returns its ModelGraph. `declared_window`: a
         sliding window the model declares (declared_window()); the probe is made long enough to show it."""
         length = _length(example_batch)
-        check_divisible(length, self.cp)
+        check_divisible(length, self.cp, self.tp if self.sp else 1)
         tokens = PROBE_TOKENS + (declared_window or 0)  # a window shows once a query sees past it
         probe_batch = _probe_batch(example_batch, device, tokens)
         graph: ModelGraph = trace_fn(probe_batch)

@@ -49,7 +49,8 @@ def _swap(x: torch.Tensor, group: dist.ProcessGroup, *, split_dim: int, join_dim
 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None, *,
-                         causal: bool, scale: float, group: dist.ProcessGroup, window: int | None = None) -> torch.Tensor:
+                         causal: bool, scale: float, group: dist.ProcessGroup,
+                         window: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens (B, H, T/cp, D), exact; heads must be divisible by cp. Each rank sees
     the whole sequence of its heads, so a causal sliding `window` masks as in one process."""
     cp = dist.get_world_size(group)

@@ -8,6 +8,8 @@ attention). The same layout serves both attention modes, so positions never depe
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import ConfigError
@@ -27,12 +29,15 @@ def shard_positions(seq_len: int, rank: int, cp: int, device: torch.device | str
                       torch.arange(second * size, (second + 1) * size, device=device)])
 
 
-def check_divisible(seq_len: int, cp: int) -> None:
-    if seq_len % (2 * cp) != 0:
-        fits = (seq_len // (2 * cp)) * 2 * cp
-        raise ConfigError(f"context parallelism cuts each sequence into 2 x cp = {2 * cp} equal chunks, but the "
-                          f"sequence length is {seq_len}; use a length divisible by {2 * cp} (e.g. "
-                          f"{max(fits, 2 * cp)}) or another --cp")
+def check_divisible(seq_len: int, cp: int, sequence_tp: int = 1) -> None:
+    """`sequence_tp`: with --sp, each rank's share is cut again over that many tp ranks."""
+    multiple = math.lcm(2 * cp, cp * sequence_tp)
+    if seq_len % multiple != 0:
+        fits = (seq_len // multiple) * multiple
+        again = f" and each rank's share again over --sp's tp={sequence_tp}" if sequence_tp > 1 else ""
+        raise ConfigError(f"context parallelism cuts each sequence into 2 x cp = {2 * cp} equal chunks{again}, but "
+                          f"the sequence length is {seq_len}; use a length divisible by {multiple} (e.g. "
+                          f"{max(fits, multiple)}) or another --cp")
 
 
 def shard_batch(batch: dict[str, torch.Tensor], rank: int, cp: int) -> dict[str, torch.Tensor]:

@@ -94,7 +94,7 @@ class PipelineEngine(EngineBase):
                                       tp_index=mesh.local_rank("tp"), device=device, num_microbatches=num_microbatches,
                                       method=strategy.pipeline.boundary, timeout_s=timeout_s, link=boundary_link)
         self.context_parallel = (ContextParallel(strategy.cp, mesh.local_rank("cp"), strategy.cp_mode, mesh.group("cp"),
-                                                 tp=strategy.tp)
+                                                 tp=strategy.tp, sp=strategy.sp)
                                  if strategy.cp > 1 else None)  # the sequence split (context_parallel/)
         self.pipe = build_local_pipeline(
             model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"),
