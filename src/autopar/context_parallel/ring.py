@@ -71,18 +71,23 @@ class _BlockMasks:
 
     def __init__(self, size: int, causal: bool, window: int | None, device: torch.device):
         self.size, self.causal, self.window, self.device = size, causal, window, device
-        self.cache: dict[int, torch.Tensor | bool | None] = {}
+        self.cache: dict[int, torch.Tensor] = {}  # the masks of pairs the diagonal or the window cuts
 
     def __call__(self, distance: int) -> torch.Tensor | bool | None:
         if not self.causal:
             return None
+        nearest, farthest = distance * self.size - (self.size - 1), distance * self.size + self.size - 1
+        if farthest < 0 or (self.window is not None and nearest >= self.window):
+            return self.SKIP  # every key after every query, or every key out of the window
+        if nearest >= 0 and (self.window is None or farthest < self.window):
+            return None  # (decided without a tensor: no mask to build, no device sync)
         if distance not in self.cache:
             index = torch.arange(self.size, device=self.device)
             back = distance * self.size + index[:, None] - index[None, :]  # how far back each key lies
             seen = back >= 0
             if self.window is not None:
                 seen = seen & (back < self.window)
-            self.cache[distance] = None if bool(seen.all()) else self.SKIP if not bool(seen.any()) else seen
+            self.cache[distance] = seen
         return self.cache[distance]
 
 
