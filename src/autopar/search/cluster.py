@@ -117,6 +117,11 @@ class Cluster:
     link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
     transfers together move about as fast as one pair's (docs/benchmarks.md)."""
     measured_at: float = 0.0
+    compile_speedup: float = 0.0
+    """Eager seconds / compiled seconds of a repeated block's forward and backward, measured on this machine
+    (--compile, train/compile.py); 0: not measured, and the search does not compile."""
+    compile_seconds: float = 0.0
+    """Seconds one run spends compiling (once, amortised over the run's steps by the search)."""
     """When `autopar calibrate` measured these figures (seconds since the epoch, UTC; 0: not measured), so that a
     plan can say how old its calibration is."""
 
@@ -158,6 +163,12 @@ class Cluster:
             return 0.0
         link = table[n] if n in table and (span or n) <= self.devices_per_node else self.link_for(span or n)
         return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
+
+    def all_to_all(self, nbytes: float, n: int, *, span: int | None = None) -> float:
+        """All-to-all of `nbytes` per rank over `n` ranks: each rank keeps 1/n and sends the rest in n - 1
+        exchanges, the volume and step count of half a ring all-reduce; not calibrated apart, so priced from
+        the all-reduce figures for n ranks (Cluster.allreduce_table, else the link)."""
+        return self._ring_half(self.allreduce_table, nbytes, n, span)
 
     def all_gather(self, nbytes: float, n: int, *, span: int | None = None) -> float:
         """All-gather into `nbytes` (the gathered whole) over `n` ranks: measured where calibrated, else the ring."""
@@ -313,7 +324,9 @@ def cluster_from_dict(data: dict) -> Cluster:
         time_shared_scale=_number(data, "time_shared_scale", "") if "time_shared_scale" in data else 1.0,
         node_bandwidth_bytes_per_s=_number(data, "node_bandwidth_bytes_per_s", "", strict=False)
         if "node_bandwidth_bytes_per_s" in data else 0,
-        measured_at=_number(data, "measured_at", "", strict=False) if "measured_at" in data else 0.0)
+        measured_at=_number(data, "measured_at", "", strict=False) if "measured_at" in data else 0.0,
+        compile_speedup=_number(data, "compile_speedup", "", strict=False) if "compile_speedup" in data else 0.0,
+        compile_seconds=_number(data, "compile_seconds", "", strict=False) if "compile_seconds" in data else 0.0)
     if cluster.background_cores and cluster.background_cores >= (cluster.cores_per_node or float("inf")):
         raise ConfigError(f"cluster file: field 'background_cores' ({cluster.background_cores:g}) must be less than "
                           f"'cores_per_node' ({cluster.cores_per_node:g}): it is the part of those cores idle "
