@@ -116,7 +116,7 @@ def test_attention_that_cannot_follow_the_shard_is_refused_with_its_node():
 
 
 @pytest.mark.parametrize("fields, rule", [({"tp": 2}, "cp-tp"), ({"zero": 3}, "cp-engine"),
-                                          ({"search": "auto"}, "cp-search")])
+                                          ({"plan": "plan.json"}, "cp-plan")])
 def test_combinations_refused_before_ranks_start(fields, rule):
     import autopar
     from autopar.errors import ConfigError
