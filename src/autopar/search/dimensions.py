@@ -100,10 +100,18 @@ def _with_experts(profile: ModelProfile, cluster, ep: int) -> tuple[ModelProfile
     profile = _compute_scaled(profile, [1.0 + (EXPERT_IMBALANCE - 1.0) * s for s in share])
     exchange = []
     for nbytes in ex.dispatch_bytes:  # dispatch + combine, forward; the same two backward
-        fixed = 2 * cluster.all_to_all(1.0, ep) if nbytes else 0.0  # the latencies (1 byte: no volume to speak of)
-        per_seq = 2 * (cluster.all_to_all(nbytes * 1e3, ep) - cluster.all_to_all(1.0, ep)) / 1e3 if nbytes else 0.0
-        exchange.append((fixed, per_seq, fixed, per_seq))
+        fixed, per_seq = _linear(lambda b: cluster.all_to_all(b, ep), nbytes)
+        exchange.append((2 * fixed, 2 * per_seq, 2 * fixed, 2 * per_seq))
     return profile, exchange
+
+
+def _linear(cost, nbytes: float) -> tuple[float, float]:
+    """A collective's seconds for `nbytes` per sequence as (fixed, per sequence): cost(b x mbs) = fixed + per x mbs
+    (latency terms + bytes / bandwidth), read off at one and two sequences."""
+    if not nbytes:
+        return 0.0, 0.0
+    one, two = cost(nbytes), cost(2 * nbytes)
+    return 2 * one - two, two - one
 
 
 def _with_sequence_parallel(profile: ModelProfile, tp: int) -> ModelProfile:
@@ -130,9 +138,8 @@ def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: 
             back = max(2 * send - 2 * flops / rate, 0.0)
             out.append((latency, per_seq, 2 * latency, back))
         else:  # two all-to-all swaps per layer each way: q, k, v in, the output back
-            fixed = 2 * layers * cluster.all_to_all(1.0, cp)
-            per_seq = (cluster.all_to_all(qkvo * 1e3, cp) - layers * cluster.all_to_all(1.0, cp)) / 1e3
-            out.append((fixed, per_seq, fixed, per_seq))
+            fixed, per_seq = _linear(lambda b: cluster.all_to_all(b, cp), qkvo / (2 * layers))  # one swap's bytes
+            out.append((2 * layers * fixed, 2 * layers * per_seq, 2 * layers * fixed, 2 * layers * per_seq))
     return out
 
 
