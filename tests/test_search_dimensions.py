@@ -99,6 +99,12 @@ def test_cp_divides_sequence_memory_and_prices_the_ring_against_all_to_all():
     assert er.memory_per_stage[0].activations == pytest.approx(e1.memory_per_stage[0].activations / 2, rel=0.01)
     ea = model.evaluate(dataclasses.replace(ring, cp_mode="all-to-all"))
     assert er.parts["exchange_s"] > 0 and ea.parts["exchange_s"] > 0
+    forward = {mode: model._variants[(1, False, 2, mode, False, 1)].block_times(1, 2)[0][1]
+               for mode in ("ring", "all-to-all")}
+    shown = {mode: model._variants[(1, False, 2, mode, False, 1)].profile.exchange_seconds(2)[0][1]
+             for mode in ("ring", "all-to-all")}
+    assert shown["ring"] != shown["all-to-all"]  # the exchange is part of the block's time, the rest alike
+    assert forward["ring"] - shown["ring"] == pytest.approx(forward["all-to-all"] - shown["all-to-all"])
     slow = toy_cluster(flops_per_s={"fp32": 1e6})  # attention's compute outlasts the ring's sends: only latency shows
     hidden = StepModel(_attention_profile(), slow, global_batch_size=2).evaluate(ring)
     latencies = 4 * slow.intra_node.latency_s * 3  # 4 attentions, 1 send forward and 2 backward's worth each
@@ -152,3 +158,12 @@ def test_plan_auto_lists_expert_parallel_plans_for_a_tiny_mixtral(capsys):
     assert any(p["strategy"].get("cp") == 2 for p in plans)
     assert record["longest_seq_len"] > 8
     assert not any(d["name"] in ("--ep", "--sp", "--cp / --cp-mode") for d in record["search"]["not_covered"])
+
+
+def test_all_to_all_is_priced_from_its_measured_table_else_from_the_all_reduce_figures():
+    from autopar.search.cluster import Link, cluster_from_dict
+    derived = toy_cluster()
+    assert derived.all_to_all(1e6, 2) == pytest.approx(derived.all_reduce(1e6, 2) / 2)  # half a ring all-reduce
+    measured = toy_cluster(all_to_all_table={2: Link(3e-5, 2e8)})
+    assert measured.all_to_all(1e6, 2) == pytest.approx(3e-5 + 0.5 * 1e6 / 2e8)
+    assert cluster_from_dict(measured.to_dict()).all_to_all_table == {2: Link(3e-5, 2e8)}  # the cluster file keeps it
