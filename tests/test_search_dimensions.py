@@ -70,6 +70,8 @@ def test_sp_splits_a_tensor_parallel_blocks_activations_and_doubles_its_collecti
     assert {c.sp for c in enumerate_candidates(model, SearchSpace(nproc=2)) if c.tp == 2} == {False, True}
     assert not any(c.sp for c in enumerate_candidates(model, SearchSpace(nproc=2)) if c.tp == 1)
     e0, e1 = model.evaluate(plain), model.evaluate(dataclasses.replace(plain, sp=True))
+    from autopar.search.command import plan_dict
+    assert plan_dict(e1, model)["strategy"]["sp"] is True and "sp" not in plan_dict(e0, model)["strategy"]
     layers0 = e0.memory_per_stage[0].activations
     layers1 = e1.memory_per_stage[0].activations
     assert layers1 < layers0

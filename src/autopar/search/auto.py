@@ -62,7 +62,7 @@ class Plan:
     @property
     def nproc(self) -> int:
         s = self.record["strategy"]
-        return int(self.record.get("nproc") or s["dp"] * s.get("tp", 1) * s.get("pp", 1))
+        return int(self.record.get("nproc") or s["dp"] * s.get("tp", 1) * s.get("pp", 1) * s.get("cp", 1))
 
     @property
     def step_time_s(self) -> float | None:

@@ -31,9 +31,12 @@ def plan_dict(e: Estimate, model: StepModel) -> dict:
                 "partition": c.partition, "recompute": "all" if c.recompute == "all" else "none", "zero": c.zero}
     if c.recompute == "stage-aware" and any(e.recompute_blocks):
         strategy["memory_budget_mb"] = round(model.cluster.memory_bytes / 2**20, 1)
-    strategy.update({k: v for k, v in (("ep", c.ep), ("sp", c.sp), ("cp", c.cp)) if v not in (1, False)})
+    if c.ep > 1:
+        strategy["ep"] = c.ep
+    if c.sp:
+        strategy["sp"] = True
     if c.cp > 1:
-        strategy["cp_mode"] = c.cp_mode
+        strategy.update(cp=c.cp, cp_mode=c.cp_mode)
     return {
         "strategy": strategy,
         "train": {"global_batch_size": model.global_batch_size, "micro_batch_size": c.micro_batch_size,
