@@ -188,7 +188,8 @@ def _neighbour(c: Candidate, model: StepModel, space: SearchSpace, rng: random.R
         dp, tp, pp, mbs, m = rng.choice(degrees)
         zero = c.zero if zero_valid(c.zero, dp, tp, pp, model.optimizer, dtype=model.dtype) else 0
         return dataclasses.replace(c, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
-                                   chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None, zero=zero)
+                                   chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None, zero=zero,
+                                   ep=1, sp=False, cp=1, cp_mode="ring")  # the degrees list dp x tp x pp layouts
     if move == 1:
         schedule = rng.choice(space.schedules)
         chunks = rng.choice(space.chunks)
@@ -227,7 +228,8 @@ def valid(c: Candidate, model: StepModel) -> bool:
     if not search_limits(c.schedule, c.pp, c.chunks, blocks):
         return False
     if not runs(c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.schedule, c.chunks, c.zero,
-                "stage-aware" if c.recompute_blocks else c.recompute, model.optimizer, model.dtype):
+                "stage-aware" if c.recompute_blocks else c.recompute, model.optimizer, model.dtype, c.ep, c.sp, c.cp,
+                c.cp_mode, c.compile):
         return False
     if c.bounds is not None:
         b = c.bounds
