@@ -7,12 +7,13 @@ profile.py stays the dense model's costs. Both are read once, with the trace, li
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..trace import ModelGraph
 from .profile import AttentionCosts, ExpertCosts
 
-_SDPA = "scaled_dot_product"
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default  # what context parallelism rewrites
 
 
 def expert_costs(graph: ModelGraph, model: nn.Module, seq_len: int) -> ExpertCosts | None:
@@ -51,7 +52,7 @@ def attention_costs(graph: ModelGraph, scale: float) -> AttentionCosts | None:
     layers, kv, qkvo, flops = [0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     heads, kv_heads = [], []
     for node in graph.graph.nodes:
-        if node.op != "call_function" or _SDPA not in str(node.target) or node.name not in graph.nodes:
+        if node.op != "call_function" or node.target is not _SDPA or node.name not in graph.nodes:
             continue
         tensors = [a.meta.get("val") for a in node.args[:3] if hasattr(a, "meta")]
         if len(tensors) < 3 or any(t is None or t.dim() != 4 for t in tensors):
