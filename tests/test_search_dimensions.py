@@ -69,6 +69,8 @@ def test_sp_splits_a_tensor_parallel_blocks_activations_and_doubles_its_collecti
     plain = Candidate(dp=1, tp=2, pp=1, micro_batch_size=4, num_microbatches=1)
     assert {c.sp for c in enumerate_candidates(model, SearchSpace(nproc=2)) if c.tp == 2} == {False, True}
     assert not any(c.sp for c in enumerate_candidates(model, SearchSpace(nproc=2)) if c.tp == 1)
+    odd = StepModel(dataclasses.replace(toy_profile(), seq_len=31), toy_cluster(), global_batch_size=4)
+    assert not any(c.sp for c in enumerate_candidates(odd, SearchSpace(nproc=2)))  # tp must divide the sequence
     e0, e1 = model.evaluate(plain), model.evaluate(dataclasses.replace(plain, sp=True))
     from autopar.search.command import plan_dict
     assert plan_dict(e1, model)["strategy"]["sp"] is True and "sp" not in plan_dict(e0, model)["strategy"]

@@ -48,7 +48,7 @@ COVERAGE: tuple[Dimension, ...] = (
       for spec in SCHEDULE_TABLE if not spec.searched),
     Dimension("--stage-tp", False, "per-stage tp degrees: the cost model prices one tp degree for every stage"),
     Dimension("--tp-subbatches", False, "the cost model does not price sub-pipelined tensor parallelism"),
-    Dimension("--sp", True, "on and off wherever tp > 1: a split block's activations all / tp, each tensor-parallel "
+    Dimension("--sp", True, "on and off wherever tp > 1 divides the sequence: a split block's activations all / tp, each tensor-parallel "
               "all-reduce priced as a reduce-scatter and an all-gather"),
     Dimension("--ep", True, "every ep dividing dp and the expert count, on models whose mixture-of-experts layers "
               "the expert planner recognises: 1/ep of the experts' memory, their dispatch and combine all-to-alls, "

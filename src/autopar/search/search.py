@@ -90,7 +90,7 @@ def context_degrees(model: StepModel, space: SearchSpace, rest: int) -> list[int
 
 def dimension_choices(model: StepModel, space: SearchSpace, dp: int, tp: int, cp: int) -> list[tuple]:
     """(ep, sp, cp_mode, compile) to try for one dp x cp x tp: ep over the dp ranks where the model has experts
-    (dividing the expert count), sp where tp > 1, all-to-all where cp divides the head count, compile where
+    (dividing the expert count), sp where tp > 1 divides the sequence, all-to-all where cp divides the head count, compile where
     measured (or as `space.compile` says)."""
     prof = model.profile
     compiles = space.compile if space.compile is not None else (
@@ -100,7 +100,8 @@ def dimension_choices(model: StepModel, space: SearchSpace, dp: int, tp: int, cp
     eps = [1] + ([e for e in divisors(dp) if e > 1 and prof.experts.num_experts % e == 0] if prof.experts else [])
     modes = ["ring"] + (["all-to-all"] if cp > 1 and prof.attention.heads % cp == 0
                         and prof.attention.kv_heads % cp == 0 else [])
-    return [(ep, sp, mode, comp) for ep in eps for sp in ((False, True) if tp > 1 else (False,))
+    sps = (False, True) if tp > 1 and prof.seq_len % tp == 0 else (False,)  # --sp splits the sequence over tp
+    return [(ep, sp, mode, comp) for ep in eps for sp in sps
             for mode in modes for comp in compiles]
 
 
