@@ -39,6 +39,9 @@ def test_ep_is_listed_on_an_moe_model_and_picked_when_only_sharded_experts_fit(m
     assert {c.ep for c in listed} == {1, 2} and all(c.pp == c.tp == 1 and c.dp == 2 for c in listed if c.ep > 1)
     roomy = exhaustive(model, space)
     assert roomy.ranked[0].candidate.ep == 1  # memory to spare: the all-to-alls and the imbalance only cost
+    from autopar.search.dimensions import dimension_notes
+    note = next(n for n in dimension_notes(roomy.ranked) if n.startswith("expert parallelism"))
+    assert "slower" in note and "all-to-alls" in note and "MiB per rank instead of" in note
     estimates = [model.evaluate(c) for c in listed]
     sharded = min(e.peak_memory for e in estimates if e.candidate.ep > 1)
     whole = min(e.peak_memory for e in estimates if e.candidate.ep == 1)
@@ -161,6 +164,7 @@ def test_plan_auto_lists_expert_parallel_plans_for_a_tiny_mixtral(capsys):
     assert any(p["strategy"].get("ep") == 2 for p in plans)
     assert any(p["strategy"].get("cp") == 2 for p in plans)
     assert record["longest_seq_len"] > 8
+    assert any(n.startswith("expert parallelism") for n in record["dimensions_not_picked"])
     assert not any(d["name"] in ("--ep", "--sp", "--cp / --cp-mode") for d in record["search"]["not_covered"])
 
 

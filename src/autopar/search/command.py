@@ -17,7 +17,7 @@ from .coverage import not_covered, not_searched_line
 from .cost import Estimate, StepModel
 from .measure_profile import measure_blocks, with_cost_model
 from .profile import profile_model
-from .dimensions import compile_note, longest_sequence
+from .dimensions import compile_note, dimension_notes, longest_sequence
 from .decision import PREDICTED_TIME_ERROR, decide, default_layout, to_measure
 from .equivalence import execution_key
 from .plan_text import configuration
@@ -85,6 +85,7 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     longest = longest_sequence(model, best.candidate)
     if ns.json:
         print(json.dumps({**record, "longest_seq_len": longest, "compile": compile_note(cluster),
+                          "dimensions_not_picked": dimension_notes(result.ranked),
                           "search": {"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,
                                      "pruned_memory": result.pruned, "mcmc_states": walked, "seconds": elapsed,
                                      "costs": costs, "calibration": calibration,
@@ -116,6 +117,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     print(f"longest sequence the best layout fits in {cluster.memory_per_device_gb:g} GiB per device (memory model): "
           + (f"{longest} tokens" if longest else "none"))
     print(compile_note(cluster))
+    for line in dimension_notes(result.ranked):
+        print(f"not picked: {line}")
     print(f"train --strategy auto would run: {runs}")
     print(not_searched_line())
     return 0

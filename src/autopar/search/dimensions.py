@@ -223,3 +223,32 @@ def longest_sequence(model, c: Candidate, *, limit: int = 1 << 20) -> int | None
         else:
             hi = mid - 1
     return lo * unit
+
+
+_NAMES = {"ep": ("expert parallelism", lambda c: c.ep > 1), "sp": ("sequence parallelism", lambda c: c.sp),
+          "cp": ("context parallelism", lambda c: c.cp > 1), "compile": ("compile", lambda c: c.compile)}
+_WHY = {"ep": "its dispatch and combine all-to-alls and the busiest expert rank's tokens (x{imbalance:g})",
+        "sp": "twice the tensor-parallel collectives' latencies", "cp": "attention's exchange between cp ranks",
+        "compile": "the compile time over the run's steps"}
+
+
+def dimension_notes(ranked: list[Estimate]) -> list[str]:
+    """For each of ep, sp, cp and compile the search tried but the winner does not use: why it lost, from the
+    fastest fitting plan that uses it (how much slower, and what its exchange costs)."""
+    if not ranked:
+        return []
+    best, notes = ranked[0], []
+    for key, (name, uses) in _NAMES.items():
+        if uses(best.candidate):
+            continue
+        rival = next((e for e in ranked if uses(e.candidate)), None)
+        if rival is None:
+            continue
+        slower = rival.step_time_s / best.step_time_s - 1
+        exchange = rival.parts.get("exchange_s", 0.0)
+        cost = _WHY[key].format(imbalance=EXPERT_IMBALANCE)
+        notes.append(f"{name}: its fastest plan ({rival.candidate.describe()}) is predicted {slower:.1%} slower, "
+                     f"paying {cost}" + (f" ({exchange * 1e3:.3g} ms of exchange per step)" if exchange else "")
+                     + (f" for {rival.peak_memory / 2**20:.3g} MiB per rank instead of "
+                        f"{best.peak_memory / 2**20:.3g}" if rival.peak_memory < best.peak_memory else ""))
+    return notes
