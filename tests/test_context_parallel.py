@@ -157,7 +157,7 @@ def test_rewritten_attention_is_split_by_heads_under_tp():
 
 
 @pytest.mark.parametrize("fields, rule", [({"tp": 2, "tp_subbatches": 2}, "cp-tp"), ({"zero": 3}, "cp-engine"),
-                                          ({"search": "auto"}, "cp-search")])
+                                          ({"plan": "plan.json"}, "cp-plan")])
 def test_combinations_refused_before_ranks_start(fields, rule):
     import autopar
     from autopar.errors import ConfigError

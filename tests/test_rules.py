@@ -72,7 +72,7 @@ def test_every_rule_refuses_something_in_the_matrix_or_its_own_layout():
         "schedule-microbatch-groups": (dict(pp=2, chunks=2, schedule="interleaved-1f1b"),
                                        {"global_batch_size": 6, "micro_batch_size": 2}, 2),
         "interleaved-one-chunk": (dict(pp=2, schedule="interleaved-1f1b"), {}, 2),
-        "sp-search": (dict(sp=True, tp=2, search="auto"), {}, 2),
+        "cp-plan": (dict(cp=2, plan="plan.json"), {}, 2),
         "sp-needs-tp": (dict(sp=True), {}, 2),
         "sp-stage-tp": (dict(sp=True, stage_tp="1,2"), {}, 3),
         "sp-subbatches": (dict(sp=True, tp=2, tp_subbatches=2), {}, 2),

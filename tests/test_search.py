@@ -319,7 +319,7 @@ def test_calibrate_measures_gloo_links_on_two_ranks():
     assert links["p2p"]["bandwidth_bytes_per_s"] > 0 and links["p2p"]["latency_s"] >= 0
     assert set(links["allreduce"]) == {"2"} and links["allreduce"]["2"]["bandwidth_bytes_per_s"] > 0
     assert links["aggregate"]["bandwidth_bytes_per_s"] > 0  # both ranks sending at once: the node's total
-    for name in ("reduce_scatter", "all_gather"):  # ZeRO's collectives, wall time (Cluster.reduce_scatter_table ...)
+    for name in ("reduce_scatter", "all_gather", "all_to_all"):  # ZeRO's and ep's collectives, wall time
         assert set(links[name]) == {"2"} and links[name]["2"]["bandwidth_bytes_per_s"] > 0
     # the CPU they take (time-sharing ranks pay it), how many cores two ranks get, and each blocking wait's CPU
     assert set(links["allreduce_cpu"]) == {"2"} and links["allreduce_cpu"]["2"]["bandwidth_bytes_per_s"] > 0

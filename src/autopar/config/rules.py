@@ -323,10 +323,6 @@ RULES: tuple[Rule, ...] = (
          "interleaving alternates two or more stages (chunks) on each rank; with one chunk per rank it is plain "
          "1F1B under another name", "use --chunks 2 (or more), or --schedule 1f1b"),
     # ---- sequence parallelism (--sp: tensor_parallel/sequence.py)
-    Rule("sp-search", "--sp with --strategy auto",
-         lambda setup: setup.strategy.sp and _searched(setup),
-         _AUTO + " --sp", "the search does not choose sequence parallelism yet",
-         "choose --tp yourself with --sp, or drop --sp", phase="search"),
     Rule("sp-needs-tp", "--sp with tp = 1",
          lambda setup: setup.strategy.sp and setup.strategy.tp == 1 and not _stage_tp(setup.strategy),
          "strategy.sp (--sp) with tp={s.tp}", "it splits the sequence over the tensor-parallel ranks",
@@ -369,10 +365,6 @@ RULES: tuple[Rule, ...] = (
          lambda setup: setup.strategy.ep > 1 and setup.config.dtype == "bf16",
          "--ep {s.ep} with --dtype bf16", "the expert-parallel engine keeps fp32 weights (bf16 weights need the "
          "fp32 masters of ZeRO's sharded optimizer, which it does not use)", "use --dtype bf16-autocast or fp32"),
-    Rule("ep-not-searched", "--strategy auto with --ep > 1",
-         lambda setup: _searched(setup) and setup.strategy.ep > 1,
-         _AUTO + " --ep {s.ep}", "the search does not place experts yet", "choose dp and --ep yourself, "
-         "or drop --ep", phase="search"),
     # ---- --compile (train/compile.py): what a compiled region cannot run under
     Rule("compile-split-backward", "--compile with a split-backward schedule (zb-h1, zbv)",
          lambda setup: setup.config.compile and setup.spec.split_backward,
@@ -387,11 +379,10 @@ RULES: tuple[Rule, ...] = (
          "regions' guards would see as new modules (a recompilation per version)",
          "use a synchronous schedule (1f1b, gpipe, ...), or leave out --compile"),
     # ---- context parallelism (--cp): the sequence split over ranks
-    Rule("cp-search", "--cp > 1 with --strategy auto or --plan",
-         lambda setup: setup.strategy.cp > 1 and (setup.strategy.planning.mode != "manual"
-                                                  or setup.strategy.planning.plan is not None),
-         "--cp {s.cp} with --strategy auto / --plan", "the search does not choose context parallelism yet",
-         "give the degrees by hand (e.g. --cp {s.cp} --dp N)", phase="search"),
+    Rule("cp-plan", "--cp > 1 with --plan",
+         lambda setup: setup.strategy.cp > 1 and setup.strategy.planning.plan is not None,
+         "--cp {s.cp} with --plan", "a plan file holds its own degrees, cp among them",
+         "drop --cp (the plan's cp runs), or use --strategy auto --cp {s.cp} to search the rest", phase="search"),
     Rule("cp-tp", "--cp > 1 with --stage-tp or --tp-subbatches > 1",
          lambda setup: setup.strategy.cp > 1 and (setup.strategy.stage_tp is not None
                                                   or setup.strategy.pipeline.tp_subbatches > 1),

@@ -62,7 +62,7 @@ class Plan:
     @property
     def nproc(self) -> int:
         s = self.record["strategy"]
-        return int(self.record.get("nproc") or s["dp"] * s.get("tp", 1) * s.get("pp", 1))
+        return int(self.record.get("nproc") or s["dp"] * s.get("tp", 1) * s.get("pp", 1) * s.get("cp", 1))
 
     @property
     def step_time_s(self) -> float | None:
@@ -228,8 +228,10 @@ def _refuse_conflicts(source: str, table: str, given: Any, planned: dict) -> Non
 def fixed_fields(strategy: Strategy, config: TrainConfig) -> dict[str, Any]:
     """What the user fixed beside `--strategy auto`: every searched field set away from its default."""
     given, defaults, train_defaults = strategy.flat(), Strategy().flat(), TrainConfig()
-    fixed = {k: given[k] for k in ("dp", "tp", "pp", "schedule", "chunks", "partition", "recompute", "zero")
-             if given[k] != defaults[k]}
+    fixed = {k: given[k] for k in ("dp", "tp", "pp", "schedule", "chunks", "partition", "recompute", "zero", "ep",
+                                   "sp", "cp", "cp_mode") if given[k] != defaults[k]}
+    if config.compile:
+        fixed["compile"] = True
     for k in ("micro_batch_size", "micro_batches"):
         if getattr(config, k) != getattr(train_defaults, k):
             fixed[k] = getattr(config, k)
@@ -272,17 +274,20 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     tps = tuple(d for d in divisors(nproc) if d <= cl.devices_per_node)
     if "tp" in fixed:
         tps = tuple(sorted({1, fixed["tp"]}))
-    profile = profile_graph(trace(model, args, kwargs), name=name, seq_len=seq_len, tp_degrees=tps)
+    profile = profile_graph(trace(model, args, kwargs), name=name, seq_len=seq_len, tp_degrees=tps, model=model)
     profile, costs = with_cost_model(profile, cl, cost_model, lambda: _measure(model, args, kwargs, seq_len))
     if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
         raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
     step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
                      optimizer=config.optimizer if config is not None else "adamw")
+    step.run_steps = config.steps if config is not None else None  # what a compile time is amortised over
     space = SearchSpace(nproc=nproc)
     if "schedule" in fixed:
         space = dataclasses.replace(space, schedules=(fixed["schedule"],))
     if "chunks" in fixed:
         space = dataclasses.replace(space, chunks=(fixed["chunks"],))
+    if "compile" in fixed:  # --compile beside auto: compiled candidates only (priced eager where not measured)
+        space = dataclasses.replace(space, compile=(True,))
     candidates = [c for c in enumerate_candidates(step, space) if _matches(c, fixed)]
     if not candidates:
         given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items())

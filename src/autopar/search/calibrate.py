@@ -117,6 +117,7 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
     gather_table = {int(n): Link(**fit) for n, fit in links["all_gather_cpu"].items()}
     scatter_wall = {int(n): Link(**fit) for n, fit in links["reduce_scatter"].items()}
     gather_wall = {int(n): Link(**fit) for n, fit in links["all_gather"].items()}
+    swap_wall = {int(n): Link(**fit) for n, fit in links.get("all_to_all", {}).items()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2**30
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cluster = Cluster(name="calibrated", source=f"measured by autopar calibrate on {socket.gethostname()} at {stamp} "
@@ -127,7 +128,7 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
                    cores_per_node=min(float(os.cpu_count() or 1), round(links["effective_cores"], 3)),
                    allreduce_cpu_table=cpu_table, reduce_scatter_cpu_table=scatter_table,
                    all_gather_cpu_table=gather_table, reduce_scatter_table=scatter_wall, all_gather_table=gather_wall,
-                   p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
+                   all_to_all_table=swap_wall, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
                    node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0),
                    measured_at=round(time.time(), 1))
     if links.get("reference_step_s"):  # the step model's level, from a real step of a small model (step_probe.py)

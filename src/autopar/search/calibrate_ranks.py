@@ -205,7 +205,7 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
     joined = time.perf_counter() - joining
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"allreduce": {}, "allreduce_cpu": {}, "reduce_scatter": {}, "all_gather": {},
-                    "reduce_scatter_cpu": {}, "all_gather_cpu": {}}
+                    "reduce_scatter_cpu": {}, "all_gather_cpu": {}, "all_to_all": {}}
     began = joining
     seconds = {"join": joined}  # wall seconds of each phase on rank 0, to see where the time goes
     times, cpus = {}, {}
@@ -238,7 +238,7 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
     seconds["p2p"] = time.perf_counter() - began - joined
     for n in sorted(set(group_sizes or range(2, world + 1))):
         group = dist.new_group(list(range(n)))
-        times, cpus, scatters, gathers, scatter_walls, gather_walls = {}, {}, {}, {}, {}, {}
+        times, cpus, scatters, gathers, scatter_walls, gather_walls, swaps = {}, {}, {}, {}, {}, {}, {}
         for size in (SMALL, LARGE):
             buf, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
             whole = torch.zeros(shard.numel() * n)
@@ -248,6 +248,8 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
                 # the ZeRO collectives as zero/grads.py and zero/optimizer.py call them (FSDP2 runs the same ones)
                 scatter_wall, scatter = _time(lambda: dist.reduce_scatter_single(shard, whole, group=group), group)
                 gather_wall, gather = _time(lambda: dist.all_gather_single(whole, shard, group=group), group)
+                swap = torch.zeros_like(whole)  # expert parallelism's dispatch and combine (experts/dispatch.py)
+                swaps[size], _ = _time(lambda: dist.all_to_all_single(swap, whole, group=group), group)
             times[size], cpus[size] = wall, _summed(cpu)
             scatters[size], gathers[size] = _summed(scatter), _summed(gather)
             scatter_walls[size], gather_walls[size] = scatter_wall, gather_wall
@@ -259,6 +261,7 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
             result["all_gather"][str(n)] = _fit(gather_walls[SMALL], gather_walls[LARGE], n - 1, (n - 1) / n)
             result["reduce_scatter_cpu"][str(n)] = _fit(scatters[SMALL], scatters[LARGE], n - 1, (n - 1) / n)
             result["all_gather_cpu"][str(n)] = _fit(gathers[SMALL], gathers[LARGE], n - 1, (n - 1) / n)
+            result["all_to_all"][str(n)] = _fit(swaps[SMALL], swaps[LARGE], n - 1, (n - 1) / n)
     seconds["collectives"] = time.perf_counter() - began - sum(seconds.values())
     result["effective_cores"] = sharing_probe()
     seconds["sharing"] = time.perf_counter() - began - sum(seconds.values())

@@ -27,6 +27,21 @@ class Candidate:
     bounds: tuple[int, ...] | None = None  # explicit block bounds per stage (MCMC)
     recompute_blocks: tuple[int, ...] | None = None  # explicit recomputed blocks per stage (MCMC)
     zero: int = 0  # ZeRO level over each dp group: 0 replicated, 1 optimizer, 2 and gradients, 3 and parameters
+    ep: int = 1  # expert parallelism: each MoE layer's experts sharded over ep of the dp ranks
+    sp: bool = False  # sequence parallelism inside the tp group
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (the world is dp x cp x tp x pp)
+    cp_mode: str = "ring"  # ring | all-to-all (attention's exchange under cp)
+    compile: bool = False  # torch.compile each repeated block
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dimensions(self) -> str:
+        """The dimensions beyond dp x tp x pp, as describe() and the plan name them ("" when none is set)."""
+        return "".join((f" ep={self.ep}" if self.ep > 1 else "", " sp" if self.sp else "",
+                        f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else "", " compile" if self.compile else ""))
 
     def describe(self) -> str:
         cut = "custom cut" if self.bounds else f"{self.partition} cut"
@@ -34,7 +49,7 @@ class Candidate:
               else f"recompute {self.recompute}")
         sched = f"{self.schedule}" + (f" x{self.chunks} chunks" if self.chunks > 1 else "")
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} m={self.num_microbatches} "
-                f"{sched} {rc} {cut}" + (f" zero {self.zero}" if self.zero else ""))
+                f"{sched} {rc} {cut}" + (f" zero {self.zero}" if self.zero else "") + self.dimensions)
 
 
 @dataclass

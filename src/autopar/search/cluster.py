@@ -117,6 +117,14 @@ class Cluster:
     link is its own, as NVLink ports and NICs are). A CPU host's ranks share one memory bus: their
     transfers together move about as fast as one pair's (docs/benchmarks.md)."""
     measured_at: float = 0.0
+    all_to_all_table: dict[int, Link] = field(default_factory=dict)
+    """Measured all-to-all per group size (autopar calibrate, gloo), fitted as (n - 1) latencies + (n - 1)/n of the
+    bytes; empty: priced from the all-reduce figures (Cluster.all_to_all)."""
+    compile_speedup: float = 0.0
+    """Eager seconds / compiled seconds of a repeated block's forward and backward, measured on this machine
+    (--compile, train/compile.py); 0: not measured, and the search does not compile."""
+    compile_seconds: float = 0.0
+    """Seconds one run spends compiling (once, amortised over the run's steps by the search)."""
     """When `autopar calibrate` measured these figures (seconds since the epoch, UTC; 0: not measured), so that a
     plan can say how old its calibration is."""
 
@@ -158,6 +166,13 @@ class Cluster:
             return 0.0
         link = table[n] if n in table and (span or n) <= self.devices_per_node else self.link_for(span or n)
         return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
+
+    def all_to_all(self, nbytes: float, n: int, *, span: int | None = None) -> float:
+        """All-to-all of `nbytes` per rank over `n` ranks: each rank keeps 1/n and sends the rest in n - 1
+        exchanges. Measured where calibrated (all_to_all_table); else the volume and step count of half a ring
+        all-reduce, priced from the all-reduce figures for n ranks (allreduce_table, else the link)."""
+        table = self.all_to_all_table if n in self.all_to_all_table else self.allreduce_table
+        return self._ring_half(table, nbytes, n, span)
 
     def all_gather(self, nbytes: float, n: int, *, span: int | None = None) -> float:
         """All-gather into `nbytes` (the gathered whole) over `n` ranks: measured where calibrated, else the ring."""
@@ -222,7 +237,8 @@ class Cluster:
         out = dataclasses.asdict(self)
         out["allreduce_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_table.items()}
         out["allreduce_cpu_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_cpu_table.items()}
-        for name in ("reduce_scatter_cpu_table", "all_gather_cpu_table", "reduce_scatter_table", "all_gather_table"):
+        for name in ("reduce_scatter_cpu_table", "all_gather_cpu_table", "reduce_scatter_table", "all_gather_table",
+                     "all_to_all_table"):
             out[name] = {str(n): dataclasses.asdict(link) for n, link in getattr(self, name).items()}
         if self.p2p_cpu is None:
             del out["p2p_cpu"]
@@ -304,6 +320,7 @@ def cluster_from_dict(data: dict) -> Cluster:
         reduce_scatter_cpu_table=group_table("reduce_scatter_cpu_table"),
         all_gather_cpu_table=group_table("all_gather_cpu_table"),
         reduce_scatter_table=group_table("reduce_scatter_table"), all_gather_table=group_table("all_gather_table"),
+        all_to_all_table=group_table("all_to_all_table"),
         p2p_cpu=_link(data, "p2p_cpu") if "p2p_cpu" in data else None,
         sync_cpu_s=_number(data, "sync_cpu_s", "", strict=False) if "sync_cpu_s" in data else 0.0,
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
@@ -313,7 +330,9 @@ def cluster_from_dict(data: dict) -> Cluster:
         time_shared_scale=_number(data, "time_shared_scale", "") if "time_shared_scale" in data else 1.0,
         node_bandwidth_bytes_per_s=_number(data, "node_bandwidth_bytes_per_s", "", strict=False)
         if "node_bandwidth_bytes_per_s" in data else 0,
-        measured_at=_number(data, "measured_at", "", strict=False) if "measured_at" in data else 0.0)
+        measured_at=_number(data, "measured_at", "", strict=False) if "measured_at" in data else 0.0,
+        compile_speedup=_number(data, "compile_speedup", "", strict=False) if "compile_speedup" in data else 0.0,
+        compile_seconds=_number(data, "compile_seconds", "", strict=False) if "compile_seconds" in data else 0.0)
     if cluster.background_cores and cluster.background_cores >= (cluster.cores_per_node or float("inf")):
         raise ConfigError(f"cluster file: field 'background_cores' ({cluster.background_cores:g}) must be less than "
                           f"'cores_per_node' ({cluster.cores_per_node:g}): it is the part of those cores idle "

@@ -17,6 +17,7 @@ from .coverage import not_covered, not_searched_line
 from .cost import Estimate, StepModel
 from .measure_profile import measure_blocks, with_cost_model
 from .profile import profile_model
+from .dimensions import compile_note, dimension_notes, longest_sequence
 from .decision import PREDICTED_TIME_ERROR, decide, default_layout, to_measure
 from .equivalence import execution_key
 from .plan_text import configuration
@@ -30,17 +31,23 @@ def plan_dict(e: Estimate, model: StepModel) -> dict:
                 "partition": c.partition, "recompute": "all" if c.recompute == "all" else "none", "zero": c.zero}
     if c.recompute == "stage-aware" and any(e.recompute_blocks):
         strategy["memory_budget_mb"] = round(model.cluster.memory_bytes / 2**20, 1)
+    if c.ep > 1:
+        strategy["ep"] = c.ep
+    if c.sp:
+        strategy["sp"] = True
+    if c.cp > 1:
+        strategy.update(cp=c.cp, cp_mode=c.cp_mode)
     return {
         "strategy": strategy,
         "train": {"global_batch_size": model.global_batch_size, "micro_batch_size": c.micro_batch_size,
-                  "micro_batches": c.num_microbatches, "dtype": model.dtype},
+                  "micro_batches": c.num_microbatches, "dtype": model.dtype, **({"compile": True} if c.compile else {})},
         "prediction": {
             "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "bubble_fraction": e.bubble,
             "comm_share": e.comm_share, "peak_memory_bytes_per_rank": [round(m) for m in e.memory_per_rank],
             "memory_per_stage": [m.to_dict() for m in e.memory_per_stage], "stage_bounds": list(e.bounds),
             "recompute_blocks_per_stage": list(e.recompute_blocks), "parts_s": e.parts},
         "model": model.profile.name, "num_params": model.profile.num_params, "seq_len": model.profile.seq_len,
-        "cluster": model.cluster.name, "nproc": c.dp * c.tp * c.pp,
+        "cluster": model.cluster.name, "nproc": c.world,
     }
 
 
@@ -75,8 +82,11 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     measure = to_measure([record, *record["alternatives"]], default if default.get("fits") else None, None)
     runs = configuration(record) + (f"; unsure, it would first measure {len(measure)} plans within the model's "
                                     f"{PREDICTED_TIME_ERROR:.0%} error for a few steps" if measure else "")
+    longest = longest_sequence(model, best.candidate)
     if ns.json:
-        print(json.dumps({**record, "search": {"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,
+        print(json.dumps({**record, "longest_seq_len": longest, "compile": compile_note(cluster),
+                          "dimensions_not_picked": dimension_notes(result.ranked),
+                          "search": {"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,
                                      "pruned_memory": result.pruned, "mcmc_states": walked, "seconds": elapsed,
                                      "costs": costs, "calibration": calibration,
                                      "not_covered": not_covered()}}, indent=2))
@@ -104,6 +114,11 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     mem = ", ".join(f"stage {s}: {m.total / 2**20:.1f} MiB" for s, m in enumerate(top[0].memory_per_stage))
     print(f"searched best's memory per stage: {mem}")
     print(f"why: {record['why']}")
+    print(f"longest sequence the best layout fits in {cluster.memory_per_device_gb:g} GiB per device (memory model): "
+          + (f"{longest} tokens" if longest else "none"))
+    print(compile_note(cluster))
+    for line in dimension_notes(result.ranked):
+        print(f"not picked: {line}")
     print(f"train --strategy auto would run: {runs}")
     print(not_searched_line())
     return 0

@@ -39,6 +39,7 @@ from ..partition import algorithms
 from ..pipeline.actions import stage_to_rank
 from ..pipeline.schedules import placement
 from .candidate import Candidate, Estimate  # noqa: F401 (imported from here by the search's modules)
+from . import dimensions
 from .cluster import Cluster
 from .memory import OPTIMIZER_STATE_BYTES, StageUnits, stage_units
 from .memory_walk import rank_peaks
@@ -94,6 +95,9 @@ class StepModel:
                            for m, r, c in zip(measured, share, comm)]
                 backward = [m.backward_fixed_s + m.backward_per_seq_s * mbs * r + c
                             for m, r, c in zip(measured, share, comm)]
+            exchange_f, exchange_b = self.profile.exchange_seconds(mbs)  # expert all-to-alls, cp's attention
+            forward = [f + x for f, x in zip(forward, exchange_f)]
+            backward = [b + x for b, x in zip(backward, exchange_b)]
             self._blocks[key] = (forward, backward, comm)
         return self._blocks[key]
 
@@ -316,6 +320,8 @@ class StepModel:
     # ------------------------------------------------------------------ one candidate
 
     def evaluate(self, c: Candidate) -> Estimate:
+        if not dimensions.is_plain(c):  # ep, sp, cp, compile: this model on the profile a rank runs
+            return dimensions.evaluate(self, c)
         prof, cl = self.profile.at_tp(c.tp), self.cluster
         stages = c.pp * c.chunks
         bounds = c.bounds if c.bounds is not None else self.bounds(c.partition, c.tp, c.micro_batch_size, stages)

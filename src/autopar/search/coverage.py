@@ -48,8 +48,16 @@ COVERAGE: tuple[Dimension, ...] = (
       for spec in SCHEDULE_TABLE if not spec.searched),
     Dimension("--stage-tp", False, "per-stage tp degrees: the cost model prices one tp degree for every stage"),
     Dimension("--tp-subbatches", False, "the cost model does not price sub-pipelined tensor parallelism"),
-    Dimension("--sp", False, "sequence parallelism is not searched yet (the memory check of a strategy set by hand "
-              "models it: activations / tp)"),
+    Dimension("--sp", True, "on and off wherever tp > 1 divides the sequence: a split block's activations all / tp, each tensor-parallel "
+              "all-reduce priced as a reduce-scatter and an all-gather"),
+    Dimension("--ep", True, "every ep dividing dp and the expert count, on models whose mixture-of-experts layers "
+              "the expert planner recognises: 1/ep of the experts' memory, their dispatch and combine all-to-alls, "
+              "the busiest rank's share of the tokens"),
+    Dimension("--cp / --cp-mode", True, "every cp whose 2 x cp divides the sequence, ring and (where cp divides the "
+              "heads) all-to-all, on models with scaled-dot-product attention: activations and compute / cp, "
+              "attention's exchange priced by mode"),
+    Dimension("--compile", True, "on and off where the cluster file holds a measured compile_speedup: the repeated "
+              "blocks' compute / the speedup, compile_seconds amortised over the run's steps"),
     Dimension("--boundary", False, "the cost model prices whole-tensor direct transfers between stages"),
     Dimension("--recompute all-but-last", False, "the search plans recomputation itself (none, whole stages, "
               "stage-aware blocks)"),
@@ -61,10 +69,6 @@ COVERAGE: tuple[Dimension, ...] = (
     Dimension("--sparse-embeddings", False, "the cost model does not price sparse row exchanges"),
     Dimension("--optimizer sparse-adam", False, "its sparse row exchange is not priced"),
     Dimension("--batchnorm", False, "it chooses what BatchNorm's statistics are (the numbers trained)"),
-    Dimension("--ep", False, "expert parallelism: the cost model prices neither the all-to-all nor 1/ep of the "
-              "experts' memory yet"),
-    Dimension("--cp", False, "context parallelism: neither the ring's or the all-to-all's traffic nor 1/cp of the "
-              "activations is in the cost and memory models yet"),
     Dimension("--dtype", False, "taken as given, never switched: fp32 to bf16 changes the numbers trained "
               "(the cost and memory models follow the choice)"),
 )
@@ -79,8 +83,8 @@ FIELD_ROWS = {"dp": "dp x tp x pp", "tp": "dp x tp x pp", "pp": "dp x tp x pp", 
               "topology": "--dp-mode gossip", "gossip_order": "--dp-mode gossip", "staleness": "--dp-mode async",
               "servers": "--dp-mode async", "sparse_embeddings": "--sparse-embeddings",
               "sparse_threshold": "--sparse-embeddings", "sparse_sharding": "--sparse-embeddings",
-              "sparse_schedule": "--sparse-embeddings", "sp": "--sp", "ep": "--ep", "cp": "--cp",
-              "cp_mode": "--cp"}
+              "sparse_schedule": "--sparse-embeddings", "sp": "--sp", "ep": "--ep", "cp": "--cp / --cp-mode",
+              "cp_mode": "--cp / --cp-mode"}
 SEARCH_SETTINGS = ("search", "plan", "cluster", "memory_per_device_gb", "confirm")  # how it searches, not what
 
 

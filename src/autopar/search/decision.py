@@ -39,10 +39,10 @@ def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any],
     for `nproc` (dp = nproc / (tp * pp), tp = pp = 1, zero 0, micro-batch size 8) with the fields the user
     fixed. Returns (candidate, None), or (None, why it could not run)."""
     defaults = Strategy()
-    tp, pp = fixed.get("tp", defaults.tp), fixed.get("pp", defaults.pp)
-    dp = fixed.get("dp") or nproc // (tp * pp)
-    if dp * tp * pp != nproc:
-        return None, f"dp={dp} tp={tp} pp={pp} does not fill {nproc} processes"
+    tp, pp, cp = fixed.get("tp", defaults.tp), fixed.get("pp", defaults.pp), fixed.get("cp", defaults.cp)
+    dp = fixed.get("dp") or nproc // (tp * pp * cp)
+    if dp * tp * pp * cp != nproc:
+        return None, f"dp={dp} tp={tp} pp={pp} cp={cp} does not fill {nproc} processes"
     train = dataclasses.replace(config or TrainConfig(), global_batch_size=global_batch_size,
                                 **{k: fixed[k] for k in ("micro_batch_size", "micro_batches") if k in fixed})
     try:
@@ -50,9 +50,9 @@ def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any],
         m = train.accumulation_steps(dp)
     except ConfigError as exc:
         return None, str(exc)
-    values = {k: fixed.get(k, defaults.flat()[k]) for k in STRATEGY_FIELDS}
+    values = {k: fixed.get(k, defaults.flat()[k]) for k in (*STRATEGY_FIELDS, "ep", "sp", "cp", "cp_mode")}
     return Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=train.micro_batch_size, num_microbatches=m,
-                     **values), None
+                     compile=bool(fixed.get("compile", False)), **values), None
 
 
 def beats_default(best_s: float, default_s: float, error: float | None = None) -> bool:

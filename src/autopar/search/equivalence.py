@@ -62,7 +62,7 @@ def _cheap_key(estimate: Estimate) -> tuple:
     whole = c.recompute == "all" and not (c.pp == 1 and c.tp == 1)
     blocks = (0,) * len(estimate.recompute_blocks) if c.pp == 1 and c.tp == 1 else tuple(estimate.recompute_blocks)
     return (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.chunks, whole, tuple(estimate.bounds), blocks,
-            c.zero)
+            c.zero, c.ep, c.sp, c.cp, c.cp_mode, c.compile)
 
 
 def execution_key(estimate: Estimate) -> tuple:
@@ -75,7 +75,8 @@ def preference(c: Candidate) -> tuple:
     """Sort key for the name a class keeps: fewest fields away from the defaults, then the simplest schedule."""
     defaults = Strategy()
     away = sum((c.schedule != defaults.pipeline.schedule, c.partition != defaults.pipeline.partition, c.recompute != "none",
-                c.zero != defaults.replicas.zero, c.bounds is not None, c.recompute_blocks is not None))
+                c.zero != defaults.replicas.zero, c.bounds is not None, c.recompute_blocks is not None,
+                c.ep != 1, c.sp, c.cp != 1, c.compile))
     order = SCHEDULES.index(c.schedule) if c.schedule in SCHEDULES else len(SCHEDULES)
     return away, order
 

@@ -29,6 +29,14 @@ def configuration(record: dict) -> str:
         parts.append(f"{s.get('partition', 'time')} cut")
     if s.get("zero"):
         parts.append(f"zero {s['zero']}")
+    if s.get("ep", 1) > 1:
+        parts.append(f"ep={s['ep']}")
+    if s.get("sp"):
+        parts.append("sp")
+    if s.get("cp", 1) > 1:
+        parts.append(f"cp={s['cp']} {s.get('cp_mode', 'ring')}")
+    if t.get("compile"):
+        parts.append("compile")
     return " ".join(parts)
 
 

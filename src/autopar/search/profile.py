@@ -63,6 +63,29 @@ class TPProfile:
 
 
 @dataclass(frozen=True)
+class ExpertCosts:
+    """Per block, what expert parallelism changes (per sequence where it grows with the batch)."""
+
+    num_experts: int  # the fewest experts of any layer: ep must divide it
+    top_k: int
+    params: tuple[int, ...]  # the experts' parameter elements (the rows ep shards)
+    flops: tuple[float, ...]  # forward FLOPs of the experts: 2 x tokens x top_k x one expert's parameters
+    dispatch_bytes: tuple[float, ...]  # bytes one all-to-all moves per sequence: tokens x top_k x hidden x 4
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """Per block, what context parallelism exchanges (per sequence), and the head count all-to-all divides."""
+
+    heads: int  # the fewest query heads of any attention (all-to-all mode needs cp to divide the head count)
+    kv_heads: int
+    layers: tuple[int, ...]  # attentions per block
+    kv_bytes: tuple[float, ...]  # keys and values per sequence
+    qkv_out_bytes: tuple[float, ...]  # queries, keys, values and the output per sequence
+    flops: tuple[float, ...]  # forward FLOPs of the attentions per sequence
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """Per-block costs per sequence of `seq_len` tokens; block 0 the prelude, the last the postlude."""
 
@@ -88,6 +111,21 @@ class ModelProfile:
     measured: tuple | None = None
     """Per block, measured on this machine (measure_profile.BlockCosts): times and bytes that replace the
     FLOP-rate estimate and the traced activation bytes. None: estimate from FLOPs."""
+    experts: ExpertCosts | None = None
+    """The mixture-of-experts layers experts/detect.py recognises (what --ep shards); None: none."""
+    attention: AttentionCosts | None = None
+    """The scaled-dot-product attentions (what --cp splits); None: none traced."""
+    exchange: tuple[tuple[float, float, float, float], ...] = ()
+    """Per block, seconds of collectives outside tensor parallelism each pass waits for (expert all-to-alls,
+    context parallelism's attention exchange): (forward fixed, forward per sequence, backward fixed, backward
+    per sequence); set by search/dimensions.py on the profile it prices a layout with. Empty: none."""
+
+    def exchange_seconds(self, micro_batch: int) -> tuple[list[float], list[float]]:
+        """Forward and backward exchange seconds per block at `micro_batch` sequences."""
+        if not self.exchange:
+            return [0.0] * self.num_blocks, [0.0] * self.num_blocks
+        return ([ff + fs * micro_batch for ff, fs, _, _ in self.exchange],
+                [bf + bs * micro_batch for _, _, bf, bs in self.exchange])
 
     @property
     def num_blocks(self) -> int:
@@ -124,17 +162,25 @@ class ModelProfile:
         shared = (self.shared_blocks[0], last if self.shared_blocks[1] == self.num_blocks - 1 else
                   self.shared_blocks[1])
         measured = grow(self.measured) if self.measured is not None else None
+        experts = dataclasses.replace(self.experts, params=grow(self.experts.params), flops=grow(self.experts.flops),
+                                      dispatch_bytes=grow(self.experts.dispatch_bytes)) if self.experts else None
+        attention = dataclasses.replace(self.attention, layers=grow(self.attention.layers),
+                                        kv_bytes=grow(self.attention.kv_bytes), flops=grow(self.attention.flops),
+                                        qkv_out_bytes=grow(self.attention.qkv_out_bytes)) if self.attention else None
         return dataclasses.replace(self, block_names=names, flops=grow(self.flops), saved_bytes=grow(self.saved_bytes),
                                    params=grow(self.params), boundary_bytes=new_cuts, crossings=crossed, tp=tps,
                                    shared_blocks=shared,
-                                   measured=measured, weight_flops=grow(self.weight_flops) if self.weight_flops else (),
+                                   measured=measured, experts=experts, attention=attention, weight_flops=grow(self.weight_flops) if self.weight_flops else (),
                                    weight_out_bytes=grow(self.weight_out_bytes) if self.weight_out_bytes else ())
 
 
 def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
-                  tp_degrees: tuple[int, ...] = (1,), sequence_parallel: bool = False) -> ModelProfile:
+                  tp_degrees: tuple[int, ...] = (1,), sequence_parallel: bool = False,
+                  model: torch.nn.Module | None = None) -> ModelProfile:
     """Reduce a traced graph (traced at micro-batch `batch`) to per-sequence block costs.
-    `sequence_parallel`: the tp degrees run with --sp (a split layer's activations all / tp)."""
+    `sequence_parallel`: the tp degrees run with --sp (a split layer's activations all / tp). `model`: the traced
+    module, to find its experts (what --ep shards); without it the profile has none."""
+    from .dimension_profile import attention_costs, expert_costs
     blocks = graph.blocks
     scale = 1.0 / batch
     flops = tuple(b.flops * scale for b in blocks)
@@ -167,7 +213,9 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
                            saved_bytes=saved, params=tuple(params), boundary_bytes=cut_bytes,
                            crossings=tuple(crossing(values) for values in cut_values),
                            shared_params=sum(graph.param_numel[p] for p in shared), shared_blocks=shared_blocks,
-                           weight_flops=tuple(weight_flops), weight_out_bytes=tuple(weight_out))
+                           weight_flops=tuple(weight_flops), weight_out_bytes=tuple(weight_out),
+                           experts=expert_costs(graph, model, seq_len) if model is not None else None,
+                           attention=attention_costs(graph, scale))
     for tp in tp_degrees:
         if tp == 1:
             profile.tp[1] = TPProfile(1, flops, tuple(params), saved, (0.0,) * len(blocks), (0,) * len(blocks))
@@ -257,7 +305,7 @@ def profile_model(model_name: str, *, seq_len: int, tp_degrees: tuple[int, ...] 
     if seq_len > info.max_seq_len:
         raise AutoparError(f"seq_len={seq_len} is longer than {info.name}'s context of {info.max_seq_len}")
     graph = trace(model, (torch.zeros(1, seq_len, dtype=torch.long, device="meta"),))
-    profile = profile_graph(graph, name=info.name, seq_len=seq_len, tp_degrees=tp_degrees)
+    profile = profile_graph(graph, name=info.name, seq_len=seq_len, tp_degrees=tp_degrees, model=model)
     if layers is not None and layers != profile.num_blocks - 2:
         profile = profile.with_layers(layers)
     return profile

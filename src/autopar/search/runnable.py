@@ -24,7 +24,8 @@ STAGE_AWARE_BUDGET_MB = 1.0  # a stand-in budget: the rules read only whether on
 
 @lru_cache(maxsize=65536)
 def broken_rules(dp: int, tp: int, pp: int, micro_batch_size: int, num_microbatches: int, schedule: str, chunks: int,
-                 zero: int, recompute: str, optimizer: str, dtype: str) -> tuple[str, ...]:
+                 zero: int, recompute: str, optimizer: str, dtype: str, ep: int = 1, sp: bool = False, cp: int = 1,
+                 cp_mode: str = "ring", compile: bool = False) -> tuple[str, ...]:
     """Names of the rules (phase "layout") the layout breaks, in table order; () when it runs.
 
     `recompute` is the search's: "stage-aware" runs as --memory-budget-mb, "all" as --recompute all.
@@ -32,10 +33,11 @@ def broken_rules(dp: int, tp: int, pp: int, micro_batch_size: int, num_microbatc
     """
     strategy = Strategy(dp=dp, tp=tp, pp=pp, schedule=schedule, chunks=chunks, zero=zero,
                         recompute="all" if recompute == "all" else "none",
-                        memory_budget_mb=STAGE_AWARE_BUDGET_MB if recompute == "stage-aware" else None)
+                        memory_budget_mb=STAGE_AWARE_BUDGET_MB if recompute == "stage-aware" else None,
+                        ep=ep, sp=sp, cp=cp, cp_mode=cp_mode)
     config = TrainConfig(global_batch_size=dp * micro_batch_size * num_microbatches, micro_batch_size=micro_batch_size,
-                         optimizer=optimizer, dtype=dtype)
-    setup = Setup(strategy, config, world=dp * tp * pp)
+                         optimizer=optimizer, dtype=dtype, compile=compile)
+    setup = Setup(strategy, config, world=dp * cp * tp * pp)
     return tuple(rule.name for rule in rules.RULES if rule.phase == "layout" and _breaks(rule, setup))
 
 
@@ -47,7 +49,7 @@ def _breaks(rule: rules.Rule, setup: Setup) -> bool:
 
 
 def runs(dp: int, tp: int, pp: int, micro_batch_size: int, num_microbatches: int, schedule: str, chunks: int,
-         zero: int, recompute: str, optimizer: str, dtype: str) -> bool:
-    """Whether the rule table lets the layout run."""
+         zero: int, recompute: str, optimizer: str, dtype: str, *dimensions) -> bool:
+    """Whether the rule table lets the layout run (`dimensions`: ep, sp, cp, cp_mode, compile)."""
     return not broken_rules(dp, tp, pp, micro_batch_size, num_microbatches, schedule, chunks, zero, recompute,
-                            optimizer, dtype)
+                            optimizer, dtype, *dimensions)

@@ -47,6 +47,8 @@ class SearchSpace:
     partitions: tuple[str, ...] = PARTITIONS
     max_microbatches: int | None = None
     zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+    dimensions: bool = True  # also ep, sp, cp and compile (dimensions.py) where the model and the runtime have them
+    compile: tuple[bool, ...] | None = None  # None: eager, and compiled where the cluster has a measured speedup
 
 
 def zero_valid(zero: int, dp: int, tp: int, pp: int, optimizer: str, schedule: str = "1f1b", chunks: int = 1,
@@ -77,13 +79,39 @@ def schedule_valid(schedule: str, pp: int, chunks: int, m: int, num_blocks: int)
         pp == 1 or runs(1, 1, pp, 1, m, schedule, chunks, 0, "none", "adamw", "fp32"))
 
 
+def context_degrees(model: StepModel, space: SearchSpace, rest: int) -> list[int]:
+    """cp degrees to try out of `rest` ranks: 1, and where the model has scaled-dot-product attention (what the
+    runtime rewrites) every divisor whose 2 x cp divides the sequence (context_parallel/layout.py's halves)."""
+    att, seq = model.profile.attention, model.profile.seq_len
+    if not space.dimensions or att is None:
+        return [1]
+    return [cp for cp in divisors(rest) if cp == 1 or seq % (2 * cp) == 0]
+
+
+def dimension_choices(model: StepModel, space: SearchSpace, dp: int, tp: int, cp: int) -> list[tuple]:
+    """(ep, sp, cp_mode, compile) to try for one dp x cp x tp: ep over the dp ranks where the model has experts
+    (dividing the expert count), sp where tp > 1 divides the sequence, all-to-all where cp divides the head count, compile where
+    measured (or as `space.compile` says)."""
+    prof = model.profile
+    compiles = space.compile if space.compile is not None else (
+        (False, True) if space.dimensions and model.cluster.compile_speedup > 0 else (False,))
+    if not space.dimensions:
+        return [(1, False, "ring", c) for c in compiles]
+    eps = [1] + ([e for e in divisors(dp) if e > 1 and prof.experts.num_experts % e == 0] if prof.experts else [])
+    modes = ["ring"] + (["all-to-all"] if cp > 1 and prof.attention.heads % cp == 0
+                        and prof.attention.kv_heads % cp == 0 else [])
+    sps = (False, True) if tp > 1 and prof.seq_len % tp == 0 else (False,)  # --sp splits the sequence over tp
+    return [(ep, sp, mode, comp) for ep in eps for sp in sps
+            for mode in modes for comp in compiles]
+
+
 def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candidate]:
     prof, cl, n = model.profile, model.cluster, space.nproc
     for tp in divisors(n):
         if tp > cl.devices_per_node or tp not in prof.tp:
             continue
-        for pp in divisors(n // tp):
-            dp = n // (tp * pp)
+        for cp, pp in ((cp, pp) for cp in context_degrees(model, space, n // tp) for pp in divisors(n // (tp * cp))):
+            dp = n // (tp * pp * cp)
             if model.global_batch_size % dp:
                 continue
             per_replica = model.global_batch_size // dp
@@ -95,14 +123,18 @@ def enumerate_candidates(model: StepModel, space: SearchSpace) -> Iterator[Candi
                     for chunks in space.chunks:
                         if not search_limits(schedule, pp, chunks, prof.num_blocks):
                             continue
-                        for recompute in space.recompute:
+                        for recompute, dims in ((r, d) for r in space.recompute
+                                                for d in dimension_choices(model, space, dp, tp, cp)):
+                            ep, sp, cp_mode, comp = dims
                             zeros = [z for z in space.zero_levels if runs(dp, tp, pp, mbs, m, schedule, chunks, z,
-                                                                          recompute, model.optimizer, model.dtype)]
+                                                                          recompute, model.optimizer, model.dtype,
+                                                                          ep, sp, cp, cp_mode, comp)]
                             for method in (space.partitions if pp > 1 else ("uniform",)):
                                 for zero in zeros:
                                     yield Candidate(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
                                                     schedule=schedule, chunks=chunks, recompute=recompute,
-                                                    partition=method, zero=zero)
+                                                    partition=method, zero=zero, ep=ep, sp=sp, cp=cp,
+                                                    cp_mode=cp_mode, compile=comp)
 
 
 @dataclass
@@ -157,7 +189,8 @@ def _neighbour(c: Candidate, model: StepModel, space: SearchSpace, rng: random.R
         dp, tp, pp, mbs, m = rng.choice(degrees)
         zero = c.zero if zero_valid(c.zero, dp, tp, pp, model.optimizer, dtype=model.dtype) else 0
         return dataclasses.replace(c, dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
-                                   chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None, zero=zero)
+                                   chunks=1, schedule="1f1b", bounds=None, recompute_blocks=None, zero=zero,
+                                   ep=1, sp=False, cp=1, cp_mode="ring")  # the degrees list dp x tp x pp layouts
     if move == 1:
         schedule = rng.choice(space.schedules)
         chunks = rng.choice(space.chunks)
@@ -196,7 +229,8 @@ def valid(c: Candidate, model: StepModel) -> bool:
     if not search_limits(c.schedule, c.pp, c.chunks, blocks):
         return False
     if not runs(c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.schedule, c.chunks, c.zero,
-                "stage-aware" if c.recompute_blocks else c.recompute, model.optimizer, model.dtype):
+                "stage-aware" if c.recompute_blocks else c.recompute, model.optimizer, model.dtype, c.ep, c.sp, c.cp,
+                c.cp_mode, c.compile):
         return False
     if c.bounds is not None:
         b = c.bounds
@@ -213,7 +247,8 @@ def mcmc(model: StepModel, space: SearchSpace, *, steps: int = 2000, seed: int =
                       for c in enumerate_candidates(model, dataclasses.replace(space, schedules=("1f1b",),
                                                                                 chunks=(1,), recompute=("none",),
                                                                                 partitions=("time",),
-                                                                                zero_levels=(0,)))})
+                                                                                zero_levels=(0,), dimensions=False,
+                                                                                compile=(False,)))})
     if not degrees:
         return None, 0
     if start is None:
@@ -285,7 +320,7 @@ def why(winner: Estimate, runner_up: Estimate | None) -> str:
     ca, cb = a.candidate, b.candidate
     changed = [f"{name} {getattr(ca, name)} vs {getattr(cb, name)}" for name in
                ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "schedule", "chunks", "recompute", "partition",
-                "zero")
+                "zero", "ep", "sp", "cp", "cp_mode", "compile")
                if getattr(ca, name) != getattr(cb, name)]
     dp_a = a.parts["dp_exposed_s"] + a.parts["optimizer_s"]
     dp_b = b.parts["dp_exposed_s"] + b.parts["optimizer_s"]
@@ -300,6 +335,9 @@ def why(winner: Estimate, runner_up: Estimate | None) -> str:
         ((b.parts.get("time_shared_s", 0.0) - a.parts.get("time_shared_s", 0.0)) / b.step_time_s,
          a.parts.get("time_shared_s", 0.0), b.parts.get("time_shared_s", 0.0), ms,
          "its ranks' CPU, shared over the cores, takes {} instead of {}"),
+        ((b.parts.get("exchange_s", 0.0) - a.parts.get("exchange_s", 0.0)) / b.step_time_s,
+         a.parts.get("exchange_s", 0.0), b.parts.get("exchange_s", 0.0), ms,
+         "its expert all-to-alls and attention exchanges take {} instead of {}"),
     ]
     text = None
     for _, x, y, form, sentence in sorted(reasons, key=lambda r: -r[0]):

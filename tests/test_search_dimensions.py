@@ -1,0 +1,177 @@
+"""Expert, sequence and context parallelism and compilation in the strategy search (search/dimensions.py):
+which candidates are listed, how each is priced, and that the search picks them when they pay. Pure: no ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from autopar.search.candidate import Candidate
+from autopar.search.cluster import preset, sized
+from autopar.search.cost import StepModel
+from autopar.search.dimensions import EXPERT_IMBALANCE, longest_sequence
+from autopar.search.profile import AttentionCosts
+from autopar.search.search import SearchSpace, enumerate_candidates, exhaustive
+from test_search import toy_cluster, toy_profile
+
+
+@pytest.fixture(scope="module")
+def moe_profile():
+    """A one-layer MoELM whose 32 experts hold most of its parameters (tests/moe_models.py), traced on meta."""
+    from moe_models import SEQ, MoELM
+    from autopar.search.profile import profile_graph
+    from autopar.trace import trace
+    with torch.device("meta"):
+        model = MoELM(depth=1, experts=32)
+    graph = trace(model, (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),))
+    return profile_graph(graph, name="moe", seq_len=SEQ, tp_degrees=(1, 2), model=model)
+
+
+def test_ep_is_listed_on_an_moe_model_and_picked_when_only_sharded_experts_fit(moe_profile):
+    experts = moe_profile.experts
+    assert experts is not None and experts.num_experts == 32 and sum(experts.params) == 32 * 16 * 16
+    model = StepModel(moe_profile, sized(preset("cpu-local"), nproc=2), global_batch_size=4)
+    space = SearchSpace(nproc=2, zero_levels=(0,))  # ZeRO shards every parameter: out of the way here
+    listed = list(enumerate_candidates(model, space))
+    assert {c.ep for c in listed} == {1, 2} and all(c.pp == c.tp == 1 and c.dp == 2 for c in listed if c.ep > 1)
+    roomy = exhaustive(model, space)
+    assert roomy.ranked[0].candidate.ep == 1  # memory to spare: the all-to-alls and the imbalance only cost
+    from autopar.search.dimensions import dimension_notes
+    note = next(n for n in dimension_notes(roomy.ranked) if n.startswith("expert parallelism"))
+    assert "slower" in note and "all-to-alls" in note and "MiB per rank instead of" in note
+    estimates = [model.evaluate(c) for c in listed]
+    sharded = min(e.peak_memory for e in estimates if e.candidate.ep > 1)
+    whole = min(e.peak_memory for e in estimates if e.candidate.ep == 1)
+    assert sharded < whole
+    tight = model.cluster.replace(memory_per_device_gb=(sharded + whole) / 2 / 2**30)
+    best = exhaustive(StepModel(moe_profile, tight, global_batch_size=4), space).ranked[0]
+    assert best.candidate.ep == 2 and best.fits
+
+
+def test_ep_prices_a_shard_of_the_experts_their_all_to_alls_and_the_imbalance(moe_profile):
+    model = StepModel(moe_profile, sized(preset("cpu-local"), nproc=2), global_batch_size=4)
+    plain = Candidate(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    e1, e2 = model.evaluate(plain), model.evaluate(dataclasses.replace(plain, ep=2))
+    halved = sum(moe_profile.experts.params) // 2
+    assert e1.memory_per_stage[0].params - e2.memory_per_stage[0].params == pytest.approx(halved * 4, rel=0.01)
+    assert e2.parts["exchange_s"] > 0 and e1.parts.get("exchange_s", 0.0) == 0.0
+    cl, hidden, tokens = model.cluster, 16, 2 * moe_profile.seq_len
+    all_to_all = cl.all_to_all(tokens * moe_profile.experts.top_k * hidden * 4.0, 2)
+    assert e2.parts["exchange_s"] == pytest.approx(4 * all_to_all, rel=0.01)  # dispatch + combine, both ways
+    f1, _, _ = model.block_times(1, 2)
+    f2, _, _ = model._variants[(2, False, 1, "ring", False, 1)].block_times(1, 2)
+    share = moe_profile.experts.flops[0] / moe_profile.flops[0]  # one block: a single layer is no stack
+    assert f2[0] - all_to_all * 2 == pytest.approx(f1[0] * (1 + (EXPERT_IMBALANCE - 1) * share), rel=1e-6)
+
+
+def test_sp_splits_a_tensor_parallel_blocks_activations_and_doubles_its_collectives():
+    model = StepModel(toy_profile(), toy_cluster(), global_batch_size=4)
+    plain = Candidate(dp=1, tp=2, pp=1, micro_batch_size=4, num_microbatches=1)
+    assert {c.sp for c in enumerate_candidates(model, SearchSpace(nproc=2)) if c.tp == 2} == {False, True}
+    assert not any(c.sp for c in enumerate_candidates(model, SearchSpace(nproc=2)) if c.tp == 1)
+    odd = StepModel(dataclasses.replace(toy_profile(), seq_len=31), toy_cluster(), global_batch_size=4)
+    assert not any(c.sp for c in enumerate_candidates(odd, SearchSpace(nproc=2)))  # tp must divide the sequence
+    e0, e1 = model.evaluate(plain), model.evaluate(dataclasses.replace(plain, sp=True))
+    from autopar.search.command import plan_dict
+    assert plan_dict(e1, model)["strategy"]["sp"] is True and "sp" not in plan_dict(e0, model)["strategy"]
+    layers0 = e0.memory_per_stage[0].activations
+    layers1 = e1.memory_per_stage[0].activations
+    assert layers1 < layers0
+    _, _, comm0 = model.block_times(2, 4)
+    _, _, comm1 = model._variants[(1, True, 1, "ring", False, 2)].block_times(2, 4)
+    latency = model.cluster.allreduce_table.get(2, model.cluster.intra_node).latency_s
+    assert comm1[1] - comm0[1] == pytest.approx(2 * 2 * latency, rel=1e-6)  # 2 more ring latencies per split op
+
+
+def _attention_profile(seq_len: int = 32):
+    prof = toy_profile()
+    n = prof.num_blocks
+    layers = tuple(0 if i in (0, n - 1) else 1 for i in range(n))
+    return dataclasses.replace(prof, seq_len=seq_len, attention=AttentionCosts(
+        heads=4, kv_heads=4, layers=layers, kv_bytes=tuple(4e4 * x for x in layers),
+        qkv_out_bytes=tuple(8e4 * x for x in layers), flops=tuple(1e6 * x for x in layers)))
+
+
+def test_cp_divides_sequence_memory_and_prices_the_ring_against_all_to_all():
+    model = StepModel(_attention_profile(), toy_cluster(), global_batch_size=2)
+    listed = list(enumerate_candidates(model, SearchSpace(nproc=2)))
+    assert {(c.cp, c.cp_mode) for c in listed} == {(1, "ring"), (2, "ring"), (2, "all-to-all")}
+    assert all(c.dp * c.cp * c.tp * c.pp == 2 and c.tp == 1 and c.zero == 0 for c in listed if c.cp > 1)
+    one = Candidate(dp=1, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    ring = dataclasses.replace(one, cp=2)
+    e1, er = StepModel(_attention_profile(), toy_cluster(), global_batch_size=2).evaluate(one), model.evaluate(ring)
+    assert er.memory_per_stage[0].activations == pytest.approx(e1.memory_per_stage[0].activations / 2, rel=0.01)
+    ea = model.evaluate(dataclasses.replace(ring, cp_mode="all-to-all"))
+    assert er.parts["exchange_s"] > 0 and ea.parts["exchange_s"] > 0
+    forward = {mode: model._variants[(1, False, 2, mode, False, 1)].block_times(1, 2)[0][1]
+               for mode in ("ring", "all-to-all")}
+    shown = {mode: model._variants[(1, False, 2, mode, False, 1)].profile.exchange_seconds(2)[0][1]
+             for mode in ("ring", "all-to-all")}
+    assert shown["ring"] != shown["all-to-all"]  # the exchange is part of the block's time, the rest alike
+    assert forward["ring"] - shown["ring"] == pytest.approx(forward["all-to-all"] - shown["all-to-all"])
+    slow = toy_cluster(flops_per_s={"fp32": 1e6})  # attention's compute outlasts the ring's sends: only latency shows
+    hidden = StepModel(_attention_profile(), slow, global_batch_size=2).evaluate(ring)
+    latencies = 4 * slow.intra_node.latency_s * 3  # 4 attentions, 1 send forward and 2 backward's worth each
+    assert hidden.parts["exchange_s"] == pytest.approx(latencies, rel=1e-6)
+    odd = StepModel(_attention_profile(seq_len=6), toy_cluster(), global_batch_size=2)  # 2 x cp must divide 6
+    assert {c.cp for c in enumerate_candidates(odd, SearchSpace(nproc=2))} == {1}
+
+
+@pytest.mark.parametrize("speedup, picked", [(0.0, None), (0.8, False), (2.0, True)])
+def test_compile_is_searched_only_where_measured_and_kept_only_when_faster(speedup, picked):
+    cluster = toy_cluster(compile_speedup=speedup, compile_seconds=1e-3)
+    model = StepModel(toy_profile(), cluster, global_batch_size=4)
+    space = SearchSpace(nproc=2)
+    listed = {c.compile for c in enumerate_candidates(model, space)}
+    assert listed == ({False} if picked is None else {False, True})
+    if picked is None:
+        return
+    plain = Candidate(dp=2, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    eager, compiled = model.evaluate(plain), model.evaluate(dataclasses.replace(plain, compile=True))
+    assert compiled.parts["compile_amortised_s"] == pytest.approx(1e-3 / 1000)
+    assert (compiled.step_time_s < eager.step_time_s) == picked
+    assert exhaustive(model, space).ranked[0].candidate.compile == picked
+
+
+def test_longest_sequence_is_the_memory_models_bisection_and_grows_with_cp():
+    cluster = toy_cluster(memory_per_device_gb=0.05)
+    model = StepModel(_attention_profile(), cluster, global_batch_size=2)
+    one = Candidate(dp=1, tp=1, pp=1, micro_batch_size=2, num_microbatches=1)
+    two = Candidate(dp=1, tp=1, pp=1, micro_batch_size=2, num_microbatches=1, cp=2)
+    longest = longest_sequence(model, one)
+    assert longest is not None
+
+    def fits(c, tokens):
+        from autopar.search.dimensions import scaled_sequence
+        return StepModel(scaled_sequence(model.profile, tokens / 32), cluster, global_batch_size=2).evaluate(c).fits
+    assert fits(one, longest) and not fits(one, longest + 1)
+    assert longest_sequence(model, two) >= 1.8 * longest
+
+
+def test_plan_auto_lists_expert_parallel_plans_for_a_tiny_mixtral(capsys):
+    from autopar.cli import main
+    tiny = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=4",
+            "num_key_value_heads=2", "num_local_experts=4", "num_experts_per_tok=2", "max_position_embeddings=64"]
+    args = ["plan", "--auto", "--model", "hf:mixtral", *[x for a in tiny for x in ("--model-arg", a)], "--seq-len", "8",
+            "--nproc", "2", "--global-batch-size", "2", "--cluster", "cpu-local", "--cost-model", "flops",
+            "--top", "60", "--json"]
+    assert main(args) == 0
+    record = json.loads(capsys.readouterr().out)
+    plans = [record, *record["alternatives"]]
+    assert any(p["strategy"].get("ep") == 2 for p in plans)
+    assert any(p["strategy"].get("cp") == 2 for p in plans)
+    assert record["longest_seq_len"] > 8
+    assert any(n.startswith("expert parallelism") for n in record["dimensions_not_picked"])
+    assert not any(d["name"] in ("--ep", "--sp", "--cp / --cp-mode") for d in record["search"]["not_covered"])
+
+
+def test_all_to_all_is_priced_from_its_measured_table_else_from_the_all_reduce_figures():
+    from autopar.search.cluster import Link, cluster_from_dict
+    derived = toy_cluster()
+    assert derived.all_to_all(1e6, 2) == pytest.approx(derived.all_reduce(1e6, 2) / 2)  # half a ring all-reduce
+    measured = toy_cluster(all_to_all_table={2: Link(3e-5, 2e8)})
+    assert measured.all_to_all(1e6, 2) == pytest.approx(3e-5 + 0.5 * 1e6 / 2e8)
+    assert cluster_from_dict(measured.to_dict()).all_to_all_table == {2: Link(3e-5, 2e8)}  # the cluster file keeps it
