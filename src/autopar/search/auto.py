@@ -140,7 +140,7 @@ class Plan:
         print(self.measured_vs_predicted(), flush=True)
         took, said = self.record["measured"]["median_step_time_s"], (self.step_time_s or 0.0)
         calibration = self.record.get("search", {}).get("calibration")
-        if said > 0 and mark_stale(calibration, took / said - 1):
+        if said > 0 and mark_stale(calibration, took / said - 1, self.nproc):
             print(f"plan: this machine's cached calibration ({calibration['cache']}) is off by more than "
                   f"{STALE_ERROR:.0%} for this run; the next search measures it again", flush=True)
 

@@ -170,12 +170,18 @@ def _write(path: Path, entry: dict) -> None:
     os.replace(partial, path)
 
 
-def mark_stale(record: dict | None, error: float) -> bool:
+def mark_stale(record: dict | None, error: float, nproc: int) -> bool:
     """After a run priced on this machine's cached entry (`record`: plan.json's search.calibration) measured its
-    step `error` away from the prediction (measured / predicted - 1): beyond STALE_ERROR, mark the entry stale so
+    step `error` away from the prediction (measured / predicted - 1) on `nproc` ranks: beyond STALE_ERROR, mark the
+    entry stale so
     that the next search measures again. Only the entry that priced the run (same measurement time); True when
-    marked. A cache that cannot be written is left as it is."""
+    marked. A run slower than predicted while other jobs load the machine (load average above the run's ranks
+    plus the cores) says nothing of the quiet machine the figures describe: not marked. A cache that cannot be
+    written is left as it is."""
     if not record or abs(error) <= STALE_ERROR or not record.get("measured_at"):
+        return False
+    load = _load()
+    if error > 0 and load is not None and load > nproc + _cpus():
         return False
     path = Path(record.get("cache") or "")
     try:
