@@ -16,14 +16,18 @@ it runs together:
 - the distinct fitting configurations of the same search space, priced by the same model on the same
   calibration (up to --configs of them, chosen as strategy_search.py's pick_configs does).
 
-Printed per job: every configuration (predicted and measured ms and MiB per rank), then auto / default
-and auto / measured best. The summary gives the median time error and the worst per-rank memory error
-over the whole set, and the thresholds of the validation, each met or not met:
-auto / default <= 1.00 and auto / best <= 1.05 on every job, median time error <= 10%, worst memory
-error <= 10%.
+Printed per job: every configuration (predicted and measured ms and MiB per rank), then one line: auto /
+default, auto / measured best, the job's median time error and worst memory error. The summary gives the
+median time error and the worst per-rank memory error over the whole set, and the thresholds of the
+validation, each met or not met, then PASS or FAIL: auto / default <= 1.00 and auto / best <= 1.05 on every
+job, median time error <= 10%, worst memory error <= 10%.
 
-    PYTHONPATH=src python benchmarks/strategy_user_jobs.py [--quick] [--world 4,8] [--models ...]
-        [--repeats 3] [--configs 12] [--keep-cache] [--out results.json]
+The full set (4 models x 4 and 8 ranks x 2 batch shapes: 16 jobs) with the defaults (REPEATS rounds,
+MAX_CONFIGS others per job) is sized for about 15 minutes on a quiet 2-core machine (a calibration per world
+size, then per job a search and one launch of at most MAX_CONFIGS + 2 configurations); `--jobs` runs a part:
+
+    PYTHONPATH=src python benchmarks/strategy_user_jobs.py [--quick] [--jobs gpt-mini/4,hf:llama/8/32x128]
+        [--world 4,8] [--models ...] [--shapes 8x128] [--repeats 2] [--configs 5] [--keep-cache] [--out r.json]
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ JOBS = {
     "hf:gpt2": ({"n_layer": 4, "n_embd": 128, "n_head": 4}, ((8, 128), (32, 128))),
 }
 QUICK = ("gpt-tiny", {}, (8, 32), 2)  # model, args, shape, world
-REPEATS = 3
-MAX_CONFIGS = 12  # besides the pick and the default layout, per job (every trainer of a job is alive at once)
+REPEATS = 2  # interleaved rounds; the median of 2 is their mean (a loaded machine wants --repeats 3 or more)
+MAX_CONFIGS = 5  # besides the pick and the default layout, per job (every trainer of a job is alive at once)
 QUICK_CONFIGS = 2
 DEFAULT_MICRO_BATCH = 8  # TrainConfig's default micro_batch_size
 THRESHOLDS = {"auto_over_default": 1.00, "auto_over_best": 1.05, "median_time_error": 0.10,
@@ -223,6 +227,12 @@ def print_job(title: str, block: dict, verdict: dict) -> None:
         parts.append(f"median time error {verdict['median_time_error']:.1%}, worst memory error "
                      f"{verdict['max_memory_error']:+.1%}")
     print("   " + "; ".join(parts) if parts else "   every configuration failed")
+    auto = next((c for c in block["configs"] if c.get("auto") and c.get("measured_s")), None)
+    if auto is not None:
+        print(f"   job: auto/default {verdict.get('auto_over_default', float('nan')):.3f}, auto/best "
+              f"{verdict['auto_over_best']:.3f}, auto's time error {auto['predicted_s'] / auto['measured_s'] - 1:+.1%}, "
+              f"median time error {verdict.get('median_time_error', float('nan')):.1%}, worst memory error "
+              f"{verdict.get('max_memory_error', float('nan')):+.1%}")
 
 
 def mark(ok: bool) -> str:
@@ -257,6 +267,16 @@ def summary_line(blocks: list[dict]) -> tuple[str, bool]:
     return "; ".join(f"{text}: {mark(good)}" for text, good in checks), ok
 
 
+def selected(spec: str, model: str, world: int, gb: int, seq_len: int) -> bool:
+    """Whether a job matches one of `spec`'s MODEL[/WORLD[/GBxSEQ]] entries."""
+    for entry in spec.split(","):
+        parts = entry.strip().split("/")
+        if parts[0] == model and (len(parts) < 2 or parts[1] == str(world)) and \
+                (len(parts) < 3 or parts[2] == f"{gb}x{seq_len}"):
+            return True
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -265,6 +285,8 @@ def main() -> None:
     parser.add_argument("--world", default="4,8", help="comma-separated world sizes")
     parser.add_argument("--models", default=",".join(JOBS), help="comma-separated, from " + ", ".join(JOBS))
     parser.add_argument("--shapes", default="", help="only these batch shapes, e.g. 8x128 (global batch x seq len)")
+    parser.add_argument("--jobs", default="", help="only these jobs: comma-separated MODEL[/WORLD[/GBxSEQ]], e.g. "
+                        "gpt-mini/4/8x128,hf:llama/8 (within --world, --models and --shapes)")
     parser.add_argument("--configs", type=int, default=0,
                         help=f"other configurations per job besides auto's pick and the default layout "
                              f"(default {MAX_CONFIGS}, {QUICK_CONFIGS} quick)")
@@ -285,6 +307,11 @@ def main() -> None:
         wanted = set(args.shapes.split(",")) - {""}
         jobs = [(m, JOBS[m][0], int(w), gb, s) for w in args.world.split(",") for m in args.models.split(",")
                 for gb, s in JOBS[m][1] if not wanted or f"{gb}x{s}" in wanted]
+        if args.jobs:
+            jobs = [j for j in jobs if selected(args.jobs, j[0], j[2], j[3], j[4])]
+            if not jobs:
+                parser.error(f"--jobs {args.jobs}: no job of the set matches (models {', '.join(JOBS)}; worlds "
+                             f"{args.world}; shapes {', '.join(sorted({f'{g}x{q}' for m in JOBS for g, q in JOBS[m][1]}))})")
     os.environ.pop("AUTOPAR_CLUSTER", None)  # as a user who never set it
     cache = None if args.keep_cache else tempfile.TemporaryDirectory(prefix="autopar-cache-")
     if cache:
@@ -310,6 +337,8 @@ def main() -> None:
     report.update(summary=line, thresholds_met=ok, total_s=time.perf_counter() - began,
                   load_average_at_end=os.getloadavg())
     print(f"\nsummary over {len(jobs)} jobs: {line}")
+    print(f"{'PASS' if ok else 'FAIL'}: the validation's thresholds "
+          f"{'are all met' if ok else 'are not all met'} on this set")
     print(f"total {report['total_s']:.0f} s; load average at end {report['load_average_at_end'][0]:.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))

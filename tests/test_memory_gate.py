@@ -194,3 +194,35 @@ def test_dry_run_under_torchrun_is_refused(monkeypatch, started):
     with pytest.raises(ConfigError, match="--dry-run checks a run before autopar starts its processes"):
         train("--model", "gpt-tiny", "--dry-run")
     assert started == []
+
+
+def _python_run(force: bool = False, **config):
+    """A hand-set Trainer of gpt-mini (on meta: nothing allocated) on one process."""
+    import torch
+
+    from autopar import Strategy, Trainer, TrainConfig
+    from autopar.data import CausalLMWindows, padded_vocab_size
+    from autopar.models import build_model
+    model, _ = build_model("gpt-mini", {}, vocab_size=padded_vocab_size(258), device="meta")
+    data = CausalLMWindows(torch.zeros(4000, dtype=torch.long), 128)
+    return Trainer(model, data, strategy=Strategy(), force=force,
+                   config=TrainConfig(**{"steps": 1, "global_batch_size": 8, "micro_batch_size": 8, **config}))
+
+
+def test_the_python_api_refuses_a_hand_set_run_that_cannot_fit(monkeypatch, capsys):
+    """Trainer(...).train() with a strategy set by hand is held to the memory as `autopar train` is: refused before
+    the process group or the engine exists, with the estimate per rank and a change that fits; force=True runs
+    it (here: its checks pass, with a warning). A run far below the memory is not traced at all."""
+    import torch.distributed as dist
+    host_with(monkeypatch, 0.03)  # 30 MiB: gpt-mini's batch of 8 needs about 50
+    with pytest.raises(ConfigError) as refused:
+        _python_run().train()
+    message = str(refused.value)
+    assert "GPT with dp=1 tp=1 pp=1 does not fit" in message and "each rank: " in message
+    assert "smallest change that fits: " in message and "Pass Trainer(..., force=True)" in message
+    assert not dist.is_initialized()
+    _python_run(force=True)._validate()
+    assert "does not fit" in capsys.readouterr().out
+    host_with(monkeypatch, 64)
+    monkeypatch.setattr(memory_gate, "check_memory", lambda *a, **k: pytest.fail("a small run was traced"))
+    _python_run(micro_batch_size=1, global_batch_size=1)._validate()

@@ -36,7 +36,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.delenv("AUTOPAR_CLUSTER", raising=False)
     calls = []
 
-    def measure(nproc):
+    def measure(nproc, details=None):
         calls.append(nproc)
         return measured_cluster(nproc)
 
@@ -136,7 +136,7 @@ def test_not_measured_where_measuring_is_wrong(cache, monkeypatch, capsys):
     assert cache == []
     monkeypatch.setattr(calibration_cache, "_inside_ranks", lambda: False)
 
-    def failing(nproc):
+    def failing(nproc, details=None):
         from autopar.errors import DistributedError
         raise DistributedError("the ranks could not start")
     monkeypatch.setattr(calibration_cache, "measure", failing)
@@ -166,7 +166,8 @@ def test_calibrate_command_rewrites_the_cache_entry(cache, tmp_path, monkeypatch
     from autopar.search import calibrate
     old = measured_cluster(4, when=time.time() - 86400)
     calibration_cache.store(old, 4)
-    monkeypatch.setattr(calibrate, "calibrate", lambda nproc: measured_cluster(nproc).replace(cores_per_node=1.25))
+    monkeypatch.setattr(calibrate, "calibrate",
+                        lambda nproc, details=None: measured_cluster(nproc).replace(cores_per_node=1.25))
     out = tmp_path / "c.toml"
     assert calibrate.cmd_calibrate(argparse.Namespace(nproc=4, out=str(out))) == 0
     assert str(entry_path(4)) in capsys.readouterr().out
@@ -196,7 +197,7 @@ def test_two_searches_at_once_measure_once(cache, monkeypatch):
     import threading
     started = threading.Event()
 
-    def slow(nproc):
+    def slow(nproc, details=None):
         started.set()
         time.sleep(0.5)
         cache.append(nproc)
@@ -240,7 +241,49 @@ def test_the_measurement_covers_the_groups_the_search_forms(monkeypatch):
     """dp, tp and pp groups (divisors of nproc) and a tied weight's pair; not the sizes no layout forms."""
     from autopar.search import calibrate
     seen = []
-    monkeypatch.setattr(calibrate, "calibrate", lambda nproc, group_sizes=None: seen.append(group_sizes))
+    monkeypatch.setattr(calibrate, "calibrate", lambda nproc, group_sizes=None, details=None: seen.append(group_sizes))
     for nproc in (8, 6, 3):
         calibration_cache.measure(nproc)
     assert seen == [[2, 4, 8], [2, 3, 6], [2, 3]]
+
+
+def test_a_calibration_under_load_is_measured_again_once_quiet(cache, monkeypatch):
+    """What the calibration saw other jobs take (calibrate's details) marks the entry as measured under load: the
+    banner says so, a still-loaded machine reuses it, a quiet one measures again and the banner says why."""
+    def measure(nproc, details=None):
+        cache.append(nproc)
+        details["others_cores"] = 1.2 if len(cache) == 1 else 0.1
+        return measured_cluster(nproc)
+    monkeypatch.setattr(calibration_cache, "measure", measure)
+    monkeypatch.setattr(calibration_cache, "_cpus", lambda: 2)
+    monkeypatch.setattr(calibration_cache, "_load", lambda: 6.0)
+    _, record = search_cluster(None, nproc=4)
+    assert "under load (other jobs held 1.2 of 2 cores; figures scaled to a quiet machine" in note(record)
+    _, again = search_cluster(None, nproc=4)
+    assert cache == [4] and again == record  # still loaded: the entry (scaled to a quiet machine) serves
+    monkeypatch.setattr(calibration_cache, "_load", lambda: 0.5)
+    _, quiet = search_cluster(None, nproc=4)
+    assert cache == [4, 4] and "busy" not in quiet
+    assert "re-measured: the cached calibration was measured under load (other jobs held 1.2 of 2 cores)" in \
+        note(quiet)
+    search_cluster(None, nproc=4)
+    assert cache == [4, 4]  # the quiet entry is kept
+
+
+def test_a_run_far_off_its_prediction_marks_the_entry_stale(cache, monkeypatch):
+    """The run's measured step against the prediction: within STALE_ERROR the entry stays; beyond, the next
+    search measures again and says why. Only the entry that priced the run is marked, and not by a run slower
+    than predicted while other jobs load the machine (the figures are a quiet machine's)."""
+    monkeypatch.setattr(calibration_cache, "_cpus", lambda: 2)
+    monkeypatch.setattr(calibration_cache, "_load", lambda: 9.0)  # other jobs: 4 ranks + 2 cores < 9
+    _, record = search_cluster(None, nproc=4)
+    assert not calibration_cache.mark_stale(record, calibration_cache.STALE_ERROR - 0.01, 4)
+    assert not calibration_cache.mark_stale({**record, "measured_at": 1.0}, -0.5, 4)  # an older entry's plan
+    assert not calibration_cache.mark_stale(record, 0.8, 4)  # slower under load: not the figures' fault
+    search_cluster(None, nproc=4)
+    assert cache == [4]
+    assert calibration_cache.mark_stale(record, -0.45, 4)
+    _, again = search_cluster(None, nproc=4)
+    assert cache == [4, 4] and "re-measured: the cached calibration" in note(again) and "-45% off" in note(again)
+    search_cluster(None, nproc=4)
+    assert cache == [4, 4]

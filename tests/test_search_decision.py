@@ -178,6 +178,12 @@ def test_measure_only_when_the_top_plans_are_within_the_error():
     assert to_measure([fast, near], _plan(2.0), None, 0.1) == [fast, _plan(2.0)]
     assert to_measure([fast, near, far], _plan(2.0), 2, 0.1) == [fast, _plan(2.0)]  # --confirm 2
     assert to_measure([fast, near, far], None, 3, 0.1) == [fast, near, far]
+    assert to_measure([fast, near, far], _plan(2.0), 1, 0.1) == [fast, _plan(2.0)]  # --confirm 1: the best, default
+    assert to_measure([fast, near, far], fast, 1, 0.1) == [fast]  # the best is the default
+    for k in range(1, 5):  # --confirm K: the default among the plans measured, whatever K and its place
+        for default in (fast, near, far, _plan(2.0)):
+            runs = to_measure([fast, near, far], default, k, 0.1)
+            assert default in runs and runs[0] is fast and len(runs) <= max(k, 2), (k, default, runs)
 
 
 def test_confirm_defaults_to_when_unsure_and_zero_turns_it_off():

@@ -64,3 +64,17 @@ def test_the_ranks_take_the_new_plan_over_the_runs_old_layout(run, tmp_path):
     job = _job(run, "--nproc", "2", "--plan", str(new))
     assert job.strategy.pp == 1 and job.strategy.replicas.zero == 0
     Plan.load(new).apply(job.strategy, job.train)  # nothing the run had set contradicts the plan
+
+
+def test_the_fields_fixed_beside_auto_stay_fixed_on_the_new_count(run):
+    """The run's first command was `--pp 2 --zero 1 --dp 2 --micro-batch-size 8 --strategy auto` (plan.json's
+    search.fixed): pp, zero and the micro-batch size stay fixed for the new count; dp is the new count's rest."""
+    record = json.loads((run / "plan.json").read_text())
+    record["search"] = {"fixed": {"pp": 2, "zero": 1, "dp": 2, "micro_batch_size": 8}}
+    (run / "plan.json").write_text(json.dumps(record))
+    job = _job(run, "--nproc", "2")
+    assert job.strategy.planning.mode == "auto" and not job.strategy.planning.plan
+    assert (job.strategy.pp, job.strategy.replicas.zero, job.train.micro_batch_size) == (2, 1, 8)
+    assert job.strategy.dp is None and job.strategy.pipeline.partition == Strategy().pipeline.partition
+    from autopar.search.auto import fixed_fields
+    assert fixed_fields(job.strategy, job.train) == {"pp": 2, "zero": 1}  # what the new search keeps

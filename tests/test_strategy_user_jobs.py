@@ -67,3 +67,11 @@ def test_configurations_that_execute_alike_share_a_key():
     assert jobs.key_of(flat, 2) != jobs.key_of(flat, 1)
     piped = {**flat, "dp": 2, "pp": 2}
     assert jobs.key_of(piped, 2) != jobs.key_of({**piped, "schedule": "gpipe"}, 2)
+
+
+def test_jobs_are_chosen_by_model_world_and_shape():
+    jobs = load()
+    assert jobs.selected("gpt-mini", "gpt-mini", 8, 32, 128)
+    assert jobs.selected("hf:llama/8,gpt-mini/4/8x128", "gpt-mini", 4, 8, 128)
+    assert not jobs.selected("hf:llama/8,gpt-mini/4/8x128", "gpt-mini", 4, 32, 128)
+    assert jobs.selected("hf:llama/8", "hf:llama", 8, 32, 128) and not jobs.selected("hf:llama/8", "hf:llama", 4, 8, 128)

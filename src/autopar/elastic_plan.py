@@ -17,7 +17,8 @@ A plan the user fixed with `--plan FILE` is never replaced: a plan for another w
 
 The same holds for a run resumed by hand: `autopar train --resume RUN_DIR --nproc N` on a run whose plan
 `--strategy auto` chose for another process count searches again for N (replan_on_resume), unless a layout
-is given beside it; the checkpoint then resumes under the new plan.
+is given beside it; the checkpoint then resumes under the new plan. The fields the user fixed beside
+`--strategy auto` on the run's first command (plan.json's search.fixed, e.g. `--tp 2`) stay fixed; dp is the rest.
 """
 
 from __future__ import annotations
@@ -51,8 +52,19 @@ def replan_on_resume(job: JobConfig, run: Path, given: dict) -> JobConfig:
     if previous is None or previous.record.get("chosen_by") != CHOSEN_BY_SEARCH or \
             previous.nproc == job.launch.nproc or any(key in fixed for key in LAYOUT_FIELDS):
         return job
-    job = _without_plan_fields(job, previous, given)
+    job = _without_plan_fields(job, previous, _with_user_fixed(given, previous))
     return dataclasses.replace(job, strategy=dataclasses.replace(job.strategy, search="auto", plan=None))
+
+
+def _with_user_fixed(given: dict, plan: Plan) -> dict:
+    """`given` (the command line's fields) with what the user fixed beside `--strategy auto` on the run's first
+    command (plan.json's search.fixed: `--tp 2 --strategy auto` keeps tp=2, the search re-plans the rest), but
+    dp: it is the rest of the new process count once tp and pp are set."""
+    fixed = (plan.record.get("search") or {}).get("fixed") or {}
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    kept = {"strategy": {k: v for k, v in fixed.items() if k not in train_keys and k != "dp"},
+            "train": {k: v for k, v in fixed.items() if k in train_keys}}
+    return {**given, **{table: {**kept[table], **given.get(table, {})} for table in kept}}
 
 
 def _without_plan_fields(job: JobConfig, plan: Plan, given: dict) -> JobConfig:

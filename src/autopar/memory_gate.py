@@ -22,7 +22,7 @@ from typing import Any
 from .config import JobConfig
 from .errors import ConfigError, ModelError
 from .search.cluster import preset, resolve_cluster
-from .search.device_memory import RankMemory, rank_memory, size
+from .search.device_memory import rank_memory, size
 from .search.memory_fit import MODEL_ERROR, Fit, MemoryFit, Setting, candidate_of, changes, not_covered, rank_lines
 from .search.profile import profile_graph
 from .strategies import Resolved, resolve
@@ -47,18 +47,21 @@ def is_hand_set(job: JobConfig) -> bool:
     return job.strategy.planning.mode == "manual" and not job.strategy.planning.plan
 
 
-def check_memory(job: JobConfig, resolved: Resolved, build: Callable, *, force: bool = False) -> MemoryVerdict:
+def check_memory(job: JobConfig, resolved: Resolved, build: Callable, *, force: bool = False,
+                 force_hint: str = "Pass --force to start it anyway", reuse_trace: bool = False) -> MemoryVerdict:
     """Raise ConfigError when the run cannot fit (unless `force`); otherwise return what was found.
 
     `build()` gives the job's parts (job.build_job: the model on meta and its data), called only when the
-    strategy is covered and the memory known."""
-    verdict = estimate(job, resolved, build, suggest=True)
+    strategy is covered and the memory known. `force_hint`: how to force it, as the refusal ends. `reuse_trace`:
+    a model of the same structure traced earlier in this process is not traced again (_fit_model)."""
+    verdict = estimate(job, resolved, build, suggest=True, force_hint=force_hint, reuse_trace=reuse_trace)
     if verdict.refusal is not None and not force:
         raise ConfigError("\n".join([verdict.refusal, *verdict.lines[1:]]))
     return verdict
 
 
-def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bool) -> MemoryVerdict:
+def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bool,
+             force_hint: str = "Pass --force to start it anyway", reuse_trace: bool = False) -> MemoryVerdict:
     strategy, config = resolved.strategy, resolved.config
     missing = not_covered(strategy, config)
     if missing is not None:
@@ -71,7 +74,7 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
         return MemoryVerdict([f"memory not estimated: {where}"])
     parts = estimate_parts(job) or build()
     try:
-        fit = _fit_model(parts, strategy, config, nproc, memory)
+        fit = _fit_model(parts, strategy, config, nproc) if reuse_trace else _traced_fit(parts, strategy, config, nproc)
     except ModelError as exc:  # data parallelism runs models the tracer cannot take: the estimate only is lost
         return MemoryVerdict([f"memory not estimated: the model could not be traced on meta ({exc})"])
     base = Setting(candidate=candidate_of(strategy, config, resolved.accumulation), world=nproc, dtype=config.dtype,
@@ -90,7 +93,7 @@ def estimate(job: JobConfig, resolved: Resolved, build: Callable, *, suggest: bo
                            f"memory model predicts {size(found.high)} per rank at the peak (at least "
                            f"{size(found.low)}), and the memory is {memory.describe()}; refused before starting "
                            f"(over {size(limit)}, {1 + MODEL_ERROR:g}x the memory, is beyond the model's error). "
-                           f"Pass --force to start it anyway")
+                           f"{force_hint}")
         if suggest:
             lines += _suggestions(fit, base, job, resolved)
     elif not found.fits:
@@ -145,7 +148,30 @@ def estimate_parts(job: JobConfig) -> EstimateParts | None:
                                                 f"starts)"})
 
 
-def _fit_model(parts, strategy, config, nproc: int, memory: RankMemory) -> MemoryFit:
+_FITS: dict[tuple, MemoryFit] = {}  # the last few models' traced profiles, by structure (check_trainer's repeats)
+
+
+def _fit_model(parts, strategy, config, nproc: int) -> MemoryFit:
+    """The model's MemoryFit, traced once per structure in this process: a process that sets up one Trainer per
+    layout of the same model (a benchmark, a sweep) traces it once."""
+    import torch
+    try:
+        sample = parts.train_data[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot be indexed here: traced, not kept
+        return _traced_fit(parts, strategy, config, nproc)
+    values = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, (tuple, list)) else [sample]
+    key = (parts.job.model.name, repr(sorted(parts.job.model.args.items())), type(parts.model).__qualname__,
+           tuple((n, tuple(p.shape), p.dtype) for n, p in parts.model.named_parameters()),
+           tuple(tuple(v.shape) for v in values if isinstance(v, torch.Tensor)), nproc, strategy.tp, strategy.sp,
+           strategy.planning.cluster, config.device, config.optimizer)
+    if key not in _FITS:
+        if len(_FITS) >= 4:
+            _FITS.pop(next(iter(_FITS)))
+        _FITS[key] = _traced_fit(parts, strategy, config, nproc)
+    return _FITS[key]
+
+
+def _traced_fit(parts, strategy, config, nproc: int) -> MemoryFit:
     """Trace the model on meta once and profile it at the tp degrees the run or a suggestion may use.
 
     A built-in model of more than REPEAT_FROM identical `n_layer` layers (the GPT presets) is traced with two
@@ -247,6 +273,54 @@ def _runs(s: Setting, job: JobConfig) -> bool:
     except ConfigError:
         return False
     return True
+
+
+# ---------------------------------------------------------------------- the Python API's gate
+
+SCREEN_STATE_SHARE = 0.05  # weights, gradients and AdamW state under this share of a rank's memory, and
+SCREEN_ACTIVATION_SHARE = 0.5  # micro-batch input elements x parameters x 4 bytes under this share: not traced
+# (both, with the allocator's 1.1x headroom: at most 61% of the memory, for a dense model)
+
+
+def check_trainer(model: Any, train_data: Any, resolved: Resolved, world: int, *, force: bool) -> MemoryVerdict | None:
+    """`Trainer(...).train()` with a strategy set by hand: the command line's gate (check_memory) on the model and
+    data given, before the engine allocates anything; ConfigError when it cannot fit, unless `force`. None where
+    it is not estimated: no memory to hold it against, or a run small beside the memory (`_clearly_small`: the
+    trace costs a second on a large model, and most runs are far from the limit)."""
+    from .config import LaunchConfig, ModelConfig
+    config = resolved.config
+    memory = rank_memory(config.device, world, memory_per_device_gb=resolved.strategy.planning.memory_per_device_gb)
+    if memory is None or _clearly_small(model, train_data, config, memory.bytes):
+        return None
+    name = type(model).__name__
+    job = JobConfig(strategy=resolved.strategy, train=config, launch=LaunchConfig(nproc=world),
+                    model=ModelConfig(name=name, args={}))
+    parts = EstimateParts(job=job, model=model, name=name, train_data=train_data, run_info={})
+    verdict = check_memory(job, resolved, lambda: parts, force=force,
+                           force_hint="Pass Trainer(..., force=True) to start it anyway", reuse_trace=True)
+    if verdict.refusal is not None:  # forced: said once, by rank 0
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"autopar: warning: {verdict.refusal}; force=True: starting", flush=True)
+    return verdict
+
+
+def _clearly_small(model: Any, train_data: Any, config: Any, memory_bytes: int) -> bool:
+    """Whether a run is small beside the memory without tracing it: its parameters' state (fp32 weights, gradients,
+    AdamW's two moments: 16 bytes each) and a dense model's activations (at most one saved value per parameter use:
+    the micro-batch's input elements x parameters x 4 bytes) both far below a rank's memory."""
+    import torch
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    try:
+        sample = train_data[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot be indexed here: estimated in full
+        return False
+    values = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, (tuple, list)) else [sample]
+    elements = max((v.numel() for v in values if isinstance(v, torch.Tensor)), default=0)
+    if not elements:
+        return False
+    return (16 * params <= SCREEN_STATE_SHARE * memory_bytes
+            and 4 * params * elements * config.micro_batch_size <= SCREEN_ACTIVATION_SHARE * memory_bytes)
 
 
 # ---------------------------------------------------------------------- autopar train --dry-run

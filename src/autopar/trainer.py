@@ -33,6 +33,7 @@ from .data.sampler import GlobalBatchSampler
 from .distributed import DistEnv, destroy_groups, init_distributed, process_groups
 from .errors import ConfigError, DataError, Preempted, TrainingError
 from .launch import ATTEMPT_ENV, restart_attempt
+from .memory_gate import check_trainer
 from .mesh import ProcessMesh
 from .models.materialize import attach_init_fn, tied_groups
 from .search.auto import Measured, Plan
@@ -72,7 +73,7 @@ class Trainer:
                  job_config: JobConfig | None = None, run_info: dict[str, Any] | None = None,
                  pretrained: Any = None, run_files: dict[str, str] | None = None,
                  label_convention: str | None = None, init_fn: Callable[[nn.Module], None] | None = None,
-                 strategies: Sequence[StrategyEntry] | None = None):
+                 strategies: Sequence[StrategyEntry] | None = None, force: bool = False):
         """
         loss_fn(output, batch) -> scalar: a mean over the micro-batch's samples. Default: token
             cross-entropy against batch["labels"] (-100 ignored), averaged over the global batch.
@@ -94,6 +95,8 @@ class Trainer:
         run_files: extra {file name: text} written into the run folder (a Hugging Face config, a tokenizer).
         strategies: strategy-table entries (strategies.StrategyEntry) that replace the built-in table for this
             Trainer: the first whose `applies` holds runs (e.g. a test's reference engine).
+        force: train a strategy set by hand even when the memory model predicts it cannot fit (memory_gate.py:
+            refused otherwise, before anything is allocated, as `autopar train` refuses it without --force).
         """
         if not isinstance(model, nn.Module):
             raise ConfigError(f"Trainer needs an nn.Module as the model, got {type(model).__name__}")
@@ -109,6 +112,7 @@ class Trainer:
         self.pretrained, self.extra_run_files = pretrained, dict(run_files or {})
         self.pretrained_bytes_read = 0
         self.strategy_table = None if strategies is None else tuple(strategies)
+        self.force = force
         if self.strategy_table is not None and not all(isinstance(e, StrategyEntry) for e in self.strategy_table):
             raise ConfigError(f"Trainer(strategies=...) takes strategies.StrategyEntry items, got "
                               f"{[type(e).__name__ for e in self.strategy_table]}")
@@ -132,6 +136,9 @@ class Trainer:
         for name, data in (("train_data", self.train_data), ("eval_data", self.eval_data)):
             if data is not None and len(data) == 0:
                 raise DataError(f"{name} is empty; it needs at least one sample")
+        if resolved.plan is None and self.job_config is None and self.forward_fn is default_forward:
+            # a strategy set by hand in Python (the command line gates its own runs before launching the ranks)
+            check_trainer(self.model, self.train_data, resolved, world, force=self.force)
         return resolved
 
     def _setup(self) -> None:

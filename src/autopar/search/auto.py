@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import Strategy, TrainConfig
 from ..errors import ConfigError
-from .calibration_cache import note, search_cluster
+from .calibration_cache import STALE_ERROR, mark_stale, note, search_cluster
 from .coverage import not_covered
 from .command import plan_dict
 from .cost import Candidate, StepModel
@@ -138,6 +138,11 @@ class Plan:
         self.record["measured"] = measured.to_dict()
         self.save(run_dir / "plan.json")
         print(self.measured_vs_predicted(), flush=True)
+        took, said = self.record["measured"]["median_step_time_s"], (self.step_time_s or 0.0)
+        calibration = self.record.get("search", {}).get("calibration")
+        if said > 0 and mark_stale(calibration, took / said - 1, self.nproc):
+            print(f"plan: this machine's cached calibration ({calibration['cache']}) is off by more than "
+                  f"{STALE_ERROR:.0%} for this run; the next search measures it again", flush=True)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.record, indent=2) + "\n")

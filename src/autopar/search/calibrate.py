@@ -96,10 +96,12 @@ def measure_links(nproc: int, group_sizes: list[int] | None = None) -> dict:
         return json.loads(out.read_text())
 
 
-def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
+def calibrate(nproc: int, group_sizes: list[int] | None = None, details: dict | None = None) -> Cluster:
     """This machine as a Cluster of `nproc` one-thread gloo ranks; `group_sizes`: the collectives' group sizes to
     measure (default every size 2..nproc; a size not measured is priced at the largest measured one's per-rank
-    cost). Leaves this process's thread count as it found it."""
+    cost). `details` gets what the figures do not hold: `others_cores`, the cores other jobs took while the
+    sharing probe and the reference step ran (their figures are scaled to a quiet machine, machine_load.py), and
+    the reference step as measured and as scaled. Leaves this process's thread count as it found it."""
     if nproc < 2:
         raise ConfigError(f"calibrate --nproc must be >= 2 to measure links between ranks, got {nproc}")
     threads = torch.get_num_threads()
@@ -110,6 +112,10 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None) -> Cluster:
     finally:
         torch.set_num_threads(threads)
     links = measure_links(nproc, group_sizes)
+    if details is not None:
+        held = [links[k] for k in ("sharing_others_cores", "reference_others_cores") if k in links]
+        details.update(others_cores=round(statistics.mean(held), 2) if held else None,
+                       **{k: links[k] for k in ("reference_step_s", "reference_step_measured_s") if k in links})
     p2p = Link(**links["p2p"])
     table = {int(n): Link(**fit) for n, fit in links["allreduce"].items()}
     cpu_table = {int(n): Link(**fit) for n, fit in links["allreduce_cpu"].items()}
@@ -142,13 +148,17 @@ def cmd_calibrate(ns) -> int:
     `--strategy auto` without --cluster then uses)."""
     from .calibration_cache import store
     began, load = time.perf_counter(), os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    cluster = calibrate(ns.nproc)
+    details: dict = {}
+    cluster = calibrate(ns.nproc, details=details)
     Path(ns.out).write_text(cluster.to_toml())
-    entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began, load=load)
+    entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began, load=load,
+                  others_cores=details.get("others_cores"))
     print(f"wrote {ns.out} and {entry} in {time.perf_counter() - began:.0f} s: matmul "
           f"{cluster.flops_per_s['fp32'] / 1e9:.1f} GFLOP/s fp32 per thread, overhead "
           f"{cluster.per_action_overhead_s * 1e6:.0f} us per action, p2p "
           f"{cluster.intra_node.latency_s * 1e6:.0f} us + {cluster.intra_node.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
           f"{ns.nproc} ranks get {cluster.cores_per_node:.2f} effective cores and pay "
-          f"{cluster.sync_cpu_s * 1e6:.0f} us of CPU per blocking wait")
+          f"{cluster.sync_cpu_s * 1e6:.0f} us of CPU per blocking wait"
+          + (f"; other jobs held {details['others_cores']:.1f} cores while it measured (figures scaled to a quiet "
+             f"machine)" if details.get("others_cores") else ""))
     return 0

@@ -70,10 +70,12 @@ def _fit(t_small: float, t_large: float, steps: float, volume: float) -> dict:
     return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / per_byte}
 
 
-def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
+def sharing_probe(rounds: int = 3, repeats: int = 48, report: dict | None = None) -> float:
     """Effective cores this job's ranks get: (the CPU seconds a fixed workload takes each rank alone, summed over
     the ranks) / (wall seconds from a common start until every rank has run it once at the same time), alternated
-    `rounds` times, medians kept. In units of each process's CPU time alone, so it also charges what switching
+    `rounds` times: the median alone, the quickest together once each round is scaled to a quiet machine (the
+    cores other jobs took during it given back to our ranks, machine_load.py; `report["others_cores"]`: those
+    cores, on average). In units of each process's CPU time alone, so it also charges what switching
     between the ranks costs; CPU time, not wall, for the alone runs, so that other jobs on the machine count once
     (in the together run), as they slow the real step.
 
@@ -97,7 +99,8 @@ def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
             (y * y + y).sum()
 
     work()
-    alone, together = [], []
+    load = _sibling("machine_load")
+    alone, together, others = [], [], []
     for _ in range(rounds):
         mine = 0.0
         for turn in range(world):
@@ -108,14 +111,26 @@ def sharing_probe(rounds: int = 3, repeats: int = 48) -> float:
                 mine = time.thread_time() - began
         alone.append(mine)
         dist.barrier()
-        span = torch.tensor([-time.monotonic(), 0.0], dtype=torch.float64)  # the machine-wide clock
+        busy, read_at = (load.busy_seconds() if rank == 0 else None), time.monotonic()
+        span = torch.tensor([-time.monotonic(), 0.0, 0.0], dtype=torch.float64)  # the machine-wide clock
+        used = time.process_time()
         work()
-        span[1] = time.monotonic()
+        span[1], span[2] = time.monotonic(), time.process_time() - used
+        cpu = span[2:].clone()
         dist.all_reduce(span, op=dist.ReduceOp.MAX)  # the first start, the last end
-        together.append(float(span[0] + span[1]))
+        dist.all_reduce(cpu)
+        wall = float(span[0] + span[1])
+        after = load.busy_seconds() if busy is not None else None
+        held = torch.tensor([load.others_cores(after - busy, float(cpu), time.monotonic() - read_at)
+                             if after is not None else 0.0], dtype=torch.float64)
+        dist.broadcast(held, 0)
+        together.append(wall / load.quiet_factor(float(cpu), float(held), wall))
+        others.append(float(held))
     summed = torch.tensor([statistics.median(alone)], dtype=torch.float64)
     dist.all_reduce(summed)  # every rank's own alone time, summed: the CPU the together run had to deliver
-    return min(float(world), max(0.01, float(summed) / statistics.median(together)))
+    if report is not None:
+        report["others_cores"] = statistics.mean(others)
+    return min(float(world), max(0.01, float(summed) / min(together)))
 
 
 def other_threads_cpu_s() -> float:
@@ -263,11 +278,13 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
             result["all_gather_cpu"][str(n)] = _fit(gathers[SMALL], gathers[LARGE], n - 1, (n - 1) / n)
             result["all_to_all"][str(n)] = _fit(swaps[SMALL], swaps[LARGE], n - 1, (n - 1) / n)
     seconds["collectives"] = time.perf_counter() - began - sum(seconds.values())
-    result["effective_cores"] = sharing_probe()
+    sharing: dict = {}
+    result["effective_cores"] = sharing_probe(report=sharing)
+    result["sharing_others_cores"] = sharing["others_cores"]
     seconds["sharing"] = time.perf_counter() - began - sum(seconds.values())
     result["sync_cpu_s"] = sync_cost() if world >= 2 else 0.0
     seconds["waits"] = time.perf_counter() - began - sum(seconds.values())
-    result["reference_step_s"] = _reference_step_seconds()
+    result.update(reference_step())
     seconds["reference"] = time.perf_counter() - began - sum(seconds.values())
     result["seconds"] = seconds
     if rank == 0:
@@ -277,18 +294,37 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def _reference_step_seconds() -> float:
-    """The reference model's data-parallel step on every rank (reference_step.py: the level of the step model)."""
+def _sibling(name: str):
+    """This folder's module `name` (torch or standard library only): imported from the package, or, run as a
+    script with the package not imported, loaded by its path."""
     if __package__:
-        from .reference_step import step_seconds
-    else:  # run as a script, the package not imported: loaded by its path
-        import importlib.util
-        from pathlib import Path
-        spec = importlib.util.spec_from_file_location("reference_step", Path(__file__).with_name("reference_step.py"))
+        import importlib
+        return importlib.import_module(f"{__package__}.{name}")
+    import importlib.util
+    import sys
+    from pathlib import Path
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        step_seconds = module.step_seconds
-    return step_seconds()
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def reference_step() -> dict:
+    """The reference model's data-parallel step on every rank (reference_step.py: the level of the step model),
+    as a quiet machine would run it: each round's time scaled by the cores other jobs took from our ranks during
+    it (machine_load.quiet_factor), the quickest round kept (the step is a figure of the machine; load only adds).
+    Also the measured (uncorrected) quickest round and the cores other jobs held on average."""
+    load = _sibling("machine_load")
+    rounds = _sibling("reference_step").step_rounds(busy_seconds=load.busy_seconds)
+    quiet, others = [], []
+    for r in rounds:
+        held = load.others_cores(r["busy_s"], r["cpu_s"], r["wall_s"])
+        others.append(held)
+        quiet.append(r["wall_s"] / load.quiet_factor(r["cpu_s"], held, r["wall_s"]))
+    return {"reference_step_s": min(quiet), "reference_step_measured_s": min(r["wall_s"] for r in rounds),
+            "reference_others_cores": statistics.mean(others), "reference_rounds": rounds}
 
 
 def _forked_rank(rank: int, world: int, port: int, out: str, group_sizes: list[int] | None) -> None:

@@ -11,7 +11,11 @@ one entry per
 under the cache folder ($AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar). The file is
 named by a hash of that key and holds the key, so a changed machine, torch or process count reads as absent
 and is measured again, and a folder shared between hosts (a network home) keeps one entry per host. An entry
-that cannot be read is measured again with a warning. `autopar calibrate --nproc N` rewrites the entry;
+that cannot be read is measured again with a warning. An entry measured under load (other jobs held more than
+BUSY_SHARE of the cores: its figures are scaled to a quiet machine, machine_load.py) is measured again once the
+machine is quiet (load average under the cores); one a run found far off (its measured step time more than
+STALE_ERROR from the prediction: `mark_stale`) is measured again by the next search. `autopar calibrate --nproc N`
+rewrites the entry;
 `--cluster cpu-local` (or any preset or file; or $AUTOPAR_CLUSTER, its default) skips all of this.
 
 Not measured, and priced on cpu-local instead, where measuring is wrong: inside the ranks of a running job
@@ -37,8 +41,11 @@ from pathlib import Path
 from ..errors import AutoparError
 from .cluster import Cluster, cluster_from_dict, preset, resolve_cluster, sized
 
-FORMAT = 3  # bump when what is measured, or how, changes: entries of older formats are measured again
-# (2: reduce-scatter and all-gather wall times per group size; 3: the reference step's level, time_shared_scale)
+FORMAT = 4  # bump when what is measured, or how, changes: entries of older formats are measured again
+# (2: reduce-scatter and all-gather wall times per group size; 3: the reference step's level, time_shared_scale;
+# 4: the sharing probe and the reference step scaled to a quiet machine, quickest round kept)
+BUSY_SHARE = 0.25  # other jobs held more than this share of the cores while measuring: "under load"
+STALE_ERROR = 0.30  # a run whose step time was further than this from its prediction marks the entry stale
 CACHE_ENV = "AUTOPAR_CACHE_DIR"
 CLUSTER_ENV = "AUTOPAR_CLUSTER"  # a preset or file to price on when --cluster is not given (cpu-local: never measure)
 
@@ -107,7 +114,8 @@ def _warn(message: str) -> None:
 
 def lookup(nproc: int) -> tuple[Cluster, dict] | None:
     """The cached figures for `nproc` ranks on this machine and this torch, with their record (_record); None if
-    absent. An entry that is unreadable, of another key or not a valid cluster is reported and treated as absent."""
+    absent. An entry that is unreadable, of another key or not a valid cluster is reported and treated as absent.
+    A stale entry (mark_stale) is returned with the record's `stale` saying why."""
     key = cache_key(nproc)
     path = entry_path(nproc, key)
     if not path.exists():
@@ -122,37 +130,78 @@ def lookup(nproc: int) -> tuple[Cluster, dict] | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, AutoparError) as exc:
         _warn(f"calibration cache {path} cannot be used ({type(exc).__name__}: {exc}); measuring again")
         return None
-    return cluster, _record(cluster, path, entry.get("load"))
+    record = _record(cluster, path, entry.get("load"), entry.get("others_cores"))
+    if entry.get("stale"):
+        record["stale"] = entry["stale"]
+    return cluster, record
 
 
-def _record(cluster: Cluster, path: Path | None, load: float | None) -> dict:
+def _record(cluster: Cluster, path: Path | None, load: float | None, others_cores: float | None = None) -> dict:
     """plan.json's search.calibration for this machine's figures: when, where kept, and the load they were
-    measured under when it exceeded the cores (other jobs then held cores a quiet machine would give)."""
+    measured under when other jobs held cores a quiet machine would give (`others_cores`, what the calibration
+    saw; else, for entries without it, a load average above the cores)."""
     record = {"cluster": cluster.name, "measured_at": cluster.measured_at,
               "cache": str(path) if path else "not written"}
-    if load is not None and load > _cpus():
-        record["busy"] = {"load": round(load, 1), "cores": _cpus(), "nproc": cluster.num_devices}
+    busy = others_cores > BUSY_SHARE * _cpus() if others_cores is not None else load is not None and load > _cpus()
+    if busy:
+        record["busy"] = {"load": round(load, 1) if load is not None else None, "cores": _cpus(),
+                          "nproc": cluster.num_devices}
+        if others_cores is not None:
+            record["busy"]["others_cores"] = round(others_cores, 1)
     return record
 
 
-def store(cluster: Cluster, nproc: int, *, seconds: float | None = None, load: float | None = None) -> Path:
+def store(cluster: Cluster, nproc: int, *, seconds: float | None = None, load: float | None = None,
+          others_cores: float | None = None) -> Path:
     """Write `cluster` as this machine's entry for `nproc` ranks (atomically: a reader never sees half a file);
-    `load`: the machine's load average when the measurement began."""
+    `load`: the machine's load average when the measurement began; `others_cores`: the cores other jobs took
+    while it measured (calibrate's details)."""
     key = cache_key(nproc)
     path = entry_path(nproc, key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    entry = {"key": key, "seconds": seconds, "load": load, "cluster": cluster.to_dict()}
-    partial.write_text(json.dumps(entry, indent=1) + "\n")
-    os.replace(partial, path)
+    entry = {"key": key, "seconds": seconds, "load": load, "others_cores": others_cores, "cluster": cluster.to_dict()}
+    _write(path, entry)
     return path
 
 
-def measure(nproc: int) -> Cluster:
+def _write(path: Path, entry: dict) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(entry, indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def mark_stale(record: dict | None, error: float, nproc: int) -> bool:
+    """After a run priced on this machine's cached entry (`record`: plan.json's search.calibration) measured its
+    step `error` away from the prediction (measured / predicted - 1) on `nproc` ranks: beyond STALE_ERROR, mark the
+    entry stale so
+    that the next search measures again. Only the entry that priced the run (same measurement time); True when
+    marked. A run slower than predicted while other jobs load the machine (load average above the run's ranks
+    plus the cores) says nothing of the quiet machine the figures describe: not marked. A cache that cannot be
+    written is left as it is."""
+    if not record or abs(error) <= STALE_ERROR or not record.get("measured_at"):
+        return False
+    load = _load()
+    if error > 0 and load is not None and load > nproc + _cpus():
+        return False
+    path = Path(record.get("cache") or "")
+    try:
+        entry = json.loads(path.read_text())
+        if entry["cluster"].get("measured_at") != record["measured_at"]:
+            return False
+        entry["stale"] = {"error": round(error, 3), "at": round(time.time(), 1)}
+        _write(path, entry)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return True
+
+
+def measure(nproc: int, details: dict | None = None) -> Cluster:
     """This machine for `nproc` ranks, over the group sizes the search forms: the divisors of nproc (its dp, tp
-    and pp groups) and 2 (a tied weight's two stages); every size is `autopar calibrate`'s."""
+    and pp groups) and 2 (a tied weight's two stages); every size is `autopar calibrate`'s. `details`: as
+    calibrate's."""
     from .calibrate import calibrate
-    return calibrate(nproc, group_sizes=[n for n in range(2, nproc + 1) if nproc % n == 0 or n == 2])
+    return calibrate(nproc, group_sizes=[n for n in range(2, nproc + 1) if nproc % n == 0 or n == 2],
+                     details=details)
 
 
 def _inside_ranks() -> bool:
@@ -183,20 +232,21 @@ def _measured(nproc: int) -> tuple[tuple[Cluster, dict] | None, str | None]:
     A cache that cannot be written is reported, and the figures serve this search alone."""
     print(f"autopar: calibrating this machine for {nproc} ranks, once per machine, torch version and process count "
           f"(--cluster cpu-local skips it) ...", file=sys.stderr, flush=True)
-    began, load = time.perf_counter(), _load()
+    began, load, details = time.perf_counter(), _load(), {}
     try:
-        cluster = measure(nproc)
+        cluster = measure(nproc, details)
     except (AutoparError, OSError, ValueError, KeyError) as exc:  # ranks that failed, or their output unreadable
         _warn(f"calibrating this machine failed ({exc}); pricing on the cpu-local preset")
         return None, f"the measurement failed: {exc}"
     try:
-        path = store(cluster, nproc, seconds=time.perf_counter() - began, load=load)
+        path = store(cluster, nproc, seconds=time.perf_counter() - began, load=load,
+                     others_cores=details.get("others_cores"))
     except OSError as exc:
         _warn(f"cannot write the calibration cache in {cache_dir()} ({exc}); the figures serve this search only "
               f"(set {CACHE_ENV} to a writable folder)")
         path = None
     print(f"autopar: calibrated in {time.perf_counter() - began:.0f} s (cache: {path})", file=sys.stderr, flush=True)
-    return (cluster, _record(cluster, path, load)), None
+    return (cluster, _record(cluster, path, load, details.get("others_cores"))), None
 
 
 def _load() -> float | None:
@@ -217,14 +267,35 @@ def this_machine(nproc: int) -> tuple[Cluster, dict]:
     if reason is None:
         with _locked(nproc):  # two searches started at once: one measures, the other then reads its entry
             found = lookup(nproc)
+            again = _measure_again(found[1]) if found is not None and nproc <= max_ranks() else None
+            if again is not None:
+                print(f"autopar: {again}; measuring again", file=sys.stderr, flush=True)
+                found = None
             if found is None and nproc > max_ranks():  # an entry `autopar calibrate --nproc N` wrote is used
                 reason = (f"{nproc} ranks is more than this machine measures without being asked ({max_ranks()}); "
                           f"run `autopar calibrate --nproc {nproc}` once")
             elif found is None:
                 found, reason = _measured(nproc)
+                if found is not None and again is not None:
+                    found[1]["remeasured"] = again
         if found is not None:
             return found
     return preset("cpu-local"), {"cluster": "cpu-local", "preset": True, "not_measured": reason}
+
+
+def _measure_again(record: dict) -> str | None:
+    """Why a cached entry is measured again rather than used (None: use it): a run found it far off, or it was
+    measured under load and the machine is quiet now."""
+    stale = record.get("stale")
+    if stale:
+        return (f"the cached calibration ({record.get('cache')}) predicted a run's step time "
+                f"{stale.get('error', 0):+.0%} off")
+    busy, now = record.get("busy"), _load()
+    if busy and now is not None and now < _cpus():
+        held = (f"other jobs held {busy['others_cores']:g} of {busy['cores']} cores" if "others_cores" in busy else
+                f"load {busy.get('load')}")
+        return f"the cached calibration was measured under load ({held}) and the machine is quiet now (load {now:.1f})"
+    return None
 
 
 def search_cluster(spec: str | None, *, nproc: int, memory_per_device_gb: float | None = None
@@ -268,9 +339,14 @@ def note(record: dict | None, now: float | None = None) -> str | None:
         if record.get("cache"):
             text = f"calibrated on this machine {when} (cache: {record['cache']})"
             busy = record.get("busy")
-            if busy:
+            if busy and "others_cores" in busy:
+                text += (f", under load (other jobs held {busy['others_cores']:g} of {busy['cores']} cores; figures "
+                         f"scaled to a quiet machine; measured again once it is quiet)")
+            elif busy:
                 text += (f", while busy (load {busy['load']:g} on {busy['cores']} cores; `autopar calibrate --nproc "
                          f"{busy['nproc']}` measures again)")
+            if record.get("remeasured"):
+                text += f"; re-measured: {record['remeasured']}"
             return text
         text = f"calibrated {when} (file: {record.get('file')})"
     elif record.get("preset"):

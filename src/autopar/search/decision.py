@@ -74,7 +74,8 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
     when it can run and fits. k None ("measure when unsure"): when two or more plans are within `error`
     of the fastest predicted, those (at most CONFIRM_AUTO_MAX). k > 0: the k fastest predicted. k = 0:
     none. Whatever is measured, the default layout is measured with it (in the last place when it is not
-    among them), so the measured winner is never one measured slower than the default."""
+    among them; `--confirm 1` then measures the fastest predicted and the default), so the measured winner is
+    never one measured slower than the default."""
     pool = list(records)
     if default is not None and not any(same_plan(default, r) for r in pool):
         pool.append(default)
@@ -89,8 +90,8 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
         chosen = chosen[:CONFIRM_AUTO_MAX]
     else:
         chosen = pool[:k]
-    if default is not None and len(chosen) > 1 and not any(same_plan(default, r) for r in chosen):
-        chosen[-1] = next(r for r in pool if same_plan(default, r))
+    if default is not None and chosen and not any(same_plan(default, r) for r in chosen):
+        chosen[max(len(chosen) - 1, 1):] = [next(r for r in pool if same_plan(default, r))]
     return chosen
 
 

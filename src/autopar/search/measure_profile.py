@@ -50,6 +50,10 @@ from .live_memory import LiveTensorPeak, storage_bytes
 from .profile import ModelProfile
 
 MICRO_BATCHES = (1, 4)  # the two sizes the linear fit goes through
+_clock = time.thread_time
+"""What the blocks are timed with: the measuring thread's CPU seconds, which a rank with a core of its own takes
+as wall time. Wall time read while other processes held the core (a shared machine) counted their slices too:
+blocks timed at load 27 on 2 cores read 4x slow, and the plans priced on them as much."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,9 @@ class BlockCosts:
     transient_per_seq: float
     update_s: float = 0.0  # the step's work on this block's parameters: gradient-norm terms, clip, AdamW step
     cpu_per_wall: float = 1.0
-    """CPU seconds per wall second while the blocks were timed (thread time / elapsed, over all of them): 1 on a
-    free core, less when other processes held the measuring thread's core. The time-shared bound counts CPU."""
+    """CPU seconds per second of the times above: 1, as they are the measuring thread's CPU seconds (_clock); a
+    profile that timed wall seconds while other processes held the core says so with less. The time-shared
+    bound counts CPU."""
     # the zero-bubble split (None: not measured; the cost model then prices I and W from the backward)
     input_fixed_s: float | None = None
     input_per_seq_s: float | None = None
@@ -111,9 +116,9 @@ def _update_seconds(stage, repeats: int) -> float:
     update()  # allocates the optimizer states
     samples = []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began = _clock()
         update()
-        samples.append(time.perf_counter() - began)
+        samples.append(_clock() - began)
     return statistics.median(samples)
 
 
@@ -206,17 +211,17 @@ def _run_block(stage, inputs: tuple, counter: LiveTensorPeak | None = None) -> t
     if counter is not None:
         counter.resident |= storage_bytes([*x, *(p.grad for p in stage.parameters() if p.grad is not None)])[1]
     with counter if counter is not None else contextlib.nullcontext():
-        began = time.perf_counter()
+        began = _clock()
         out = stage(*x)
         if stage.is_last:
             out = (_loss(out),)
-        forward = time.perf_counter() - began
+        forward = _clock() - began
         pairs = [(o, torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o))
                  for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-        began = time.perf_counter()
+        began = _clock()
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        backward = time.perf_counter() - began
+        backward = _clock() - began
         del out, pairs
     return forward, backward
 
@@ -230,20 +235,20 @@ def _run_split(stage, inputs: tuple, cache, counter: LiveTensorPeak | None = Non
     if counter is not None:
         counter.resident |= storage_bytes([*x, *(p.grad for p in params if p.grad is not None)])[1]
     with counter if counter is not None else contextlib.nullcontext():
-        began = time.perf_counter()
+        began = _clock()
         out = stage(*x)
         if stage.is_last:
             out = (_loss(out),)
-        forward = time.perf_counter() - began
+        forward = _clock() - began
         pairs = [(o, None if o.dim() == 0 else torch.randn_like(o))
                  for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         wanted = [v for v in x if v.requires_grad]
-        began = time.perf_counter()
+        began = _clock()
         got, work = backward_input([o for o, _ in pairs], [g for _, g in pairs], wanted, params, cache)
-        middle = time.perf_counter()
+        middle = _clock()
         held = work.held_bytes
         backward_weight(work)
-        ended = time.perf_counter()
+        ended = _clock()
         del out, pairs, got, work
     return forward, middle - began, ended - middle, held
 
@@ -259,22 +264,18 @@ def _measure_chains(chains: list, repeats: int) -> list[tuple[list[float], list[
     prepared = [(stages, _block_inputs(graph, stages)) for graph, stages in chains]
     times = [[([], [], [], []) for _ in stages] for stages, _ in prepared]
     caches = [[SplitPlanCache() for _ in stages] for stages, _ in prepared]
-    shares = []  # per timed run: its thread's CPU seconds per wall second
     for repeat in range(repeats + 1):  # round 0 warms up
         for c, (stages, inputs) in enumerate(prepared):
             for i, stage in enumerate(stages):
-                began, used = time.perf_counter(), time.thread_time()
                 forward, backward = _run_block(stage, inputs[i])
                 if repeat:
-                    shares.append((time.thread_time() - used) / max(time.perf_counter() - began, 1e-9))
                     times[c][i][0].append(forward)
                     times[c][i][1].append(backward)
                 _, backward_i, backward_w, _ = _run_split(stage, inputs[i], caches[c][i])
                 if repeat:
                     times[c][i][2].append(backward_i)
                     times[c][i][3].append(backward_w)
-    # the median run's share, as the times kept are medians (a sum would be ruled by the runs preempted longest)
-    cpu_per_wall = min(1.0, statistics.median(shares)) if shares else 1.0
+    cpu_per_wall = 1.0  # the times are the thread's CPU seconds (_clock)
     updates = [_update_seconds(stage, repeats) for stage in prepared[0][0]]
     results = []
     for c, (stages, inputs) in enumerate(prepared):

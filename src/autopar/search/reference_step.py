@@ -14,13 +14,14 @@ autopar's (calibrate_ranks.py), and the search process imports this file as part
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 VOCAB, WIDTH, LAYERS, HEADS, SEQ_LEN, MICRO_BATCH = 256, 128, 4, 4, 128, 8
-STEPS = 4  # timed steps (after one warm-up): ~0.2 s each on 4 ranks of a 2-core machine
+ROUNDS, STEPS = 3, 2  # timed rounds of steps (after one warm-up step): ~0.2 s a step on 4 ranks of a 2-core machine
 
 
 class _Block(nn.Module):
@@ -57,11 +58,15 @@ class ReferenceGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def step_seconds(steps: int = STEPS) -> float:
-    """Wall seconds of one replicated data-parallel training step of ReferenceGPT over every rank of the default
-    group, as the data-parallel engine runs it: forward and loss, backward, the gradients all-reduced (one
-    flattened buffer), the norm clipped, an AdamW step, the loss summed for the log. Timed over `steps`
-    steps after a warm-up, the slowest rank's mean. Every rank returns the same value."""
+def step_rounds(rounds: int = ROUNDS, steps: int = STEPS, busy_seconds: Callable[[], float | None] | None = None
+                ) -> list[dict]:
+    """One replicated data-parallel training step of ReferenceGPT over every rank of the default group, as the
+    data-parallel engine runs it: forward and loss, backward, the gradients all-reduced (one flattened buffer),
+    the norm clipped, an AdamW step, the loss summed for the log. Timed in `rounds` rounds of `steps` steps after
+    a warm-up; per round and per step: `wall_s` (from the first rank's start to the last rank's end), `cpu_s`
+    (every rank's process CPU, summed) and `busy_s` (the machine's busy CPU, `busy_seconds()` on rank 0 around
+    the round; None unknown), so that the caller can tell a loaded machine's rounds and keep the quietest
+    (machine_load.py). Every rank returns the same list."""
     import torch.distributed as dist
     torch.manual_seed(0)
     model = ReferenceGPT()
@@ -98,10 +103,22 @@ def step_seconds(steps: int = STEPS) -> float:
         dist.all_reduce(loss.detach())
 
     step()
-    dist.barrier()
-    began = time.perf_counter()
-    for _ in range(steps):
-        step()
-    mine = torch.tensor([(time.perf_counter() - began) / steps], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine)
+    found = []
+    for _ in range(rounds):
+        dist.barrier()
+        busy = busy_seconds() if busy_seconds is not None and dist.get_rank() == 0 else None
+        span = torch.tensor([-time.monotonic(), 0.0], dtype=torch.float64)  # one clock for the machine
+        used = time.process_time()
+        for _ in range(steps):
+            step()
+        span[1] = time.monotonic()
+        cpu = torch.tensor([time.process_time() - used], dtype=torch.float64)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)  # the first start, the last end
+        dist.all_reduce(cpu)
+        after = busy_seconds() if busy is not None else None
+        busy_s = torch.tensor([after - busy if after is not None else -1.0], dtype=torch.float64)
+        dist.broadcast(busy_s, 0)
+        wall = float(span[0] + span[1])
+        found.append({"wall_s": wall / steps, "cpu_s": float(cpu) / steps,
+                      "busy_s": float(busy_s) / steps if float(busy_s) >= 0 else None})
+    return found
