@@ -133,14 +133,19 @@ def train_moe(jobs: list[tuple[str, str]], out: str, *, strategy: dict | None = 
                 results[name, build] = {
                     "losses": result.losses, "params": whole_parameters(trainer), "records": records,
                     "expert_rows": {k: v.shape[0] for k, v in trainer.model.named_parameters()
-                                    if trainer.engine.tensor_parallel is not None
-                                    and trainer.engine.tensor_parallel.is_sharded(k)},
+                                    if k in _expert_rows(trainer.engine.sliced_state)},
                     "banner": trainer.engine.banner_lines()}
             finally:
                 trainer.close()
         except Exception as exc:  # the test reports it
             results[name, build] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     return results
+
+
+def _expert_rows(sliced) -> dict:
+    """Expert weight name -> whole row count, from what the engine's checkpoints slice (experts alone, or beside tp)."""
+    experts = getattr(sliced, "experts", sliced)
+    return getattr(experts, "rows", {})
 
 
 def dispatch_against_whole(skew: bool) -> dict:

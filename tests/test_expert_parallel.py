@@ -65,6 +65,27 @@ def test_ep2_matches_one_process_and_resumes_under_ep1(rank_pool, tmp_path, one_
         assert_matches_reference(reference, [after | {"losses": reference["losses"]}])
 
 
+COMPOSED = {"pp2": {"ep": 2, "pp": 2}, "tp2": {"ep": 2, "tp": 2}}  # 4 ranks each: dp=2 (the ep group) x pp or tp
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", sorted(COMPOSED))
+def test_ep2_with_pp_or_tp_matches_one_process(rank_pool, tmp_path, one_process, layout):
+    """dp2 x ep2 x pp2 and dp2 x ep2 x tp2: the experts' dispatch spliced into the traced stage graphs (each stage
+    holds 2 of 4 experts of its layers), equal to one process as plain ep=2 is."""
+    jobs = JOBS[:2]
+    runs = rank_pool(4).run(train_moe, jobs, str(tmp_path / layout), strategy=COMPOSED[layout], micro_batch_size=2,
+                            steps=3, timeout=600)
+    for job in jobs:
+        ranks = [r[job] for r in runs]
+        for rank, got in enumerate(ranks):
+            assert "error" not in got, (job, rank, got.get("error"))
+            assert got["expert_rows"] and set(got["expert_rows"].values()) == {2}, (job, rank, got["expert_rows"])
+        assert_matches_reference(one_process[job], ranks)
+        norms = [[r["grad_norm"] for r in got["records"]] for got in (one_process[job], *ranks)]
+        assert all(abs(a - b) <= 1e-5 * a for ours in norms[1:] for a, b in zip(norms[0], ours)), (job, norms)
+
+
 def test_plan_finds_the_user_moe_with_its_sigmoid_router_and_3d_weight():
     from autopar.experts import find_experts
     from autopar.trace import trace

@@ -167,7 +167,7 @@ class Trainer:
         if cfg.compile:
             self.account.compile(self.engine, cfg)
         if self.pretrained is not None and not cfg.resume:  # a resumed run takes every weight from its checkpoint
-            self.pretrained_bytes_read, info = load_pretrained(self.pretrained, self.model, self.engine.tensor_parallel)
+            self.pretrained_bytes_read, info = load_pretrained(self.pretrained, self.model, self.engine.sliced_state)
             self.run_info.update(info)
         # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout
         # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
