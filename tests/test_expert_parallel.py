@@ -87,7 +87,10 @@ def test_ep2_with_pp_or_tp_matches_one_process(rank_pool, tmp_path, one_process,
         for rank, got in enumerate(ranks):
             assert "error" not in got, (job, rank, got.get("error"))
             assert got["expert_rows"] and set(got["expert_rows"].values()) == {2}, (job, rank, got["expert_rows"])
+            assert any("each rank holds 2 of 4 experts" in line for line in got["banner"]), got["banner"]
         assert_matches_reference(one_process[job], ranks)
+        stats = ranks[0]["records"][-1]["experts"]  # both stages' layers, every (token, choice) counted once
+        assert len(stats) == 2 and all(sum(layer["tokens_per_expert"]) == 8 * 16 * 2 for layer in stats.values()), stats
         norms = [[r["grad_norm"] for r in got["records"]] for got in (one_process[job], *ranks)]
         assert all(abs(a - b) <= 1e-5 * a for ours in norms[1:] for a, b in zip(norms[0], ours)), (job, norms)
     if layout == "pp2":  # the stages' checkpoint (whole expert tensors, both stages) resumed by one process

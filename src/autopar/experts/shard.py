@@ -55,6 +55,13 @@ class ShardedExperts:
         """(dim, [(start, stop)]) of the whole tensor this rank holds: a pretrained load reads only these rows."""
         return (0, [self.local_rows(fqn)]) if fqn in self.rows else None
 
+    def summary(self, dp: int) -> str:
+        """The banner's line: how many experts each rank holds."""
+        layers = self.plan.layers
+        held = ", ".join(sorted({f"{layer.num_experts // self.ep} of {layer.num_experts}" for layer in layers}))
+        return (f"expert parallelism ep={self.ep}: each rank holds {held} experts of each of {len(layers)} MoE "
+                f"layer(s); dense weights replicated over dp={dp} (expert_plan.txt)")
+
     # ------------------------------------------------------------- metrics
     def load(self) -> dict[str, dict]:
         """Per layer, the last forward's tokens per expert (chosen on this rank) and rows its experts ran."""

@@ -28,7 +28,7 @@ from ..partition.stages import _set_by_path
 from ..running_stats import GraphBatchNorm, RunningStatsReplay, batch_norm_layers
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
-from .expert_stages import DenseAndExpertGradients, expert_groups_on_mesh, expert_squares
+from .expert_stages import DenseAndExpertGradients, expert_groups_on_mesh, expert_load, expert_squares
 from .hetero_boundary import HeteroBoundary
 from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, token_loss_sum
@@ -175,6 +175,8 @@ class PipelineEngine(EngineBase):
             lines.append(self.context_parallel.summary())
         if self.tensor_parallel is not None:
             lines.append(self.tensor_parallel.plan.summary() + " (tp_plan.txt)")
+        if self.experts is not None:
+            lines.append(self.experts.summary(self.mesh.dp_size))
         if self.recompute_report is not None:
             blocks = sorted(self.recompute_report.blocks.items())
             chosen = (", ".join(f"stage {s}: {k}" for s, k in blocks) if any(k for _, k in blocks)
@@ -200,6 +202,8 @@ class PipelineEngine(EngineBase):
         files = {}
         if self.tensor_parallel is not None:
             files["tp_plan.txt"] = self.tensor_parallel.plan.table() + "\n"
+        if self.experts is not None:
+            files["expert_plan.txt"] = self.experts.plan.table(self.ep) + "\n"
         if self.recompute_report is not None:
             files["recompute_plan.txt"] = (self.recompute_report.describe().replace("; ", "\n  ").replace(": ", ":\n  ", 1)
                                            + "\n(budget per pipeline rank, from --memory-budget-mb)\n")
@@ -262,6 +266,8 @@ class PipelineEngine(EngineBase):
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         self.module.train()
+        for dispatch in (self.experts.forwards.values() if self.experts is not None else ()):
+            dispatch.reset_counts()
         batches = self._local_sequences(batches)
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
             self.pipe.first_stage_inputs(batch)
@@ -385,7 +391,10 @@ class PipelineEngine(EngineBase):
         """
         slots = self.stats_slots(elapsed, peak_bytes).to(self.device)  # (a stage may hold no parameter)
         dist.all_reduce(slots)
-        return self.stats_from_slots(slots.cpu())  # the host read (on steps that write metrics only)
+        stats = self.stats_from_slots(slots.cpu())  # the host read (on steps that write metrics only)
+        if self.experts is not None:
+            stats.update(expert_load(self.experts, self.mesh.size("tp"), self.device))
+        return stats
 
     def _degrees(self) -> tuple[int, ...]:
         return self.stage_tp or (dist.get_world_size() // (self.pp * self.mesh.size("dp")),) * self.pp

@@ -94,3 +94,27 @@ def expert_squares(expert_params: list[nn.Parameter], ep_group, device: torch.de
             squares += p.grad.double().square().sum()
     dist.all_reduce(squares, group=ep_group)
     return squares
+
+
+def expert_load(experts, tp: int, device: torch.device) -> dict:
+    """Per expert layer of the whole model, over every replica since the step began: tokens per expert, per ep
+    rank, and the load imbalance (max / mean). Each stage's ranks count their own layers (every tp rank alike);
+    one all-reduce over the world, on steps that write metrics only. A recomputed stage counts its tokens again."""
+    from ..train.expert_engine import _imbalance
+    layers = experts.plan.layers
+    counts = torch.zeros(sum(layer.num_experts for layer in layers), dtype=torch.long)
+    offset = 0
+    for layer in layers:
+        if layer.experts in experts.forwards:
+            counts[offset:offset + layer.num_experts] = experts.forwards[layer.experts].tokens_per_expert
+        offset += layer.num_experts
+    counts = counts.to(device)
+    dist.all_reduce(counts)
+    counts, stats, offset = counts.cpu() // tp, {}, 0
+    for layer in layers:
+        per_expert = counts[offset:offset + layer.num_experts]
+        offset += layer.num_experts
+        per_rank = per_expert.view(experts.ep, -1).sum(1)
+        stats[layer.experts] = {"tokens_per_expert": per_expert.tolist(), "tokens_per_rank": per_rank.tolist(),
+                                "expert_imbalance": _imbalance(per_expert), "rank_imbalance": _imbalance(per_rank)}
+    return {"experts": stats}
