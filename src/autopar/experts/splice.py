@@ -13,6 +13,7 @@ gradients flow to them through the stage's inputs as for every other parameter.
 
 from __future__ import annotations
 
+import torch
 from torch import fx, nn
 from torch.func import functional_call
 
@@ -35,6 +36,7 @@ class ExpertDispatchCall(nn.Module):
         self._experts = (experts,)  # a tuple: not a submodule, so not part of the stage's state
         self.names, self.dispatch = names, dispatch
 
+    @torch.compiler.disable  # --compile: the exchange runs eager between the compiled parts of its block
     def forward(self, hidden, index, weights, *params):
         experts, table = self._experts[0], dict(zip(self.names, params))
         self.dispatch.local_forward = lambda *args: functional_call(experts, table, args)
