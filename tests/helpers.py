@@ -58,8 +58,8 @@ def trained_and_closed(trainer) -> dict:
 
 
 def whole_parameters(trainer) -> dict:
-    """This rank's parameters by name; tensor-parallel slices and ZeRO-3 shards gathered into whole tensors."""
-    tp = trainer.engine.tensor_parallel
+    """This rank's parameters by name; tensor-parallel slices, expert rows and ZeRO-3 shards gathered whole."""
+    tp = trainer.engine.sliced_state
     whole = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v  # noqa: E731 (ZeRO-3 with tp: dp shards)
     return {k: (tp.gather(k, whole(v)) if tp is not None else whole(v)).detach().clone()
             for k, v in trainer.model.state_dict().items()}

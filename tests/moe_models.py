@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, SEQ, WIDTH, EXPERTS, TOP_K = 64, 8, 16, 4, 2
+ROUTER_AUX = "+router-aux"  # a zoo case's name with this suffix: its own load-balancing loss on, weight 0.5
 
 
 # more Hugging Face mixture-of-experts families, tiny (4 experts, top-2), for the planner's detection only: the two
@@ -119,7 +120,9 @@ def train_moe(jobs: list[tuple[str, str]], out: str, *, strategy: dict | None = 
     for index, (name, build) in enumerate(jobs):
         run = str(Path(out) / str(index))
         try:
-            model, data, case = _model_and_data(name, build)
+            model, data, case = _model_and_data(name.removesuffix(ROUTER_AUX), build)
+            if name.endswith(ROUTER_AUX):
+                model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.5
             config = autopar.TrainConfig(steps=steps, global_batch_size=8, micro_batch_size=micro_batch_size, lr=1e-3,
                                          warmup_steps=0, adam_eps=1e-6, out=run, progress=False, timeout_s=60,
                                          checkpoint_every=checkpoint_every,
@@ -133,14 +136,19 @@ def train_moe(jobs: list[tuple[str, str]], out: str, *, strategy: dict | None = 
                 results[name, build] = {
                     "losses": result.losses, "params": whole_parameters(trainer), "records": records,
                     "expert_rows": {k: v.shape[0] for k, v in trainer.model.named_parameters()
-                                    if trainer.engine.tensor_parallel is not None
-                                    and trainer.engine.tensor_parallel.is_sharded(k)},
+                                    if k in _expert_rows(trainer.engine.sliced_state)},
                     "banner": trainer.engine.banner_lines()}
             finally:
                 trainer.close()
         except Exception as exc:  # the test reports it
             results[name, build] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     return results
+
+
+def _expert_rows(sliced) -> dict:
+    """Expert weight name -> whole row count, from what the engine's checkpoints slice (experts alone, or beside tp)."""
+    experts = getattr(sliced, "experts", sliced)
+    return getattr(experts, "rows", {})
 
 
 def dispatch_against_whole(skew: bool) -> dict:

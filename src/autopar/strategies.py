@@ -134,7 +134,8 @@ def _build_async(ctx: EngineContext, options: ReplicaOptions) -> Engine:
 
 
 def _build_pipeline(ctx: EngineContext, options: Strategy) -> Engine:
-    """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1)."""
+    """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1), and --ep
+    with either (experts sharded within each stage's dp group)."""
     return PipelineEngine(**ctx.common(), example_batch=ctx.example_batch(), num_microbatches=ctx.accumulation,
                           timeout_s=ctx.timeout_s, strategy=options, param_dtype=ctx.param_dtype,
                           boundary_link=_boundary_cluster(options))

@@ -36,6 +36,7 @@ from .launch import ATTEMPT_ENV, restart_attempt
 from .memory_gate import check_trainer
 from .mesh import ProcessMesh
 from .models.materialize import attach_init_fn, tied_groups
+from .models.output import router_aux_loss_coef
 from .search.auto import Measured, Plan
 from .search.device_peak import device_peak
 from .strategies import Resolved, StrategyEntry, resolve
@@ -170,11 +171,12 @@ class Trainer:
             batches_for_step=lambda step: self.loader.local_batches(step, self.train_data),
             samples_for_step=self.loader.local_positions))
         self.run_info.update(self.engine.run_info())
+        aux_coef = router_aux_loss_coef(self.model)  # the user's model's config, before the engine's module replaces it
         self.model = self.engine.module
         if cfg.compile:
             self.account.compile(self.engine, cfg)
         if self.pretrained is not None and not cfg.resume:  # a resumed run takes every weight from its checkpoint
-            self.pretrained_bytes_read, info = load_pretrained(self.pretrained, self.model, self.engine.tensor_parallel)
+            self.pretrained_bytes_read, info = load_pretrained(self.pretrained, self.model, self.engine.sliced_state)
             self.run_info.update(info)
         # other random ops: one stream per tp group (tp is innermost), so replicated regions agree; dropout
         # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
@@ -182,7 +184,7 @@ class Trainer:
         self.optimizer = self.engine.build_optimizer(cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.losses = Losses(engine=self.engine, loss_fn=self.loss_fn, config=cfg, device=self.device,
-                             dp_group=self.dp_group)
+                             dp_group=self.dp_group, aux_coef=aux_coef)
         self.evaluator = Evaluator(engine=self.engine, loader=self.loader, losses=self.losses, eval_data=self.eval_data,
                                    config=cfg, device=self.device, replica=(self.mesh.dp_rank, self.mesh.dp_size))
         self.steps = self._build_steps()

@@ -348,16 +348,24 @@ RULES: tuple[Rule, ...] = (
          "so ep must divide dp", "use an --ep that divides {s.dp} (e.g. --ep {fit}), or change --nproc",
          detail=lambda setup: {"fit": max(d for d in range(1, setup.strategy.dp + 1)
                                           if setup.strategy.dp % d == 0 and d <= setup.strategy.ep)}),
-    Rule("ep-data-parallel-only", "--ep > 1 with pp > 1 or tp > 1",
-         lambda setup: setup.strategy.ep > 1 and (setup.strategy.pp > 1 or setup.strategy.tp > 1),
-         "--ep {s.ep} with pp={s.pp} tp={s.tp}", "experts are sharded by the data-parallel engine, which holds the "
-         "whole model per replica; the pipeline engine keeps every expert on every rank",
-         "use pp=1 tp=1 with --ep, or --ep 1 with pp/tp"),
+    Rule("ep-within-uniform-stages", "--ep > 1 with --stage-tp, --cp, --sp, --tp-subbatches or a split-backward "
+         "schedule",
+         lambda setup: setup.strategy.ep > 1 and (setup.strategy.stage_tps is not None or setup.strategy.cp > 1
+                                                  or setup.strategy.sp or setup.strategy.pipeline.tp_subbatches > 1
+                                                  or setup.spec.split_backward),
+         "--ep {s.ep} with {other}", "expert parallelism composes with dp, pp and tp of equal stages: its all-to-all "
+         "needs every rank of an expert group to run the same stage on whole micro-batches, with one autograd node "
+         "per exchange", "drop {other}, or use --ep 1",
+         detail=lambda setup: {"other": "--stage-tp" if setup.strategy.stage_tps is not None else
+                               f"--cp {setup.strategy.cp}" if setup.strategy.cp > 1 else "--sp" if setup.strategy.sp
+                               else f"--tp-subbatches {setup.strategy.pipeline.tp_subbatches}"
+                               if setup.strategy.pipeline.tp_subbatches > 1
+                               else f"--schedule {setup.strategy.pipeline.schedule}"}),
     Rule("ep-synchronous-dense", "--ep > 1 with ZeRO, gossip, the parameter server, sparse embeddings or PipeDream",
          lambda setup: setup.strategy.ep > 1 and (setup.strategy.replicas.zero > 0 or setup.other_dp_mode is not None
                                                   or setup.strategy.pipeline.schedule in ("pipedream", "pipedream-2bw")),
-         "--ep {s.ep} with {other}", "expert parallelism runs in the synchronous data-parallel engine, whose dense "
-         "gradients are all-reduced whole", "drop {other}, or use --ep 1",
+         "--ep {s.ep} with {other}", "expert parallelism runs in the synchronous data-parallel and pipeline engines, "
+         "whose dense gradients are all-reduced whole", "drop {other}, or use --ep 1",
          detail=lambda setup: {"other": setup.other_dp_mode or (f"--zero {setup.strategy.replicas.zero}"
                                                                  if setup.strategy.replicas.zero else
                                                                  f"--schedule {setup.strategy.pipeline.schedule}")}),

@@ -4,6 +4,7 @@ detect.py   the router (linear, softmax/sigmoid, top-k), the experts (3-d weight
             expert, read under the router's choices) and the combine, from the graph alone
 dispatch.py tokens sent to the rank holding their expert and back (all-to-all, variable splits)
 shard.py    a whole model's experts cut to this rank's rows, gathered back whole for checkpoints
+splice.py   the dispatch put in traced stage graphs in place of the experts' operations (with pp or tp)
 """
 
 from .detect import ExpertLayer, ExpertPlan, find_experts

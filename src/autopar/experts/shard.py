@@ -55,6 +55,13 @@ class ShardedExperts:
         """(dim, [(start, stop)]) of the whole tensor this rank holds: a pretrained load reads only these rows."""
         return (0, [self.local_rows(fqn)]) if fqn in self.rows else None
 
+    def summary(self, dp: int) -> str:
+        """The banner's line: how many experts each rank holds."""
+        layers = self.plan.layers
+        held = ", ".join(sorted({f"{layer.num_experts // self.ep} of {layer.num_experts}" for layer in layers}))
+        return (f"expert parallelism ep={self.ep}: each rank holds {held} experts of each of {len(layers)} MoE "
+                f"layer(s); dense weights replicated over dp={dp} (expert_plan.txt)")
+
     # ------------------------------------------------------------- metrics
     def load(self) -> dict[str, dict]:
         """Per layer, the last forward's tokens per expert (chosen on this rank) and rows its experts ran."""
@@ -87,3 +94,29 @@ def shard_experts(module: nn.Module, plan: ExpertPlan, group, *, ep: int, ep_ran
         experts.forward = dispatch
         sharded.forwards[layer.experts] = dispatch
     return sharded
+
+
+class ExpertsBeside:
+    """Sharded experts beside another layout of the other parameters (tensor parallelism): each name is asked of
+    the one that slices it, so checkpoints gather and cut both with the same calls."""
+
+    def __init__(self, experts: ShardedExperts, other):
+        self.experts, self.other = experts, other
+
+    def _owner(self, fqn: str):
+        return self.experts if self.experts.is_sharded(fqn) or self.other is None else self.other
+
+    def is_sharded(self, fqn: str) -> bool:
+        return self._owner(fqn).is_sharded(fqn)
+
+    def shard(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        return self._owner(fqn).shard(fqn, full)
+
+    def gather(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+        return self._owner(fqn).gather(fqn, local)
+
+    def full_shape(self, fqn: str, local: torch.Tensor) -> tuple[int, ...]:
+        return self._owner(fqn).full_shape(fqn, local)
+
+    def file_slices(self, fqn: str):
+        return self._owner(fqn).file_slices(fqn)

@@ -21,6 +21,21 @@ def logits_of(output: Any) -> torch.Tensor:
                     f"pass forward_fn/loss_fn to the Trainer")
 
 
+def router_aux_loss_coef(model: Any) -> float:
+    """The weight a mixture-of-experts model gives its own load-balancing loss, when its config turns that loss on
+    (Hugging Face: `output_router_logits` with `router_aux_loss_coef`); 0 otherwise."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def aux_loss_of(output: Any) -> torch.Tensor | None:
+    """The auxiliary loss a model returned beside its logits (a Hugging Face MoE output's `aux_loss`), if any."""
+    value = getattr(output, "aux_loss", None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _hf_causal_class_names() -> set[str]:
     """Class names Hugging Face maps to its causal-LM head (GPT2LMHeadModel, LlamaForCausalLM, ...)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -31,6 +31,7 @@ from .schedules import build_schedule, placement, recomputed_stages
 
 if TYPE_CHECKING:
     from ..context_parallel import ContextParallel
+    from ..experts import ShardedExperts
     from ..partition.plan import Partition
     from ..tensor_parallel.apply import TensorParallel
     from ..trace.graph import ModelGraph
@@ -54,6 +55,7 @@ class LocalPipeline:
     runtime: PipelineRuntime
     recompute: frozenset[int]  # stages whose forward keeps only its inputs (the schedule's R)
     tensor_parallel: TensorParallel | None = None  # when tp > 1
+    experts: ShardedExperts | None = None  # when ep > 1: this rank's rows of every expert layer, and the dispatches
     recompute_plan: RecomputePlan | None = None  # with a memory budget: this rank's stages
     recompute_report: RecomputePlan | None = None  # ... and every pipeline rank's, for the run's report
 
@@ -91,7 +93,8 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                          partition=None, p2p: P2P | None = None,
                          stage_tp: tuple[int, ...] | None = None,
-                         context_parallel: ContextParallel | None = None) -> LocalPipeline:
+                         context_parallel: ContextParallel | None = None,
+                         ep: int = 1, ep_group=None, ep_rank: int = 0) -> LocalPipeline:
     """This rank's pipeline of `model` (on meta, or built for real on every rank: then rank 0's weights win).
 
     Collective over the world (errors one rank finds are raised on all) and over `pp_group`.
@@ -101,7 +104,8 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
     this rank's stage's, and `p2p` must be given (pipeline/hetero_boundary.py). With `memory_budget_bytes`, every stage's recomputed blocks are chosen to
     fit it (pipeline/recompute.py) and every rank agrees that they fit. `sp`: sequence parallelism within
     tp (tensor_parallel/sequence.py). `context_parallel`: the model is traced on this rank's share of the
-    sequence and its attention and positions rewritten (context_parallel/).
+    sequence and its attention and positions rewritten (context_parallel/). `ep` > 1: every expert layer's
+    experts sharded over `ep_group` (this rank is `ep_rank` in it), its dispatch spliced into the stage graphs.
     """
     from ..partition import partition as make_partition
     from ..trace import trace
@@ -150,6 +154,16 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
         if tp_subbatches > 1:  # Merak's sub-pipelined TP (tensor_parallel/subpipeline.py)
             from ..tensor_parallel.subpipeline import sub_pipeline_stages
             sub_pipeline_stages(stages, model, partition, tp_subbatches, tp_group, device)
+    experts = None
+    if ep > 1:  # after tensor parallelism, which leaves the experts whole
+        from ..experts import find_experts
+        from ..experts.splice import splice_expert_dispatch
+        plan = find_experts(graph, model)
+        if not plan.layers:
+            raise ConfigError(f"--ep {ep} needs mixture-of-experts layers to shard, and none was recognised in "
+                              f"{type(model).__name__}:\n{plan.table()}\nuse --ep 1")
+        experts = on_every_rank(lambda: splice_expert_dispatch(stages, graph, model, plan, ep_group, ep=ep,
+                                                               ep_rank=ep_rank))
     requested = recompute_request(recompute, num_stages) if isinstance(recompute, str) else frozenset(recompute)
     steps = build_schedule(schedule, pp=pp, num_microbatches=num_microbatches, chunks=chunks,
                            recompute=requested, batched=True)  # NCCL-safe groups (comm_steps.py)
@@ -166,7 +180,7 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
         graph=graph, partition=partition, stages=stages, pp=pp, pp_rank=pp_rank, num_stages=num_stages,
         placement=style, schedule=steps, actions=actions,
         eval_actions=[a for a in actions if a.op in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)],
-        runtime=runtime, recompute=recomputed, tensor_parallel=tensor_parallel)
+        runtime=runtime, recompute=recomputed, tensor_parallel=tensor_parallel, experts=experts)
     if memory_budget_bytes is not None:
         pipe.recompute_plan, pipe.recompute_report = _agreed_recompute_plan(
             pipe, memory_budget_bytes, num_microbatches, device, pp_group)

@@ -28,6 +28,7 @@ from ..partition.stages import _set_by_path
 from ..running_stats import GraphBatchNorm, RunningStatsReplay, batch_norm_layers
 from .actions import Action, stage_to_rank
 from .build import build_local_pipeline
+from .expert_stages import DenseAndExpertGradients, expert_groups_on_mesh, expert_load, expert_squares
 from .hetero_boundary import HeteroBoundary
 from .simulate import timeline_from_events
 from ..train.loss import Batch, LossFn, token_loss_sum
@@ -96,6 +97,9 @@ class PipelineEngine(EngineBase):
         self.context_parallel = (ContextParallel(strategy.cp, mesh.local_rank("cp"), strategy.cp_mode, mesh.group("cp"),
                                                  tp=strategy.tp, sp=strategy.sp)
                                  if strategy.cp > 1 else None)  # the sequence split (context_parallel/)
+        self.ep = strategy.ep  # experts sharded over ep dp ranks of each stage (pipeline/expert_stages.py)
+        self.ep_group, replicas, ep_rank = (expert_groups_on_mesh(mesh, self.ep, device, timeout_s) if self.ep > 1
+                                            else (None, None, 0))
         self.pipe = build_local_pipeline(
             model, pp=strategy.pp, pp_rank=mesh.local_rank("pp"),
             pp_group=None if self.stage_tp is not None else mesh.group("pp"),
@@ -105,12 +109,13 @@ class PipelineEngine(EngineBase):
             memory_budget_bytes=None if strategy.pipeline.memory_budget_mb is None else strategy.pipeline.memory_budget_mb * 2**20,
             tp=tp, tp_group=mesh.group("tp") if tp > 1 else None,
             tp_subbatches=strategy.pipeline.tp_subbatches, sp=strategy.sp, autocast=autocast, p2p=boundary,
-            stage_tp=self.stage_tp, context_parallel=self.context_parallel)
+            stage_tp=self.stage_tp, context_parallel=self.context_parallel, ep=self.ep, ep_group=self.ep_group,
+            ep_rank=ep_rank)
         pipe = self.pipe
         self.pp, self.pp_rank, self.num_stages = pipe.pp, pipe.pp_rank, pipe.num_stages
         self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime
         self.actions, self.eval_actions = pipe.actions, pipe.eval_actions
-        self.tensor_parallel = pipe.tensor_parallel
+        self.tensor_parallel, self.experts = pipe.tensor_parallel, pipe.experts
         self.waits = pipe.runtime.waits  # this rank's waits for its peers, per step (stats_slots reads them)
         self.tp_rank = mesh.local_rank("tp")
         self.recompute_plan, self.recompute_report = pipe.recompute_plan, pipe.recompute_report
@@ -125,9 +130,15 @@ class PipelineEngine(EngineBase):
             to_compute_dtype(self.module.parameters(), param_dtype)
             self._shared = self._shared_groups(device, pipe.placement, timeout_s)
             # zero 1/2: the dp group of this stage and tp shard; tied weights reduced over stages first
-            self.sync = gradient_sync(self.module.parameters(), mesh.gradient_group(), zero=strategy.replicas.zero,
+            names = set(self.experts.rows) if self.experts is not None else set()
+            self.expert_params = [p for n, p in self.module.named_parameters() if n in names and p.requires_grad]
+            expert_ids = {id(p) for p in self.expert_params}
+            self.sync = gradient_sync([p for p in self.module.parameters() if id(p) not in expert_ids],
+                                      mesh.gradient_group(), zero=strategy.replicas.zero,
                                       master_weights=param_dtype != torch.float32,
                                       deferred=[p for p, _, _ in self._shared], device=device)
+            if self.experts is not None:
+                self.sync = DenseAndExpertGradients(self.sync, self.expert_params, replicas)
         # BatchNorm buffers of this rank's stages: recorded per micro-batch by the stage graphs, replayed over
         # the stage's replicas in one process's order after each step (running_stats/)
         # (--batchnorm sync: normalised over the stage's replicas' micro-batches together; nothing to gather)
@@ -140,6 +151,13 @@ class PipelineEngine(EngineBase):
                 if isinstance(piece_module, GraphBatchNorm) and sync:
                     piece_module.sync_group = mesh.group("dp")
         self.last_step = None  # the runtime's record of the last training step (timing read on demand)
+
+    @property
+    def sliced_state(self) -> Any:
+        if self.experts is None:
+            return self.tensor_parallel
+        from ..experts.shard import ExpertsBeside
+        return ExpertsBeside(self.experts, self.tensor_parallel)
 
     def token_loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
         if self.tensor_parallel is None:
@@ -158,6 +176,8 @@ class PipelineEngine(EngineBase):
             lines.append(self.context_parallel.summary())
         if self.tensor_parallel is not None:
             lines.append(self.tensor_parallel.plan.summary() + " (tp_plan.txt)")
+        if self.experts is not None:
+            lines.append(self.experts.summary(self.mesh.dp_size))
         if self.recompute_report is not None:
             blocks = sorted(self.recompute_report.blocks.items())
             chosen = (", ".join(f"stage {s}: {k}" for s, k in blocks) if any(k for _, k in blocks)
@@ -183,6 +203,8 @@ class PipelineEngine(EngineBase):
         files = {}
         if self.tensor_parallel is not None:
             files["tp_plan.txt"] = self.tensor_parallel.plan.table() + "\n"
+        if self.experts is not None:
+            files["expert_plan.txt"] = self.experts.plan.table(self.ep) + "\n"
         if self.recompute_report is not None:
             files["recompute_plan.txt"] = (self.recompute_report.describe().replace("; ", "\n  ").replace(": ", ":\n  ", 1)
                                            + "\n(budget per pipeline rank, from --memory-budget-mb)\n")
@@ -245,6 +267,8 @@ class PipelineEngine(EngineBase):
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
         self.module.train()
+        for dispatch in (self.experts.forwards.values() if self.experts is not None else ()):
+            dispatch.reset_counts()
         batches = self._local_sequences(batches)
         for batch in batches:  # on every pp rank, not only the first stage's: an error, never a hang
             self.pipe.first_stage_inputs(batch)
@@ -308,15 +332,20 @@ class PipelineEngine(EngineBase):
         sharded = ({id(p) for name, p in self.module.named_parameters() if self.tensor_parallel.is_sharded(name)}
                    if self.tensor_parallel is not None else set())
         chosen = None if params is None else {id(p) for p in params}
+        experts = {id(p) for p in self.expert_params} if self.experts is not None else set()
         if isinstance(self.sync, SHARDED):  # [replicated, sharded] over this rank's shard, summed over dp
             squares = self.sync.squared_norms(lambda p: None if id(p) in shared_elsewhere else int(id(p) in sharded), 2)
         else:
             squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # [replicated, sharded]
             for p in self.sync.params:
-                if p.grad is not None and id(p) not in shared_elsewhere and (chosen is None or id(p) in chosen):
+                if p.grad is not None and id(p) not in shared_elsewhere and id(p) not in experts \
+                        and (chosen is None or id(p) in chosen):
                     squares[int(id(p) in sharded)] += p.grad.double().square().sum()
         if self.tensor_parallel is not None:
             dist.all_reduce(squares[1:], group=self.mesh.group("tp"))
+        if self.experts is not None:  # each expert once: the ep ranks' parts
+            squares[0] += expert_squares([p for p in self.expert_params if chosen is None or id(p) in chosen],
+                                         self.ep_group, self.device)
         return squares.sum()
 
     def scale_to_norm(self, norm: float, max_norm: float, params: list[nn.Parameter] | None = None) -> None:
@@ -363,7 +392,10 @@ class PipelineEngine(EngineBase):
         """
         slots = self.stats_slots(elapsed, peak_bytes).to(self.device)  # (a stage may hold no parameter)
         dist.all_reduce(slots)
-        return self.stats_from_slots(slots.cpu())  # the host read (on steps that write metrics only)
+        stats = self.stats_from_slots(slots.cpu())  # the host read (on steps that write metrics only)
+        if self.experts is not None:
+            stats.update(expert_load(self.experts, self.mesh.size("tp"), self.device))
+        return stats
 
     def _degrees(self) -> tuple[int, ...]:
         return self.stage_tp or (dist.get_world_size() // (self.pp * self.mesh.size("dp")),) * self.pp

@@ -37,6 +37,7 @@ class Engine(Protocol):
 
     module: nn.Module  # the parameters this rank trains, under the user's model's own names
     tensor_parallel: Any  # a TensorParallel when logits are sharded over the vocabulary, else None
+    sliced_state: Any  # what checkpoints gather whole and cut again (EngineBase.sliced_state)
     waits: WaitTally  # this rank's time blocked on other ranks in the current step (the trainer starts each step)
 
     def forward_backward(self, batches: list[Batch], loss_fn: LossFn) -> torch.Tensor:
@@ -80,6 +81,12 @@ class EngineBase:
     tensor_parallel = None  # whole model per replica unless the engine shards layers
     waits = WaitTally()  # records nothing: engines that report their waits (the pipeline's) hold their own
     token_loss_sum = staticmethod(token_loss_sum)
+
+    @property
+    def sliced_state(self) -> Any:
+        """What checkpoints and pretrained loads gather whole and cut again (is_sharded, gather, shard, full_shape,
+        file_slices): the tensor-parallel layout, or sharded experts with or without it; None when all is whole."""
+        return self.tensor_parallel
 
     def num_parameters(self) -> int:
         """Trainable parameters this rank holds (each shared tensor once)."""

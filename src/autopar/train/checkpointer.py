@@ -35,7 +35,7 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         self.engine.before_checkpoint()  # e.g. gossip: the replicas' mean; sparse: deferred rows landed
         return ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer,
-                                    {"scheduler": self.scheduler.state_dict()}, self.engine.tensor_parallel,
+                                    {"scheduler": self.scheduler.state_dict()}, self.engine.sliced_state,
                                     manifest_info=self.manifest_info, keep=self.config.keep_checkpoints)
 
     def restore(self, *, restarted: bool) -> int:
@@ -44,7 +44,7 @@ class Checkpointer:
         self.resumed_from = agree_on_resume_checkpoint(self.run_dir, self.config.resume, restarted=restarted)
         if self.resumed_from is None:
             return 0
-        state = ckpt.load_checkpoint(self.resumed_from, self.model, self.optimizer, self.engine.tensor_parallel)
+        state = ckpt.load_checkpoint(self.resumed_from, self.model, self.optimizer, self.engine.sliced_state)
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # the rate the checkpointed step would use next

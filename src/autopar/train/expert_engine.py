@@ -150,10 +150,7 @@ class ExpertParallelEngine(EngineBase):
         return {"experts": stats}
 
     def banner_lines(self) -> list[str]:
-        layers = self.plan.layers
-        held = ", ".join(sorted({f"{layer.num_experts // self.ep} of {layer.num_experts}" for layer in layers}))
-        return [f"expert parallelism ep={self.ep}: each rank holds {held} experts of each of {len(layers)} MoE "
-                f"layer(s); dense weights replicated over dp={self.mesh.dp_size} (expert_plan.txt)"]
+        return [self.experts.summary(self.mesh.dp_size)]
 
     def run_files(self) -> dict[str, str]:
         return {"expert_plan.txt": self.plan.table(self.ep) + "\n"}

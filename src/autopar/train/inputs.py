@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, default_collate
 
 from ..config import TrainConfig
 from ..data.sampler import GlobalBatchSampler
+from ..models.output import aux_loss_of
 from .engine import eval_token_sums
 from .loss import Batch, LossFn, align_labels, as_batch, main_input, target_count
 
@@ -46,8 +47,10 @@ class Losses:
     """The training loss share of a micro-batch and the eval sums, normalised over the global batch."""
 
     def __init__(self, *, engine: Any, loss_fn: LossFn | None, config: TrainConfig, device: torch.device,
-                 dp_group: Any):
+                 dp_group: Any, aux_coef: float = 0.0):
+        """aux_coef: the weight of the model's own auxiliary (load-balancing) loss, added to the default loss."""
         self.engine, self.loss_fn, self.config, self.device, self.dp_group = engine, loss_fn, config, device, dp_group
+        self.aux_coef = aux_coef
 
     @property
     def token_loss(self) -> bool:
@@ -56,7 +59,11 @@ class Losses:
 
     def train(self, output: Any, batch: Batch, global_count: torch.Tensor | None) -> torch.Tensor:
         if self.loss_fn is None:
-            return self.engine.token_loss_sum(output, batch) / global_count
+            loss = self.engine.token_loss_sum(output, batch) / global_count
+            aux = aux_loss_of(output) if self.aux_coef else None
+            if aux is not None:  # the model's own value for this micro-batch, weighted by its share of the batch
+                loss = loss + self.aux_coef * aux.float() * (len(main_input(batch)) / self.config.global_batch_size)
+            return loss
         if self.engine.tensor_parallel is not None:  # a custom loss sees whole logits
             output = self.engine.tensor_parallel.full_output(output)
         samples = len(main_input(batch))
