@@ -1,0 +1,89 @@
+"""Mixed clusters: per-device speed and memory, per-pair links, and the plans that read them."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from autopar.errors import ConfigError
+from autopar.search import hetero_cluster as hc
+from autopar.search.cluster import cluster_from_dict, preset, sized
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+BASE = """
+name = "mixed"
+num_devices = 4
+devices_per_node = 4
+memory_per_device_gb = 16
+compute_efficiency = 0.5
+memory_bandwidth_bytes_per_s = 1e11
+flops_per_s = {fp32 = 1e13}
+intra_node = {latency_s = 5e-6, bandwidth_bytes_per_s = 1e10}
+inter_node = {latency_s = 1e-5, bandwidth_bytes_per_s = 1e9}
+"""
+MIXED = BASE + """
+[[devices]]
+speed = 1.0
+[[devices]]
+speed = 1.0
+[[devices]]
+speed = 0.5
+[[devices]]
+speed = 0.5
+memory_gb = 8
+[[links]]
+a = [0, 1]
+b = [2, 3]
+latency_s = 1e-3
+bandwidth_bytes_per_s = 1e8
+"""
+
+
+def mixed():
+    return cluster_from_dict(tomllib.loads(MIXED))
+
+
+def test_mixed_cluster_reads_speeds_memory_and_links_and_round_trips():
+    c = mixed()
+    assert [hc.device_speed(c, d) for d in range(4)] == [1.0, 1.0, 0.5, 0.5]
+    assert hc.device_memory_gb(c, 3) == 8 and hc.device_memory_gb(c, 0) == 16
+    assert hc.link_between(c, 1, 2).bandwidth_bytes_per_s == 1e8  # the override, both ways
+    assert hc.link_between(c, 2, 0).latency_s == 1e-3
+    assert hc.link_between(c, 2, 3) == c.intra_node  # not covered: the node's link
+    assert hc.ring_link(c, [0, 1]).bandwidth_bytes_per_s == 1e10
+    assert hc.ring_link(c, [0, 2]).bandwidth_bytes_per_s == 1e8  # a ring waits for its slowest hop
+    assert hc.group_speed(c, [0, 3]) == 0.5
+    assert hc.is_heterogeneous(c)
+    assert cluster_from_dict(tomllib.loads(c.to_toml())) == c
+
+
+def test_presets_are_the_homogeneous_special_case():
+    c = preset("a100-80gb")
+    assert not hc.is_heterogeneous(c) and "devices" not in c.to_dict()
+    assert cluster_from_dict(tomllib.loads(c.to_toml())) == c
+    assert hc.device_speed(c, 5) == 1.0 and hc.link_between(c, 0, 9) == c.inter_node
+    assert hc.group_all_reduce(c, 1e6, list(range(8))) == pytest.approx(c.all_reduce(1e6, 8))
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("[[devices]]\nspeed = 1.0\n", "1 [[devices]] table(s) for num_devices = 4"),
+    ("[[devices]]\nspeed = 0\n" * 4, "devices[0].speed' must be a number > 0, got 0"),
+    ("[[devices]]\nspeed = 1\nfast = 2\n" * 4, "devices[0] has unknown field(s) ['fast']"),
+    ("[[links]]\na = [0, 7]\nlatency_s = 0\nbandwidth_bytes_per_s = 1e9\n", "names device(s) [7] outside 0..3"),
+    ("[[links]]\na = [0, 1]\nlatency_s = 0\n", "links[0] is missing 'bandwidth_bytes_per_s'"),
+])
+def test_bad_mixed_cluster_files_are_refused_by_name(extra, words):
+    with pytest.raises(ConfigError, match=None) as error:
+        cluster_from_dict(tomllib.loads(BASE + extra))
+    assert words in str(error.value)
+
+
+def test_a_described_cluster_is_not_resized():
+    with pytest.raises(ConfigError, match="--nproc 8 does not match cluster 'mixed'"):
+        sized(mixed(), nproc=8)
+    assert sized(mixed(), nproc=4) == mixed()
