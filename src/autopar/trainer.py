@@ -37,6 +37,7 @@ from .mesh import ProcessMesh
 from .models.materialize import attach_init_fn, tied_groups
 from .search.auto import Measured, Plan
 from .search.device_peak import device_peak
+from .search.replica_shares import replica_shares
 from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
@@ -149,7 +150,8 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
                          if cfg.dtype == "bf16-autocast"
                          else contextlib.nullcontext)
-        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
+        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed,
+                                          shares=replica_shares(self.strategy, cfg))
         self.loader = BatchLoader(config=cfg, sampler=self.sampler, device=self.device, shift_labels=self.shift_labels,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
         self.account = RunAccount.of_model(self.model, self.forward_fn, self.train_data[0],  # as the user gave it

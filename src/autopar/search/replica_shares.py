@@ -1,0 +1,49 @@
+"""Replica batch shares from the cluster: `--dp-shares auto` becomes one weight per replica, its device's speed.
+
+The arithmetic (whole micro-batches, largest remainder) is data/shares.py's; this module only reads the
+cluster file, so that the weights are fixed once, before ranks start, and recorded in the run's strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import Strategy, TrainConfig
+from ..data.shares import AUTO, EVEN, parse_weights, split_samples
+from ..errors import ConfigError
+from .cluster import resolve_cluster
+from .hetero_cluster import group_speed, is_heterogeneous
+
+
+def with_auto_shares(strategy: Strategy, world: int) -> Strategy:
+    """`strategy` (resolved) with --dp-shares auto replaced by the replicas' device speeds, e.g. "1,1,0.5,0.5"."""
+    if strategy.replicas.shares != AUTO:
+        return strategy
+    if not strategy.planning.cluster:
+        raise ConfigError("--dp-shares auto takes each replica's speed from the cluster file's [[devices]] "
+                          "tables, but no --cluster was given; give --cluster FILE (docs/features/"
+                          "heterogeneous.md) or explicit weights, e.g. --dp-shares 2,1")
+    cluster = resolve_cluster(strategy.planning.cluster)
+    if not cluster.devices:
+        raise ConfigError(f"--dp-shares auto: cluster {cluster.name!r} lists no [[devices]] speeds, so every "
+                          f"replica is equally fast; add [[devices]] tables or use --dp-shares even")
+    if cluster.num_devices != world:
+        raise ConfigError(f"--dp-shares auto: cluster {cluster.name!r} describes {cluster.num_devices} devices "
+                          f"but the job has {world} processes; describe the devices the job runs on")
+    per_replica = world // strategy.dp  # data-parallel only (rule dp-shares-data-parallel): one rank each
+    weights = [group_speed(cluster, range(d * per_replica, (d + 1) * per_replica)) for d in range(strategy.dp)]
+    text = ",".join(f"{w:g}" for w in weights)
+    return dataclasses.replace(strategy, replicas=dataclasses.replace(strategy.replicas, shares=text))
+
+
+def replica_shares(strategy: Strategy, config: TrainConfig) -> tuple[int, ...] | None:
+    """Samples per replica of each global batch (None: equal); --dp-shares auto must be resolved first."""
+    if strategy.replicas.shares == EVEN:
+        return None
+    if strategy.replicas.shares == AUTO:
+        raise ConfigError("--dp-shares auto is resolved from the cluster before training (with_auto_shares)")
+    weights = parse_weights(strategy.replicas.shares, strategy.dp)
+    return split_samples(weights, config.global_batch_size, config.micro_batch_size)
+
+
+__all__ = ["with_auto_shares", "replica_shares", "is_heterogeneous"]
