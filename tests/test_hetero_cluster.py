@@ -87,3 +87,19 @@ def test_a_described_cluster_is_not_resized():
     with pytest.raises(ConfigError, match="--nproc 8 does not match cluster 'mixed'"):
         sized(mixed(), nproc=8)
     assert sized(mixed(), nproc=4) == mixed()
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 0.5), (0.25, 1.0, 1.0), (1.0, 0.5, 2.0)])
+def test_cuts_on_device_speeds_minimise_the_slowest_stage(speeds):
+    from autopar.partition import algorithms
+    compute, transfer = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0], [0.5, 0.2, 0.1, 0.3, 0.2, 0.4, 0.0]
+    stages = len(speeds)
+
+    def slowest(bounds):
+        return max(sum(compute[a:b]) / v + (transfer[b - 1] if b < len(compute) else 0.0)
+                   for (a, b), v in zip(zip(bounds, bounds[1:]), speeds))
+    got = algorithms.min_max_time(compute, stages, transfer=transfer, speeds=speeds)
+    assert slowest(got) == pytest.approx(algorithms.brute_force(len(compute), stages, slowest)[0])
+    # equal blocks: the stage at half speed takes a third of them, not half
+    assert algorithms.min_max_time([1.0] * 6, 2, speeds=(1.0, 0.5)) == [0, 4, 6]
+    assert algorithms.min_max_time([1.0] * 6, 2) == [0, 3, 6]

@@ -32,7 +32,7 @@ from .pipeline.engine import PipelineEngine
 from .running_stats import batch_norm_layers, check_batch_norm_subbatches, check_running_stats
 from .search.auto import Example, Plan, resolve_choice
 from .search.cluster import cluster_for_ranks
-from .search.replica_shares import replica_shares, with_auto_shares
+from .search.device_speeds import replica_shares, stage_speeds, with_auto_shares
 from .sparse.engine import SparseEmbeddingEngine
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.checkpoint import find_checkpoint
@@ -140,7 +140,8 @@ def _build_pipeline(ctx: EngineContext, options: Strategy) -> Engine:
     """Traced stages run by a schedule (pipeline/engine.py); tensor parallelism too (one stage when pp=1)."""
     return PipelineEngine(**ctx.common(), example_batch=ctx.example_batch(), num_microbatches=ctx.accumulation,
                           timeout_s=ctx.timeout_s, strategy=options, param_dtype=ctx.param_dtype,
-                          boundary_link=_boundary_cluster(options))
+                          boundary_link=_boundary_cluster(options),
+                          stage_speeds=stage_speeds(options))
 
 
 def _boundary_cluster(strategy: Strategy):

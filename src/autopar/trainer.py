@@ -37,7 +37,7 @@ from .mesh import ProcessMesh
 from .models.materialize import attach_init_fn, tied_groups
 from .search.auto import Measured, Plan
 from .search.device_peak import device_peak
-from .search.replica_shares import replica_shares
+from .search.device_speeds import replica_shares
 from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
 from .train.base import Engine, EngineContext, LoopServices, TrainResult

@@ -1,7 +1,9 @@
-"""Replica batch shares from the cluster: `--dp-shares auto` becomes one weight per replica, its device's speed.
+"""What a mixed cluster's device speeds mean for a run: replica shares and pipeline stage rates.
 
-The arithmetic (whole micro-batches, largest remainder) is data/shares.py's; this module only reads the
-cluster file, so that the weights are fixed once, before ranks start, and recorded in the run's strategy.
+`--dp-shares auto` becomes one weight per replica, its device's speed (the arithmetic, whole micro-batches
+by largest remainder, is data/shares.py's); `--partition time` on a cluster with [[devices]] speeds cuts
+stages in proportion to the rate of the devices each stage runs on. Both read the --cluster file once,
+before ranks start (every rank reads the same file, so every rank cuts alike).
 """
 
 from __future__ import annotations
@@ -46,4 +48,23 @@ def replica_shares(strategy: Strategy, config: TrainConfig) -> tuple[int, ...] |
     return split_samples(weights, config.global_batch_size, config.micro_batch_size)
 
 
-__all__ = ["with_auto_shares", "replica_shares", "is_heterogeneous"]
+def stage_speeds(strategy: Strategy) -> tuple[float, ...] | None:
+    """Each pipeline stage's relative rate, the slowest of the ranks that run it in the (pp, dp, tp) mesh
+    (`strategy` resolved);
+    None when the --cluster file gives no speeds, or the layout is not one stage per rank group (--chunks,
+    --stage-tp, --cp), or the partition does not balance time."""
+    if not strategy.planning.cluster or strategy.pp < 2 or strategy.pipeline.partition != "time" or \
+            strategy.pipeline.chunks != 1 or strategy.stage_tp is not None or strategy.cp != 1:
+        return None
+    cluster = resolve_cluster(strategy.planning.cluster)
+    if not cluster.devices:
+        return None
+    world = strategy.dp * strategy.tp * strategy.pp
+    if cluster.num_devices != world:
+        raise ConfigError(f"cluster {cluster.name!r} describes {cluster.num_devices} devices but the job has "
+                          f"{world} processes; describe the devices the job runs on")
+    per_stage = world // strategy.pp  # the mesh is pp-outermost: stage p holds ranks p*per_stage..
+    return tuple(group_speed(cluster, range(p * per_stage, (p + 1) * per_stage)) for p in range(strategy.pp))
+
+
+__all__ = ["with_auto_shares", "replica_shares", "stage_speeds", "is_heterogeneous"]
