@@ -103,3 +103,37 @@ def test_cuts_on_device_speeds_minimise_the_slowest_stage(speeds):
     # equal blocks: the stage at half speed takes a third of them, not half
     assert algorithms.min_max_time([1.0] * 6, 2, speeds=(1.0, 0.5)) == [0, 4, 6]
     assert algorithms.min_max_time([1.0] * 6, 2) == [0, 3, 6]
+
+
+def _work(**changes):
+    from autopar.search.placement import Workload
+    base = dict(dp=2, pp=2, tp=1, num_microbatches=4, stage_compute_s=(1e-3, 1e-3), boundary_bytes=(1e5, 0.0),
+                grad_bytes=(4e7, 4e7))
+    return Workload(**{**base, **changes})
+
+
+def test_placement_keeps_the_gradient_sums_on_fast_links():
+    """Devices {0, 2} and {1, 3} are joined by fast links, the pairs by a slow one: the rank order would put
+    each stage's dp group (0, 1 and 2, 3) across the slow link; the best order keeps them on the fast ones."""
+    from autopar.search.placement import best_placement
+    slow = cluster_from_dict(tomllib.loads(BASE + "[[links]]\na = [0, 2]\nb = [1, 3]\nlatency_s = 1e-3\n"
+                                                  "bandwidth_bytes_per_s = 1e8\n"))
+    placed = best_placement(slow, _work())
+    stage_groups = [{placed.order[0], placed.order[1]}, {placed.order[2], placed.order[3]}]
+    assert sorted(map(sorted, stage_groups)) == [[0, 2], [1, 3]], placed
+    assert placed.step_s < placed.rank_order_step_s / 2
+    homogeneous = cluster_from_dict(tomllib.loads(BASE))
+    assert best_placement(homogeneous, _work()).order == (0, 1, 2, 3)  # nothing to gain: ranks stay
+
+
+def test_placement_and_shares_follow_device_speed():
+    """Two half-speed devices: stages of equal work go to one fast and one slow replica each way is worse
+    than giving each replica its pace; with uneven shares the slow replica takes fewer micro-batches."""
+    from autopar.search.placement import best_placement, step_time
+    c = mixed()  # devices 2, 3 at half speed; slow link between {0, 1} and {2, 3}
+    work = _work(dp=4, pp=1, stage_compute_s=(1e-2,), boundary_bytes=(0.0,), grad_bytes=(1e3,))
+    even = step_time(c, work, (0, 1, 2, 3))
+    uneven = step_time(c, _work(dp=4, pp=1, stage_compute_s=(1e-2,), boundary_bytes=(0.0,), grad_bytes=(1e3,),
+                                uneven_shares=True), (0, 1, 2, 3))
+    assert uneven < 0.8 * even
+    assert best_placement(c, work).step_s <= even
