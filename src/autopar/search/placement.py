@@ -149,6 +149,22 @@ def workload_of(estimate, model) -> Workload:
                     boundary_bytes=boundary, grad_bytes=grads, tp_bytes=tp_bytes)
 
 
+def workload_from_profile(profile, cluster: Cluster, *, dp: int, pp: int, micro_batch_size: int,
+                          num_microbatches: int, dtype: str = "fp32", stage_speeds=None,
+                          uneven_shares: bool = False) -> Workload:
+    """A Workload for degrees given by hand (tp = 1): stages cut by the PipeDream DP on FLOPs, each divided
+    by its stage's speed when `stage_speeds` is given (what --partition time does on a mixed cluster)."""
+    from ..partition.algorithms import min_max_time
+    bounds = min_max_time(list(profile.flops), pp, speeds=stage_speeds) if pp > 1 else [0, len(profile.flops)]
+    stages = list(zip(bounds, bounds[1:]))
+    rate = cluster.rate(dtype)
+    return Workload(dp=dp, pp=pp, tp=1, num_microbatches=num_microbatches,
+                    stage_compute_s=tuple(3 * sum(profile.flops[a:b]) * micro_batch_size / rate for a, b in stages),
+                    boundary_bytes=tuple(2 * profile.boundary_bytes[b - 1] * micro_batch_size
+                                         if b - 1 < len(profile.boundary_bytes) else 0.0 for _, b in stages),
+                    grad_bytes=tuple(4 * sum(profile.params[a:b]) for a, b in stages), uneven_shares=uneven_shares)
+
+
 def placement_lines(top, model) -> list[str]:
     """What `plan --auto` prints for a mixed cluster: each top plan's best placement and its predicted gain."""
     lines = []
