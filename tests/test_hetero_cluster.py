@@ -137,3 +137,14 @@ def test_placement_and_shares_follow_device_speed():
                                 uneven_shares=True), (0, 1, 2, 3))
     assert uneven < 0.8 * even
     assert best_placement(c, work).step_s <= even
+
+
+def test_reproduce_hetero_predicts_a_gain_where_regions_are_far_apart(capsys):
+    """Two data centres joined by 1 Gbit/s: the placement keeps each stage's replicas in one centre and gains
+    several times over placements that ignore the links (a prediction, labelled so)."""
+    from autopar.reproduce.hetero import main
+    assert main(["--devices", "16", "--scenarios", "two-centres"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PREDICTION")
+    gain = float(out.split("two-centres")[1].split("x")[0].split()[-1])
+    assert gain > 2, out

@@ -104,14 +104,15 @@ def step_time(cluster: Cluster, work: Workload, order: tuple[int, ...] | list[in
     return pipeline + sync
 
 
-def best_placement(cluster: Cluster, work: Workload) -> Placement:
+def best_placement(cluster: Cluster, work: Workload, start: tuple[int, ...] | None = None) -> Placement:
     """The order with the least predicted step time (every order up to EXHAUSTIVE_WORLD devices; pairwise
-    swaps from the rank order beyond). Ties keep the earliest order, so a homogeneous cluster keeps ranks
-    where they are."""
+    swaps from `start`, default the rank order, beyond). Ties keep the earliest order, so a homogeneous
+    cluster keeps ranks where they are."""
     world = work.dp * work.pp * work.tp
     identity = tuple(range(world))
     baseline = step_time(cluster, work, identity)
-    best, best_s = identity, baseline
+    best = tuple(start) if start is not None and world > EXHAUSTIVE_WORLD else identity
+    best_s = step_time(cluster, work, best)
     if world <= EXHAUSTIVE_WORLD:
         for order in itertools.permutations(range(world)):
             s = step_time(cluster, work, order)
