@@ -148,3 +148,16 @@ def test_reproduce_hetero_predicts_a_gain_where_regions_are_far_apart(capsys):
     assert out.startswith("PREDICTION")
     gain = float(out.split("two-centres")[1].split("x")[0].split()[-1])
     assert gain > 2, out
+
+
+def test_plan_auto_shows_the_placement_on_a_mixed_cluster(tmp_path, capsys):
+    from autopar.cli import build_parser, cmd_plan
+    two = BASE.replace("num_devices = 4", "num_devices = 2").replace("devices_per_node = 4", "devices_per_node = 2")
+    path = tmp_path / "mixed2.toml"
+    path.write_text(two + "[[devices]]\nspeed = 1.0\n[[devices]]\nspeed = 0.5\n")
+    ns = build_parser().parse_args(["plan", "--auto", "--model", "gpt-tiny", "--model-arg", "n_layer=2", "--nproc",
+                                    "2", "--global-batch-size", "4", "--seq-len", "16", "--cost-model", "flops",
+                                    "--top", "1", "--cluster", str(path)])
+    assert cmd_plan(ns) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("placement #1: stage 0:"))
+    assert "(devices by mesh position" in line and " ms per step vs " in line and "in rank order" in line

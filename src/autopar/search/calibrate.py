@@ -150,7 +150,7 @@ def cmd_calibrate(ns) -> int:
     `--strategy auto` without --cluster then uses)."""
     from .calibration_cache import store
     began, load = time.perf_counter(), os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    cluster = calibrate(ns.nproc, per_rank=getattr(ns, "per_rank", False))
+    cluster = calibrate(ns.nproc, per_rank=True) if getattr(ns, "per_rank", False) else calibrate(ns.nproc)
     Path(ns.out).write_text(cluster.to_toml())
     entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began, load=load)
     print(f"wrote {ns.out} and {entry} in {time.perf_counter() - began:.0f} s: matmul "
