@@ -411,7 +411,7 @@ RULES: tuple[Rule, ...] = (
          "--cp {s.cp} with a custom forward_fn", "the traced model runs on each rank's share of the sequence, and a "
          "forward of one's own would see whole batches", "drop forward_fn (batch fields reach the model as keywords)"),
     # ---- uneven batch shares per replica (data/shares.py)
-    Rule("dp-shares-data-parallel", "--dp-shares other than even with pp, tp, cp, ep or --stage-tp, ZeRO-3, "
+    Rule("dp-shares-data-parallel", "--dp-shares other than even with pp, tp, cp, ep or --stage-tp, ZeRO, "
          "gossip or asynchronous replicas, sparse embeddings, PipeDream or --strategy auto",
          lambda setup: setup.strategy.replicas.shares != "even" and _shares_conflict(setup) is not None,
          "--dp-shares {s.dp_shares} with {flag}", "uneven shares run in the data-parallel engine, whose replicas "
@@ -430,8 +430,8 @@ def _shares_conflict(setup: Setup) -> tuple[str, str] | None:
                                                                                 "manual")):
         if value != want:
             return f"{flag} {value}", f"{flag} {want}"
-    if s.replicas.zero == 3:
-        return "--zero 3", "--zero 2 or lower"
+    if s.replicas.zero:
+        return f"--zero {s.replicas.zero}", "--zero 0"
     if s.pipeline.schedule in ("pipedream", "pipedream-2bw"):
         return f"--schedule {s.pipeline.schedule}", "a synchronous schedule (1f1b)"
     if setup.sparse:
