@@ -79,10 +79,13 @@ def plans(args, folder: Path) -> list[PlanRun]:
     device_file.write_text(cluster_toml(identity, args))
     cluster = load_cluster(device_file)
     profile = profile_model(args.model, seq_len=args.seq_len, model_args=args.model_args)
-    out = [PlanRun("homogeneous dp=4", False, {"dp": 4}, identity)]
-    if not args.quick:
-        out.append(PlanRun("homogeneous pp=2 dp=2", False, {"pp": 2, "dp": 2}, identity))
     layouts = [(4, 1)] if args.quick else [(4, 1), (2, 2)]
+    out = []
+    for dp, pp in layouts:  # what a planner that sees equal devices runs, priced on the devices as they are
+        work = workload_from_profile(profile, cluster, dp=dp, pp=pp, micro_batch_size=args.micro,
+                                     num_microbatches=args.global_batch // (dp * args.micro))
+        out.append(PlanRun(f"homogeneous dp={dp} pp={pp}", False, {"dp": dp, "pp": pp}, identity,
+                           step_time(cluster, work, identity)))
     for dp, pp in layouts:
         micro = args.global_batch // (dp * args.micro)
         work = workload_from_profile(profile, cluster, dp=dp, pp=pp, micro_batch_size=args.micro,
@@ -248,8 +251,8 @@ def main(argv=None) -> None:
             print(args.links.describe())
         candidates = plans(args, Path(folder))
         for run in candidates:
-            print(f"  {run.name:24} {run.strategy} devices by rank {list(run.order)}" +
-                  (f"; predicted {run.predicted_s * 1e3:.1f} ms" if run.aware else ""))
+            print(f"  {run.name:24} {run.strategy} devices by rank {list(run.order)}; predicted "
+                  f"{run.predicted_s * 1e3:.1f} ms")
         times = measure(args, candidates)
     print(f"{'plan':>24} {'median step (s)':>16} {'min':>8} {'max':>8}")
     for run in candidates:
