@@ -11,7 +11,8 @@ the links inside them (benchmarks/emulated_links.py). The same cluster is writte
 
 Homogeneous plans are what a planner that sees equal devices runs: dp=4 and pp=2 x dp=2 with even
 batch shares, cuts balanced on work, ranks in order. The aware plans are the same degrees with
-`--dp-shares auto` (replicas take micro-batches in proportion to their device's speed), pipeline cuts
+`--dp-shares auto` (replicas, whole models or pipelines, take micro-batches in proportion to their
+slowest device's speed), pipeline cuts
 balanced on each stage's device speed and the placement (search/placement.py) that keeps gradient sums
 on the fast links; the aware plan reported is the one the placement model predicts fastest, chosen
 before measuring. Plans with the same placement run in one set of ranks, step by step in alternating
@@ -89,16 +90,16 @@ def plans(args, folder: Path) -> list[PlanRun]:
     for dp, pp in layouts:
         micro = args.global_batch // (dp * args.micro)
         work = workload_from_profile(profile, cluster, dp=dp, pp=pp, micro_batch_size=args.micro,
-                                     num_microbatches=micro, uneven_shares=pp == 1)
+                                     num_microbatches=micro, uneven_shares=True)
         placed = best_placement(cluster, work)
         file = folder / f"aware-dp{dp}-pp{pp}.toml"
         file.write_text(cluster_toml(placed.order, args))
-        strategy = {"dp": dp, "pp": pp, "cluster": str(file), **({"dp_shares": "auto"} if pp == 1 else {})}
+        strategy = {"dp": dp, "pp": pp, "cluster": str(file), "dp_shares": "auto"}
         if pp > 1:  # the cut on each stage's speed, as train does; predicted with it
             placed_cluster = load_cluster(file)
             speeds = [min(SPEEDS[placed.order[(p * dp + d)]] for d in range(dp)) for p in range(pp)]
             work = workload_from_profile(profile, placed_cluster, dp=dp, pp=pp, micro_batch_size=args.micro,
-                                         num_microbatches=micro, stage_speeds=speeds)
+                                         num_microbatches=micro, stage_speeds=speeds, uneven_shares=True)
             predicted = step_time(placed_cluster, work, identity)
         else:
             predicted = placed.step_s

@@ -117,3 +117,17 @@ def test_cuts_balanced_on_device_speed_match_single_process(rank_pool, tmp_path,
     for got in runs["aware"]:
         assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5
         assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4
+
+
+def test_pipelines_with_uneven_shares_match_single_process(rank_pool, tmp_path, tmp_path_factory):
+    """pp=2 x dp=2 with --dp-shares 3,1: the first pipeline runs 6 micro-batches, the second 2, and their summed
+    gradients are one process's (eval too splits the batch by the same shares)."""
+    expected = reference(rank_pool, tmp_path_factory, "gpt-tiny")
+    results = rank_pool(4).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODELS["gpt-tiny"], steps=STEPS,
+                               strategy={"pp": 2, "dp": 2, "dp_shares": "3,1"}, global_batch_size=GLOBAL_BATCH,
+                               micro_batch_size=1)
+    assert [got["local_micro_batches"] for got in results] == [6, 2, 6, 2]  # ranks (stage, replica) in mesh order
+    for got in results:
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5
+        assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4
+        assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5

@@ -45,7 +45,8 @@ def test_bad_weights_are_refused(text, words):
 
 
 @pytest.mark.parametrize("strategy, words", [
-    (dict(dp=2, pp=2, dp_shares="3,1"), "rule dp-shares-data-parallel"),
+    (dict(dp=2, pp=2, chunks=2, dp_shares="3,1"), "rule dp-shares-data-parallel"),
+    (dict(dp=2, pp=2, schedule="zb-h1", dp_shares="3,1"), "--schedule zb-h1"),
     (dict(dp=4, zero=1, dp_shares="3,1,1,3"), "--zero 1"),
     (dict(dp=4, dp_shares="auto"), "no --cluster was given"),
 ])

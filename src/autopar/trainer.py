@@ -160,7 +160,9 @@ class Trainer:
                                                          micro_batch_size=cfg.micro_batch_size)[0]
         self.engine: Engine = resolved.entry.build(EngineContext(
             model=self.model, mesh=self.mesh, strategy=self.strategy, config=cfg, device=self.device,
-            autocast=self.autocast, forward_fn=self.forward_fn, accumulation=self.accumulation,
+            autocast=self.autocast, forward_fn=self.forward_fn,
+            accumulation=self.accumulation if self.sampler.shares is None else  # uneven: this replica's count
+            len(self.loader.local_positions(0)),
             example_batch=lambda: self.loader.load(first(), self.train_data),
             batches_for_step=lambda step: self.loader.local_batches(step, self.train_data),
             samples_for_step=self.loader.local_positions))

@@ -32,8 +32,9 @@ def with_auto_shares(strategy: Strategy, world: int) -> Strategy:
     if cluster.num_devices != world:
         raise ConfigError(f"--dp-shares auto: cluster {cluster.name!r} describes {cluster.num_devices} devices "
                           f"but the job has {world} processes; describe the devices the job runs on")
-    per_replica = world // strategy.dp  # data-parallel only (rule dp-shares-data-parallel): one rank each
-    weights = [group_speed(cluster, range(d * per_replica, (d + 1) * per_replica)) for d in range(strategy.dp)]
+    dp, tp = strategy.dp, strategy.tp  # replica d: ranks (p * dp + d) * tp + t of the (pp, dp, tp) mesh
+    weights = [group_speed(cluster, [(p * dp + d) * tp + t for p in range(strategy.pp) for t in range(tp)])
+               for d in range(dp)]
     text = ",".join(f"{w:g}" for w in weights)
     return dataclasses.replace(strategy, replicas=dataclasses.replace(strategy.replicas, shares=text))
 

@@ -173,14 +173,16 @@ def placement_lines(top, model) -> list[str]:
         work = workload_of(estimate, model)
         if work.dp * work.pp * work.tp != model.cluster.num_devices or estimate.candidate.chunks != 1:
             continue
-        if work.pp == 1 and work.tp == 1 and work.dp > 1:  # what --dp-shares runs with (rule dp-shares-data-parallel)
-            work = dataclasses.replace(work, uneven_shares=True)
+        c = estimate.candidate
+        if work.dp > 1 and work.tp == 1 and c.schedule in ("1f1b", "gpipe", "eager-1f1b") and not c.zero:
+            work = dataclasses.replace(work, uneven_shares=True)  # --dp-shares (rule dp-shares-data-parallel)
         placed = best_placement(model.cluster, work)
         naive = step_time(model.cluster, dataclasses.replace(work, uneven_shares=False), range(len(placed.order)))
         gain = naive / placed.step_s if placed.step_s else 1.0
         shares = ""
         if work.uneven_shares:
-            speeds = [device_speed(model.cluster, placed.order[d]) for d in range(work.dp)]
+            speeds = [min(device_speed(model.cluster, placed.order[_position(work, p, d, t)])
+                          for p in range(work.pp) for t in range(work.tp)) for d in range(work.dp)]
             shares = f"; with --dp-shares {','.join(f'{v:g}' for v in speeds)}"
         lines.append(f"placement #{i}: {placed.describe(work)} (devices by mesh position{shares}; predicted "
                      f"{placed.step_s * 1e3:.2f} ms per step vs {naive * 1e3:.2f} ms in rank order"
