@@ -7,7 +7,8 @@
 The cluster: devices 0 and 1 form one "node", 2 and 3 another; devices 1 and 3 run at half the CPU quota
 of 0 and 2 (benchmarks/cpu_quota.py), and the link between the nodes is --slow-factor times slower than
 the links inside them (benchmarks/emulated_links.py). The same cluster is written as a cluster file
-(search/hetero_cluster.py), which the aware plans read.
+(search/hetero_cluster.py), which the aware plans read; its rate is this host's one-thread matmul rate
+(search/calibrate.py) times a full-speed device's quota.
 
 Homogeneous plans are what a planner that sees equal devices runs: dp=4 and pp=2 x dp=2 with even
 batch shares, cuts balanced on work, ranks in order. The aware plans are the same degrees with
@@ -59,7 +60,7 @@ def cluster_toml(order: tuple[int, ...], args) -> str:
     ranks_of = [[r for r, d in enumerate(order) if node[d] == k] for k in range(len(NODES))]
     lines = ['name = "emulated-mixed-4"', 'source = "benchmarks/heterogeneous.py: cpu quotas and tc-shaped links"',
              "num_devices = 4", "devices_per_node = 4", "memory_per_device_gb = 4", "compute_efficiency = 1.0",
-             "memory_bandwidth_bytes_per_s = 5e9", "flops_per_s = {fp32 = 2e9}",
+             "memory_bandwidth_bytes_per_s = 5e9", f"flops_per_s = {{fp32 = {args.flops:g}}}",
              f"intra_node = {{latency_s = 1e-4, bandwidth_bytes_per_s = {intra:g}}}",
              f"inter_node = {{latency_s = 1e-4, bandwidth_bytes_per_s = {slow:g}}}"]
     for rank in range(4):
@@ -75,6 +76,13 @@ def plans(args, folder: Path) -> list[PlanRun]:
     from autopar.search.placement import best_placement, step_time, workload_from_profile
     from autopar.search.profile import profile_model
 
+    import torch
+
+    from autopar.search.calibrate import matmul_rate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    args.flops = matmul_rate() * min(1.0, args.cores) if args.emulate else matmul_rate()  # a full-speed device
+    torch.set_num_threads(threads)
     identity = (0, 1, 2, 3)
     device_file = folder / "devices.toml"
     device_file.write_text(cluster_toml(identity, args))
@@ -216,13 +224,13 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="sets of ranks per placement, in alternating order")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=24)
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--cores", type=float, default=0.5, help="CPU quota of a full-speed device (cores); the "
                         "half-speed ones get half")
-    parser.add_argument("--intra-gbit", type=float, default=1.0, help="links inside a node (Gbit/s each way)")
+    parser.add_argument("--intra-gbit", type=float, default=10.0, help="links inside a node (Gbit/s each way)")
     parser.add_argument("--slow-factor", type=float, default=10.0, help="how much slower the link between the "
                         "nodes is")
     parser.add_argument("--no-emulate", dest="emulate", action="store_false",
