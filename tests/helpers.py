@@ -41,7 +41,8 @@ def train_builtin(model_name: str, out: str, *, model_args: dict | None = None, 
            "boundary_plans": [] if planned is None else  # --boundary: what this rank's channels moved
            [(plan.method, plan.max_link_bytes(), plan.nbytes, plan.src.tp, plan.dst.tp) for plan in planned.plans()],
            "grad_norms": [r["grad_norm"] for r in records if r["step"] >= result.first_step],
-           "params": whole_parameters(trainer), "local_numel": sum(p.numel() for p in trainer.model.parameters())}
+           "params": whole_parameters(trainer), "local_numel": sum(p.numel() for p in trainer.model.parameters()),
+           "local_micro_batches": len(trainer.loader.local_positions(0))}
     trainer.close()  # (whole_parameters gathers over the run's groups: close after it)
     return got
 

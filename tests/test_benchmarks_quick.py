@@ -26,6 +26,7 @@ HELPERS = {  # modules under benchmarks/ that are not entry points: why they are
     "emulated_links.py": "network namespaces for resharding.py --emulate-links (needs root); its refusals are "
                          "tested in tests/test_resharding_plan.py",
     "subnormal_census.py": "loaded into each rank by async_pipeline.py --count-subnormals",
+    "cpu_quota.py": "cgroup cpu quotas for heterogeneous.py's slow devices (needs root)",
     "pipeline/common.py": "a part of pipeline_schedules.py",
     "pipeline/memory.py": "a part of pipeline_schedules.py",
     "pipeline/ours_vs_torch.py": "a part of pipeline_schedules.py",

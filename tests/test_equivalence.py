@@ -55,3 +55,20 @@ def test_data_parallel_matches_single_process(rank_pool, tmp_path, tmp_path_fact
         assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5, rank
     # the loss must actually move, or equality would prove little
     assert expected["losses"][-1] < expected["losses"][0]
+
+
+# Uneven replica shares (--dp-shares): replica k takes its weight's part of each global batch, whole
+# micro-batches; gradients are summed and losses normalised over the global batch, so nothing else moves.
+# hf:bert is the masked LM: replicas hold different numbers of target tokens as well as of samples.
+@pytest.mark.parametrize("model", ["gpt-tiny", "hf:bert"])
+def test_uneven_replica_shares_match_single_process(rank_pool, tmp_path, tmp_path_factory, model):
+    args, steps = MODELS[model]
+    expected = reference(rank_pool, tmp_path_factory, model)
+    results = rank_pool(4).run(train_builtin, model, str(tmp_path), model_args=args, steps=steps,
+                               strategy={"dp": 4, "dp_shares": "3,1,1,3"}, global_batch_size=GLOBAL_BATCH,
+                               micro_batch_size=1)
+    assert [got["local_micro_batches"] for got in results] == [3, 1, 1, 3]  # the shares took effect
+    for rank, got in enumerate(results):
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (rank, got["losses"])
+        assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4, rank
+        assert max_param_difference(expected["params"], got["params"]) < 1e-5, rank

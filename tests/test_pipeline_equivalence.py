@@ -97,3 +97,37 @@ def test_zbv_matches_single_process(rank_pool, tmp_path, tmp_path_factory, pp):
         for name, value in got["params"].items():
             assert (value - expected["params"][name]).abs().max() < 1e-5, (rank, name)
     assert {"tok_emb.weight", "ln_f.weight"} <= set(results[0]["params"])  # the V: first and last stage on rank 0
+
+
+def test_cuts_balanced_on_device_speed_match_single_process(rank_pool, tmp_path, tmp_path_factory):
+    """A --cluster whose second device runs at a quarter of the first's rate: --partition time gives the slow
+    stage less work (uneven stages), and training still equals one process."""
+    from test_hetero_cluster import BASE
+    cluster = tmp_path / "mixed.toml"
+    cluster.write_text(BASE.replace("num_devices = 4", "num_devices = 2").replace("devices_per_node = 4",
+                                                                                  "devices_per_node = 2")
+                       + "[[devices]]\nspeed = 1.0\n[[devices]]\nspeed = 0.25\n")
+    expected = reference(rank_pool, tmp_path_factory, "gpt-tiny")
+    runs = {name: rank_pool(2).run(train_builtin, "gpt-tiny", str(tmp_path / name), model_args=MODELS["gpt-tiny"],
+                                   steps=STEPS, strategy={"pp": 2, **extra}, global_batch_size=GLOBAL_BATCH,
+                                   micro_batch_size=2)
+            for name, extra in (("aware", {"cluster": str(cluster)}), ("even", {}))}
+    aware, even = ([r["local_numel"] for r in runs[name]] for name in ("aware", "even"))
+    assert aware[1] < even[1] and aware[0] > even[0], (aware, even)  # the slow stage holds less
+    for got in runs["aware"]:
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5
+        assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4
+
+
+def test_pipelines_with_uneven_shares_match_single_process(rank_pool, tmp_path, tmp_path_factory):
+    """pp=2 x dp=2 with --dp-shares 3,1: the first pipeline runs 6 micro-batches, the second 2, and their summed
+    gradients are one process's (eval too splits the batch by the same shares)."""
+    expected = reference(rank_pool, tmp_path_factory, "gpt-tiny")
+    results = rank_pool(4).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODELS["gpt-tiny"], steps=STEPS,
+                               strategy={"pp": 2, "dp": 2, "dp_shares": "3,1"}, global_batch_size=GLOBAL_BATCH,
+                               micro_batch_size=1)
+    assert [got["local_micro_batches"] for got in results] == [6, 2, 6, 2]  # ranks (stage, replica) in mesh order
+    for got in results:
+        assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5
+        assert max_relative_difference(expected["grad_norms"], got["grad_norms"]) < 1e-4
+        assert abs(expected["eval_loss"] - got["eval_loss"]) / expected["eval_loss"] < 1e-5

@@ -78,6 +78,7 @@ def test_every_rule_refuses_something_in_the_matrix_or_its_own_layout():
         "sp-subbatches": (dict(sp=True, tp=2, tp_subbatches=2), {}, 2),
         "sp-boundary": (dict(sp=True, tp=2, pp=2, boundary="scatter_gather"), {}, 4),
         "ep-divides-dp": (dict(ep=4), {}, 2),
+        "dp-shares-data-parallel": (dict(cp=2, dp_shares="2,1"), {}, 4),
     }
     from_matrix = {r.name for a in FEATURES for b in FEATURES if not isinstance(r := refusal((a, b)), (str, type(None)))}
     for name, (fields, train, world) in own.items():

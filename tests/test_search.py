@@ -315,8 +315,11 @@ def test_profile_scaled_from_two_layers_equals_a_full_trace():
 
 def test_calibrate_measures_gloo_links_on_two_ranks():
     from autopar.search.calibrate import measure_links
-    links = measure_links(2)
+    links = measure_links(2, per_rank=True)
     assert links["p2p"]["bandwidth_bytes_per_s"] > 0 and links["p2p"]["latency_s"] >= 0
+    # --per-rank: each rank's own matmul rate and the link of every pair (a mixed cluster's [[devices]], [[links]])
+    assert len(links["rank_rates"]) == 2 and min(links["rank_rates"]) > 0
+    assert set(links["pair_links"]) == {"0,1"} and links["pair_links"]["0,1"]["bandwidth_bytes_per_s"] > 0
     assert set(links["allreduce"]) == {"2"} and links["allreduce"]["2"]["bandwidth_bytes_per_s"] > 0
     assert links["aggregate"]["bandwidth_bytes_per_s"] > 0  # both ranks sending at once: the node's total
     for name in ("reduce_scatter", "all_gather", "all_to_all"):  # ZeRO's and ep's collectives, wall time

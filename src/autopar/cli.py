@@ -378,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "caches for --nproc")
     calibrate.add_argument("--nproc", type=int, default=2, help="local ranks to measure collectives with")
     calibrate.add_argument("--out", default="cluster.toml", help="where to write the cluster file")
+    calibrate.add_argument("--per-rank", action="store_true", help="also each rank's own matmul rate and the link "
+                           "between every pair of ranks, written as [[devices]] and [[links]] (heterogeneous.md)")
     reproduce = sub.add_parser("reproduce", help="rerun a paper's experiment and print its table "
                                "(`autopar reproduce` lists them; `autopar reproduce NAME --help` shows options)")
     reproduce.add_argument("study", nargs="?", help="which experiment")

@@ -29,9 +29,10 @@ from .gossip import GossipEngine, GossipOptions, check_gossip_strategy
 from .pipeline.async_engine import PipeDream2BWEngine, check_two_version_checkpoint
 from .pipeline.async_stash_engine import PipeDreamStashEngine
 from .pipeline.engine import PipelineEngine
-from .running_stats import check_batch_norm_subbatches, check_running_stats
+from .running_stats import batch_norm_layers, check_batch_norm_subbatches, check_running_stats
 from .search.auto import Example, Plan, resolve_choice
 from .search.cluster import cluster_for_ranks
+from .search.device_speeds import replica_shares, stage_speeds, with_auto_shares
 from .sparse.engine import SparseEmbeddingEngine
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
 from .train.checkpoint import find_checkpoint
@@ -94,7 +95,9 @@ def _synchronous_check(request: Request) -> tuple[TrainConfig, int]:
     """The batch split over the replicas; a --cluster file for --boundary auto is read here."""
     strategy = request.strategy
     config = request.config.with_micro_batches(strategy.dp)
-    accumulation = config.accumulation_steps(strategy.dp)
+    shares = replica_shares(strategy, config)
+    accumulation = config.accumulation_steps(strategy.dp) if shares is None else \
+        max(shares) // config.micro_batch_size  # the busiest replica's micro-batches
     _boundary_cluster(strategy)  # a --cluster file that is missing or wrong fails here, before any rank starts
     return config, accumulation
 
@@ -138,7 +141,8 @@ def _build_pipeline(ctx: EngineContext, options: Strategy) -> Engine:
     with either (experts sharded within each stage's dp group)."""
     return PipelineEngine(**ctx.common(), example_batch=ctx.example_batch(), num_microbatches=ctx.accumulation,
                           timeout_s=ctx.timeout_s, strategy=options, param_dtype=ctx.param_dtype,
-                          boundary_link=_boundary_cluster(options))
+                          boundary_link=_boundary_cluster(options),
+                          stage_speeds=stage_speeds(options))
 
 
 def _boundary_cluster(strategy: Strategy):
@@ -248,7 +252,7 @@ def resolve(strategy: Strategy, config: TrainConfig, world: int, *, custom_forwa
 
     strategy, config, plan = resolve_choice(strategy, config, world, model=model, example=example, plan=plan,
                                             model_name=model_name, accept=accept)
-    strategy = strategy.resolved(world)
+    strategy = with_auto_shares(strategy.resolved(world), world)
     entry, config, accumulation = _entry_and_check(strategy, config, **choices)
     if model is not None:
         _check_running_stats(model, entry, strategy, world)
@@ -273,6 +277,10 @@ def _check_running_stats(model: nn.Module, entry: StrategyEntry, strategy: Strat
     """Layers with running statistics the chosen strategy cannot keep as one process does: refused here."""
     layout = f"strategy {entry.name} (dp={strategy.dp} tp={strategy.stage_tp or strategy.tp} pp={strategy.pp})"
     check_running_stats(model, layout=layout, replays=entry.name in REPLAYING_ENTRIES, processes=world)
+    if strategy.replicas.shares != "even" and batch_norm_layers(model):
+        raise ConfigError(f"--dp-shares {strategy.replicas.shares} with a model whose layers keep running statistics "
+                          f"(BatchNorm): their replay over replicas assumes equal micro-batch counts; use "
+                          f"--dp-shares even")
     check_batch_norm_subbatches(model, strategy.pipeline.tp_subbatches)
 
 

@@ -39,6 +39,7 @@ from .models.materialize import attach_init_fn, tied_groups
 from .models.output import router_aux_loss_coef
 from .search.auto import Measured, Plan
 from .search.device_peak import device_peak
+from .search.device_speeds import replica_shares
 from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
@@ -157,7 +158,8 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
                          if cfg.dtype == "bf16-autocast"
                          else contextlib.nullcontext)
-        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed)
+        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.global_batch_size, seed=cfg.seed,
+                                          shares=replica_shares(self.strategy, cfg))
         self.loader = BatchLoader(config=cfg, sampler=self.sampler, device=self.device, shift_labels=self.shift_labels,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
         self.account = RunAccount.of_model(self.model, self.forward_fn, self.train_data[0],  # as the user gave it
@@ -166,7 +168,9 @@ class Trainer:
                                                          micro_batch_size=cfg.micro_batch_size)[0]
         self.engine: Engine = resolved.entry.build(EngineContext(
             model=self.model, mesh=self.mesh, strategy=self.strategy, config=cfg, device=self.device,
-            autocast=self.autocast, forward_fn=self.forward_fn, accumulation=self.accumulation,
+            autocast=self.autocast, forward_fn=self.forward_fn,
+            accumulation=self.accumulation if self.sampler.shares is None else  # uneven: this replica's count
+            len(self.loader.local_positions(0)),
             example_batch=lambda: self.loader.load(first(), self.train_data),
             batches_for_step=lambda step: self.loader.local_batches(step, self.train_data),
             samples_for_step=self.loader.local_positions))

@@ -412,7 +412,38 @@ RULES: tuple[Rule, ...] = (
          lambda setup: setup.strategy.cp > 1 and setup.custom_forward,
          "--cp {s.cp} with a custom forward_fn", "the traced model runs on each rank's share of the sequence, and a "
          "forward of one's own would see whole batches", "drop forward_fn (batch fields reach the model as keywords)"),
+    # ---- uneven batch shares per replica (data/shares.py)
+    Rule("dp-shares-data-parallel", "--dp-shares other than even with --chunks, tp, cp, ep, --stage-tp, "
+         "--tp-subbatches, --boundary, ZeRO, gossip or asynchronous replicas, sparse embeddings, a schedule other "
+         "than 1f1b, gpipe or eager-1f1b, or --strategy auto",
+         lambda setup: setup.strategy.replicas.shares != "even" and _shares_conflict(setup) is not None,
+         "--dp-shares {s.dp_shares} with {flag}", "uneven shares give replicas (whole models or pipelines of "
+         "tp=1 stages) "
+         "different numbers of micro-batches, whose gradients are summed; that choice is not checked with it yet",
+         "use {want}, or --dp-shares even",
+         detail=lambda setup: dict(zip(("flag", "want"), _shares_conflict(setup) or ("", ""))), phase="search"),
 )
+
+
+def _shares_conflict(setup: Setup) -> tuple[str, str] | None:
+    """The first choice uneven replica shares do not run with, as (flag with value, what would work)."""
+    s = setup.strategy
+    for flag, value, want in (("--chunks", s.pipeline.chunks, 1), ("--tp", s.tp, 1), ("--cp", s.cp, 1),
+                              ("--ep", s.ep, 1),
+                              ("--tp-subbatches", s.pipeline.tp_subbatches, 1), ("--boundary", s.pipeline.boundary,
+                                                                                  "direct"),
+                              ("--stage-tp", s.stage_tp, None), ("--dp-mode", s.replicas.mode, "allreduce"),
+                              ("--sparse-embeddings", s.sparse.mode, "dense"), ("--strategy", s.planning.mode,
+                                                                                "manual")):
+        if value != want:
+            return f"{flag} {value}", f"{flag} {want}"
+    if s.replicas.zero:
+        return f"--zero {s.replicas.zero}", "--zero 0"
+    if s.pipeline.schedule not in ("1f1b", "gpipe", "eager-1f1b"):
+        return f"--schedule {s.pipeline.schedule}", "--schedule 1f1b, gpipe or eager-1f1b"
+    if setup.sparse:
+        return f"--optimizer {setup.config.optimizer}", "--optimizer adamw"
+    return None
 
 
 def _outside_search(setup: Setup) -> tuple[str, str] | None:

@@ -86,6 +86,9 @@ class ReplicaOptions:
                                     "Lian et al.) | atc (adapt, then combine)")
     staleness: int = _f(0, "parameter server: how many steps a worker's parameters may lag (0: synchronous)")
     servers: int = _f(1, "parameter server: processes holding parameter shards (taken from nproc)")
+    shares: str = _f("even", "samples of each global batch per replica: even | auto (in proportion to each "
+                              "replica's device speed in the --cluster file) | one weight per replica, e.g. 3,1; "
+                              "the result still equals one process (data/shares.py)", flat="dp_shares")
 
 
 @dataclass(kw_only=True)

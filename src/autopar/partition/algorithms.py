@@ -139,24 +139,29 @@ def _solve(
     transfer: list[float],
     mem_prefix: list[float] | None,
     cap: float,
+    speeds: Sequence[float] | None = None,
 ) -> tuple[float, list[int]] | None:
     """Minimise (bottleneck, total transfer, bounds) lexicographically; None if nothing fits.
 
-    cost(i, j) = prefix[j] - prefix[i] + transfer[j - 1] (transfer[N - 1] must be 0), and
-    a stage is allowed only if its memory sum is <= cap. f[s][i] is the best bottleneck
-    for blocks i..N-1 in s stages; g[s][i] the least total transfer for the same suffix
-    with every stage at or under the optimal bottleneck. Walking forward, the first cut
-    that keeps g optimal gives the lexicographically smallest bounds. O(S * N^2).
+    cost(i, j) = (prefix[j] - prefix[i]) / speed + transfer[j - 1] (transfer[N - 1] must be 0), the speed
+    being that of the stage's device (1 for all without `speeds`), and a stage is allowed only if its memory
+    sum is <= cap. f[s][i] is the best bottleneck for blocks i..N-1 in the last s stages; g[s][i] the least
+    total transfer for the same suffix with every stage at or under the optimal bottleneck. Walking forward,
+    the first cut that keeps g optimal gives the lexicographically smallest bounds. O(S * N^2).
     """
     n = len(prefix) - 1
+    rate = [1.0] * num_stages if speeds is None else [float(v) for v in speeds]
 
     def fits(i: int, j: int) -> bool:
         return mem_prefix is None or mem_prefix[j] - mem_prefix[i] <= cap
 
+    def work(i: int, j: int, s: int) -> float:  # blocks i..j-1 as the s-th stage from the end
+        return (prefix[j] - prefix[i]) / rate[num_stages - s]
+
     f = [[_INF] * (n + 1) for _ in range(num_stages + 1)]
     for i in range(n):
         if fits(i, n):
-            f[1][i] = prefix[n] - prefix[i]
+            f[1][i] = work(i, n, 1)
     for s in range(2, num_stages + 1):
         fs, fprev = f[s], f[s - 1]
         for i in range(n - s + 1):
@@ -165,30 +170,30 @@ def _solve(
                 rest = fprev[j]
                 if rest >= best or not fits(i, j):
                     continue
-                cost = prefix[j] - prefix[i] + transfer[j - 1]
+                cost = work(i, j, s) + transfer[j - 1]
                 best = min(best, max(cost, rest))
             fs[i] = best
     bottleneck = f[num_stages][0]
     if bottleneck == _INF:
         return None
 
-    def ok(i: int, j: int) -> bool:
-        return fits(i, j) and prefix[j] - prefix[i] + transfer[j - 1] <= bottleneck
+    def ok(i: int, j: int, s: int) -> bool:
+        return fits(i, j) and work(i, j, s) + transfer[j - 1] <= bottleneck
 
     g = [[_INF] * (n + 1) for _ in range(num_stages + 1)]
     for i in range(n):
-        if ok(i, n):
+        if ok(i, n, 1):
             g[1][i] = 0.0
     for s in range(2, num_stages + 1):
         for i in range(n - s + 1):
             g[s][i] = min(
-                (transfer[j - 1] + g[s - 1][j] for j in range(i + 1, n - s + 2) if ok(i, j)), default=_INF
+                (transfer[j - 1] + g[s - 1][j] for j in range(i + 1, n - s + 2) if ok(i, j, s)), default=_INF
             )
     bounds = [0]
     for s in range(num_stages, 1, -1):
         i = bounds[-1]
         j = next(
-            j for j in range(i + 1, n - s + 2) if ok(i, j) and transfer[j - 1] + g[s - 1][j] == g[s][i]
+            j for j in range(i + 1, n - s + 2) if ok(i, j, s) and transfer[j - 1] + g[s - 1][j] == g[s][i]
         )
         bounds.append(j)
     bounds.append(n)
@@ -215,8 +220,13 @@ def min_max_time(
     transfer: Sequence[float] | None = None,
     memory: Sequence[float] | None = None,
     memory_cap: float | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> list[int]:
     """PipeDream-style DP: minimise the time of the slowest stage, which bounds throughput.
+
+    `speeds` (one per stage, > 0): the relative rate of the device each stage runs on (a mixed cluster,
+    search/hetero_cluster.py); a stage's compute is divided by it, so a device at half the rate gets
+    about half the work. Default: all equal.
 
     The cost of the stage holding blocks a..b-1 (0 <= a < b <= N) is
 
@@ -247,7 +257,11 @@ def min_max_time(
         if isinstance(memory_cap, bool) or not isinstance(memory_cap, (int, float)) or math.isnan(memory_cap):
             raise ConfigError(f"memory_cap={memory_cap!r} is not a number; use a number >= 0")
         cap = float(memory_cap)
-    result = _solve(num_stages, _prefix(comp), trans, mem_prefix, cap)
+    if speeds is not None:
+        speeds = _check_costs("speeds", speeds)
+        if len(speeds) != num_stages or min(speeds) <= 0:
+            raise ConfigError(f"speeds {speeds} must give one rate > 0 per stage ({num_stages} stages)")
+    result = _solve(num_stages, _prefix(comp), trans, mem_prefix, cap, speeds)
     if result is None:
         assert mem_prefix is not None
         smallest = _solve(num_stages, mem_prefix, [0.0] * n, None, _INF)

@@ -15,6 +15,7 @@ for where the cuts fall.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import copy
@@ -197,9 +198,10 @@ def check_units(graph: ModelGraph, num_stages: int, asked: str) -> None:
 
 
 def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memory_cap_bytes: float | None = None,
-              cost_model: CostModel = CostModel()) -> Partition:
+              cost_model: CostModel = CostModel(), stage_speeds: Sequence[float] | None = None) -> Partition:
     """Cut `graph` into `num_stages` stages with the given method; cuts fall only between units
-    (stage_units), so every stage holds at least one block with parameters."""
+    (stage_units), so every stage holds at least one block with parameters. `stage_speeds`: the relative
+    rate of each stage's device ('time' balances compute / rate; the other methods ignore it)."""
     if method not in METHODS:
         raise ConfigError(f"unknown partition method {method!r}; use one of {choices(METHODS)}")
     if graph.layers_path is None and num_stages > 1:
@@ -235,7 +237,7 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
                                   f"{memory_cap_bytes / 2**20:.3g} MiB; the smallest cap that fits is "
                                   f"{fits / 2**20:.2f} MiB (or use more stages, or a smaller micro-batch)")
         cuts = algorithms.min_max_time(per_unit(compute), num_stages, transfer=[transfer[b - 1] for _, b in spans],
-                                       memory=per_unit(memory), memory_cap=memory_cap_bytes)
+                                       memory=per_unit(memory), memory_cap=memory_cap_bytes, speeds=stage_speeds)
     bounds = [*(starts[u] for u in cuts[:-1]), len(blocks)]
     specs = plan_stages(graph, bounds)
     stages = []
@@ -244,7 +246,8 @@ def partition(graph: ModelGraph, num_stages: int, *, method: str = "time", memor
         send = transfer[b - 1] if b < len(blocks) else 0.0
         stages.append(StageReport(index=spec.index, blocks=spec.blocks,
                                   num_params=sum(graph.param_numel[p] for p in spec.params),
-                                  est_time_s=sum(compute[a:b]) + send,
+                                  est_time_s=sum(compute[a:b]) / (stage_speeds[spec.index] if stage_speeds and
+                                                                  method == "time" else 1.0) + send,
                                   activation_bytes=sum(blk.activation_bytes for blk in blocks[a:b]),
                                   memory_bytes=int(sum(blk.activation_bytes for blk in blocks[a:b]) +
                                                    sum(elem[p] for p in spec.params) *

@@ -94,7 +94,8 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
                          partition=None, p2p: P2P | None = None,
                          stage_tp: tuple[int, ...] | None = None,
                          context_parallel: ContextParallel | None = None,
-                         ep: int = 1, ep_group=None, ep_rank: int = 0) -> LocalPipeline:
+                         ep: int = 1, ep_group=None, ep_rank: int = 0,
+                         stage_speeds: tuple[float, ...] | None = None) -> LocalPipeline:
     """This rank's pipeline of `model` (on meta, or built for real on every rank: then rank 0's weights win).
 
     Collective over the world (errors one rank finds are raised on all) and over `pp_group`.
@@ -129,7 +130,7 @@ def build_local_pipeline(model: nn.Module, *, pp: int, pp_rank: int, pp_group, d
         if context_parallel is not None:
             on_every_rank(lambda: context_parallel.rewrite(graph))
         check_stage_count(graph, pp, chunks)
-        partition = make_partition(graph, num_stages, method=partition_method)
+        partition = make_partition(graph, num_stages, method=partition_method, stage_speeds=stage_speeds)
     elif partition.num_stages != num_stages:
         raise ValueError(f"the given partition has {partition.num_stages} stages, not pp x chunks = {num_stages}")
     graph = partition.graph

@@ -79,8 +79,10 @@ class PipelineEngine(EngineBase):
 
     def __init__(self, model: nn.Module, mesh: ProcessMesh, *, device: torch.device, seed: int,
                  example_batch: Batch, num_microbatches: int, autocast: Callable, timeout_s: float,
-                 strategy: Strategy, param_dtype: torch.dtype = torch.float32, boundary_link=None):
-        """boundary_link: what --boundary auto costs its choice on (a search.cluster.Cluster; None: nominal)."""
+                 strategy: Strategy, param_dtype: torch.dtype = torch.float32, boundary_link=None,
+                 stage_speeds: tuple[float, ...] | None = None):
+        """boundary_link: what --boundary auto costs its choice on (a search.cluster.Cluster; None: nominal).
+        stage_speeds: each stage's device rate, which --partition time balances on (None: all alike)."""
         self.mesh, self.autocast, self.device = mesh, autocast, device
         self.stage_tp = strategy.stage_tps  # None: every stage has strategy.tp
         tp, boundary = strategy.tp, None
@@ -110,7 +112,7 @@ class PipelineEngine(EngineBase):
             tp=tp, tp_group=mesh.group("tp") if tp > 1 else None,
             tp_subbatches=strategy.pipeline.tp_subbatches, sp=strategy.sp, autocast=autocast, p2p=boundary,
             stage_tp=self.stage_tp, context_parallel=self.context_parallel, ep=self.ep, ep_group=self.ep_group,
-            ep_rank=ep_rank)
+            ep_rank=ep_rank, stage_speeds=stage_speeds)
         pipe = self.pipe
         self.pp, self.pp_rank, self.num_stages = pipe.pp, pipe.pp_rank, pipe.num_stages
         self.partition, self.stages, self.schedule, self.runtime = pipe.partition, pipe.stages, pipe.schedule, pipe.runtime

@@ -18,6 +18,8 @@ STUDIES = {
     "delayed-sgd": ("autopar.reproduce.delayed_sgd", "delayed SGD: generalization gap against staleness tau"),
     "merak": ("autopar.reproduce.merak", "Merak: 64-GPU speedups of scp, stage-aware recompute, sub-pipelined TP "
               "(simulated)"),
+    "hetero": ("autopar.reproduce.hetero", "decentralised training (Yuan et al.): placement on geo-distributed "
+               "networks (predicted)"),
 }
 
 

@@ -41,6 +41,7 @@ import torch
 
 from ..errors import ConfigError, DistributedError
 from .cluster import Cluster, Link
+from .hetero_cluster import DeviceSpec, LinkOverride
 
 SHAPES = ((512, 64, 256), (512, 128, 512), (1024, 256, 1024), (1024, 768, 768))  # tokens x in x out
 
@@ -80,7 +81,7 @@ def memory_bandwidth() -> float:
     return 2 * src.numel() * 4 / _seconds(lambda: dst.copy_(src))
 
 
-def measure_links(nproc: int, group_sizes: list[int] | None = None) -> dict:
+def measure_links(nproc: int, group_sizes: list[int] | None = None, per_rank: bool = False) -> dict:
     """Run calibrate_ranks on `nproc` local ranks, forked from one fresh process; returns its fits. `group_sizes`:
     the collectives' group sizes to measure (default every size 2..nproc)."""
     import subprocess
@@ -89,6 +90,8 @@ def measure_links(nproc: int, group_sizes: list[int] | None = None) -> dict:
         command = [sys.executable, str(Path(__file__).with_name("calibrate_ranks.py")), str(out), "--ranks", str(nproc)]
         if group_sizes:
             command += ["--groups", ",".join(str(n) for n in group_sizes)]
+        if per_rank:
+            command.append("--per-rank")
         code = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
         if code != 0 or not out.exists():
             raise DistributedError(f"calibrate: the {nproc}-rank link measurement failed (exit code {code}); "
@@ -96,7 +99,8 @@ def measure_links(nproc: int, group_sizes: list[int] | None = None) -> dict:
         return json.loads(out.read_text())
 
 
-def calibrate(nproc: int, group_sizes: list[int] | None = None, details: dict | None = None) -> Cluster:
+def calibrate(nproc: int, group_sizes: list[int] | None = None, details: dict | None = None,
+              per_rank: bool = False) -> Cluster:
     """This machine as a Cluster of `nproc` one-thread gloo ranks; `group_sizes`: the collectives' group sizes to
     measure (default every size 2..nproc; a size not measured is priced at the largest measured one's per-rank
     cost). `details` gets what the figures do not hold: `others_cores`, the cores other jobs took while the
@@ -111,7 +115,7 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None, details: dict | 
         overhead, bandwidth = action_overhead(), memory_bandwidth()
     finally:
         torch.set_num_threads(threads)
-    links = measure_links(nproc, group_sizes)
+    links = measure_links(nproc, group_sizes, per_rank=True) if per_rank else measure_links(nproc, group_sizes)
     if details is not None:
         held = [links[k] for k in ("sharing_others_cores", "reference_others_cores") if k in links]
         details.update(others_cores=round(statistics.mean(held), 2) if held else None,
@@ -137,6 +141,12 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None, details: dict | 
                    all_to_all_table=swap_wall, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
                    node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0),
                    measured_at=round(time.time(), 1))
+    if per_rank:  # each rank's speed against the fastest's, and every pair's link (search/hetero_cluster.py)
+        fastest = max(links["rank_rates"])
+        cluster = cluster.replace(
+            devices=tuple(DeviceSpec(speed=round(r / fastest, 3)) for r in links["rank_rates"]),
+            links=tuple(LinkOverride(a=(int(pair.split(",")[0]),), b=(int(pair.split(",")[1]),), **fit)
+                        for pair, fit in links["pair_links"].items()))
     if links.get("reference_step_s"):  # the step model's level, from a real step of a small model (step_probe.py)
         from .step_probe import reference_level
         cluster = cluster.replace(time_shared_scale=round(reference_level(cluster, links["reference_step_s"]), 4))
@@ -149,7 +159,7 @@ def cmd_calibrate(ns) -> int:
     from .calibration_cache import store
     began, load = time.perf_counter(), os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     details: dict = {}
-    cluster = calibrate(ns.nproc, details=details)
+    cluster = calibrate(ns.nproc, details=details, per_rank=getattr(ns, "per_rank", False))
     Path(ns.out).write_text(cluster.to_toml())
     entry = store(cluster, ns.nproc, seconds=time.perf_counter() - began, load=load,
                   others_cores=details.get("others_cores"))

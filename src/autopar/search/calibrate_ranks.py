@@ -213,8 +213,53 @@ def sync_cost(rounds: int = 3, pieces: int = 24, repeats: int = 48) -> float:
     return float(value[0] / value[1]) if value[1] else 0.0
 
 
-def measure(out: str, group_sizes: list[int] | None = None) -> None:
-    """Every measurement, as one rank of the job; rank 0 writes them to `out`."""
+def per_rank_rates(repeats: int = 5) -> list[float]:
+    """Each rank's own matmul rate (FLOP/s of one thread), one rank at a time while the others wait: on a
+    mixed host (a slower core, a CPU quota, another job) the ranks' rates differ."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(512, 128), torch.randn(128, 512)
+    rates = torch.zeros(world, dtype=torch.float64)
+    for r in range(world):
+        dist.barrier()
+        if rank == r:
+            a @ b  # warm-up
+            samples = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                a @ b
+                samples.append(time.perf_counter() - began)
+            rates[r] = 2 * 512 * 128 * 512 / statistics.median(samples)
+    dist.all_reduce(rates)
+    return rates.tolist()
+
+
+def pair_links() -> dict[str, dict]:
+    """Point-to-point latency and bandwidth between every pair of ranks ("i,j"), one pair at a time."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fits = {}
+    for i in range(world):
+        for j in range(i + 1, world):
+            times = {}
+            for size in (SMALL, LARGE):
+                buf = torch.zeros(size // 4)
+
+                def ping() -> None:
+                    if rank == i:
+                        dist.send(buf, j)
+                        dist.recv(buf, j)
+                    elif rank == j:
+                        dist.recv(buf, i)
+                        dist.send(buf, i)
+
+                wall, _ = _time(ping)
+                times[size] = _summed(wall / 2 if rank == i else 0.0)  # one way, as rank i saw it
+            fits[f"{i},{j}"] = _fit(times[SMALL], times[LARGE], 1, 1)
+    return fits
+
+
+def measure(out: str, group_sizes: list[int] | None = None, per_rank: bool = False) -> None:
+    """Every measurement, as one rank of the job; rank 0 writes them to `out`. `per_rank`: also each rank's
+    own matmul rate and the link between every pair of ranks."""
     joining = time.perf_counter()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     joined = time.perf_counter() - joining
@@ -286,6 +331,9 @@ def measure(out: str, group_sizes: list[int] | None = None) -> None:
     seconds["waits"] = time.perf_counter() - began - sum(seconds.values())
     result.update(reference_step())
     seconds["reference"] = time.perf_counter() - began - sum(seconds.values())
+    if per_rank:
+        result["rank_rates"], result["pair_links"] = per_rank_rates(), pair_links()
+        seconds["per_rank"] = time.perf_counter() - began - sum(seconds.values())
     result["seconds"] = seconds
     if rank == 0:
         with open(out, "w") as f:
@@ -327,15 +375,16 @@ def reference_step() -> dict:
             "reference_others_cores": statistics.mean(others), "reference_rounds": rounds}
 
 
-def _forked_rank(rank: int, world: int, port: int, out: str, group_sizes: list[int] | None) -> None:
+def _forked_rank(rank: int, world: int, port: int, out: str, group_sizes: list[int] | None,
+                 per_rank: bool = False) -> None:
     import os
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # what the launcher gives a rank
     torch.set_num_threads(1)  # one thread per rank, as the launcher's OMP_NUM_THREADS=1 gives real ranks
-    measure(out, group_sizes)
+    measure(out, group_sizes, per_rank)
 
 
-def run_forked(world: int, out: str, group_sizes: list[int] | None = None) -> None:
+def run_forked(world: int, out: str, group_sizes: list[int] | None = None, per_rank: bool = False) -> None:
     """The `world` ranks as processes forked from this one: torch is imported once, not once per rank. Forked
     from a process that has run no torch op yet (this file run as a script), so no thread pool is copied half
     alive. A rank that fails stops the others and raises here with its traceback."""
@@ -345,7 +394,7 @@ def run_forked(world: int, out: str, group_sizes: list[int] | None = None) -> No
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_forked_rank, args=(world, port, out, group_sizes), nprocs=world, join=True,
+    mp.start_processes(_forked_rank, args=(world, port, out, group_sizes, per_rank), nprocs=world, join=True,
                        start_method="fork")
 
 
@@ -360,12 +409,13 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=None, help="fork this many ranks here (default: this "
                         "process is one rank under a launcher)")
     parser.add_argument("--groups", default=None, help="group sizes to measure the collectives over, e.g. 2,4")
+    parser.add_argument("--per-rank", action="store_true", help="also each rank's matmul rate and every pair's link")
     args = parser.parse_args()
     sizes = [int(n) for n in args.groups.split(",")] if args.groups else None
     if args.ranks is not None:
-        run_forked(args.ranks, args.out, sizes)
+        run_forked(args.ranks, args.out, sizes, args.per_rank)
     else:
-        measure(args.out, sizes)
+        measure(args.out, sizes, args.per_rank)
 
 
 if __name__ == "__main__":

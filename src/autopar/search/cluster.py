@@ -38,6 +38,7 @@ else:  # pragma: no cover
 import tomli_w
 
 from ..errors import ConfigError, choices
+from .hetero_cluster import DeviceSpec, LinkOverride, devices_from_list, hetero_to_dict, links_from_list
 
 DTYPES = ("fp32", "bf16")
 
@@ -127,6 +128,11 @@ class Cluster:
     """Seconds one run spends compiling (once, amortised over the run's steps by the search)."""
     """When `autopar calibrate` measured these figures (seconds since the epoch, UTC; 0: not measured), so that a
     plan can say how old its calibration is."""
+    devices: tuple[DeviceSpec, ...] = ()
+    """Per device, in rank order: its speed (a multiple of flops_per_s) and memory; empty: all alike
+    (hetero_cluster.py)."""
+    links: tuple[LinkOverride, ...] = ()
+    """Links between device groups that differ from the node links (hetero_cluster.py); empty: none."""
 
     # ---------------------------------------------------------------- geometry
 
@@ -242,7 +248,8 @@ class Cluster:
             out[name] = {str(n): dataclasses.asdict(link) for n, link in getattr(self, name).items()}
         if self.p2p_cpu is None:
             del out["p2p_cpu"]
-        return out
+        del out["devices"], out["links"]
+        return {**out, **hetero_to_dict(self)}
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -332,7 +339,9 @@ def cluster_from_dict(data: dict) -> Cluster:
         if "node_bandwidth_bytes_per_s" in data else 0,
         measured_at=_number(data, "measured_at", "", strict=False) if "measured_at" in data else 0.0,
         compile_speedup=_number(data, "compile_speedup", "", strict=False) if "compile_speedup" in data else 0.0,
-        compile_seconds=_number(data, "compile_seconds", "", strict=False) if "compile_seconds" in data else 0.0)
+        compile_seconds=_number(data, "compile_seconds", "", strict=False) if "compile_seconds" in data else 0.0,
+        devices=devices_from_list(data.get("devices"), num_devices),
+        links=links_from_list(data.get("links"), num_devices))
     if cluster.background_cores and cluster.background_cores >= (cluster.cores_per_node or float("inf")):
         raise ConfigError(f"cluster file: field 'background_cores' ({cluster.background_cores:g}) must be less than "
                           f"'cores_per_node' ({cluster.cores_per_node:g}): it is the part of those cores idle "
@@ -449,6 +458,10 @@ def sized(cluster: Cluster, *, nproc: int | None = None, memory_per_device_gb: f
     if nproc is not None:
         if nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+        if (cluster.devices or cluster.links) and nproc != cluster.num_devices:
+            raise ConfigError(f"--nproc {nproc} does not match cluster {cluster.name!r}, which describes each of "
+                              f"its {cluster.num_devices} devices ([[devices]]/[[links]]); use --nproc "
+                              f"{cluster.num_devices} or a file for {nproc} devices")
         per_node = min(cluster.devices_per_node, nproc)
         if nproc % per_node:
             raise ConfigError(f"--nproc {nproc} is not a whole number of {cluster.name} nodes of "

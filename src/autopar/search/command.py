@@ -20,6 +20,8 @@ from .profile import profile_model
 from .dimensions import compile_note, dimension_notes, longest_sequence
 from .decision import PREDICTED_TIME_ERROR, decide, default_layout, to_measure
 from .equivalence import execution_key
+from .hetero_cluster import is_heterogeneous
+from .placement import placement_lines
 from .plan_text import configuration
 from .search import SearchSpace, divisors, exhaustive, mcmc, require_fit
 
@@ -111,6 +113,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     print("* the default layout (what `train` runs without --strategy auto, micro-batch size "
           f"{ns.micro_batch_size})" if default.get("runnable") else
           f"default layout: cannot run ({default.get('reason')})")
+    if is_heterogeneous(cluster):  # the step model prices devices alike; where each rank goes is placement.py's
+        print("\n".join(placement_lines(top, model)))
     mem = ", ".join(f"stage {s}: {m.total / 2**20:.1f} MiB" for s, m in enumerate(top[0].memory_per_stage))
     print(f"searched best's memory per stage: {mem}")
     print(f"why: {record['why']}")

@@ -69,6 +69,8 @@ COVERAGE: tuple[Dimension, ...] = (
     Dimension("--sparse-embeddings", False, "the cost model does not price sparse row exchanges"),
     Dimension("--optimizer sparse-adam", False, "its sparse row exchange is not priced"),
     Dimension("--batchnorm", False, "it chooses what BatchNorm's statistics are (the numbers trained)"),
+    Dimension("--dp-shares", False, "replicas' batch shares are even in the search; `plan --auto` on a cluster "
+              "with per-device speeds prints the shares its placement would use (heterogeneous.md)"),
     Dimension("--dtype", False, "taken as given, never switched: fp32 to bf16 changes the numbers trained "
               "(the cost and memory models follow the choice)"),
 )
@@ -84,7 +86,7 @@ FIELD_ROWS = {"dp": "dp x tp x pp", "tp": "dp x tp x pp", "pp": "dp x tp x pp", 
               "servers": "--dp-mode async", "sparse_embeddings": "--sparse-embeddings",
               "sparse_threshold": "--sparse-embeddings", "sparse_sharding": "--sparse-embeddings",
               "sparse_schedule": "--sparse-embeddings", "sp": "--sp", "ep": "--ep", "cp": "--cp / --cp-mode",
-              "cp_mode": "--cp / --cp-mode"}
+              "cp_mode": "--cp / --cp-mode", "dp_shares": "--dp-shares"}
 SEARCH_SETTINGS = ("search", "plan", "cluster", "memory_per_device_gb", "confirm")  # how it searches, not what
 
 

@@ -44,7 +44,9 @@ def start_banner(*, world: int, strategy: Strategy, parameters: int, accumulatio
              f"tp={strategy.stage_tp or strategy.tp} pp={strategy.pp}{f' cp={strategy.cp}' if strategy.cp > 1 else ''}"
              f"{f' ep={strategy.ep}' if getattr(strategy, 'ep', 1) > 1 else ''}, "
              f"{parameters_text(total_parameters, parameters)}, "
-             f"{accumulation} micro-batch(es) of {micro_batch_size} per replica per step",
+             f"{accumulation} micro-batch(es) of {micro_batch_size} per replica per step"
+             + ("" if strategy.replicas.shares == "even" else
+                f" at most (uneven shares, weights {strategy.replicas.shares})"),
              f"run folder: {run_dir}"]
     lines += [f"{k}: {v}" for k, v in run_info.items() if k in RUN_INFO_SHOWN]
     lines += facts

@@ -42,7 +42,9 @@ class Evaluator:
             return None
         cfg = self.config
         index, count = replica if replica is not None else self.replica
-        sampler = GlobalBatchSampler(len(self.eval_data), cfg.global_batch_size, seed=cfg.seed, shuffle=False)
+        shares = self.loader.sampler.shares if count == self.loader.dp_size else None  # the training split
+        sampler = GlobalBatchSampler(len(self.eval_data), cfg.global_batch_size, seed=cfg.seed, shuffle=False,
+                                     shares=shares)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for k in range(cfg.eval_batches if count else 0):
             micro = sampler.local_micro_batches(k, dp_rank=index, dp_size=count, micro_batch_size=cfg.micro_batch_size)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..dropout import dropout_step
 from .deferred import DeferredEngine, DeferredSteps, Finished, StepResult
 from .inputs import BatchLoader, Losses
-from .loss import Batch, tokens_in
+from .loss import Batch, main_input, tokens_in
 from .metrics import peak_memory_bytes
 
 HOST_SYNCS_PER_STEP = ("clip_gradients", "train_step")
@@ -73,7 +73,12 @@ class StepsBase:
         global_count = self.losses.global_target_count(batches)
         return StepInputs(batches, self.loader.local_positions(step),
                           lambda output, batch: self.losses.train(output, batch, global_count),
-                          sum(tokens_in(b) for b in batches) * self.dp_size)
+                          self._global_tokens(batches))
+
+    def _global_tokens(self, batches: list[Batch]) -> int:
+        """Tokens in the global batch, from this replica's share of it (shares may be uneven: data/shares.py)."""
+        local_samples = sum(len(main_input(b)) for b in batches)
+        return sum(tokens_in(b) for b in batches) * self.loader.config.global_batch_size // max(1, local_samples)
 
     def forward_backward(self, step: int, inputs: StepInputs) -> torch.Tensor:
         with dropout_step(self.seed, step, inputs.samples, scan_random_ops=self._first_scan()):  # as one process
