@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the test helpers
 
-from rank_pool import RankPool  # noqa: E402
+from rank_pool import STOP_GRACE_S, RankPool  # noqa: E402
 
 # Searches without --cluster price on cpu-local in the tests, as before this machine was calibrated unasked:
 # the same plans on every machine, and no measuring in tests that are not about it (test_search_calibration.py
@@ -60,5 +61,8 @@ def rank_pool():
         return pools[world_size]
 
     yield get
+    for pool in pools.values():  # all pools wind down at once: their workers' exits overlap
+        pool.ask_to_stop()
+    deadline = time.monotonic() + STOP_GRACE_S
     for pool in pools.values():
-        pool.close()
+        pool.wait_stopped(deadline)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -23,6 +24,7 @@ import torch.multiprocessing as mp
 from autopar.launch import free_port
 
 GROUP_TIMEOUT_S = 60
+STOP_GRACE_S = 5  # how long close() lets workers leave on their own before killing them
 
 
 
@@ -48,9 +50,22 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         torn_down = not dist.is_initialized()
         results.put((rank, _by_value(outcome), torn_down))
         if torn_down:
-            return
+            _leave(results)
         _drop_subgroups(dist)
     dist.destroy_process_group()
+    _leave(results)
+
+
+def _leave(results) -> None:
+    """Exit without the interpreter's shutdown (about a second per rank with torch loaded, paid by every pool
+    restart and, rank after rank, at the end of the run), once this rank's last result has left its queue."""
+    import sys
+
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _by_value(outcome: tuple) -> bytes:
@@ -126,14 +141,25 @@ class RankPool:
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:
+        self.ask_to_stop()
+        self.wait_stopped()
+
+    def ask_to_stop(self) -> None:
+        """Tell every worker to leave its loop; apart from wait_stopped so that many pools stop at once."""
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():
                 try:
                     q.put(None)
                 except (OSError, ValueError):
                     pass
+
+    def wait_stopped(self, deadline: float | None = None) -> None:
+        """Join the workers, killing those still alive at `deadline` (time.monotonic(); default 5 s from now),
+        one deadline for all: a worker that hangs on its way out must not cost the run seconds per rank."""
+        deadline = time.monotonic() + STOP_GRACE_S if deadline is None else deadline
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join()
