@@ -139,6 +139,20 @@ def test_the_peak_is_the_gpus_datasheet_or_the_named_cluster(monkeypatch):
     assert device_peak(cuda, "bf16", world=8, cluster="a100-80gb")[0] == 312e12  # a named cluster wins
 
 
+def test_a_hugging_face_model_with_a_key_value_cache_is_counted():
+    """A Hugging Face model builds its key/value cache inside the forward (use_cache defaults on); the count
+    runs without it, so such models get FLOPs (and an MFU) at all, and the model's own config is untouched."""
+    import transformers
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.zeros(16, dtype=torch.long)
+    flops = forward_flops_per_sample(model, lambda m, batch: m(**batch), {"input_ids": tokens, "labels": tokens})
+    linears = 2 * 16 * (64 * 3 * 64 + 64 * 64 + 2 * 64 * 256) * 2 + 2 * 16 * 64 * 128  # 2 blocks + the head
+    assert flops is not None and flops >= linears  # + attention's two matmuls
+    assert model.config.use_cache
+
+
 def test_a_model_that_cannot_run_on_meta_gets_no_mfu():
     class OnlyReal(nn.Module):
         def __init__(self):

@@ -50,6 +50,10 @@ def forward_flops_per_sample(model: nn.Module, forward_fn: Callable[[nn.Module, 
     as_fake = (lambda t: t) if mode is None else mode.from_tensor
     try:
         copied = meta_copy(model, as_fake)
+        for module in copied.modules():  # a key/value cache made inside the count is plain meta, which fake mode refuses
+            config = getattr(module, "config", None)
+            if getattr(config, "use_cache", False):
+                config.use_cache = False
         real = default_collate([as_batch(sample)])  # (outside the fake mode, which refuses real tensors)
         with mode or contextlib.nullcontext():
             batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
