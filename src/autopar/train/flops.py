@@ -26,6 +26,7 @@ from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._torch_internals import fake_tensor_mode
+from ..models.hf import turn_off_kv_cache
 from .loss import Batch, as_batch
 
 
@@ -50,10 +51,7 @@ def forward_flops_per_sample(model: nn.Module, forward_fn: Callable[[nn.Module, 
     as_fake = (lambda t: t) if mode is None else mode.from_tensor
     try:
         copied = meta_copy(model, as_fake)
-        for module in copied.modules():  # a key/value cache made inside the count is plain meta, which fake mode refuses
-            config = getattr(module, "config", None)
-            if getattr(config, "use_cache", False):
-                config.use_cache = False
+        turn_off_kv_cache(copied)  # a key/value cache made inside the count is plain meta, which fake mode refuses
         real = default_collate([as_batch(sample)])  # (outside the fake mode, which refuses real tensors)
         with mode or contextlib.nullcontext():
             batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
