@@ -87,6 +87,7 @@ class CompileAccount:
 
     def __init__(self, regions: list[str], cache_dir: Path):
         self.regions, self.cache_dir = regions, cache_dir
+        self.optimizer_kernel = "foreach"  # "fused" once the trainer built a fused update (train/optim.py)
         self.start = compile_counters()
         self.after_first: dict[str, Any] | None = None  # counters at the end of the first step that compiled
         self.breaks_reported = False
@@ -130,13 +131,14 @@ class CompileAccount:
 
     def banner_line(self) -> str:
         names = self.regions if len(self.regions) <= 4 else [*self.regions[:2], "...", self.regions[-1]]
+        update = "one fused kernel" if self.optimizer_kernel == "fused" else "foreach (no fused kernel here)"
         return (f"compile: torch.compile per block, {len(self.regions)} region(s) ({', '.join(names)}); "
-                f"compiled in the first steps, kernels cached in {self.cache_dir}")
+                f"compiled in the first steps, kernels cached in {self.cache_dir}; optimizer update: {update}")
 
     def summary(self) -> dict[str, Any]:
         now = self._since_start()
         first = self.after_first or now
-        return {"regions": len(self.regions), "compile_s": round(now.get("seconds", 0.0), 3),
+        return {"regions": len(self.regions), "optimizer_kernel": self.optimizer_kernel, "compile_s": round(now.get("seconds", 0.0), 3),
                 "cache_dir": str(self.cache_dir), "cache_hits": now.get("cache_hits", 0),
                 "cache_misses": now.get("cache_misses", 0),
                 "recompiles": now.get("frames", 0) - first.get("frames", 0),
