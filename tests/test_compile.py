@@ -170,3 +170,17 @@ def test_the_update_is_one_fused_kernel_under_compile_only():
         eager = build_optimizer(model, TrainConfig(optimizer=name))
         assert compiled.defaults["fused"] and not compiled.defaults["foreach"], (name, compiled.defaults)
         assert eager.defaults["foreach"] and not eager.defaults["fused"], (name, eager.defaults)
+
+
+def test_the_speedup_a_planner_reads_is_measured_on_one_block():
+    """measure_compile_speedup times one block eager and compiled (aot_eager here: no kernels built) and the update
+    foreach and fused, and prices a step with them."""
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.train.compile_speedup import measure_compile_speedup
+    block = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2)).blocks[0]
+    before = {name: p.clone() for name, p in block.state_dict().items()}
+    speedup = measure_compile_speedup(block, torch.randn(2, 8, 32), backend="aot_eager", repeats=2)
+    import math  # (ratios of sub-millisecond calls on a shared machine: their values are the benchmark's business)
+    assert all(0 < r and math.isfinite(r) for r in (speedup.block, speedup.update, speedup.compile_s)), speedup
+    assert speedup.step_seconds(blocks_s=1.0, update_s=1.0, other_s=0.5) == speedup.block + speedup.update + 0.5
+    assert all(torch.equal(p, before[name]) for name, p in block.state_dict().items())  # the block is untouched
