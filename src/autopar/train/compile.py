@@ -6,7 +6,9 @@ the blocks (embeddings, loss, the engine's hooks and collectives) stays eager an
 each engine keeps the module it drives: a compiled block replaces only its `forward`, so its
 parameters, names, state_dict and the hooks engines put on modules (FSDP2's, BatchNorm recording)
 are untouched. A pipeline stage's pieces (one traced graph per block) are compiled the same way
-(pipeline/engine.py); their backward runs through AOTAutograd's compiled graph.
+(pipeline/engine.py); their backward runs through AOTAutograd's compiled graph. The optimizer update
+is not compiled: --compile runs it as torch's fused kernel (train/optim.py), faster than inductor's
+compiled step and with no compile time.
 
 Equal to eager within fp32 tolerance, not bitwise: the compiler fuses element-wise chains and may
 reassociate reductions (layer norm, softmax sums), a few ulps per op. Dropout masks are exact: the
