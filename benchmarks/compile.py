@@ -121,7 +121,8 @@ def time_layout(job: dict, world: int) -> dict:
 
 
 def dropout_overhead(batch: int, seq: int, rounds: int) -> dict[str, tuple[float, float]]:
-    """Median step time (wall, process CPU) of gpt-tiny with dropout 0.1: torch's or layout-free dropout, eager or compiled blocks."""
+    """Median step time (wall, process CPU) of gpt-tiny with dropout 0.1: torch's or layout-free dropout, eager or
+    compiled blocks."""
     from autopar.dropout import dropout_step, eager_micro_batch
     from autopar.models.gpt import GPT, GPTConfig
     from autopar.train.compile import compile_regions, repeated_blocks, use_inductor_cache
@@ -186,9 +187,10 @@ def main() -> None:
     if args.dropout_model:
         dropout_arg = {"attention_dropout": 0.1} if args.dropout_model.startswith("hf:") else {"dropout": 0.1}
         cases.append((args.dropout_model, "dp1", dropout_arg))
-    print(f"eager vs --compile (backend {args.backend}), CPU, one thread per rank, global batch {args.batch} x {args.seq} "
-          f"tokens, median of {args.rounds} interleaved steps; wall: the slowest rank, CPU: the busiest rank's process "
-          f"CPU time (less sensitive to other jobs on the machine); compile apart; load average {_load()}")
+    print(f"eager vs --compile (backend {args.backend}), CPU, one thread per rank, global batch {args.batch} x "
+          f"{args.seq} tokens, median of {args.rounds} interleaved steps; wall: the slowest rank, CPU: the busiest "
+          f"rank's process CPU time (less sensitive to other jobs on the machine); compile apart; load average "
+          f"{_load()}")
     print(f"  {'model':<10} {'layout':<6} {'dropout':<8} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} "
           f"{'CPU ms e/c':>13} {'CPU ratio':>9} {'optim CPU ms e/c':>17} {'compile s':>10} {'warm-up s e/c':>14} "
           f"{'cache hit/miss':>15} {'recompiles':>10} {'breaks':>6}")

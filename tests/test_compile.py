@@ -15,7 +15,6 @@ cached across test sessions (conftest.py points TORCHINDUCTOR_CACHE_DIR at .pyte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
