@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import statistics
 import time
+import warnings
 
 import torch
 import torch.multiprocessing as mp
@@ -47,6 +48,7 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
     from autopar.models import build_model
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*optimizer.step.*overridden")  # our timer around optimizer.step
     dist.init_process_group("gloo")
     tokenizer = build_tokenizer("byte")
     train_data = None
@@ -62,30 +64,52 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
         trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**job["strategy"]), config=config)
         trainer._setup()
         trainers[variant] = trainer
+    optimizer_s = {variant: [0.0, 0.0] for variant in trainers}  # (wall, CPU) seconds in optimizer.step, timed rounds
+    for variant, trainer in trainers.items():
+        _time_optimizer_steps(trainer.optimizer, optimizer_s[variant])
     warm: dict[str, float] = {}
     for variant, trainer in trainers.items():  # the first steps: a whole model's first is eager (its dropout
         began = time.perf_counter()  # check), the compiled trainer compiles in the others
         for step in range(3):
             trainer.train_step(step)
         warm[variant] = time.perf_counter() - began
+        optimizer_s[variant][:] = [0.0, 0.0]
     times = {variant: [] for variant in trainers}
+    cpu_times = {variant: [] for variant in trainers}
     order = list(trainers)
     for r in range(job["rounds"]):
         for variant in (order if r % 2 == 0 else order[::-1]):
             dist.barrier()
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             trainers[variant].train_step(3 + r)
-            elapsed = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[variant].append(float(elapsed))
+            elapsed = torch.tensor([time.perf_counter() - began, time.process_time() - began_cpu], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's wall time, the busiest rank's CPU
+            times[variant].append(float(elapsed[0]))
+            cpu_times[variant].append(float(elapsed[1]))
     if rank == 0:
         account = trainers["compiled"].account.compiled.summary()
-        results.put({"median": {v: statistics.median(t) for v, t in times.items()}, "warm": warm,
+        results.put({"median": {v: statistics.median(t) for v, t in times.items()},
+                     "cpu": {v: statistics.median(t) for v, t in cpu_times.items()},
+                     "optimizer": {v: [s / job["rounds"] for s in wc] for v, wc in optimizer_s.items()}, "warm": warm,
+                     "optimizer_kernel": account["optimizer_kernel"],
                      "compile_s": account["compile_s"], "cache_hits": account["cache_hits"],
                      "cache_misses": account["cache_misses"], "recompiles": account["recompiles"],
                      "graph_breaks": sum(account["graph_breaks"].values())})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_optimizer_steps(optimizer, total: list[float]) -> None:
+    """Add each optimizer.step's wall and CPU seconds to `total` (this rank's): how much of a step the update is."""
+    step = optimizer.step
+
+    def timed(*args, **kwargs):
+        began, began_cpu = time.perf_counter(), time.process_time()
+        out = step(*args, **kwargs)
+        total[0] += time.perf_counter() - began
+        total[1] += time.process_time() - began_cpu
+        return out
+    optimizer.step = timed
 
 
 def time_layout(job: dict, world: int) -> dict:
@@ -96,8 +120,9 @@ def time_layout(job: dict, world: int) -> dict:
     return results.get()
 
 
-def dropout_overhead(batch: int, seq: int, rounds: int) -> dict[str, float]:
-    """Median step time of gpt-tiny with dropout 0.1: torch's or layout-free dropout, eager or compiled blocks."""
+def dropout_overhead(batch: int, seq: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Median step time (wall, process CPU) of gpt-tiny with dropout 0.1: torch's or layout-free dropout, eager or
+    compiled blocks."""
     from autopar.dropout import dropout_step, eager_micro_batch
     from autopar.models.gpt import GPT, GPTConfig
     from autopar.train.compile import compile_regions, repeated_blocks, use_inductor_cache
@@ -115,13 +140,13 @@ def dropout_overhead(batch: int, seq: int, rounds: int) -> dict[str, float]:
         with dropout_step(0, 1, [list(range(batch))]), eager_micro_batch(0):
             yield
 
-    def step(model, scope) -> float:
-        began = time.perf_counter()
+    def step(model, scope) -> tuple[float, float]:
+        began, began_cpu = time.perf_counter(), time.process_time()
         with scope():
             logits = model(ids)
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
         model.zero_grad(set_to_none=True)
-        return time.perf_counter() - began
+        return time.perf_counter() - began, time.process_time() - began_cpu
 
     variants = {"eager, torch dropout": (eager, contextlib.nullcontext), "eager, layout-free": (eager, layout_free),
                 "compiled, torch dropout": (compiled, contextlib.nullcontext),
@@ -133,7 +158,12 @@ def dropout_overhead(batch: int, seq: int, rounds: int) -> dict[str, float]:
         names = list(variants)
         for name in names[r % 4:] + names[:r % 4]:
             times[name].append(step(*variants[name]))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for name, t in times.items()}
+
+
+def _load() -> str:
+    import os
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -157,10 +187,13 @@ def main() -> None:
     if args.dropout_model:
         dropout_arg = {"attention_dropout": 0.1} if args.dropout_model.startswith("hf:") else {"dropout": 0.1}
         cases.append((args.dropout_model, "dp1", dropout_arg))
-    print(f"eager vs --compile (backend {args.backend}), CPU, one thread per rank, global batch {args.batch} x {args.seq} tokens, median of "
-          f"{args.rounds} interleaved steps (slowest rank); compile apart")
+    print(f"eager vs --compile (backend {args.backend}), CPU, one thread per rank, global batch {args.batch} x "
+          f"{args.seq} tokens, median of {args.rounds} interleaved steps; wall: the slowest rank, CPU: the busiest "
+          f"rank's process CPU time (less sensitive to other jobs on the machine); compile apart; load average "
+          f"{_load()}")
     print(f"  {'model':<10} {'layout':<6} {'dropout':<8} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} "
-          f"{'compile s':>10} {'warm-up s e/c':>14} {'cache hit/miss':>15} {'recompiles':>10} {'breaks':>6}")
+          f"{'CPU ms e/c':>13} {'CPU ratio':>9} {'optim CPU ms e/c':>17} {'compile s':>10} {'warm-up s e/c':>14} "
+          f"{'cache hit/miss':>15} {'recompiles':>10} {'breaks':>6}")
     for model, layout, extra in cases:
         world, strategy = LAYOUTS[layout]
         micro = args.batch // (strategy.get("dp", 1) * (2 if strategy.get("pp", 1) > 1 else 1))
@@ -169,19 +202,25 @@ def main() -> None:
                "runs": f"{args.runs}/{model.replace(':', '-')}-{layout}"}
         r = time_layout(job, world)
         eager, compiled = r["median"]["eager"], r["median"]["compiled"]
+        cpu_e, cpu_c = r["cpu"]["eager"], r["cpu"]["compiled"]
+        optim_e, optim_c = r["optimizer"]["eager"][1], r["optimizer"]["compiled"][1]
         dropout = str(job["model_args"].get("dropout") or job["model_args"].get("attention_dropout") or "off")
         print(f"  {model:<10} {layout:<6} {dropout:<8} {eager * 1e3:9.1f} {compiled * 1e3:12.1f} "
-              f"{compiled / eager:6.2f} {r['compile_s']:10.1f} {r['warm']['eager']:6.1f}/{r['warm']['compiled']:<7.1f} "
+              f"{compiled / eager:6.2f} {f'{cpu_e * 1e3:.0f}/{cpu_c * 1e3:.0f}':>13} {cpu_c / cpu_e:9.2f} "
+              f"{f'{optim_e * 1e3:.0f}/{optim_c * 1e3:.0f}':>17} "
+              f"{r['compile_s']:10.1f} {r['warm']['eager']:6.1f}/{r['warm']['compiled']:<7.1f} "
               f"{r['cache_hits']:>7}/{r['cache_misses']:<7} {r['recompiles']:>10} {r['graph_breaks']:>6}", flush=True)
+    print(f"  (compiled optimizer update: {r['optimizer_kernel']}; load average at the end {_load()})")
     if not args.no_dropout_part:
         torch.set_num_threads(1)
         batch, seq = (2, 32) if args.quick else (8, 128)
         median = dropout_overhead(batch, seq, max(args.rounds, 8))
         print(f"dropout 0.1 on gpt-tiny (2 layers, d_model 64), batch {batch} x {seq}, one thread, median of "
               f"{max(args.rounds, 8)} alternating forward+backward passes")
-        for name, value in median.items():
-            base = median[name.split(",")[0] + ", torch dropout"]
-            print(f"  {name:<26} {value * 1e3:8.2f} ms   layout-free overhead x{value / base:.2f}")
+        for name, (wall, cpu) in median.items():
+            base_wall, base_cpu = median[name.split(",")[0] + ", torch dropout"]
+            print(f"  {name:<26} {wall * 1e3:8.2f} ms ({cpu * 1e3:.2f} CPU ms)   layout-free overhead "
+                  f"x{wall / base_wall:.2f} (CPU x{cpu / base_cpu:.2f})")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ cached across test sessions (conftest.py points TORCHINDUCTOR_CACHE_DIR at .pyte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,25 +43,34 @@ def _assert_matches(expected: dict, got: dict, where: str) -> None:
     assert max_relative_difference(expected["losses"], got["losses"]) < 1e-5, (where, expected["losses"],
                                                                               got["losses"])
     for name, value in got["params"].items():
-        assert (value - expected["params"][name]).abs().max() < 1e-5, (where, name)
+        difference = float((value - expected["params"][name]).abs().max())
+        assert difference < 1e-5, (where, name, difference)
 
 
-# (world, strategy, micro-batch size, backend). The layouts capture their graphs through their own engines (whole
-# blocks, stage pieces, tensor-parallel collectives, recomputation) and run them with aot_eager, which skips
-# inductor's C++ build: a whole model's kernels cost minutes on a cold cache of a 2-core machine, more than the
-# suite's budget. Inductor's own code is checked where it matters to exactness, the dropout masks' bits below;
-# benchmarks/compile.py runs every layout with inductor.
-LAYOUTS = {"dp1": (1, {}, 2, "aot_eager"), "dp2": (2, {"dp": 2}, 2, "aot_eager"),
-           "pp2": (2, {"pp": 2, "schedule": "1f1b", "recompute": "all"}, 1, "aot_eager"),
-           "tp2": (2, {"tp": 2}, 4, "aot_eager")}
+# (world, strategy, micro-batch size, dtype). The layouts capture their graphs through their own engines (whole
+# blocks under ZeRO's sharded update and under FSDP2, stage pieces, tensor-parallel collectives, stages of different
+# tensor-parallel degrees, recomputation, bf16 autocast) and run them with aot_eager, which skips inductor's C++
+# build: a whole model's kernels cost minutes on a cold cache of a 2-core machine, more than the suite's budget.
+# Inductor's own code is checked where it matters to exactness, the dropout masks' bits below; benchmarks/compile.py
+# runs the layouts with inductor. A bf16-autocast layout is compared with the same layout run eagerly (bf16 rounds
+# each micro-batch's products: layouts of different micro-batches differ by bf16 ulps, compiled or not), at the
+# fp32 cases' tolerance: aot_eager runs the same aten operations in the same dtypes.
+LAYOUTS = {"dp1": (1, {}, 2, "fp32"), "dp2": (2, {"dp": 2}, 2, "fp32"), "tp2": (2, {"tp": 2}, 4, "fp32"),
+           # pipeline stages of tensor-parallel degrees 1 and 2 (plain and tensor-parallel pieces), recomputed
+           "stage-tp": (3, {"stage_tp": "1,2", "schedule": "1f1b", "recompute": "all"}, 1, "fp32"),
+           # ZeRO-2 (reduce-scatter per micro-batch, sharded update) under bf16 autocast
+           "zero2-bf16": (2, {"dp": 2, "zero": 2}, 1, "bf16-autocast"),
+           "zero3": (2, {"dp": 2, "zero": 3}, 2, "fp32")}  # FSDP2 around the compiled blocks
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_compiled_layout_matches_eager(rank_pool, tmp_path, tmp_path_factory, layout):
-    world, strategy, micro, backend = LAYOUTS[layout]
-    expected = _eager(rank_pool, tmp_path_factory)
-    results = rank_pool(world).run(train_builtin, "gpt-tiny", str(tmp_path), model_args=MODEL_ARGS, strategy=strategy,
-                                   micro_batch_size=micro, compile=True, compile_backend=backend, **RUN)
+    world, strategy, micro, dtype = LAYOUTS[layout]
+    job = dict(model_args=MODEL_ARGS, strategy=strategy, micro_batch_size=micro, dtype=dtype, **RUN)
+    expected = (_eager(rank_pool, tmp_path_factory) if dtype == "fp32" else
+                rank_pool(world).run(train_builtin, "gpt-tiny", str(tmp_path / "eager"), **job)[0])
+    results = rank_pool(world).run(train_builtin, "gpt-tiny", str(tmp_path), compile=True, compile_backend="aot_eager",
+                                   **job)
     for rank, got in enumerate(results):
         _assert_matches(expected, got, f"{layout} rank {rank}")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -70,6 +78,7 @@ def test_compiled_layout_matches_eager(rank_pool, tmp_path, tmp_path_factory, la
     assert all(r["compile_graph_breaks"] == 0 for r in records), records
     summary = json.loads((tmp_path / "summary.json").read_text())["compile"]
     assert summary["regions"] >= 2 and summary["compile_s"] > 0 and summary["graph_breaks"] == {}, summary
+    assert summary["optimizer_kernel"] == "fused", summary  # the update as one kernel (train/optim.py)
 
 
 def test_compiled_run_resumes_where_it_stopped(rank_pool, tmp_path, tmp_path_factory):
@@ -149,3 +158,28 @@ def test_a_graph_break_is_reported_once_with_torchs_reason(tmp_path):
     assert report is not None and "1x" in report and "print" in report, report
     assert account.graph_break_report() is None  # once
     assert list(account.summary()["graph_breaks"].values()) == [1]
+
+
+def test_the_update_is_one_fused_kernel_under_compile_only():
+    """--compile runs the optimizer's element-wise update as torch's fused kernel; eager runs keep foreach."""
+    from autopar.train.optim import build_optimizer
+    model = nn.Linear(4, 4)
+    for name in ("adamw", "adam", "sgd", "adagrad"):
+        compiled = build_optimizer(model, TrainConfig(compile=True, optimizer=name))
+        eager = build_optimizer(model, TrainConfig(optimizer=name))
+        assert compiled.defaults["fused"] and not compiled.defaults["foreach"], (name, compiled.defaults)
+        assert eager.defaults["foreach"] and not eager.defaults["fused"], (name, eager.defaults)
+
+
+def test_the_speedup_a_planner_reads_is_measured_on_one_block():
+    """measure_compile_speedup times one block eager and compiled (aot_eager here: no kernels built) and the update
+    foreach and fused, and prices a step with them."""
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.train.compile_speedup import measure_compile_speedup
+    block = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2)).blocks[0]
+    before = {name: p.clone() for name, p in block.state_dict().items()}
+    speedup = measure_compile_speedup(block, torch.randn(2, 8, 32), backend="aot_eager", repeats=2)
+    import math  # (ratios of sub-millisecond calls on a shared machine: their values are the benchmark's business)
+    assert all(0 < r and math.isfinite(r) for r in (speedup.block, speedup.update, speedup.compile_s)), speedup
+    assert speedup.step_seconds(blocks_s=1.0, update_s=1.0, other_s=0.5) == speedup.block + speedup.update + 0.5
+    assert all(torch.equal(p, before[name]) for name, p in block.state_dict().items())  # the block is untouched

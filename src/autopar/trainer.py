@@ -186,6 +186,7 @@ class Trainer:
         # masks do not use it (autopar/dropout: a function of seed, step, sample and operation)
         torch.manual_seed(cfg.seed + 1 + self.mesh.tp_group_index)
         self.optimizer = self.engine.build_optimizer(cfg)
+        self.account.note_optimizer(self.optimizer)  # --compile: fused update or not, for the banner and summary
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.losses = Losses(engine=self.engine, loss_fn=self.loss_fn, config=cfg, device=self.device,
                              dp_group=self.dp_group, aux_coef=aux_coef)

@@ -138,8 +138,9 @@ class TrainConfig:
     export_hf: str | None = _f(None, "after training, write the final model to this folder in the Hugging Face "
                                      "format (config.json + safetensors; hf: models only)")
     compile: bool = _f(False, "torch.compile each repeated block (pipeline and tensor-parallel stages: each block's "
-                              "piece); equal to eager within fp32 tolerance, dropout masks exact; compiled kernels "
-                              "cached across runs (docs/features/compile.md)")
+                              "piece) and run the optimizer update as one fused kernel; equal to eager within fp32 "
+                              "tolerance, dropout masks exact; compiled kernels cached across runs "
+                              "(docs/features/compile.md)")
     compile_backend: str = _f("inductor", f"--compile: torch.compile backend: {'|'.join(COMPILE_BACKENDS)} (inductor: "
                                           "generated kernels; aot_eager: graphs captured forward and backward, run by "
                                           "torch's own kernels, to tell a capture problem from a kernel one)")

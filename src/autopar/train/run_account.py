@@ -54,6 +54,12 @@ class RunAccount:
         cache = use_inductor_cache()
         self.compiled = CompileAccount(compile_regions(engine.compile_regions(), config.compile_backend), cache)
 
+    def note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """--compile: whether the update runs as torch's fused kernel (train/optim.py), for the banner and summary."""
+        if self.compiled is not None:
+            fused = all(group.get("fused") for group in optimizer.param_groups)  # (ZeRO's: per group, not defaults)
+            self.compiled.optimizer_kernel = "fused" if fused else "foreach"
+
     def price_steps(self, engine: Engine, config: TrainConfig, *, world: int,
                     peak: Callable[[], tuple[float | None, str]]) -> None:
         """What a step computes against the device's peak (`peak`: FLOP/s and where the figure comes from,
