@@ -160,15 +160,21 @@ def test_a_graph_break_is_reported_once_with_torchs_reason(tmp_path):
     assert list(account.summary()["graph_breaks"].values()) == [1]
 
 
-def test_the_update_is_one_fused_kernel_under_compile_only():
-    """--compile runs the optimizer's element-wise update as torch's fused kernel; eager runs keep foreach."""
+def test_the_update_is_one_fused_kernel_where_torch_has_one():
+    """Every run (eager or compiled) runs the optimizer's element-wise update as torch's fused kernel, unless asked
+    for foreach or where fused has no kernel (sparse gradients)."""
     from autopar.train.optim import build_optimizer
     model = nn.Linear(4, 4)
     for name in ("adamw", "adam", "sgd", "adagrad"):
-        compiled = build_optimizer(model, TrainConfig(compile=True, optimizer=name))
-        eager = build_optimizer(model, TrainConfig(optimizer=name))
-        assert compiled.defaults["fused"] and not compiled.defaults["foreach"], (name, compiled.defaults)
-        assert eager.defaults["foreach"] and not eager.defaults["fused"], (name, eager.defaults)
+        for config in (TrainConfig(compile=True, optimizer=name), TrainConfig(optimizer=name)):
+            fused = build_optimizer(model, config)
+            assert fused.defaults["fused"] and not fused.defaults["foreach"], (name, fused.defaults)
+        foreach = build_optimizer(model, TrainConfig(optimizer=name, optimizer_kernel="foreach"))
+        assert foreach.defaults["foreach"] and not foreach.defaults["fused"], (name, foreach.defaults)
+    sparse = nn.Sequential(nn.Embedding(8, 4, sparse=True), nn.Linear(4, 4))
+    assert build_optimizer(sparse, TrainConfig(optimizer="sgd")).defaults["foreach"]
+    with pytest.raises(ConfigError, match="optimizer_kernel must be one of"):
+        TrainConfig(optimizer_kernel="fast").validate()
 
 
 def test_the_speedup_a_planner_reads_is_measured_on_one_block():

@@ -41,6 +41,7 @@ from .strategy import (  # noqa: F401 (re-exported: autopar.config is where call
     DP_MODES,
     SPARSE_EMBEDDING_MODES,
     OPTIMIZERS,
+    OPTIMIZER_KERNELS,
     SPARSE_SHARDINGS,
     DEFAULT_CHECKPOINT_EVERY,
     SEARCH_MODES,
@@ -105,6 +106,8 @@ class TrainConfig:
                                          "global_batch_size / (dp * micro_batches)")
     optimizer: str = _f("adamw", "optimizer: adamw|adam|sgd|adagrad|sparse-adam (SparseAdam on sparse embedding "
                                            "tables, Adam on the rest)")
+    optimizer_kernel: str = _f("fused", "how the update runs: fused (one torch kernel per parameter group, where torch "
+                                        "has one: CPU/CUDA float parameters, dense gradients; else foreach) | foreach")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
     warmup_steps: int = _f(20, "steps of linear learning-rate warm-up")
@@ -172,6 +175,9 @@ class TrainConfig:
             raise ConfigError(f"train.adam_eps must be > 0 (e.g. 1e-8), got {self.adam_eps}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer must be one of {choices(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.optimizer_kernel not in OPTIMIZER_KERNELS:
+            raise ConfigError(f"train.optimizer_kernel must be one of {choices(OPTIMIZER_KERNELS)}, "
+                              f"got {self.optimizer_kernel!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"train.device must be one of {{cpu, cuda}}, got {self.device!r}")
         if self.dtype not in DTYPES:

@@ -27,6 +27,7 @@ GOSSIP_ORDERS = ("dpsgd", "atc")
 DP_MODES = ("allreduce", "gossip", "async")
 SPARSE_EMBEDDING_MODES = ("dense", "allgather", "embrace")
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "adam", "sparse-adam")
+OPTIMIZER_KERNELS = ("fused", "foreach")  # how the update runs (train/optim.py)
 SPARSE_SHARDINGS = ("column", "row")
 DEFAULT_CHECKPOINT_EVERY = 100  # steps; a restart or a preemption loses at most this much work
 SEARCH_MODES = ("manual", "auto")

@@ -102,7 +102,8 @@ def _update_seconds(stage, repeats: int) -> float:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-9, foreach=True)
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    optimizer = torch.optim.AdamW(params, lr=1e-9, **({"fused": True} if fused else {"foreach": True}))  # as trained
 
     def update() -> None:
         squares = torch.zeros((), dtype=torch.float64)

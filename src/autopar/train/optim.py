@@ -31,7 +31,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     groups = [g for g in groups if g["params"]]
     if not groups:  # a rank holding only frozen parameters (a pipeline stage of a frozen backbone) steps nothing
         groups = [{"params": [], "weight_decay": 0.0}]
-    kernel = optimizer_kernel(decay + no_decay, config)
+    kernel = optimizer_kernel(model, decay + no_decay, config)
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, **kernel)
     if config.optimizer == "adagrad":
@@ -46,18 +46,20 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has one-kernel Adam, AdamW, SGD and Adagrad steps
 
 
-def optimizer_kernel(params: list[torch.Tensor], config: TrainConfig) -> dict[str, bool]:
-    """How the update's element-wise math runs: {"fused": True} under --compile, else {"foreach": True}.
+def optimizer_kernel(model: nn.Module, params: list[torch.Tensor], config: TrainConfig) -> dict[str, bool]:
+    """How the update's element-wise math runs: {"fused": True} (the default, `optimizer_kernel`) where torch has
+    the kernel, else {"foreach": True}.
 
     The update is element-wise work over every parameter (AdamW: ~10 passes over four tensors of the model's size
-    with foreach), a third of a gpt-small step on one CPU thread. Fusing it is the compiler's kind of win, and torch
-    ships it already fused: its fused step took 108 ms of CPU against foreach's 460 ms and inductor's compiled step's
-    130 ms (after a 2-minute compile) on gpt-small's 86M parameters (docs/features/compile.md). It differs from
-    foreach by an ulp or so per step (its own operation order), so it comes with --compile, the mode that accepts
-    fp32-tolerance differences; eager runs keep foreach, bit for bit as before. Parameters on a device or of a
-    dtype without fused kernels keep foreach."""
-    fusable = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
-    return {"fused": True} if config.compile and fusable else {"foreach": True}
+    with foreach): a third of a gpt-small step on one CPU thread. torch's fused step does it in one pass: 108 ms of
+    CPU against foreach's 460 ms (and an inductor-compiled step's 130 ms, after a 2-minute compile) on gpt-small's
+    86M parameters (docs/features/compile.md). It differs from foreach by an ulp or so per step (its own operation
+    order); every layout builds the same one, so layouts still equal one process. foreach where fused has no
+    kernel: parameters on another device or of an integer dtype, sparse gradients (an embedding with
+    sparse=True, sparse-adam's tables)."""
+    sparse = config.optimizer == "sparse-adam" or any(getattr(m, "sparse", False) is True for m in model.modules())
+    fusable = not sparse and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    return {"fused": True} if config.optimizer_kernel == "fused" and fusable else {"foreach": True}
 
 
 def check_trainable(model: nn.Module) -> None:

@@ -55,7 +55,7 @@ class RunAccount:
         self.compiled = CompileAccount(compile_regions(engine.compile_regions(), config.compile_backend), cache)
 
     def note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """--compile: whether the update runs as torch's fused kernel (train/optim.py), for the banner and summary."""
+        """Whether the update runs as torch's fused kernel (train/optim.py), for the compile banner and summary."""
         if self.compiled is not None:
             fused = all(group.get("fused") for group in optimizer.param_groups)  # (ZeRO's: per group, not defaults)
             self.compiled.optimizer_kernel = "fused" if fused else "foreach"
