@@ -32,6 +32,9 @@ FAMILIES = {
                   num_key_value_heads=2, max_position_embeddings=128),
     "qwen2": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128),
+    # MoE: save_pretrained stores one tensor per expert; the model holds them batched (gate_up_proj, down_proj)
+    "mixtral": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -120,7 +123,8 @@ def assert_same_fine_tune(one: dict, many: list[dict], one_dir: Path, many_dir: 
 LAYOUTS = [("gpt2", 4, {"dp": 2, "pp": 2}, 2), ("gpt2", 2, {"zero": 3}, 4),
            ("gpt2", 8, {"dp": 2, "tp": 2, "pp": 2, "zero": 3}, 2),
            ("qwen2", 8, {"dp": 2, "tp": 2, "pp": 2, "zero": 2}, 2),
-           ("llama", 8, {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2)]
+           ("llama", 8, {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, 2),
+           ("mixtral", 2, {"ep": 2}, 4)]  # each rank reads its 2 of the 4 experts stored one by one
 _one_process: dict = {}  # family -> (pretrained folder, one-process result, its run folder): one run per family
 
 
@@ -141,12 +145,17 @@ def test_finetune_layout_matches_one_process_and_exports(rank_pool, tmp_path, tm
     many = rank_pool(world).run(finetune, str(folder), inputs, str(tmp_path / "many"), strategy, micro)
     assert one["kind"] == "instruction"
     ref_logits = assert_same_fine_tune(one, many, one_dir, tmp_path / "many", folder)
+    if family == "mixtral":  # exported as save_pretrained writes it: one tensor per expert, block_sparse_moe
+        from autopar.models.pretrained import SafetensorsFolder
+        assert exported(tmp_path / "many")[0].keys() == SafetensorsFolder(folder).names()
     # from_pretrained of the export runs autopar's final weights through the same HF code
     assert (ref_logits - one["logits"]).abs().max() < 1e-6
     # each rank reads its stage's tp slices (a quarter at tp2 x pp2: measured 0.25), under ZeRO-3 only its dp rows
     # of them (dp 2: half the model; 0.17 in 3D, not 0.125: norms and biases are whole in each tp slice)
     pp, tp, zero3 = strategy.get("pp", 1), strategy.get("tp", 1), strategy.get("zero") == 3
     share = {(1, 1, True): 0.55, (2, 2, True): 0.2, (2, 2, False): 0.3}.get((pp, tp, zero3))
+    if strategy.get("ep"):  # half of the experts and every dense weight: measured 0.68 (its 51,616 of 76,192 params)
+        share = 0.7
     if share is not None:
         whole = tensor_bytes(folder)
         assert all(got["bytes_read"] < share * whole for got in many), ([g["bytes_read"] for g in many], whole)
@@ -304,6 +313,43 @@ def test_tp_slice_read_equals_slice_of_whole(tmp_path):
     assert read == 64 * 96 * 4
     expected = torch.cat([whole[fused][:, s:s + n] for s, n in slices], dim=1)
     assert torch.equal(target.w.detach(), expected)  # bitwise: a copy of the same stored values
+
+
+MOE_FAMILIES = {"mixtral": dict(num_local_experts=4), "olmoe": dict(num_experts=4),
+                "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+                "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16)}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_experts_stored_one_by_one_load_batched_and_a_rank_reads_only_its_experts(tmp_path, family):
+    """save_pretrained writes an MoE model's experts one tensor each (mixtral: block_sparse_moe.experts.e.w1/w3/w2);
+    the model holds them batched: every tensor loads bitwise as transformers loads it, and a read of experts 2:4
+    (ep=2, rank 1) reads only their bytes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autopar.models import build_model
+    from autopar.models.pretrained import PretrainedWeights
+    config = AutoConfig.for_model(family, vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                  num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                  **MOE_FAMILIES[family])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    expected = AutoModelForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    model, _ = build_model(f"hf:{tmp_path}", device="meta")
+    weights = PretrainedWeights(tmp_path, model)
+    model = model.to_empty(device="cpu")
+    weights.load_into(model)
+    loaded = model.state_dict()
+    for name in weights.stored:
+        assert torch.equal(loaded[name], expected[name]), name
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"} <= set(weights.stored)
+    batched = "model.layers.0.mlp.experts.gate_up_proj"
+    before = weights.bytes_read
+    half = weights.source.read(batched, 0, [(2, 2)])
+    assert torch.equal(half, expected[batched][2:4]) and weights.bytes_read - before == half.numel() * 4
+    rows = weights._read_rows(batched, (1, [(3, 5), (20, 4)]), (1, 2))  # tp columns of ZeRO-3 rows: experts 1:3
+    assert torch.equal(rows, torch.cat([expected[batched][1:3, 3:8], expected[batched][1:3, 20:24]], 1))
 
 
 def test_zero3_rows_of_a_tp_slice_are_read_straight_from_the_file(tmp_path):

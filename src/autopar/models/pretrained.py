@@ -7,7 +7,8 @@ those bytes with `safe_open(...).get_slice(...)`: no rank ever loads the whole m
 each rank read are counted (`bytes_read`), so a test and the benchmark can show it.
 
 Names are the model's own parameter names; a tied weight (GPT-2's embedding and head) is stored
-once under any of its names, as `save_pretrained` writes it.
+once under any of its names, as `save_pretrained` writes it. Batched expert parameters stored one
+tensor per expert (as `save_pretrained` writes MoE models) are read through views (pretrained_experts.py).
 
 Under ZeRO-3 a parameter is FSDP2's DTensor shard: rows of dim 0 (torch.chunk's split over the
 dp replicas) of the tensor or of its tensor-parallel slice; only those rows are read.
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ModelError
 from .materialize import tied_groups
+from .pretrained_experts import expert_views
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -70,6 +72,16 @@ class SafetensorsFolder:
         self.bytes_read = 0
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._handles: dict[Path, object] = {}
+        self._virtual: dict[str, object] = {}  # name -> a view composed of stored tensors (batched experts)
+        self._replaced: set[str] = set()  # stored names only those views read
+
+    def add_views(self, views: dict[str, object], replaced: set[str]) -> None:
+        """Serve `views` under their names instead of the stored tensors `replaced` they read."""
+        self._virtual.update(views)
+        self._replaced |= set(replaced)
+
+    def view(self, name: str):
+        return self._virtual[name] if name in self._virtual else self._handle(name).get_slice(name)
 
     def _open(self, path: Path):
         return _safetensors().safe_open(str(path), framework="pt", device="cpu")
@@ -86,11 +98,11 @@ class SafetensorsFolder:
         self._handles.clear()
 
     def names(self) -> set[str]:
-        return set(self.files)
+        return (set(self.files) - self._replaced) | set(self._virtual)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._shapes:
-            self._shapes[name] = tuple(self._handle(name).get_slice(name).get_shape())
+            self._shapes[name] = tuple(self.view(name).get_shape())
         return self._shapes[name]
 
     def read(self, name: str, dim: int = 0, slices: Iterable[tuple[int, int]] | None = None,
@@ -99,7 +111,7 @@ class SafetensorsFolder:
         `rows` (start, length): only those rows of dim 0 as well (a ZeRO-3 shard of a slice along dim > 0)."""
         if rows is not None and slices is not None and dim == 0:
             raise ValueError("rows and slices of dim 0 together: pass the rows' slices instead")
-        view = self._handle(name).get_slice(name)
+        view = self.view(name)
         first = slice(None) if rows is None else slice(rows[0], rows[0] + rows[1])
         if slices is None:
             pieces = [view[first]]
@@ -137,6 +149,7 @@ class PretrainedWeights:
         self.aliases = _alias_map(model)
         self.shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
         self.stored: dict[str, str] = {}  # model name -> the name it is stored under
+        self.source.add_views(*expert_views(self.shapes, self.source.names(), self.source.view))
         self._check(model)
 
     def _check(self, model: nn.Module) -> None:

@@ -5,9 +5,10 @@ when they were saved, train/checkpoint.py), which are the names Hugging Face sto
 streams them shard by shard: each output file is read from the DCP checkpoint, written and freed,
 so no process ever holds more than one shard (`max_shard_bytes`), and several ranks can write
 different shards at once (`rank`, `world`). A tied weight (an embedding shared with the head) is
-written once, under its first name, as `save_pretrained` does. The run folder's `hf/config.json`
-(written at training time) becomes the folder's config.json; a tokenizer saved with the run is copied with
-its settings and the generation settings (hf_export_files.py).
+written once, under its first name, as `save_pretrained` does; tensors transformers converts on load (an
+MoE layer's batched experts) are written in the layout `save_pretrained` writes (hf_export_layout.py). The
+run folder's `hf/config.json` (written at training time) becomes the folder's config.json; a tokenizer
+saved with the run is copied with its settings and the generation settings (hf_export_files.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..models.materialize import tied_groups
 from ..models.pretrained import INDEX_FILE, SINGLE_FILE
 from .checkpoint import find_checkpoint
 from .hf_export_files import write_side_files
+from .hf_export_layout import SavedLayout
 
 HF_CONFIG = "hf/config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -38,8 +40,9 @@ def _run_dir_of(checkpoint: Path) -> Path:
     return checkpoint.parent.parent  # RUN/checkpoints/step_N
 
 
-def _model_names(config_dir: Path) -> tuple[list[str], dict[str, list[str]], set[str]]:
-    """The names to write (a tied group once, under its first name), every alias of each, the parameters."""
+def _model_names(config_dir: Path) -> tuple[list[str], dict[str, list[str]], set[str], torch.nn.Module]:
+    """The names to write (a tied group once, under its first name), every alias of each, the parameters, and
+    the model on meta."""
     transformers = import_transformers("export")
     with quiet_transformers(transformers):
         config = transformers.AutoConfig.from_pretrained(str(config_dir))
@@ -53,7 +56,7 @@ def _model_names(config_dir: Path) -> tuple[list[str], dict[str, list[str]], set
             aliases.pop(name, None)
         aliases[group[0]] = list(group)
     names = [name for name in model.state_dict() if name in aliases]
-    return names, aliases, {name for name, _ in model.named_parameters()}
+    return names, aliases, {name for name, _ in model.named_parameters()}, model
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -84,7 +87,7 @@ def export_hf(source: str | Path, out: str | Path, *, max_shard_bytes: int = DEF
     if not config_path.is_file():
         raise ModelError(f"export --to hf: {str(run_dir)!r} has no {HF_CONFIG}; only runs of Hugging Face models "
                          f"(--model hf:...) can be exported to the Hugging Face format")
-    names, aliases, params = _model_names(config_path.parent)
+    names, aliases, params, model = _model_names(config_path.parent)
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     stored, sizes = {}, []
     for name in names:
@@ -101,6 +104,7 @@ def export_hf(source: str | Path, out: str | Path, *, max_shard_bytes: int = DEF
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} lacks {len(lost)} parameter(s) of the model in "
                               f"{HF_CONFIG}: {', '.join(lost[:5])}")
     shards = plan_shards(sizes, max_shard_bytes)
+    layout = SavedLayout(model, [{n: stored[n][1] for n in shard} for shard in shards])  # as save_pretrained names them
     files = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     out = Path(out)
@@ -111,14 +115,15 @@ def export_hf(source: str | Path, out: str | Path, *, max_shard_bytes: int = DEF
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-        tensors = {n: state["model"][stored[n][0][len("model."):]].contiguous() for n in shards[k]}
+        tensors = layout.convert({n: state["model"][stored[n][0][len("model."):]].contiguous() for n in shards[k]})
         save_file(tensors, str(out / files[k]), metadata={"format": "pt"})
         del state, tensors
     if rank == 0:
         shutil.copyfile(config_path, out / "config.json")
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(size for _, size in sizes)},
-                     "weight_map": {n: files[k] for k, shard in enumerate(shards) for n in shard}}
+                     "weight_map": {n: files[k] for k, shard in enumerate(shards)
+                                    for n in layout.names({name: stored[name][1] for name in shard})}}
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         write_side_files(run_dir, out, json.loads(config_path.read_text()))  # tokenizer and generation settings
     return out
