@@ -57,7 +57,8 @@ def optimizer_kernel(model: nn.Module, params: list[torch.Tensor], config: Train
     order); every layout builds the same one, so layouts still equal one process. foreach where fused has no
     kernel: parameters on another device or of an integer dtype, sparse gradients (an embedding with
     sparse=True, sparse-adam's tables)."""
-    sparse = config.optimizer == "sparse-adam" or any(getattr(m, "sparse", False) is True for m in model.modules())
+    modules = model.modules() if isinstance(model, nn.Module) else ()  # (a parameter list: the sparse engine's dense part)
+    sparse = config.optimizer == "sparse-adam" or any(getattr(m, "sparse", False) is True for m in modules)
     fusable = not sparse and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
     return {"fused": True} if config.optimizer_kernel == "fused" and fusable else {"foreach": True}
 
