@@ -119,7 +119,7 @@ def pick_configs(ranked: list, limit: int, by_schedule: bool = False) -> list:
 def strategy_of(c) -> dict:
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "schedule": c.schedule, "chunks": c.chunks,
             "partition": c.partition if c.pp > 1 else "uniform", "recompute": "all" if c.recompute == "all" else "none",
-            "zero": c.zero}
+            "zero": c.zero, "sp": c.sp, "ep": c.ep, "cp": c.cp, "cp_mode": c.cp_mode, "compile": c.compile}
 
 
 def calibrated_cluster(path: str | None, world: int):
@@ -427,8 +427,10 @@ def worker(spec_path: Path) -> None:
                                            seed=0)
         config = autopar.TrainConfig(steps=10_000, global_batch_size=spec.get("global_batch", GLOBAL_BATCH),
                                      micro_batch_size=cfg["micro_batch_size"], progress=False,
-                                     out=f"{spec['runs']}/{i}", warmup_steps=1)
-        trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**cfg["strategy"]), config=config)
+                                     out=f"{spec['runs']}/{i}", warmup_steps=1,
+                                     compile=cfg["strategy"].get("compile", False))
+        fields = {k: v for k, v in cfg["strategy"].items() if k != "compile"}  # (a TrainConfig field)
+        trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**fields), config=config)
         record: dict = {}
         began = time.perf_counter()
         try:

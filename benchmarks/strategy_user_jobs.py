@@ -84,7 +84,9 @@ def key_of(strategy: dict, micro_batch_size: int) -> tuple:
     pp = strategy.get("pp", 1)
     piped = (strategy.get("schedule"), strategy.get("chunks", 1), strategy.get("partition")) if pp > 1 else ()
     return (strategy["dp"], strategy.get("tp", 1), pp, micro_batch_size, strategy.get("recompute", "none"),
-            strategy.get("zero", 0), strategy.get("memory_budget_mb")) + piped
+            strategy.get("zero", 0), strategy.get("memory_budget_mb"), strategy.get("sp", False), strategy.get("ep", 1),
+            strategy.get("cp", 1), strategy.get("cp_mode", "ring") if strategy.get("cp", 1) > 1 else None,
+            strategy.get("compile", False)) + piped
 
 
 def row(e, memory) -> dict:
