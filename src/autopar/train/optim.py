@@ -7,6 +7,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from ..errors import ModelError
@@ -56,10 +57,13 @@ def optimizer_kernel(model: nn.Module, params: list[torch.Tensor], config: Train
     86M parameters (docs/features/compile.md). It differs from foreach by an ulp or so per step (its own operation
     order); every layout builds the same one, so layouts still equal one process. foreach where fused has no
     kernel: parameters on another device or of an integer dtype, sparse gradients (an embedding with
-    sparse=True, sparse-adam's tables)."""
+    sparse=True, sparse-adam's tables), and ZeRO-3's sharded parameters under SGD or Adagrad (DTensor has no
+    sharding rule for their fused kernels)."""
     modules = model.modules() if isinstance(model, nn.Module) else ()  # (a parameter list: the sparse engine's dense part)
     sparse = config.optimizer == "sparse-adam" or any(getattr(m, "sparse", False) is True for m in modules)
-    fusable = not sparse and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    # Sharded parameters (ZeRO-3's DTensors) step through DTensor, which shards fused Adam and AdamW only.
+    sharded = any(isinstance(p, DTensor) for p in params) and config.optimizer not in ("adam", "adamw")
+    fusable = not (sparse or sharded) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
     return {"fused": True} if config.optimizer_kernel == "fused" and fusable else {"foreach": True}
 
 
