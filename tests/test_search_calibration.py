@@ -167,7 +167,7 @@ def test_calibrate_command_rewrites_the_cache_entry(cache, tmp_path, monkeypatch
     old = measured_cluster(4, when=time.time() - 86400)
     calibration_cache.store(old, 4)
     monkeypatch.setattr(calibrate, "calibrate",
-                        lambda nproc, details=None: measured_cluster(nproc).replace(cores_per_node=1.25))
+                        lambda nproc, details=None, per_rank=False: measured_cluster(nproc).replace(cores_per_node=1.25))
     out = tmp_path / "c.toml"
     assert calibrate.cmd_calibrate(argparse.Namespace(nproc=4, out=str(out))) == 0
     assert str(entry_path(4)) in capsys.readouterr().out
@@ -241,7 +241,8 @@ def test_the_measurement_covers_the_groups_the_search_forms(monkeypatch):
     """dp, tp and pp groups (divisors of nproc) and a tied weight's pair; not the sizes no layout forms."""
     from autopar.search import calibrate
     seen = []
-    monkeypatch.setattr(calibrate, "calibrate", lambda nproc, group_sizes=None, details=None: seen.append(group_sizes))
+    monkeypatch.setattr(calibrate, "calibrate",
+                        lambda nproc, group_sizes=None, details=None, per_rank=False: seen.append(group_sizes))
     for nproc in (8, 6, 3):
         calibration_cache.measure(nproc)
     assert seen == [[2, 4, 8], [2, 3, 6], [2, 3]]

@@ -194,6 +194,16 @@ def touch_parameter_table():
     assert lin.weight is plain, "Module._parameters no longer backs attribute lookup"
 
 
+def touch_own_parameter_table():
+    import copy
+    lin = nn.Linear(2, 2)
+    view = copy.copy(lin)
+    view.__dict__ = dict(lin.__dict__)
+    ti.own_parameter_table(view)
+    ti.parameter_table(view)["weight"] = nn.Parameter(torch.zeros(1, 2))
+    assert view.weight.shape == (1, 2) and lin.weight.shape == (2, 2), "a shallow copy's slots are still shared"
+
+
 def touch_buffer_table():
     norm = nn.BatchNorm1d(2)
     fresh = torch.ones(2)

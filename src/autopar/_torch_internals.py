@@ -194,6 +194,12 @@ def parameter_table(module: nn.Module) -> dict:
     return module._parameters
 
 
+@_wraps("Module._parameters", "none (a shallow copy of a module shares its parameter slots)")
+def own_parameter_table(module: nn.Module) -> None:
+    """Give a shallow copy of a module parameter slots of its own, so replacing one leaves the original alone."""
+    module._parameters = dict(module._parameters)
+
+
 @_wraps("Module._buffers", "none")
 def buffer_table(module: nn.Module) -> dict:
     """The module's own buffer slots, to replace a buffer in place, keeping its persistence."""

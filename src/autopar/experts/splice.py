@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 from torch.func import functional_call
 
+from .._torch_internals import own_parameter_table, parameter_table
 from ..errors import ModelError
 from ..trace.graph import ModelGraph
 from .detect import ExpertLayer, ExpertPlan
@@ -124,7 +125,7 @@ def _local_view(experts: nn.Module, layer: ExpertLayer, ep: int) -> nn.Module:
     import copy
     view = copy.copy(experts)
     view.__dict__ = dict(experts.__dict__)
-    view._parameters = dict(experts._parameters)
+    own_parameter_table(view)
     if getattr(view, "num_experts", None) == layer.num_experts:
         view.num_experts = layer.num_experts // ep
     return view
@@ -135,7 +136,7 @@ def _cut_rows(stage: nn.Module, layer: ExpertLayer, sharded: ShardedExperts) -> 
     for fqn in layer.params:
         owner_path, _, leaf = fqn.rpartition(".")
         owner = stage.get_submodule(owner_path)
-        whole = owner._parameters[leaf]
+        whole = parameter_table(owner)[leaf]
         if whole.shape[0] != layer.num_experts:
             continue  # already cut (the layer's operations span two pieces of this stage)
-        owner._parameters[leaf] = nn.Parameter(sharded.shard(fqn, whole.detach()), requires_grad=whole.requires_grad)
+        parameter_table(owner)[leaf] = nn.Parameter(sharded.shard(fqn, whole.detach()), requires_grad=whole.requires_grad)
