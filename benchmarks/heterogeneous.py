@@ -115,7 +115,7 @@ def plans(args, folder: Path) -> list[PlanRun]:
     return out
 
 
-def worker(rank: int, world: int, port: int, args, runs: list[PlanRun], queue) -> None:
+def worker(rank: int, world: int, port: int, args, queue, runs: list[PlanRun]) -> None:
     """This rank's trainers (one per plan, all with the same placement), stepped in alternating order."""
     order = runs[0].order
     if args.quotas is not None:
@@ -164,24 +164,11 @@ def worker(rank: int, world: int, port: int, args, runs: list[PlanRun], queue) -
 
 
 def run_ranks(runs: list[PlanRun], args) -> dict:
-    """Spawn 4 ranks for `runs` (one placement); stop them if this process is stopped."""
-    import torch.multiprocessing as mp
+    """4 ranks for `runs` (one placement), spawned and stopped with this process as resharding.py does."""
+    import functools
 
-    from autopar.launch import free_port
-    queue = mp.get_context("spawn").SimpleQueue()
-    ranks = mp.start_processes(worker, args=(4, free_port(), args, runs, queue), nprocs=4, start_method="spawn",
-                               join=False)
-    try:
-        while not ranks.join():
-            pass
-    except BaseException:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in ranks.processes:
-            process.join(10)
-        raise
-    return queue.get()
+    from resharding import run_ranks as spawn_ranks
+    return spawn_ranks(functools.partial(worker, runs=runs), 4, args)
 
 
 def measure(args, candidates: list[PlanRun]) -> dict[str, list[float]]:
