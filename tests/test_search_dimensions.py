@@ -175,3 +175,36 @@ def test_all_to_all_is_priced_from_its_measured_table_else_from_the_all_reduce_f
     measured = toy_cluster(all_to_all_table={2: Link(3e-5, 2e8)})
     assert measured.all_to_all(1e6, 2) == pytest.approx(3e-5 + 0.5 * 1e6 / 2e8)
     assert cluster_from_dict(measured.to_dict()).all_to_all_table == {2: Link(3e-5, 2e8)}  # the cluster file keeps it
+
+
+def test_ring_cp_prices_the_rings_measured_attention_work_on_measured_blocks():
+    """A cp rank's attention is the written-out ring, not 1/cp of the model's fused kernel: with the ring's
+    measured seconds (search/ring_cost.py) each attention's share changes by them, the all-to-all (which runs
+    the kernel) and layouts without cp do not."""
+    from autopar.search.measure_profile import BlockCosts, with_measured_blocks
+    from autopar.search.ring_cost import measure_ring_seconds
+    base = _attention_profile()
+    blocks = [BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=2e-3, backward_fixed_s=2e-3, backward_per_seq_s=4e-3,
+                         saved_per_seq=1e3, transient_fixed=0.0, transient_per_seq=0.0)] * base.num_blocks
+    measured = with_measured_blocks(base, blocks)
+    extra = (3e-4, 1e-4, 5e-4, 2e-4)
+    ringed = dataclasses.replace(measured, attention=dataclasses.replace(measured.attention, ring_seconds={2: extra}))
+    ring = Candidate(dp=1, tp=1, pp=1, micro_batch_size=2, num_microbatches=1, cp=2)
+    key = (1, False, 2, "ring", False, 1)
+    times = {}
+    for name, prof in (("plain", measured), ("ringed", ringed)):
+        model = StepModel(prof, toy_cluster(), global_batch_size=2)
+        model.evaluate(ring)
+        model.evaluate(dataclasses.replace(ring, cp_mode="all-to-all"))
+        times[name] = {mode: model._variants[key[:3] + (mode,) + key[4:]].block_times(1, 2)[:2]
+                       for mode in ("ring", "all-to-all")}
+    layers = base.attention.layers
+    for b, n in enumerate(layers):
+        assert times["ringed"]["ring"][0][b] - times["plain"]["ring"][0][b] == pytest.approx(
+            n * (extra[0] + 2 * extra[1]), abs=1e-12)
+        assert times["ringed"]["ring"][1][b] - times["plain"]["ring"][1][b] == pytest.approx(
+            n * (extra[2] + 2 * extra[3]), abs=1e-12)
+    assert times["ringed"]["all-to-all"] == times["plain"]["all-to-all"]
+    # the measurement itself: one tuple per degree that splits the sequence into 2 x cp chunks
+    seconds = measure_ring_seconds(dataclasses.replace(base.attention, head_dim=4), 12, degrees=(2, 3, 4), repeats=1)
+    assert set(seconds) == {2, 3} and all(len(v) == 4 for v in seconds.values())

@@ -30,7 +30,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid:
         gathered = [torch.empty_like(key_valid) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, key_valid.contiguous(), group=group)
         key_valid = torch.stack(gathered)
-    return _RingAttention.apply(q, k, v, key_valid, causal, scale, group, window)
+    return _RingAttention.apply(q, k, v, key_valid, causal, scale, _Ring(group), window)
+
+
+def loopback_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                            cp: int, rank: int, window: int | None = None) -> torch.Tensor:
+    """The attention work of rank `rank` of a cp group, in one process with no group: every block "sent" comes
+    back as the one received. The values are not the whole sequence's attention, but every pass, pair, skip and
+    merge is the rank's own, so its CPU time is what the rank computes: the search prices ring attention from
+    it (search/ring_cost.py), as it prices blocks from their measured times."""
+    return _RingAttention.apply(q, k, v, None, causal, scale, _LoopbackRing(cp, rank), window)
 
 
 class _Ring:
@@ -54,6 +63,17 @@ class _Ring:
         for work in works:
             work.wait()
         return received
+
+
+class _LoopbackRing(_Ring):
+    """Rank `rank` of a ring of `size` with no neighbours: what it sends is what it receives (a copy, as a
+    received buffer is)."""
+
+    def __init__(self, size: int, rank: int):  # no group: nothing is exchanged
+        self.group, self.size, self.rank = None, size, rank
+
+    def start(self, tensor: torch.Tensor) -> tuple[list, torch.Tensor]:
+        return [], tensor.clone()
 
 
 def _pairs(rank: int, source: int, cp: int):
@@ -103,8 +123,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, seen: torch.Tensor |
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, key_valid, causal, scale, group, window):
-        ring = _Ring(group)
+    def forward(ctx, q, k, v, key_valid, causal, scale, ring, window):
         half = q.shape[2] // 2
         masks = _BlockMasks(half, causal, window, q.device)
         shape = q.shape[:3]
@@ -136,7 +155,7 @@ class _RingAttention(torch.autograd.Function):
         out = (acc / torch.where(empty, torch.ones_like(row_sum), row_sum)[..., None]).to(q.dtype)
         lse = torch.where(empty, torch.full_like(row_max, float("inf")), row_max + torch.log(row_sum))
         ctx.save_for_backward(q, k, v, out, lse, key_valid)
-        ctx.causal, ctx.scale, ctx.group, ctx.window = causal, scale, group, window
+        ctx.causal, ctx.scale, ctx.ring, ctx.window = causal, scale, ring, window
         ctx.has_valid = key_valid is not None
         return out
 
@@ -144,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, key_valid = ctx.saved_tensors
         key_valid = key_valid if ctx.has_valid else None
-        ring, scale = _Ring(ctx.group), ctx.scale
+        ring, scale = ctx.ring, ctx.scale
         half = q.shape[2] // 2
         masks = _BlockMasks(half, ctx.causal, ctx.window, q.device)
         grad_out = grad_out.float()

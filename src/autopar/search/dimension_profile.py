@@ -50,7 +50,7 @@ def attention_costs(graph: ModelGraph, scale: float) -> AttentionCosts | None:
     graph traced at 1 / `scale` sequences); None when the model has no scaled-dot-product attention."""
     n = len(graph.blocks)
     layers, kv, qkvo, flops = [0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-    heads, kv_heads = [], []
+    heads, kv_heads, head_dims, causal, masked = [], [], [], [], []
     for node in graph.graph.nodes:
         if node.op != "call_function" or node.target is not _SDPA or node.name not in graph.nodes:
             continue
@@ -66,7 +66,13 @@ def attention_costs(graph: ModelGraph, scale: float) -> AttentionCosts | None:
         flops[cost.block] += cost.flops * scale
         heads.append(q.shape[1])
         kv_heads.append(k.shape[1])
+        head_dims.append(q.shape[-1])
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        masked.append(mask is not None)
+        causal.append(mask is not None or bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5
+                                                                else False)))
     if not heads:
         return None
     return AttentionCosts(heads=min(heads), kv_heads=min(kv_heads), layers=tuple(layers), kv_bytes=tuple(kv),
-                          qkv_out_bytes=tuple(qkvo), flops=tuple(flops))
+                          qkv_out_bytes=tuple(qkvo), flops=tuple(flops), head_dim=head_dims[0], causal=causal[0],
+                          masked=masked[0])

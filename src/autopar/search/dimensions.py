@@ -34,6 +34,7 @@ import dataclasses
 
 from .candidate import Candidate, Estimate
 from .profile import ModelProfile
+from .ring_cost import ring_adjusted
 
 EXPERT_IMBALANCE = 1.25
 """Tokens the busiest rank of an expert group receives over the mean: top-k routing is not balanced per step
@@ -149,6 +150,8 @@ def dimension_profile(profile: ModelProfile, cluster, c: Candidate, rate: float)
     exchange = [(0.0, 0.0, 0.0, 0.0)] * profile.num_blocks
     if c.cp > 1:
         profile = scaled_sequence(profile, 1.0 / c.cp)
+        if c.cp_mode == "ring":  # the ring's written-out attention, measured, for its share of the fused kernel
+            profile = ring_adjusted(profile, c.cp)
         exchange = _context_exchange(profile, cluster, c.cp, c.cp_mode, rate)
     if c.ep > 1 and profile.experts is not None:
         profile, experts = _with_experts(profile, cluster, c.ep)

@@ -417,7 +417,9 @@ def with_cost_model(profile: ModelProfile, cluster, cost_model: str, measure) ->
         except ConfigError as exc:
             reason = str(exc)
         else:
-            return (with_measured_blocks(profile, blocks),
+            from .ring_cost import CP_DEGREES, with_ring_seconds  # context parallelism's ring, timed beside the blocks
+            degrees = tuple(d for d in CP_DEGREES if not cluster.num_devices or cluster.num_devices % d == 0)
+            return (with_ring_seconds(with_measured_blocks(profile, blocks), degrees=degrees),
                     f"block times and activation bytes measured on this machine ({len(blocks)} blocks, one thread; "
                     f"--cost-model flops to skip)")
     if cost_model == "measured":
