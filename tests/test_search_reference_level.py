@@ -4,6 +4,8 @@ side runs for real in test_search.py's gloo-link test; here the pricing and the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autopar.search import calibrate, step_probe
@@ -80,3 +82,19 @@ def test_the_reference_step_keeps_the_quickest_round_scaled_to_a_quiet_machine(m
     assert found["reference_step_measured_s"] == 0.21
     assert found["reference_others_cores"] == pytest.approx((1.375 + 0.1 + 0.0) / 3)
     assert machine_load.quiet_factor(0.5, 0.0, 0.25) == 1.0 and machine_load.others_cores(None, 0.5, 0.25) == 0.0
+
+
+def test_the_reference_is_priced_with_the_update_it_runs(monkeypatch):
+    """The reference step updates by hand (a flattened copy, per-tensor AdamW: reference_step.after_backward), about
+    twice the fused AdamW the blocks are timed with; its profile carries the timed update (in the blocks' proportions),
+    so the level it calibrates is what time-sharing adds, not the reference's slower update applied to every plan."""
+    from autopar.search import measure_profile, reference_step
+    from autopar.search.measure_profile import BlockCosts
+    block = BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=1e-3, backward_fixed_s=2e-3, backward_per_seq_s=2e-3,
+                       saved_per_seq=1e3, transient_fixed=0.0, transient_per_seq=0.0)
+    timed = [dataclasses.replace(block, update_s=u) for u in (1e-4, 3e-4, 3e-4, 3e-4, 3e-4, 1e-4)]
+    monkeypatch.setattr(measure_profile, "measure_module_blocks", lambda model, **kw: timed)
+    monkeypatch.setattr(reference_step, "update_seconds", lambda repeats=5: 4.2e-3)
+    measured = step_probe.reference_profile().measured
+    assert sum(m.update_s for m in measured) == pytest.approx(4.2e-3)
+    assert measured[1].update_s == pytest.approx(3 * measured[0].update_s)

@@ -58,6 +58,54 @@ class ReferenceGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def after_backward(params: list[torch.Tensor], moments: list[tuple[torch.Tensor, torch.Tensor]],
+                   all_reduce: Callable[[torch.Tensor], object], world: int) -> None:
+    """The reference step's work after the backward: the gradients all-reduced as one flattened buffer and copied
+    back, the norm clipped, then AdamW's arithmetic per tensor (bias correction left out: the same work). Not
+    torch.optim: creating an optimizer imports torch's compiler stack, seconds on every forked rank. Apart, so
+    that the search can time it (update_seconds) and price the reference as it runs."""
+    flat = torch.cat([p.grad.flatten() for p in params])
+    all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    lr, betas, decay = 1e-4, (0.9, 0.999), 0.01
+    with torch.no_grad():
+        for p, (m, v) in zip(params, moments):
+            p.mul_(1 - lr * decay)
+            m.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
+            v.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
+            p.addcdiv_(m, v.sqrt().add_(1e-8), value=-lr)
+
+
+def update_seconds(repeats: int = 5) -> float:
+    """This thread's CPU seconds of after_backward on one rank's gradients, the all-reduce left out (its CPU is
+    priced apart, per group size): the median of `repeats` after one warm-up. The update the search measures for
+    a user's model is a fused AdamW step; the reference's hand-written one costs about twice that, and priced as
+    the fused one it would read as a higher level for every plan (step_probe.reference_profile)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank runs; the thread's clock misses what other threads would do
+    try:
+        torch.manual_seed(0)
+        model = ReferenceGPT()
+        params = list(model.parameters())
+        tokens = torch.randint(0, VOCAB, (1, SEQ_LEN + 1))
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        samples = []
+        for i in range(repeats + 1):
+            began = time.thread_time()
+            after_backward(params, moments, lambda flat: None, 1)
+            if i:
+                samples.append(time.thread_time() - began)
+        return sorted(samples)[len(samples) // 2]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def step_rounds(rounds: int = ROUNDS, steps: int = STEPS, busy_seconds: Callable[[], float | None] | None = None
                 ) -> list[dict]:
     """One replicated data-parallel training step of ReferenceGPT over every rank of the default group, as the
@@ -75,31 +123,13 @@ def step_rounds(rounds: int = ROUNDS, steps: int = STEPS, busy_seconds: Callable
     tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN + 1))
     world = dist.get_world_size()
 
-    def adamw(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), decay: float = 0.01) -> None:
-        """AdamW's arithmetic per tensor (bias correction left out: the same work). Not torch.optim: creating
-        an optimizer imports torch's compiler stack, seconds on every forked rank."""
-        with torch.no_grad():
-            for p, (m, v) in zip(params, moments):
-                p.mul_(1 - lr * decay)
-                m.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
-                v.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
-                p.addcdiv_(m, v.sqrt().add_(1e-8), value=-lr)
-
     def step() -> None:
         for p in params:
             p.grad = None
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        flat = torch.cat([p.grad.flatten() for p in params])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        adamw()
+        after_backward(params, moments, lambda flat: dist.all_reduce(flat), world)
         dist.all_reduce(loss.detach())
 
     step()
