@@ -479,3 +479,20 @@ def test_every_strategy_field_is_searched_or_named_as_not_searched():
     fields = {f.name for f in Strategy.flat_fields()}
     assert sorted(fields - set(FIELD_ROWS) - set(SEARCH_SETTINGS)) == []
     assert set(FIELD_ROWS.values()) <= {d.name for d in COVERAGE}
+
+
+def test_a_ranks_update_pays_the_per_call_part_once_whatever_it_holds():
+    """Blocks' updates are timed one block at a time, each with the optimizer call's own fixed part
+    (BlockCosts.update_call_s); a rank updates all its blocks in one call, so a replica of the whole model pays it
+    once, not once per block (which priced data parallelism's update high against a pipeline stage's), and ZeRO's
+    shard divides only the rest."""
+    from autopar.search.measure_profile import BlockCosts
+    profile = toy_profile(layers=4)
+    n = profile.num_blocks
+    block = BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=1e-3, backward_fixed_s=2e-3, backward_per_seq_s=2e-3,
+                       saved_per_seq=1e4, transient_fixed=0.0, transient_per_seq=0.0, update_s=1e-3,
+                       update_call_s=2e-4)
+    model = StepModel(dataclasses.replace(profile, measured=(block,) * n), toy_cluster(), global_batch_size=8)
+    assert model.update_time([(0, n)], 0.0) == pytest.approx(n * 8e-4 + 2e-4)
+    assert model.update_time([(0, 2), (4, 6)], 0.0) == pytest.approx(4 * 8e-4 + 2e-4)  # two chunks, one call
+    assert model.update_time([(0, n)], 0.0, zero=1, dp=2) == pytest.approx(n * 8e-4 / 2 + 2e-4)

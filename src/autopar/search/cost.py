@@ -311,8 +311,10 @@ class StepModel:
         this replica's 1/dp shard, then the gathered parameters are copied back in (zero_cost.py)."""
         shard = dp if zero else 1
         copy = param_elements * copy_bytes_per_param(zero, 2.0 if self.bf16_master else 4.0)
-        if self.profile.measured is not None:
-            return sum(m.update_s for a, b in spans for m in self.profile.measured[a:b]) / shard + \
+        if self.profile.measured is not None:  # one call over all the rank's blocks: its fixed part paid once
+            mine = [m for a, b in spans for m in self.profile.measured[a:b] if m.update_s > 0]
+            call = max((m.update_call_s for m in mine), default=0.0)
+            return (sum(m.update_s - m.update_call_s for m in mine) / shard + call if mine else 0.0) + \
                 copy / self.cluster.memory_bandwidth_bytes_per_s
         return param_elements * (ADAM_BYTES_PER_PARAM / shard) / self.cluster.memory_bandwidth_bytes_per_s + \
             copy / self.cluster.memory_bandwidth_bytes_per_s

@@ -83,7 +83,7 @@ def _compute_scaled(profile: ModelProfile, per_block: list[float]) -> ModelProfi
            for d, t in profile.tp.items()}  # every degree, so tp's FLOP share of a measured block stays
     measured = profile.measured
     if measured is not None:
-        keys = [f.name for f in dataclasses.fields(measured[0]) if f.name.endswith("_s") and f.name != "update_s"]
+        keys = [f.name for f in dataclasses.fields(measured[0]) if f.name.endswith("_s") and not f.name.startswith("update")]
         measured = tuple(dataclasses.replace(m, **{k: getattr(m, k) * s for k in keys if getattr(m, k) is not None})
                          for m, s in zip(measured, per_block))
     flops = tuple(f * k for f, k in zip(profile.flops, per_block))

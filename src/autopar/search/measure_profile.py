@@ -68,6 +68,10 @@ class BlockCosts:
     transient_fixed: float
     transient_per_seq: float
     update_s: float = 0.0  # the step's work on this block's parameters: gradient-norm terms, clip, AdamW step
+    update_call_s: float = 0.0
+    """The part of update_s an update pays once whatever it holds (the optimizer step's own Python, the norm's host
+    read): timed block by block it is in every block's, but a rank updates all its blocks in one call
+    (cost.update_time). The blocks' updates summed less one update of them all, per block beyond the first."""
     cpu_per_wall: float = 1.0
     """CPU seconds per second of the times above: 1, as they are the measuring thread's CPU seconds (_clock); a
     profile that timed wall seconds while other processes held the core says so with less. The time-shared
@@ -317,6 +321,7 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
     try:
         chains = [_one_block_stages(model, b, seq_len, seed) for b in micro_batches]
         runs = _measure_chains(chains, repeats)
+        whole_update = _update_seconds(nn.ModuleList(chains[0][1]), repeats)  # one call over every block
     finally:
         torch.set_num_threads(threads)
     (f1, b1, s1, t1, updates, cpu_per_wall, i1, w1, _, x1), (f2, b2, s2, t2, _, _, i2, w2, h2, x2) = runs
@@ -329,13 +334,15 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         per = max(0.0, (large - small) / (hi - lo))
         return max(0.0, small - per * lo), per
 
+    timed = [u for u in updates if u > 0]
+    call = min(max(0.0, (sum(timed) - whole_update) / (len(timed) - 1)), min(timed)) if len(timed) > 1 else 0.0
     out = []
     for i in range(len(f1)):
         (ff, fs), (bf, bs), (tf, ts) = fit(f1[i], f2[i]), fit(b1[i], b2[i]), fit(t1[i], t2[i])
         (inf, ins), (wf, ws), (xf, xs) = fit(i1[i], i2[i]), fit(w1[i], w2[i]), fit(x1[i], x2[i])
         out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
                               saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
-                              update_s=updates[i], cpu_per_wall=cpu_per_wall, input_fixed_s=inf, input_per_seq_s=ins,
+                              update_s=updates[i], update_call_s=call if updates[i] > 0 else 0.0, cpu_per_wall=cpu_per_wall, input_fixed_s=inf, input_per_seq_s=ins,
                               weight_fixed_s=wf, weight_per_seq_s=ws, held_per_seq=h2[i] / hi,
                               split_transient_fixed=xf, split_transient_per_seq=xs,
                               eager_saved_per_seq=eager[i] / hi if eager else None))

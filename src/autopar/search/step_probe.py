@@ -62,12 +62,13 @@ def reference_profile():
 def with_update_total(blocks: list, seconds: float) -> list:
     """`blocks` whose update times sum to `seconds`, in their measured proportions: the reference is priced with
     the update it runs (reference_step.after_backward, timed), not the fused AdamW the blocks were timed with, so
-    that the level it calibrates carries only what time-sharing adds, not the reference's own slower update."""
+    that the level it calibrates carries only what time-sharing adds, not the reference's own slower update. Timed
+    over all the parameters at once, it is one call: no per-call part to take off (BlockCosts.update_call_s)."""
     import dataclasses
     total = sum(b.update_s for b in blocks)
     if seconds <= 0 or total <= 0:
         return list(blocks)
-    return [dataclasses.replace(b, update_s=b.update_s * seconds / total) for b in blocks]
+    return [dataclasses.replace(b, update_s=b.update_s * seconds / total, update_call_s=0.0) for b in blocks]
 
 
 def reference_level(cluster, measured_step_s: float, profile=None) -> float:
