@@ -15,7 +15,7 @@ Printed per configuration: each measured part summed over the ranks (median of -
 terms for the same configuration. Every number is one run on a shared machine: quote it with the load.
 
     PYTHONPATH=src python benchmarks/strategy_search_cpu.py [--world 4] [--model gpt-mini] [--steps 5]
-        [--cluster FILE.toml] [--config "dp=1 tp=1 pp=4 mbs=8 sched=zb-h1 recompute=none zero=0" ...]
+        [--cluster FILE.toml] [--config "dp=1 tp=1 pp=4 mbs=8 sched=zb-h1 recompute=none zero=0 cp=1 cpmode=ring" ...]
     PYTHONPATH=src python benchmarks/strategy_search_cpu.py --quick   # smoke test: 2 ranks, 2 configurations
 """
 
@@ -52,7 +52,8 @@ def parse_config(text: str) -> dict:
     fields = dict(item.split("=", 1) for item in text.split())
     return {"dp": int(fields.get("dp", 1)), "tp": int(fields.get("tp", 1)), "pp": int(fields.get("pp", 1)),
             "mbs": int(fields["mbs"]), "schedule": fields.get("sched", "1f1b"),
-            "recompute": fields.get("recompute", "none"), "zero": int(fields.get("zero", 0))}
+            "recompute": fields.get("recompute", "none"), "zero": int(fields.get("zero", 0)),
+            "cp": int(fields.get("cp", 1)), "cp_mode": fields.get("cpmode", "ring")}
 
 
 def main() -> None:
@@ -79,8 +80,8 @@ def main() -> None:
     from autopar.launch import launch
     configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     for c in configs:
-        if c["dp"] * c["tp"] * c["pp"] != args.world:
-            raise SystemExit(f"config {c} needs dp x tp x pp = --world {args.world}")
+        if c["dp"] * c["tp"] * c["pp"] * c["cp"] != args.world:
+            raise SystemExit(f"config {c} needs dp x tp x pp x cp = --world {args.world}")
     print(f"uptime at start: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     cluster = calibrated_cluster(args.cluster, args.world)
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,17 +126,20 @@ def model_terms(spec: dict, cluster, blocks, cores: float) -> tuple[list, float]
     from autopar.search.cost import Candidate, StepModel
     from autopar.search.measure_profile import with_measured_blocks
     from autopar.search.profile import profile_model
+    from autopar.search.ring_cost import with_ring_seconds
     world = spec["world"]
     profile = profile_model(spec["model"], seq_len=SEQ_LEN, model_args=MODELS[spec["model"]],
                             tp_degrees=tuple(d for d in (1, 2, 4, 8) if world % d == 0))
-    profile = with_measured_blocks(profile, blocks)
+    profile = with_ring_seconds(with_measured_blocks(profile, blocks),  # a ring cp rank's attention, timed here
+                                degrees=tuple(sorted({c["cp"] for c in spec["configs"] if c["cp"] > 1})))
     model = StepModel(profile, cluster.replace(cores_per_node=cores, memory_headroom=1.0),
                       global_batch_size=GLOBAL_BATCH)
     out = []
     for c in spec["configs"]:
         m = GLOBAL_BATCH // (c["dp"] * c["mbs"])
         cand = Candidate(dp=c["dp"], tp=c["tp"], pp=c["pp"], micro_batch_size=c["mbs"], num_microbatches=m,
-                         schedule=c["schedule"], recompute=c["recompute"], partition="uniform", zero=c["zero"])
+                         schedule=c["schedule"], recompute=c["recompute"], partition="uniform", zero=c["zero"],
+                         cp=c["cp"], cp_mode=c["cp_mode"])
         e = model.evaluate(cand)
         out.append((cand.describe(), e.step_time_s, {k[4:-2]: v for k, v in e.parts.items()
                                                       if k.startswith("cpu_") and k != "cpu_s"}))
@@ -201,7 +205,7 @@ def worker(spec_path: Path) -> None:
             state["data"], _ = build_datasets(corpus, tokenizer, seq_len=SEQ_LEN, task=info.task, seed=0)
         strategy = autopar.Strategy(dp=c["dp"], tp=c["tp"], pp=c["pp"], schedule=c["schedule"],
                                     partition="uniform", recompute="all" if c["recompute"] == "all" else "none",
-                                    zero=c["zero"])
+                                    zero=c["zero"], cp=c["cp"], cp_mode=c["cp_mode"])
         config = autopar.TrainConfig(steps=10_000, global_batch_size=GLOBAL_BATCH, micro_batch_size=c["mbs"],
                                      progress=False, out=f"{spec['runs']}/{i}", warmup_steps=1)
         trainer = autopar.Trainer(model, state["data"], strategy=strategy, config=config)
