@@ -73,10 +73,11 @@ def _fit(small: float, large: float) -> tuple[float, float]:
 
 
 def measure_ring_seconds(att: AttentionCosts, seq_len: int, *, degrees: tuple[int, ...] = CP_DEGREES,
-                         repeats: int = 5) -> dict[int, tuple[float, float, float, float]]:
+                         repeats: int = 3) -> dict[int, tuple[float, float, float, float]]:
     """Per cp degree that splits `seq_len` into 2 x cp chunks: (forward fixed, forward per sequence, backward
     fixed, backward per sequence) seconds one attention adds over its T/cp share of the model's kernel."""
-    if not att.head_dim:
+    degrees = tuple(cp for cp in degrees if cp > 1 and seq_len % (2 * cp) == 0)
+    if not att.head_dim or not degrees:
         return {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs
@@ -85,8 +86,6 @@ def measure_ring_seconds(att: AttentionCosts, seq_len: int, *, degrees: tuple[in
         (kff, kfs), (kbf, kbs) = _fit(kernel[0][0], kernel[1][0]), _fit(kernel[0][1], kernel[1][1])
         out = {}
         for cp in degrees:
-            if seq_len % (2 * cp):
-                continue
             ring = [_ring(att, b, seq_len, cp, repeats) for b in MICRO_BATCHES]
             (rff, rfs), (rbf, rbs) = _fit(ring[0][0], ring[1][0]), _fit(ring[0][1], ring[1][1])
             out[cp] = (rff - kff, rfs - kfs / cp, rbf - kbf, rbs - kbs / cp)
