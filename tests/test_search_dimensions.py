@@ -114,7 +114,7 @@ def test_cp_divides_sequence_memory_and_prices_the_ring_against_all_to_all():
     assert forward["ring"] - shown["ring"] == pytest.approx(forward["all-to-all"] - shown["all-to-all"])
     slow = toy_cluster(flops_per_s={"fp32": 1e6})  # attention's compute outlasts the ring's sends: only latency shows
     hidden = StepModel(_attention_profile(), slow, global_batch_size=2).evaluate(ring)
-    latencies = 4 * slow.intra_node.latency_s * 3  # 4 attentions, 1 send forward and 2 backward's worth each
+    latencies = 4 * slow.intra_node.latency_s * 4  # 4 attentions: 1 send forward, backward 1 block and 2 gradients
     assert hidden.parts["exchange_s"] == pytest.approx(latencies, rel=1e-6)
     odd = StepModel(_attention_profile(seq_len=6), toy_cluster(), global_batch_size=2)  # 2 x cp must divide 6
     assert {c.cp for c in enumerate_candidates(odd, SearchSpace(nproc=2))} == {1}

@@ -20,8 +20,9 @@ schedule simulation, the memory walk or the time-sharing bound is written twice:
              holds T/cp tokens, and its queries meet all keys, 1/cp of attention's FLOPs); priced as
              dp x cp replicas of T/cp-token sequences (gradients summed over dp x cp, as the runtime
              does). Attention's exchange per layer: ring, cp - 1 key/value block sends forward (and
-             twice that backward: the blocks and their gradients) overlapped with the attention's own
-             compute, only what outlasts it showing; all-to-all, two swaps forward (queries/keys/values
+             2cp - 1 backward: the blocks again and their gradients, the last back home) overlapped
+             with the attention's own compute, only what outlasts it showing; its compute is the ring's
+             own, timed on this machine (ring_cost.py); all-to-all, two swaps forward (queries/keys/values
              in, the output back) and two backward.
     compile  the repeated blocks' compute / Cluster.compile_speedup (measured, never assumed) and
              Cluster.compile_seconds amortised over the run's steps; without a measured figure the
@@ -83,7 +84,8 @@ def _compute_scaled(profile: ModelProfile, per_block: list[float]) -> ModelProfi
            for d, t in profile.tp.items()}  # every degree, so tp's FLOP share of a measured block stays
     measured = profile.measured
     if measured is not None:
-        keys = [f.name for f in dataclasses.fields(measured[0]) if f.name.endswith("_s") and not f.name.startswith("update")]
+        keys = [f.name for f in dataclasses.fields(measured[0])
+                if f.name.endswith("_s") and not f.name.startswith("update")]
         measured = tuple(dataclasses.replace(m, **{k: getattr(m, k) * s for k in keys if getattr(m, k) is not None})
                          for m, s in zip(measured, per_block))
     flops = tuple(f * k for f, k in zip(profile.flops, per_block))
@@ -132,12 +134,13 @@ def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: 
         if not layers:
             out.append((0.0, 0.0, 0.0, 0.0))
             continue
-        if mode == "ring":  # cp - 1 sends of a rank's K/V block per layer, hidden behind the attention's compute
-            latency = cluster.intra_node.latency_s * (cp - 1) * layers
-            send = (cp - 1) * kv / cluster.intra_node.bandwidth_bytes_per_s
-            per_seq = max(send - flops / rate, 0.0)
-            back = max(2 * send - 2 * flops / rate, 0.0)
-            out.append((latency, per_seq, 2 * latency, back))
+        if mode == "ring":  # cp - 1 sends of a rank's K/V block per layer, hidden behind the attention's compute;
+            # backward the blocks' cp - 1 again and their gradients' cp (the last one home: context_parallel/ring.py)
+            latency = cluster.intra_node.latency_s * layers
+            send = kv / cluster.intra_node.bandwidth_bytes_per_s
+            per_seq = max((cp - 1) * send - flops / rate, 0.0)
+            back = max((2 * cp - 1) * send - 2 * flops / rate, 0.0)
+            out.append(((cp - 1) * latency, per_seq, (2 * cp - 1) * latency, back))
         else:  # two all-to-all swaps per layer each way: q, k, v in, the output back
             fixed, per_seq = _linear(lambda b: cluster.all_to_all(b, cp), qkvo / (2 * layers))  # one swap's bytes
             out.append((2 * layers * fixed, 2 * layers * per_seq, 2 * layers * fixed, 2 * layers * per_seq))

@@ -342,7 +342,8 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         (inf, ins), (wf, ws), (xf, xs) = fit(i1[i], i2[i]), fit(w1[i], w2[i]), fit(x1[i], x2[i])
         out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
                               saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
-                              update_s=updates[i], update_call_s=call if updates[i] > 0 else 0.0, cpu_per_wall=cpu_per_wall, input_fixed_s=inf, input_per_seq_s=ins,
+                              update_s=updates[i], update_call_s=call if updates[i] > 0 else 0.0,
+                              cpu_per_wall=cpu_per_wall, input_fixed_s=inf, input_per_seq_s=ins,
                               weight_fixed_s=wf, weight_per_seq_s=ws, held_per_seq=h2[i] / hi,
                               split_transient_fixed=xf, split_transient_per_seq=xs,
                               eager_saved_per_seq=eager[i] / hi if eager else None))
