@@ -190,7 +190,9 @@ def search_in_ranks(spec: dict) -> tuple[dict, object]:
         profile = profile_model(spec["model"], seq_len=SEQ_LEN, model_args=margs,
                                 tp_degrees=tuple(d for d in (1, 2, 4, 8) if world % d == 0))
         if spec["measure"]:
-            profile = with_measured_blocks(profile, alone)
+            from autopar.search.ring_cost import CP_DEGREES, with_ring_seconds  # a ring cp rank's attention, timed
+            profile = with_ring_seconds(with_measured_blocks(profile, alone),
+                                        degrees=tuple(d for d in CP_DEGREES if world % d == 0))
             cluster = cluster.replace(cores_per_node=cores)
         step_model = StepModel(profile, cluster.replace(memory_headroom=1.0), global_batch_size=GLOBAL_BATCH)
         # the `time` cut is left out of the space here: the runtime measures block times for it, so its cut would
