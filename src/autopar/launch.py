@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from .errors import HANG_EXIT, PREEMPTED_EXIT
+from .errors import HANG_EXIT, PREEMPTED_EXIT, AutoparError
 
 
 def free_port() -> int:
@@ -168,7 +168,6 @@ def launch(command: Sequence[str], nproc: int, *, grace_s: float = 5.0, poll_s: 
 def _shrink(loss: RankLoss, on_rank_loss: Callable[[RankLoss], Relaunch], attempt: int, max_restarts: int,
             run_dir: str | None) -> Relaunch | None:
     """Ask `on_rank_loss` for the smaller world, say it in one line and log it; None: it cannot go on (said)."""
-    from .errors import AutoparError
     lost = ", ".join(map(str, loss.lost))
     try:
         relaunch = on_rank_loss(loss)
