@@ -144,7 +144,7 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     from .memory_gate import dry_run
     if getattr(ns, "dry_run", False):  # every check and the plan, no process
         build = _job_builder(job)
-        dry_run(job, build, lambda checked: _check_before_start(checked, build), force=ns.force)
+        dry_run(job, build, lambda checked: _check_shrink(checked, _check_before_start(checked, build)), force=ns.force)
         return 0
     job, argv, resolved = _prepare_start(job, argv, force=ns.force)
     if job.launch.nproc > 1 or job.launch.max_restarts > 0:
@@ -161,6 +161,14 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
     from .job import run_job
     run_job(job)
     return 0
+
+
+def _check_shrink(job, resolved):
+    """--on-rank-loss shrink refused where it could not go on (as the start refuses it); returns `resolved`."""
+    if job.launch.on_rank_loss == "shrink":
+        from .rank_loss import check_can_shrink
+        check_can_shrink(job, resolved.strategy, job.launch.nproc)
+    return resolved
 
 
 def _prepare_start(job, argv: list[str], *, force: bool):
