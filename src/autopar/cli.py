@@ -141,11 +141,40 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         else:
             run_job(job)
         return 0
-    from .memory_gate import check_memory, dry_run, is_hand_set
-    build = _job_builder(job)
+    from .memory_gate import dry_run
     if getattr(ns, "dry_run", False):  # every check and the plan, no process
-        dry_run(job, build, lambda checked: _check_before_start(checked, build), force=ns.force)
+        build = _job_builder(job)
+        dry_run(job, build, lambda checked: _check_shrink(checked, _check_before_start(checked, build)), force=ns.force)
         return 0
+    job, argv, resolved = _prepare_start(job, argv, force=ns.force)
+    if job.launch.nproc > 1 or job.launch.max_restarts > 0:
+        from .launch import launch
+        out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
+        command = [sys.executable, "-m", "autopar", *argv, "--out", out]
+        on_rank_loss = None
+        if job.launch.on_rank_loss == "shrink":  # go on with the surviving replicas (rank_loss.py)
+            from .rank_loss import ShrinkOnRankLoss
+            on_rank_loss = ShrinkOnRankLoss(job, resolved.strategy, out,
+                                            lambda args: _restart_command(args, out, force=ns.force))
+        return launch(command, job.launch.nproc, max_restarts=job.launch.max_restarts, run_dir=out,
+                      on_rank_loss=on_rank_loss)
+    from .job import run_job
+    run_job(job)
+    return 0
+
+
+def _check_shrink(job, resolved):
+    """--on-rank-loss shrink refused where it could not go on (as the start refuses it); returns `resolved`."""
+    if job.launch.on_rank_loss == "shrink":
+        from .rank_loss import check_can_shrink
+        check_can_shrink(job, resolved.strategy, job.launch.nproc)
+    return resolved
+
+
+def _prepare_start(job, argv: list[str], *, force: bool):
+    """The plan (searched or read) and every check before the ranks start: (job, the ranks' argv, resolved)."""
+    from .memory_gate import check_memory, is_hand_set
+    build = _job_builder(job)
     hand_set = is_hand_set(job)  # before --strategy auto or --plan makes it a plan
     if job.strategy.planning.mode == "auto" or job.strategy.planning.plan:
         from .autoplan import choose_before_launch  # search (or read the plan) once, here; ranks get plan.json
@@ -153,18 +182,19 @@ def cmd_train(ns: argparse.Namespace, argv: list[str]) -> int:
         build = _job_builder(job)
     resolved = _check_before_start(job, build)  # every check a rank would make first, before any process
     if hand_set:  # the memory model gates a strategy set by hand; the search checked its own
-        verdict = check_memory(job, resolved, build, force=ns.force)
+        verdict = check_memory(job, resolved, build, force=force)
         for warning in (verdict.warning, verdict.refusal):
             if warning:
                 print(f"autopar: warning: {warning}", file=sys.stderr, flush=True)
-    if job.launch.nproc > 1 or job.launch.max_restarts > 0:
-        from .launch import launch
-        out = job.train.out or f"runs/{datetime.now():%Y%m%d-%H%M%S}"
-        command = [sys.executable, "-m", "autopar", *argv, "--out", out]
-        return launch(command, job.launch.nproc, max_restarts=job.launch.max_restarts, run_dir=out)
-    from .job import run_job
-    run_job(job)
-    return 0
+    return job, argv, resolved
+
+
+def _restart_command(args: list[str], out: str, *, force: bool):
+    """The ranks' command for `autopar train ARGS` (a resume of the run on fewer ranks), prepared as a start
+    is (plan searched again, every check), and the strategy it resolved to."""
+    ns = build_parser().parse_args(args)
+    job, argv, resolved = _prepare_start(resolve_job(ns), list(args), force=force)
+    return [sys.executable, "-m", "autopar", *argv, "--out", out], resolved.strategy
 
 
 def _job_builder(job):

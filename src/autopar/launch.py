@@ -18,12 +18,17 @@ torch's connection errors (consequences of the first failure) go to their logs o
 their own one-line "autopar: ..." reports still reach the console, unless they only say that a
 peer was lost. Exit statuses (`EXIT_STATUSES`): the first failed rank's, with a rank killed by
 signal N reported as 128 + N, as shells do (not Python's 256 - N: 247 for SIGKILL).
+
+A rank that is lost (killed by a signal, or stopped by a SIGTERM that reached it alone: preempted) may
+instead shrink the job: with `on_rank_loss`, the caller decides the smaller world (rank_loss.py) and the
+launcher starts that one, each new rank on a surviving device (LOCAL_RANK is the device's slot).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import shutil
@@ -32,11 +37,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from .errors import HANG_EXIT, PREEMPTED_EXIT
+from .errors import HANG_EXIT, PREEMPTED_EXIT, AutoparError
 
 
 def free_port() -> int:
@@ -45,9 +51,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_environment(rank: int, nproc: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+def rank_environment(rank: int, nproc: int, port: int, base: dict[str, str] | None = None, *,
+                     device: int | None = None) -> dict[str, str]:
+    """torchrun's variables for `rank`; `device`: the device slot it runs on (LOCAL_RANK; default the rank)."""
     env = dict(os.environ if base is None else base)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+    local = rank if device is None else device
+    env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
@@ -59,6 +68,9 @@ RESTARTS_LOG = "restarts.jsonl"
 # A failed rank with one of these statuses is not restarted: bad input (2) fails the same way again, and
 # preemption (errors.PREEMPTED_EXIT) or an interrupt (130) means the job was asked to stop.
 NO_RESTART = (2, PREEMPTED_EXIT, 130)
+# What a rank prints when a stop signal reaches it (train/interrupt.py); the launcher reads it to tell a preempted
+# rank (the signal reached it alone) from its peers, which stop with it after the same step.
+STOP_RECEIVED = "autopar: rank {rank}: {signal} received"
 STDERR_TTY_ENV = "AUTOPAR_STDERR_TTY"  # "1": the launcher's stderr is a terminal (the ranks' is a pipe to it)
 LOGS_DIR = "logs"
 EXIT_STATUSES = {  # what `autopar train` and `autopar launch` exit with (docs/features/command-line.md)
@@ -79,25 +91,63 @@ def restart_attempt() -> int:
     return int(value) if value.isdigit() else 0
 
 
+@dataclass(frozen=True)
+class RankLoss:
+    """Ranks lost by a start of the job: killed by a signal, or preempted (a stop signal reached them alone)."""
+
+    lost: tuple[int, ...]  # ranks of the world that ended
+    world: int
+    devices: tuple[int, ...]  # the device slot each rank of that world ran on
+    cause: str
+    exit_code: int
+    resumes_from: str | None  # the run's latest complete checkpoint (its folder name), if any
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """What to start instead after a rank loss: the ranks' command, their count and their device slots."""
+
+    command: list[str]
+    devices: tuple[int, ...]
+    record: dict = field(default_factory=dict)  # what restarts.jsonl notes about the change (layout, plan)
+    says: str = ""  # the end of the console line, e.g. "dp=1 tp=1 pp=2"
+
+
 def launch(command: Sequence[str], nproc: int, *, grace_s: float = 5.0, poll_s: float = 0.05,
-           max_restarts: int = 0, run_dir: str | None = None) -> int:
+           max_restarts: int = 0, run_dir: str | None = None,
+           on_rank_loss: Callable[[RankLoss], Relaunch] | None = None) -> int:
     """Run `command` as ranks 0..nproc-1; returns 0, or the exit code of the first rank that failed.
 
     max_restarts > 0: when a rank fails (other than with a status in NO_RESTART), every rank is stopped
     and the job started again, at most that many times, with ATTEMPT_ENV set to the restart number (the
     trainer then resumes from `run_dir`'s latest complete checkpoint); each restart is appended, with its
     cause, to run_dir/restarts.jsonl. SIGTERM/SIGINT sent to the launcher is passed on to every rank.
+    on_rank_loss: when ranks were lost (killed by a signal, or preempted alone) and some survive, it says
+    what to start instead (a smaller world; an AutoparError: the job stops with its message); counted
+    against max_restarts like a restart.
     """
     if nproc < 1:
         print(f"autopar launch: error: --nproc must be >= 1, got {nproc}", file=sys.stderr)
         return 2
     forwarding = _SignalForwarder()
+    devices = tuple(range(nproc))
+    command = list(command)
     with forwarding:
         for attempt in range(max_restarts + 1):
-            output = RankOutput(nproc, attempt, run_dir)
-            code, cause = _run_once(command, nproc, {ATTEMPT_ENV: str(attempt)}, forwarding, grace_s, poll_s,
-                                    output)
+            output = RankOutput(len(devices), attempt, run_dir)
+            code, cause, lost = _run_once(command, devices, {ATTEMPT_ENV: str(attempt)}, forwarding, grace_s,
+                                          poll_s, output)
             logs = output.keep(run_dir, failed=code not in (0, PREEMPTED_EXIT))
+            shrinks = (on_rank_loss is not None and code != 0 and forwarding.signal is None and
+                       attempt < max_restarts and 0 < len(lost) < len(devices))
+            if shrinks:
+                loss = RankLoss(lost=lost, world=len(devices), devices=devices, cause=cause or "",
+                                exit_code=code, resumes_from=_latest_checkpoint(run_dir))
+                relaunch = _shrink(loss, on_rank_loss, attempt, max_restarts, run_dir)
+                if relaunch is None:
+                    return exit_status(code)
+                command, devices = relaunch.command, relaunch.devices
+                continue
             if code == 0 or code in NO_RESTART or forwarding.signal is not None or attempt == max_restarts:
                 if code not in (0, PREEMPTED_EXIT) and cause:
                     said = "; see its message above" if code > 0 else ""  # a killed rank says nothing
@@ -110,12 +160,41 @@ def launch(command: Sequence[str], nproc: int, *, grace_s: float = 5.0, poll_s: 
             resumes = _latest_checkpoint(run_dir)
             print(f"autopar launch: {cause}; restart {attempt + 1} of {max_restarts}, from "
                   f"{resumes or 'the beginning (no checkpoint yet)'}", file=sys.stderr, flush=True)
-            if run_dir is not None and Path(run_dir).is_dir():
-                record = {"restart": attempt + 1, "time": datetime.now().isoformat(timespec="seconds"),
-                          "cause": cause, "exit_code": code, "resumes_from": resumes, "by": "autopar launch"}
-                with open(Path(run_dir) / RESTARTS_LOG, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            _log_restart(run_dir, {"restart": attempt + 1, "cause": cause, "exit_code": code, "resumes_from": resumes,
+                                   "by": "autopar launch"})
     return code
+
+
+def _shrink(loss: RankLoss, on_rank_loss: Callable[[RankLoss], Relaunch], attempt: int, max_restarts: int,
+            run_dir: str | None) -> Relaunch | None:
+    """Ask `on_rank_loss` for the smaller world, say it in one line and log it; None: it cannot go on (said)."""
+    lost = ", ".join(map(str, loss.lost))
+    try:
+        relaunch = on_rank_loss(loss)
+    except AutoparError as exc:
+        print(f"autopar launch: {loss.cause}; cannot go on without rank(s) {lost}: {exc}", file=sys.stderr,
+              flush=True)
+        return None
+    new_world = len(relaunch.devices)
+    print(f"autopar launch: {loss.cause}; lost rank(s) {lost}: going on with {new_world} of {loss.world} ranks "
+          f"(devices {', '.join(map(str, relaunch.devices))}) from {loss.resumes_from or 'the beginning'}"
+          f"{': ' + relaunch.says if relaunch.says else ''} (change {attempt + 1} of {max_restarts}, "
+          f"--on-rank-loss shrink)", file=sys.stderr, flush=True)
+    step = int(loss.resumes_from.rpartition("_")[2]) if loss.resumes_from and \
+        loss.resumes_from.rpartition("_")[2].isdigit() else 0
+    _log_restart(run_dir, {"restart": attempt + 1, "cause": loss.cause, "exit_code": loss.exit_code,
+                           "resumes_from": loss.resumes_from, "resumed_step": step, "by": "autopar launch",
+                           "change": "shrink", "lost_ranks": list(loss.lost), "old_world": loss.world,
+                           "new_world": new_world, "old_devices": list(loss.devices),
+                           "new_devices": list(relaunch.devices), **relaunch.record})
+    return relaunch
+
+
+def _log_restart(run_dir: str | None, record: dict) -> None:
+    if run_dir is not None and Path(run_dir).is_dir():
+        record = {**record, "time": datetime.now().isoformat(timespec="seconds")}
+        with open(Path(run_dir) / RESTARTS_LOG, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def exit_status(code: int) -> int:
@@ -123,20 +202,26 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _run_once(command: Sequence[str], nproc: int, extra_env: dict[str, str], forwarding: _SignalForwarder,
-              grace_s: float, poll_s: float, output: RankOutput) -> tuple[int, str | None]:
-    """One start of the job: (exit code, cause of the failure or None)."""
+def _run_once(command: Sequence[str], devices: Sequence[int], extra_env: dict[str, str],
+              forwarding: _SignalForwarder, grace_s: float, poll_s: float,
+              output: RankOutput) -> tuple[int, str | None, tuple[int, ...]]:
+    """One start of the job, rank r on device slot devices[r]: (exit code, cause of the failure or None, the
+    ranks lost: killed by a signal before the launcher stopped anyone, or preempted alone)."""
     port = free_port()
+    nproc = len(devices)
     tty = {STDERR_TTY_ENV: "1"} if sys.stderr.isatty() else {}
-    procs = [subprocess.Popen(list(command), env={**rank_environment(r, nproc, port), **extra_env, **tty},
+    procs = [subprocess.Popen(list(command), env={**rank_environment(r, nproc, port, device=devices[r]), **extra_env,
+                                                  **tty},
                               stderr=subprocess.PIPE) for r in range(nproc)]
     output.follow(procs)
     forwarding.procs = procs
     failed: tuple[int, int] | None = None
     deadline = None
+    killed_by_signal: set[int] = set()
     try:
         while True:
             codes = [p.poll() for p in procs]
+            killed_by_signal.update(r for r, code in enumerate(codes) if code is not None and code < 0)
             failing = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)
                        and not (code == PREEMPTED_EXIT and forwarding.signal is not None)]
             # a rank killed by a signal is the cause; a peer's error exit is usually its consequence
@@ -156,16 +241,21 @@ def _run_once(command: Sequence[str], nproc: int, extra_env: dict[str, str], for
                 alive = [r for r, c in enumerate(codes) if c is None]
                 print(f"autopar launch: rank {failed[0]} exited with code {failed[1]}; stopping ranks "
                       f"{alive}", file=sys.stderr, flush=True)
+                output.stopping = True  # the stop signals from here on are the launcher's own
                 _stop(procs)
                 break
             time.sleep(poll_s)
     finally:
         forwarding.procs = []
         output.finish()
+    preempted = tuple(sorted(output.stop_received)) if forwarding.signal is None else ()
     if failed is not None:
-        return failed[1], f"rank {failed[0]} {_describe_exit(failed[1])}"
+        cause = f"rank {failed[0]} {_describe_exit(failed[1])}"
+        if failed[1] == PREEMPTED_EXIT and preempted:
+            cause = f"rank(s) {', '.join(map(str, preempted))} preempted (a stop signal; saved and stopped)"
+        return failed[1], cause, tuple(sorted(killed_by_signal | set(preempted)))
     codes = [p.returncode for p in procs]
-    return (PREEMPTED_EXIT, None) if PREEMPTED_EXIT in codes else (0, None)
+    return ((PREEMPTED_EXIT, None, preempted) if PREEMPTED_EXIT in codes else (0, None, ()))
 
 
 def _describe_exit(code: int) -> str:
@@ -194,6 +284,8 @@ class RankOutput:
         self.folder = Path(tempfile.mkdtemp(prefix="autopar-ranks-"))
         self.nproc, self.attempt, self.run_dir = nproc, attempt, run_dir
         self.cause_rank: int | None = None
+        self.stop_received: set[int] = set()  # ranks that said a stop signal reached them (STOP_RECEIVED)
+        self.stopping = False  # True once the launcher stops the ranks itself
         self._decided = threading.Event()  # set once the cause is known
         self._procs: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
@@ -218,10 +310,14 @@ class RankOutput:
 
     def _pump(self, rank: int, pipe) -> None:
         pending = b""
+        before, _, after = STOP_RECEIVED.format(rank=rank, signal="\n").partition("\n")
+        announcement = re.compile(re.escape(before.encode()) + rb"SIG[A-Z]+" + re.escape(after.encode()))
         with open(self.folder / f"rank_{rank}.log", "wb") as log:
             while chunk := os.read(pipe.fileno(), 65536):
                 log.write(chunk)
                 log.flush()
+                if not self.stopping and announcement.search(chunk):  # (the line is written in one piece)
+                    self.stop_received.add(rank)
                 if self.cause_rank is None and self._another_failed(rank):
                     self._decided.wait(timeout=1.0)  # a peer's death reached us before the launcher's poll did
                 if self.cause_rank is None or rank == self.cause_rank:

@@ -219,6 +219,9 @@ class TrainConfig:
         return self.global_batch_size // per_step
 
 
+RANK_LOSS_POLICIES = ("restart", "shrink")  # launch.on_rank_loss (rank_loss.py)
+
+
 @dataclass(kw_only=True)
 class LaunchConfig:
     """How processes are started when autopar launches them itself (ignored under torchrun)."""
@@ -226,6 +229,9 @@ class LaunchConfig:
     nproc: int = _f(4, "local processes to start (one CPU thread each); ignored under torchrun")
     max_restarts: int = _f(0, "when a rank dies, stop every rank and restart the job from its latest complete "
                               "checkpoint, at most N times (under torchrun, use torchrun's --max-restarts)")
+    on_rank_loss: str = _f("restart", "when a rank is lost (killed by a signal, or preempted): restart (every rank "
+                                      "again, at the same size) | shrink (go on with the surviving whole replicas, "
+                                      "re-planned for them; needs dp >= 2 and --max-restarts)")
 
 
 @dataclass(kw_only=True)
@@ -241,6 +247,9 @@ class JobConfig:
     def validate(self) -> None:
         _check_positive_int("launch.nproc", self.launch.nproc)
         _check_nonnegative_int("launch.max_restarts", self.launch.max_restarts)
+        if self.launch.on_rank_loss not in RANK_LOSS_POLICIES:
+            raise ConfigError(f"launch.on_rank_loss must be one of {choices(RANK_LOSS_POLICIES)}, got "
+                              f"{self.launch.on_rank_loss!r}")
         _check_positive_int("data.seq_len", self.data.seq_len)
         self.train.validate()
 

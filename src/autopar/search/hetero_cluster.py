@@ -183,3 +183,23 @@ def group_all_reduce(cluster: Cluster, nbytes: float, devices: list[int] | tuple
 def group_speed(cluster: Cluster, devices: list[int] | tuple[int, ...]) -> float:
     """A synchronous group computes at its slowest member's pace."""
     return min(device_speed(cluster, d) for d in devices)
+
+
+def surviving_cluster(cluster: Cluster, kept: list[int] | tuple[int, ...]) -> Cluster:
+    """`cluster` cut down to the devices `kept` (their indices in it), which become devices 0..len(kept)-1 in
+    that order, each with its own speed and memory and every pair with the link it had (a job that lost ranks
+    goes on on these). Nodes stay nodes where the kept devices still fill them alike; else each device is a node
+    of its own and the links inside the old nodes are stated pair by pair."""
+    n, size = len(kept), cluster.devices_per_node
+    old_node = [d // size for d in kept]
+    per_node = min(size, n)
+    if n % per_node or any((i // per_node == j // per_node) != (old_node[i] == old_node[j])
+                           for i in range(n) for j in range(n)):
+        per_node = 1
+    smaller = cluster.replace(num_devices=n, devices_per_node=per_node, links=(),
+                              devices=tuple(cluster.devices[d] for d in kept) if cluster.devices else ())
+    links = tuple(LinkOverride(a=(i,), b=(j,), latency_s=had.latency_s,
+                               bandwidth_bytes_per_s=had.bandwidth_bytes_per_s)
+                  for i in range(n) for j in range(i + 1, n)
+                  if (had := link_between(cluster, kept[i], kept[j])) != link_between(smaller, i, j))
+    return smaller.replace(links=links)

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from ..launch import STOP_RECEIVED
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_WINDOW_S = 2.0  # a repeat within this is one request reaching the rank twice, not a second one
 
@@ -42,7 +44,7 @@ class StopRequest:
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.signal, self._first_at = signum, time.monotonic()
-        print(f"autopar: rank {self.rank}: {name} received; finishing this step, saving a checkpoint, then "
+        print(f"{STOP_RECEIVED.format(rank=self.rank, signal=name)}; finishing this step, saving a checkpoint, then "
               f"stopping (send it again to stop at once)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> StopRequest:
