@@ -5,7 +5,10 @@ and one with TrainConfig(compile=True), and time their steps interleaved (the or
 round by round, so drift on a shared machine hits both alike); the slowest rank's time counts, the
 table gives medians and the ratio compiled / eager. Compile time is reported apart: the seconds
 torch.compile spent (its own account, as summary.json gives it) and the wall time of the compiled
-trainer's warm-up steps. A model with dropout is timed as its own case.
+trainer's warm-up steps. A model with dropout is timed as its own case. `--profile N` then profiles N more steps of each trainer
+(interleaved) and prints rank 0's operations side by side: each one's self CPU time, the least over the N
+steps (a step slowed by the machine's other work inflates every op; the least is the op's own cost),
+to see where compiled and eager steps differ (docs/features/compile.md quotes it).
 
 Part 2, dropout: one process, gpt-tiny with dropout 0.1, four variants (torch's dropout or the
 layout-free one, eager or compiled blocks), alternating; the layout-free overhead over torch's
@@ -13,6 +16,7 @@ dropout, eager against compiled (the hash is ~10 int64 element-wise passes that 
 
     PYTHONPATH=src python benchmarks/compile.py                     # gpt-small + hf:llama, dp1 dp2 pp2 tp2
     PYTHONPATH=src python benchmarks/compile.py --models gpt-small --layouts dp1,pp2 --rounds 5
+    PYTHONPATH=src python benchmarks/compile.py --models gpt-small --layouts dp1 --profile 4 --no-dropout-part
     PYTHONPATH=src python benchmarks/compile.py --quick              # smoke test: gpt-tiny dp1, aot_eager
 
 Compiled kernels are cached (autopar's cache folder, or TORCHINDUCTOR_CACHE_DIR): a second run
@@ -86,9 +90,10 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's wall time, the busiest rank's CPU
             times[variant].append(float(elapsed[0]))
             cpu_times[variant].append(float(elapsed[1]))
+    profile = _profile_steps(trainers, 3 + job["rounds"], job["profile"]) if job["profile"] else []
     if rank == 0:
         account = trainers["compiled"].account.compiled.summary()
-        results.put({"median": {v: statistics.median(t) for v, t in times.items()},
+        results.put({"profile": profile, "median": {v: statistics.median(t) for v, t in times.items()},
                      "cpu": {v: statistics.median(t) for v, t in cpu_times.items()},
                      "optimizer": {v: [s / job["rounds"] for s in wc] for v, wc in optimizer_s.items()}, "warm": warm,
                      "optimizer_kernel": account["optimizer_kernel"],
@@ -97,6 +102,36 @@ def _rank(rank: int, world: int, port: int, job: dict, results) -> None:
                      "graph_breaks": sum(account["graph_breaks"].values())})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _profile_steps(trainers: dict, first_step: int, count: int) -> list[tuple[str, float, int, float, int]]:
+    """This rank's operations in `count` profiled steps of each trainer (interleaved): (name, eager ms, eager calls,
+    compiled ms, compiled calls), self CPU time, the least over the steps; the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    import torch.distributed as dist
+    seen: dict[str, dict[str, list[tuple[float, int]]]] = {variant: {} for variant in trainers}
+    step, order = first_step, list(trainers)
+    for r in range(count):
+        for variant in (order if r % 2 == 0 else order[::-1]):
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                trainers[variant].train_step(step)
+            step += 1
+            for event in prof.key_averages():
+                seen[variant].setdefault(event.key, []).append((event.self_cpu_time_total / 1e3, event.count))
+    least = {variant: {op: (min(ms for ms, _ in runs), runs[0][1]) for op, runs in ops.items()}
+             for variant, ops in seen.items()}
+    eager, compiled = least["eager"], least["compiled"]
+    rows = [(op, *eager.get(op, (0.0, 0)), *compiled.get(op, (0.0, 0))) for op in set(eager) | set(compiled)]
+    return sorted(rows, key=lambda row: -max(row[1], row[3]))
+
+
+def _print_profile(rows: list, top: int = 30) -> None:
+    print(f"    rank 0's operations, self CPU ms (the least of the profiled steps) and calls per step; the {top} largest:")
+    print(f"    {'operation':<64} {'eager ms':>9} {'calls':>6} {'compiled ms':>12} {'calls':>6}")
+    for op, eager_ms, eager_n, compiled_ms, compiled_n in rows[:top]:
+        print(f"    {op[:64]:<64} {eager_ms:9.1f} {eager_n:6d} {compiled_ms:12.1f} {compiled_n:6d}")
+    print(f"    {'all operations (sum)':<64} {sum(r[1] for r in rows):9.1f} {'':>6} {sum(r[3] for r in rows):12.1f}")
 
 
 def _time_optimizer_steps(optimizer, total: list[float]) -> None:
@@ -178,11 +213,14 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="TrainConfig.compile_backend: inductor | aot_eager")
     parser.add_argument("--quick", action="store_true", help="smoke test of the script: gpt-tiny (dropout 0.1) at dp1, "
                                                              "2 rounds of 2 x 16, aot_eager (no kernels built)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N steps of each trainer (after the timed ones) and print rank 0's operations")
     parser.add_argument("--runs", default="runs/bench-compile", help="run folders of the timed trainers")
     args = parser.parse_args()
     if args.quick:
         args.models, args.layouts, args.seq, args.batch, args.rounds = "gpt-tiny", "dp1", 16, 2, 2
         args.dropout_model, args.no_dropout_part, args.backend = "", True, "aot_eager"
+        args.profile = args.profile or 1
     cases = [(m, layout, {}) for m in args.models.split(",") for layout in args.layouts.split(",")]
     if args.dropout_model:
         dropout_arg = {"attention_dropout": 0.1} if args.dropout_model.startswith("hf:") else {"dropout": 0.1}
@@ -199,6 +237,7 @@ def main() -> None:
         micro = args.batch // (strategy.get("dp", 1) * (2 if strategy.get("pp", 1) > 1 else 1))
         job = {"model": model, "model_args": {**MODEL_ARGS.get(model, {}), **extra}, "strategy": strategy,
                "seq": args.seq, "batch": args.batch, "micro": micro, "rounds": args.rounds, "backend": args.backend,
+               "profile": args.profile,
                "runs": f"{args.runs}/{model.replace(':', '-')}-{layout}"}
         r = time_layout(job, world)
         eager, compiled = r["median"]["eager"], r["median"]["compiled"]
@@ -210,6 +249,8 @@ def main() -> None:
               f"{f'{optim_e * 1e3:.0f}/{optim_c * 1e3:.0f}':>17} "
               f"{r['compile_s']:10.1f} {r['warm']['eager']:6.1f}/{r['warm']['compiled']:<7.1f} "
               f"{r['cache_hits']:>7}/{r['cache_misses']:<7} {r['recompiles']:>10} {r['graph_breaks']:>6}", flush=True)
+        if r["profile"]:
+            _print_profile(r["profile"])
     print(f"  (compiled optimizer update: {r['optimizer_kernel']}; load average at the end {_load()})")
     if not args.no_dropout_part:
         torch.set_num_threads(1)
