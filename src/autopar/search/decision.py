@@ -1,16 +1,19 @@
 """The default layout as a candidate, and when `--strategy auto` may run something else.
 
 A user who adds `--strategy auto` must not get a slower run than the one they had without it. The
-cost model is right only to within its error, so a pick predicted a few percent faster than the
-default layout is a coin toss: auto runs something other than the default only when it is predicted
-faster by more than that error (`beats_default`), and when the best distinct candidates (the default
-among them) are within the error of each other, the CLI measures them for a few steps before
-the run (`to_measure`; autoplan.confirm).
+cost model is right only to within its error (a fifth of the step, median, on the jobs users run), so
+a prediction alone does not decide: when the pick is not the default layout, or the best distinct
+candidates are within that error of each other, the CLI measures them and the default for a few
+steps before the run (`to_measure`; autoplan.confirm), and a measured pick runs only when it beats
+the measured default by more than the measurement's own noise (`beats_measured_default`). With
+`--confirm 0` (or in Python) the prediction decides alone, and then only a pick predicted faster
+than the default by more than the model's error runs instead of it (`beats_default`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 from collections.abc import Callable
@@ -22,14 +25,19 @@ from .equivalence import execution_key
 from .plan_text import configuration, same_plan
 from .search import differing, ms, percent, why
 
-PREDICTED_TIME_ERROR = 0.10
+PREDICTED_TIME_ERROR = 0.20
 PREDICTED_TIME_ERROR_SOURCE = (
-    "median step-time error of the cost model in the strategy search's validation "
-    "(benchmarks/strategy_search.py, docs/benchmarks.md: 7.2-9.9% on gpt-mini and hf:llama at 4 and 8 ranks), "
-    "rounded up")
+    "median step-time error of the cost model on the jobs users run, never calibrated before "
+    "(benchmarks/strategy_user_jobs.py, 16 jobs: gpt-mini, gpt-small, hf:llama, hf:gpt2 at 4 and 8 ranks; "
+    "docs/benchmarks.md: 19.4%, 4-rank jobs up to 30-80% off), rounded up")
 """How far a predicted step time may be from the measured one, as a fraction: the model's own stated error."""
 
-CONFIRM_AUTO_MAX = 3  # candidates measured when unsure (each a short run of its own)
+MEASUREMENT_NOISE_FLOOR = 0.03
+"""The least margin a measured plan must beat the measured default by, whatever its steps' spread: a
+floor (chosen, not measured) so that a few steps that happen to agree closely cannot make a 1-2%
+difference decisive."""
+
+CONFIRM_AUTO_MAX = 4  # plans measured when unsure, the default layout among them (all in one launch)
 STRATEGY_FIELDS = ("schedule", "chunks", "partition", "recompute", "zero")
 
 
@@ -70,12 +78,15 @@ def within_error(fast_s: float, slow_s: float, error: float | None = None) -> bo
 def to_measure(records: list[dict], default: dict | None, k: int | None, error: float | None = None) -> list[dict]:
     """The plans to run for a few steps before training, fastest predicted first; [] to trust the prediction.
 
-    `records` are distinct plans (their `prediction.step_time_s`), `default` the default layout's plan
-    when it can run and fits. k None ("measure when unsure"): when two or more plans are within `error`
-    of the fastest predicted, those (at most CONFIRM_AUTO_MAX). k > 0: the k fastest predicted. k = 0:
-    none. Whatever is measured, the default layout is measured with it (in the last place when it is not
-    among them; `--confirm 1` then measures the fastest predicted and the default), so the measured winner is
-    never one measured slower than the default."""
+    `records` are distinct plans (their `prediction.step_time_s`), the pick first; `default` the default
+    layout's plan when it can run and fits. k None ("measure when unsure"): the plans within `error` of the
+    fastest predicted (at most CONFIRM_AUTO_MAX) whenever there are two or more, or the pick is not the
+    default layout (a model a fifth off cannot promise it beats the default: the pick and the default are
+    measured then); nothing when the default is the fastest predicted by more than the error, or there is no
+    default and one plan stands out. k > 0: the k fastest predicted. k = 0: none. Whatever is measured, the
+    default layout is measured with it (in the last place when it is not among them; `--confirm 1` then
+    measures the fastest predicted and the default), so the measured winner is never one measured slower
+    than the default."""
     pool = list(records)
     if default is not None and not any(same_plan(default, r) for r in pool):
         pool.append(default)
@@ -84,15 +95,38 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
         return []
     if k is None:
         fastest = pool[0]["prediction"]["step_time_s"]
-        if sum(within_error(fastest, r["prediction"]["step_time_s"], error) for r in pool) < 2:
-            return []
         chosen = [r for r in pool if within_error(fastest, r["prediction"]["step_time_s"], error)]
-        chosen = chosen[:CONFIRM_AUTO_MAX]
+        picks_other = default is not None and records and not same_plan(default, records[0])
+        if len(chosen) < 2 and not picks_other:
+            return []
+        if default is not None and not any(same_plan(default, r) for r in chosen):
+            return [*chosen[:CONFIRM_AUTO_MAX - 1], next(r for r in pool if same_plan(default, r))]
+        return chosen[:CONFIRM_AUTO_MAX]
     else:
         chosen = pool[:k]
     if default is not None and chosen and not any(same_plan(default, r) for r in chosen):
         chosen[max(len(chosen) - 1, 1):] = [next(r for r in pool if same_plan(default, r))]
     return chosen
+
+
+def measurement_noise(step_times_s: list[float]) -> float:
+    """How far a plan's measured time (the median of its timed steps) may be off, as a fraction of it: half
+    the range of those steps (0 for one step)."""
+    if len(step_times_s) < 2:
+        return 0.0
+    return (max(step_times_s) - min(step_times_s)) / 2 / statistics.median(step_times_s)
+
+
+def measured_margin(*step_times_s: list[float]) -> float:
+    """The margin by which one measured plan must beat another: the larger noise of the two (their steps'
+    half-range, measurement_noise), at least MEASUREMENT_NOISE_FLOOR."""
+    return max(MEASUREMENT_NOISE_FLOOR, *(measurement_noise(t) for t in step_times_s))
+
+
+def beats_measured_default(best_s: float, default_s: float, margin: float) -> bool:
+    """Whether a plan measured at `best_s` beats the default layout measured at `default_s` by more than
+    `margin` (measured_margin): else the default runs."""
+    return best_s * (1 + margin) < default_s
 
 
 def default_layout(step: StepModel, nproc: int, global_batch_size: int, fixed: dict, train: TrainConfig,
