@@ -245,6 +245,10 @@ def test_measured_against_predicted_line():
     line = Plan(record).measured_vs_predicted()
     assert line == ("plan: measured 125 ms/step against 100 predicted (+25%); peak memory 50.0 MiB/rank against "
                     "40.0 MiB predicted (+25%)")
+    # a plan measured before the run: its time in the measuring launch beside the run's own
+    record["confirm"] = [{"strategy": {"dp": 2}, "train": record["train"], "measured_step_time_s": 0.09},
+                         {"strategy": record["strategy"], "train": record["train"], "measured_step_time_s": 0.11}]
+    assert Plan(record).measured_vs_predicted().startswith(line + "; the measuring launch timed it at 110 ms/step")
 
 
 def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):

@@ -135,6 +135,11 @@ class Plan:
             text += (f"; peak memory {peak / 2**20:.1f} MiB/rank against {planned / 2**20:.1f} MiB predicted"
                      + (" (measured: the whole process; predicted: tensors)" if whole else
                         f" ({peak / planned - 1:+.0%})"))
+        trial = next((c for c in self.record.get("confirm") or []
+                      if same_plan(c, self.record) and "measured_step_time_s" in c), None)
+        if trial is not None:  # the same plan as the measuring launch timed it, before the run
+            text += (f"; the measuring launch timed it at {milliseconds(trial['measured_step_time_s'])} ms/step "
+                     f"(the slowest rank's step from a common start; here: rank 0's steps, back to back)")
         return text
 
     # ------------------------------------------------------------------ files
