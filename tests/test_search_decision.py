@@ -179,6 +179,8 @@ def test_measure_only_when_the_top_plans_are_within_the_error():
     # whenever something is measured, so is the default, even when predicted far behind
     assert to_measure([fast, near], _plan(2.0), None, 0.1) == [fast, near, _plan(2.0)]
     assert to_measure(many, _plan(2.0), None, 0.1) == [*many[:CONFIRM_AUTO_MAX - 1], _plan(2.0)]  # at most MAX
+    # the default within the error but behind more than MAX - 1 faster plans: still measured, in the last place
+    assert to_measure([many[-1], *many[:-1]], many[-1], None, 0.1) == [*many[:CONFIRM_AUTO_MAX - 1], many[-1]]
     assert to_measure([fast, near, far], _plan(2.0), 2, 0.1) == [fast, _plan(2.0)]  # --confirm 2
     assert to_measure([fast, near, far], None, 3, 0.1) == [fast, near, far]
     assert to_measure([fast, near, far], _plan(2.0), 1, 0.1) == [fast, _plan(2.0)]  # --confirm 1: the best, default
@@ -307,5 +309,6 @@ def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):
     monkeypatch.setattr(autopar.launch, "launch", close_and_noisy)
     kept = confirm(plan, runs, ["train"], 4)
     assert kept.record["strategy"] == default["strategy"] and kept.record["decision"]["kept_default"]
-    assert "kept the default layout" in kept.record["why"] and "within the measurement's 10% noise" in kept.record["why"]
+    why_kept = kept.record["why"]
+    assert "kept the default layout" in why_kept and "within the measurement's 10% noise" in why_kept
     assert kept.describe().startswith("auto: runs the default layout") and "kept the default" in kept.describe()

@@ -99,9 +99,10 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
         picks_other = default is not None and records and not same_plan(default, records[0])
         if len(chosen) < 2 and not picks_other:
             return []
+        chosen = chosen[:CONFIRM_AUTO_MAX]
         if default is not None and not any(same_plan(default, r) for r in chosen):
-            return [*chosen[:CONFIRM_AUTO_MAX - 1], next(r for r in pool if same_plan(default, r))]
-        return chosen[:CONFIRM_AUTO_MAX]
+            chosen = [*chosen[:CONFIRM_AUTO_MAX - 1], next(r for r in pool if same_plan(default, r))]
+        return chosen
     else:
         chosen = pool[:k]
     if default is not None and chosen and not any(same_plan(default, r) for r in chosen):
