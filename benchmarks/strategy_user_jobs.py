@@ -28,10 +28,12 @@ job, median time error <= 10%, worst memory error <= 10%.
 
 The full set (4 models x 4 and 8 ranks x 2 batch shapes: 16 jobs) with the defaults (REPEATS rounds,
 MAX_CONFIGS others per job) is sized for about 15 minutes on a quiet 2-core machine (a calibration per world
-size, then per job a search and one launch of at most MAX_CONFIGS + 2 configurations); `--jobs` runs a part:
+size, then per job a search and one launch of at most MAX_CONFIGS + 2 configurations), plus auto's own
+measuring launch, 20-60 s on each job where it measures first; `--jobs` runs a part:
 
     PYTHONPATH=src python benchmarks/strategy_user_jobs.py [--quick] [--jobs gpt-mini/4,hf:llama/8/32x128]
-        [--world 4,8] [--models ...] [--shapes 8x128] [--repeats 2] [--configs 5] [--keep-cache] [--out r.json]
+        [--world 4,8] [--models ...] [--shapes 8x128] [--repeats 2] [--configs 5] [--confirm K] [--keep-cache]
+        [--out r.json]
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ QUICK = ("gpt-tiny", {}, (8, 32), 2)  # model, args, shape, world
 REPEATS = 2  # interleaved rounds; the median of 2 is their mean (a loaded machine wants --repeats 3 or more)
 MAX_CONFIGS = 5  # besides the pick and the default layout, per job (every trainer of a job is alive at once)
 QUICK_CONFIGS = 2
+QUICK_CONFIRM = 1  # the quick form measures first like the CLI, two plans only
 DEFAULT_MICRO_BATCH = 8  # TrainConfig's default micro_batch_size
 THRESHOLDS = {"auto_over_default": 1.00, "auto_over_best": 1.05, "median_time_error": 0.10,
               "worst_memory_error": 0.10}
@@ -71,12 +74,13 @@ THRESHOLDS = {"auto_over_default": 1.00, "auto_over_best": 1.05, "median_time_er
 # ------------------------------------------------------------------------------ choosing, as auto does
 
 
-def build(model: str, model_args: dict, world: int, global_batch: int, seq_len: int):
-    """The job `autopar train --model M --model-arg ... --nproc N --global-batch-size B --seq-len S --strategy auto`."""
+def build(model: str, model_args: dict, world: int, global_batch: int, seq_len: int, confirm: int | None = None):
+    """The job `autopar train --model M --model-arg ... --nproc N --global-batch-size B --seq-len S --strategy auto
+    [--confirm K]`, its parts and that argv."""
     from autopar.cli import build_parser, resolve_job
     from autopar.job import build_job
     argv = ["train", "--model", model, "--nproc", str(world), "--global-batch-size", str(global_batch),
-            "--seq-len", str(seq_len), "--strategy", "auto"]
+            "--seq-len", str(seq_len), "--strategy", "auto"] + ([] if confirm is None else ["--confirm", str(confirm)])
     for key, value in model_args.items():
         argv += ["--model-arg", f"{key}={value}"]
     job = resolve_job(build_parser().parse_args(argv))
@@ -321,6 +325,9 @@ def main() -> None:
                         help=f"other configurations per job besides auto's pick and the default layout "
                              f"(default {MAX_CONFIGS}, {QUICK_CONFIGS} quick)")
     parser.add_argument("--repeats", type=int, default=0, help=f"timed rounds, median kept (default {REPEATS}, 1 quick)")
+    parser.add_argument("--confirm", type=int, default=None,
+                        help="as `autopar train --confirm K` (default: unset, measure when unsure, as the CLI; "
+                             f"{QUICK_CONFIRM} quick: the fastest predicted and the default layout)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use the user's calibration cache instead of a fresh one (not a first run then)")
     parser.add_argument("--out", help="write every measurement and summary as JSON here")
@@ -330,6 +337,7 @@ def main() -> None:
         parser.error(f"--models: {', '.join(unknown)} not among {', '.join(JOBS)}")
     repeats = args.repeats or (1 if args.quick else REPEATS)
     limit = args.configs or (QUICK_CONFIGS if args.quick else MAX_CONFIGS)
+    confirm = args.confirm if args.confirm is not None else (QUICK_CONFIRM if args.quick else None)
     if args.quick:
         model, margs, shape, world = QUICK
         jobs = [(model, margs, world, *shape)]
@@ -353,7 +361,7 @@ def main() -> None:
               "blocks": []}
     try:
         for model, margs, world, gb, seq_len in jobs:
-            job, parts, argv = build(model, margs, world, gb, seq_len)
+            job, parts, argv = build(model, margs, world, gb, seq_len, confirm)
             block = choose(job, parts, argv, world, limit)
             block.update(measure(model, margs, world, gb, seq_len, block, repeats))
             block.update(model=model, model_args=margs, world=world, global_batch=gb, seq_len=seq_len)
