@@ -110,11 +110,12 @@ def test_why_compares_numbers_that_differ():
 # ----------------------------------------------------------------------------- the default layout
 
 
-def _decided(model: StepModel, nproc: int = 4, micro_batch_size: int = 2):
+def _decided(model: StepModel, nproc: int = 4, micro_batch_size: int = 2, fixed: dict | None = None):
     ranked = exhaustive(model, SearchSpace(nproc=nproc)).ranked[:5]
     chosen = [(e, plan_dict(e, model)) for e in ranked]
     train = TrainConfig(global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size)
-    default = default_layout(model, nproc, model.global_batch_size, {}, train, lambda e: (plan_dict(e, model), None))
+    default = default_layout(model, nproc, model.global_batch_size, fixed or {}, train,
+                             lambda e: (plan_dict(e, model), None))
     return ranked, default, decide(chosen, default, model)
 
 
@@ -150,9 +151,14 @@ def test_default_layout_over_the_memory_or_unrunnable_is_said_so():
     if default["fits"]:  # the toy's plain dp=4 must be over this memory for the test to mean anything
         pytest.fail(f"the default layout fits {default}")
     assert record["decision"]["runs"] == "search" and "predicted not to fit" in record["decision"]["text"]
-    _, default, record = _decided(toy_model(), micro_batch_size=8)  # 8 sequences over dp=4: 8 per micro-batch
+    # 8 sequences over dp=4 with --micro-batch-size 8 given: 8 per micro-batch cannot run
+    _, default, record = _decided(toy_model(), micro_batch_size=8, fixed={"micro_batch_size": 8})
     assert not default["runnable"] and "not divisible" in default["reason"]
     assert record["decision"]["runs"] == "search" and "cannot run" in record["why"]
+    # the same batch with the default micro-batch size (8, not given): the default layout takes the whole
+    # per-replica batch (2) as its micro-batch, the layout a user would run without auto
+    _, default, _ = _decided(toy_model(), micro_batch_size=8)
+    assert default["runnable"] and default["train"]["micro_batch_size"] == 2 and default["strategy"]["dp"] == 4
 
 
 def test_beats_default_means_more_than_the_error():
