@@ -34,7 +34,7 @@ from .search.plan_text import configuration, same_plan
 from .strategies import resolve
 from .train.fields import example_call
 
-CONFIRM_STEPS = 5  # steps each confirmed plan runs; the median of all but the first is its time, their spread its noise
+CONFIRM_STEPS = 5  # steps per measured plan; the median of all but the first is its time, their spread its noise
 
 
 def plan_auto(model: nn.Module, train_data: Dataset, nproc: int, *, strategy: Strategy | None = None,
