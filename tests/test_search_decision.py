@@ -211,6 +211,18 @@ def test_a_pick_that_is_not_the_default_is_measured_against_it_even_when_predict
     assert to_measure([pick, far], None, None, 0.2) == []
 
 
+def test_the_plans_measured_span_layouts_before_variants_of_one():
+    """gpt-mini, 4 ranks, 32 x 128: three zero levels of dp2 pp2 filled the measurements, and dp4 with two
+    micro-batches of 4, within the error and measured 8% faster than the default, was never tried."""
+    def plan(seconds, dp, pp, zero, mbs):
+        return {"strategy": {"dp": dp, "pp": pp, "zero": zero}, "train": {"micro_batch_size": mbs},
+                "prediction": {"step_time_s": seconds}}
+    piped = [plan(0.203 + i / 1000, 2, 2, zero, 16) for i, zero in enumerate((0, 1, 2))]
+    split = plan(0.231, 4, 1, 0, 4)
+    default = plan(0.212, 4, 1, 0, 8)
+    assert to_measure([*piped, split], default, None, 0.2) == [piped[0], default, split, piped[1]]
+
+
 def _measured(seconds: float, steps: list[float], default: bool = False) -> dict:
     return {"measured_step_time_s": seconds, "step_times_s": steps, "default_layout": default}
 

@@ -106,7 +106,7 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
         picks_other = default is not None and records and not same_plan(default, records[0])
         if len(chosen) < 2 and not picks_other:
             return []
-        chosen = chosen[:CONFIRM_AUTO_MAX]
+        chosen = varied(chosen)[:CONFIRM_AUTO_MAX]
         if default is not None and not any(same_plan(default, r) for r in chosen):
             chosen = [*chosen[:CONFIRM_AUTO_MAX - 1], next(r for r in pool if same_plan(default, r))]
         return chosen
@@ -115,6 +115,20 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
     if default is not None and chosen and not any(same_plan(default, r) for r in chosen):
         chosen[max(len(chosen) - 1, 1):] = [next(r for r in pool if same_plan(default, r))]
     return chosen
+
+
+def varied(records: list[dict]) -> list[dict]:
+    """`records` (fastest predicted first) reordered so that each layout's fastest comes before any second plan of
+    a layout already there (layout: the degrees and the micro-batch size; zero levels and schedules of one layout
+    are its variants): a few measurements then span the layouts the model is unsure between, not the variants
+    of one. Kept in predicted order within each of the two groups."""
+    seen, first, rest = set(), [], []
+    for r in records:
+        s, t = r["strategy"], r["train"]
+        layout = (s.get("dp"), s.get("tp", 1), s.get("pp", 1), s.get("cp", 1), s.get("ep", 1), t.get("micro_batch_size"))
+        (rest if layout in seen else first).append(r)
+        seen.add(layout)
+    return first + rest
 
 
 def measurement_noise(step_times_s: list[float]) -> float:
