@@ -125,7 +125,8 @@ def varied(records: list[dict]) -> list[dict]:
     seen, first, rest = set(), [], []
     for r in records:
         s, t = r["strategy"], r["train"]
-        layout = (s.get("dp"), s.get("tp", 1), s.get("pp", 1), s.get("cp", 1), s.get("ep", 1), t.get("micro_batch_size"))
+        layout = (s.get("dp"), s.get("tp", 1), s.get("pp", 1), s.get("cp", 1), s.get("ep", 1),
+                  t.get("micro_batch_size"))
         (rest if layout in seen else first).append(r)
         seen.add(layout)
     return first + rest
