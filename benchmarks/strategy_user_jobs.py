@@ -7,10 +7,14 @@ with no --cluster and no prior `autopar calibrate`: it builds the job from the s
 --keep-cache), so the first search per world size pays the calibration, as a new user's would, and the
 later ones read it. $AUTOPAR_CLUSTER is cleared for the same reason.
 
-Then, in one launch per job (strategy_search.py's worker: one Trainer per configuration, memory as peak
-live tensor bytes per rank, time as the slowest rank's step, REPEATS interleaved rounds, median kept),
-it runs together:
-- auto's pick, exactly as the returned Plan's record says;
+Then, as the CLI does next, autoplan.confirm_when_unsure: when the decision says to measure (the pick is
+not the default layout, or plans are within the model's error of each other), the plans are run for a few
+steps in one launch and the measured winner becomes auto's pick (unless it beats the measured default by
+no more than the measurement's noise); the plans measured, their times and what the measuring cost are
+printed per job. Then, in one launch per job (strategy_search.py's worker: one Trainer per configuration,
+memory as peak live tensor bytes per rank, time as the slowest rank's step, REPEATS interleaved rounds,
+median kept), it runs together:
+- auto's pick, as the confirmed Plan's record says (what `autopar train --strategy auto` would run);
 - the default layout, what a user gets without --strategy auto: dp = nproc, tp = pp = 1, zero 0, the
   default micro-batch size (8) or the whole per-replica batch where that is smaller;
 - the distinct fitting configurations of the same search space, priced by the same model on the same
@@ -24,10 +28,12 @@ job, median time error <= 10%, worst memory error <= 10%.
 
 The full set (4 models x 4 and 8 ranks x 2 batch shapes: 16 jobs) with the defaults (REPEATS rounds,
 MAX_CONFIGS others per job) is sized for about 15 minutes on a quiet 2-core machine (a calibration per world
-size, then per job a search and one launch of at most MAX_CONFIGS + 2 configurations); `--jobs` runs a part:
+size, then per job a search and one launch of at most MAX_CONFIGS + 2 configurations), plus auto's own
+measuring launch, 20-60 s on each job where it measures first; `--jobs` runs a part:
 
     PYTHONPATH=src python benchmarks/strategy_user_jobs.py [--quick] [--jobs gpt-mini/4,hf:llama/8/32x128]
-        [--world 4,8] [--models ...] [--shapes 8x128] [--repeats 2] [--configs 5] [--keep-cache] [--out r.json]
+        [--world 4,8] [--models ...] [--shapes 8x128] [--repeats 2] [--configs 5] [--confirm K] [--keep-cache]
+        [--out r.json]
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ QUICK = ("gpt-tiny", {}, (8, 32), 2)  # model, args, shape, world
 REPEATS = 2  # interleaved rounds; the median of 2 is their mean (a loaded machine wants --repeats 3 or more)
 MAX_CONFIGS = 5  # besides the pick and the default layout, per job (every trainer of a job is alive at once)
 QUICK_CONFIGS = 2
+QUICK_CONFIRM = 0  # the smoke test's 20 s leave no room for the measuring launch; `--quick --confirm 1` runs it
 DEFAULT_MICRO_BATCH = 8  # TrainConfig's default micro_batch_size
 THRESHOLDS = {"auto_over_default": 1.00, "auto_over_best": 1.05, "median_time_error": 0.10,
               "worst_memory_error": 0.10}
@@ -67,16 +74,17 @@ THRESHOLDS = {"auto_over_default": 1.00, "auto_over_best": 1.05, "median_time_er
 # ------------------------------------------------------------------------------ choosing, as auto does
 
 
-def build(model: str, model_args: dict, world: int, global_batch: int, seq_len: int):
-    """The job `autopar train --model M --model-arg ... --nproc N --global-batch-size B --seq-len S --strategy auto`."""
+def build(model: str, model_args: dict, world: int, global_batch: int, seq_len: int, confirm: int | None = None):
+    """The job `autopar train --model M --model-arg ... --nproc N --global-batch-size B --seq-len S --strategy auto
+    [--confirm K]`, its parts and that argv."""
     from autopar.cli import build_parser, resolve_job
     from autopar.job import build_job
     argv = ["train", "--model", model, "--nproc", str(world), "--global-batch-size", str(global_batch),
-            "--seq-len", str(seq_len), "--strategy", "auto"]
+            "--seq-len", str(seq_len), "--strategy", "auto"] + ([] if confirm is None else ["--confirm", str(confirm)])
     for key, value in model_args.items():
         argv += ["--model-arg", f"{key}={value}"]
     job = resolve_job(build_parser().parse_args(argv))
-    return job, build_job(job)
+    return job, build_job(job), argv
 
 
 def key_of(strategy: dict, micro_batch_size: int) -> tuple:
@@ -112,12 +120,14 @@ def recording_block_costs(seen: list):
         auto._measure = inner
 
 
-def choose(job, parts, world: int, limit: int) -> dict:
-    """auto's Plan, then the rows to run: the pick, the default layout, and the other distinct fitting ones.
+def choose(job, parts, argv: list[str], world: int, limit: int) -> dict:
+    """auto's Plan as `autopar train --strategy auto` makes it (the search, then the measuring the CLI does when
+    unsure: autoplan.confirm_when_unsure, on the same `argv`), then the rows to run: auto's pick, the default
+    layout, and the other distinct fitting ones.
 
     The other rows are priced by the model auto used, on the calibration it used (now cached): the same
     profile and cost-model steps as search/auto.py's plan_auto, on the block costs it measured."""
-    from autopar.autoplan import plan_auto
+    from autopar.autoplan import confirm_when_unsure, plan_auto
     from autopar.search.auto import _measure
     from autopar.search.calibration_cache import search_cluster
     from autopar.search.cost import StepModel
@@ -134,6 +144,8 @@ def choose(job, parts, world: int, limit: int) -> dict:
     with recording_block_costs(seen):
         plan = plan_auto(parts.model, parts.train_data, world, strategy=job.strategy, config=job.train)
     plan_s = time.perf_counter() - began
+    searched = plan.record
+    plan = confirm_when_unsure(plan, job.strategy.planning.confirm, argv, world)  # what the CLI runs next
     picked = plan.record
 
     cluster, calibration = search_cluster(None, nproc=world)
@@ -167,6 +179,8 @@ def choose(job, parts, world: int, limit: int) -> dict:
               not in (pick_key, default_key) and (e.candidate.pp == 1 or e.candidate.partition != "time")]
     rows += [row(e, memory.evaluate(e.candidate)) for e in pick_configs(others, limit) if runnable(e)]
     return {"configs": rows, "plan": picked, "plan_s": plan_s, "banner": plan.describe(),
+            "searched": {k: searched[k] for k in ("strategy", "train", "prediction")},
+            "confirmed": picked.get("confirm", []), "confirm_s": picked.get("confirm_s", 0.0),
             "calibration": picked.get("search", {}).get("calibration") or calibration, "costs": costs,
             "fitting": len(ranked)}
 
@@ -210,6 +224,7 @@ def print_job(title: str, block: dict, verdict: dict) -> None:
     print(f"\n== {title}: {block['fitting']} distinct fitting configurations; search (as --strategy auto) "
           f"{block['plan_s']:.1f} s; measured {len(block['configs'])} in {block['measure_s']:.0f} s")
     print(f"   {block['banner']}")
+    print("   " + confirmed_line(block))
     print(f"{'predicted ms':>12} {'measured ms':>11} {'err':>6}  {'pred MiB/pp rank':<22} {'measured MiB/rank':<36} config")
     for c in sorted(block["configs"], key=lambda c: c.get("measured_s") or float("inf")):
         tag = "  <- auto" * bool(c.get("auto")) + "  <- default" * bool(c.get("default"))
@@ -235,6 +250,23 @@ def print_job(title: str, block: dict, verdict: dict) -> None:
               f"{verdict['auto_over_best']:.3f}, auto's time error {auto['predicted_s'] / auto['measured_s'] - 1:+.1%}, "
               f"median time error {verdict.get('median_time_error', float('nan')):.1%}, worst memory error "
               f"{verdict.get('max_memory_error', float('nan')):+.1%}")
+
+
+def confirmed_line(block: dict) -> str:
+    """What auto measured before choosing, as `autopar train --strategy auto` would have: each plan's measured and
+    predicted ms, and what the measuring cost; or that it trusted the prediction."""
+    from autopar.search.plan_text import configuration
+    confirmed = block.get("confirmed") or []
+    if not confirmed:
+        return "measured first: nothing (the prediction was trusted, as the CLI would)"
+    runs = []
+    for c in confirmed:
+        got = f"{c['measured_step_time_s'] * 1e3:.1f} ms" if "measured_step_time_s" in c else \
+            f"failed ({c.get('error', 'exit code ' + str(c.get('exit_code')))[:60]})"
+        runs.append(f"{configuration(c)}{' [default]' if c.get('default_layout') else ''} {got} "
+                    f"(predicted {c['predicted_step_time_s'] * 1e3:.1f}, noise {c.get('noise', 0):.0%})")
+    return (f"measured first, as the CLI does, {len(confirmed)} plans in {block['confirm_s']:.0f} s: "
+            + "; ".join(runs))
 
 
 def mark(ok: bool) -> str:
@@ -293,6 +325,10 @@ def main() -> None:
                         help=f"other configurations per job besides auto's pick and the default layout "
                              f"(default {MAX_CONFIGS}, {QUICK_CONFIGS} quick)")
     parser.add_argument("--repeats", type=int, default=0, help=f"timed rounds, median kept (default {REPEATS}, 1 quick)")
+    parser.add_argument("--confirm", type=int, default=None,
+                        help="as `autopar train --confirm K` (default: unset, measure when unsure, as the CLI; "
+                             f"{QUICK_CONFIRM} quick; `--quick --confirm 1` measures the fastest predicted and the "
+                             "default layout first)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use the user's calibration cache instead of a fresh one (not a first run then)")
     parser.add_argument("--out", help="write every measurement and summary as JSON here")
@@ -302,6 +338,7 @@ def main() -> None:
         parser.error(f"--models: {', '.join(unknown)} not among {', '.join(JOBS)}")
     repeats = args.repeats or (1 if args.quick else REPEATS)
     limit = args.configs or (QUICK_CONFIGS if args.quick else MAX_CONFIGS)
+    confirm = args.confirm if args.confirm is not None else (QUICK_CONFIRM if args.quick else None)
     if args.quick:
         model, margs, shape, world = QUICK
         jobs = [(model, margs, world, *shape)]
@@ -325,8 +362,8 @@ def main() -> None:
               "blocks": []}
     try:
         for model, margs, world, gb, seq_len in jobs:
-            job, parts = build(model, margs, world, gb, seq_len)
-            block = choose(job, parts, world, limit)
+            job, parts, argv = build(model, margs, world, gb, seq_len, confirm)
+            block = choose(job, parts, argv, world, limit)
             block.update(measure(model, margs, world, gb, seq_len, block, repeats))
             block.update(model=model, model_args=margs, world=world, global_batch=gb, seq_len=seq_len)
             block["verdict"] = judge(block)

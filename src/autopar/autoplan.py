@@ -2,9 +2,11 @@
 
 The CLI resolves the choice in its own process, before any rank starts (strategies.resolve
 runs the search, or reads and checks the plan), prints the banner line, writes plan.json into
-the run folder and starts the ranks on that plan, so they do not search again. `--confirm K`
-first runs each of the top K plans for a few steps (all in one launch, their steps interleaved:
-confirm_ranks.py) and keeps the fastest measured; every measurement goes into plan.json.
+the run folder and starts the ranks on that plan, so they do not search again. When unsure (the
+pick is not the default layout, or plans are within the model's error of each other: decision.to_measure),
+or with `--confirm K`, it first runs those plans for a few steps (all in one launch, their steps
+interleaved: confirm_ranks.py) and keeps the fastest measured, unless that beats the measured default
+layout by no more than the measurement's noise; every measurement goes into plan.json.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -25,12 +28,13 @@ from .config import JobConfig, Strategy, TrainConfig
 from .elastic_plan import CHOSEN_BY_SEARCH, read_previous_plan
 from .errors import ConfigError
 from .search.auto import Plan, milliseconds
-from .search.decision import PREDICTED_TIME_ERROR, to_measure
+from .search.decision import (MEASUREMENT_NOISE_FLOOR, PREDICTED_TIME_ERROR, beats_measured_default,
+                              measured_margin, measurement_noise, to_measure)
 from .search.plan_text import configuration, same_plan
 from .strategies import resolve
 from .train.fields import example_call
 
-CONFIRM_STEPS = 4  # steps each confirmed plan runs; the median of all but the first is its time
+CONFIRM_STEPS = 5  # steps per measured plan; the median of all but the first is its time, their spread its noise
 
 
 def plan_auto(model: nn.Module, train_data: Dataset, nproc: int, *, strategy: Strategy | None = None,
@@ -59,14 +63,7 @@ def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, li
     plan = resolved.plan
     print(plan.describe(), flush=True)
     if not job.strategy.planning.plan:
-        measure = plans_to_measure(plan, job.strategy.planning.confirm)
-        if measure:
-            if job.strategy.planning.confirm is None:
-                print(f"auto: {len(measure)} plans are within the model's {PREDICTED_TIME_ERROR:.0%} error of each "
-                      f"other; measuring each for {CONFIRM_STEPS} steps (--confirm 0: trust the prediction)",
-                      flush=True)
-            plan = confirm(plan, measure, argv, nproc)
-            print(plan.describe(), flush=True)
+        plan = confirm_when_unsure(plan, job.strategy.planning.confirm, argv, nproc)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
     if not job.strategy.planning.plan:  # a resume with another --nproc may search again (elastic_plan.replan_on_resume)
@@ -83,9 +80,42 @@ def choose_before_launch(job: JobConfig, argv: list[str]) -> tuple[JobConfig, li
     return job, [*argv, "--plan", str(path), "--out", str(out)]
 
 
+def confirm_when_unsure(plan: Plan, k: int | None, argv: list[str], nproc: int) -> Plan:
+    """What `autopar train --strategy auto` runs, given the search's Plan: the Plan itself, or, when
+    plans_to_measure says so, the winner of measuring those plans (confirm), saying first what is measured
+    and why. `argv` is the train command (`train --model ...`) the measuring ranks build the job from;
+    benchmarks/strategy_user_jobs.py calls this too, so what it validates is what users get."""
+    measure = plans_to_measure(plan, k)
+    if not measure:
+        return plan
+    print(why_measure(plan, measure, k), flush=True)
+    plan = confirm(plan, measure, argv, nproc)
+    print(plan.describe(), flush=True)
+    return plan
+
+
+def why_measure(plan: Plan, measure: list[dict], k: int | None) -> str:
+    """The line said before measuring: which plans, and why they are measured rather than trusted."""
+    steps = f"for {CONFIRM_STEPS} steps each, in one launch"
+    if k is not None:
+        return f"auto: --confirm {k}: measuring the {len(measure)} fastest predicted plans (the default layout " \
+               f"among them) {steps}"
+    default = plan.record.get("default_layout") or {}
+    others = sum(not same_plan(r, plan.record) and not same_plan(r, default) for r in measure)
+    error = f"{PREDICTED_TIME_ERROR:.0%}"
+    if default.get("runnable") and not same_plan(default, plan.record):
+        text = (f"auto: the pick, {plan.configuration()}, is not the default layout, and the model's step times are "
+                f"{error} off (median): measuring it"
+                + (f", {others} more within that error" if others else "") + " and the default layout")
+    else:
+        text = f"auto: {len(measure)} plans are within the model's {error} error of each other: measuring them"
+    return f"{text} {steps} (--confirm 0: trust the prediction)"
+
+
 def plans_to_measure(plan: Plan, k: int | None) -> list[dict]:
     """The plans `confirm` runs: `--confirm K` the K fastest predicted (the default layout among them); unset,
-    the plans within the model's error of each other when there are several (decision.to_measure)."""
+    the pick and the default when they differ, and the plans within the model's error of each other
+    (decision.to_measure)."""
     record = plan.record
     default = record.get("default_layout") or {}
     usable = default if default.get("runnable") and default.get("fits", True) else None
@@ -101,6 +131,7 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
     k = len(records)
     shared = {key: plan.record[key] for key in ("nproc", "num_params", "model", "seq_len", "cluster")
               if key in plan.record}
+    began = time.perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="autopar-confirm-"))
     results = []
     try:
@@ -127,7 +158,8 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
                 entry["error"] = got["error"]
             elif got.get("step_times_s"):  # the first step (allocations, cold caches) ran untimed
                 entry.update(measured_step_time_s=statistics.median(got["step_times_s"]),
-                             step_times_s=got["step_times_s"], peak_mem_bytes=got["peak_mem_bytes"])
+                             step_times_s=got["step_times_s"], peak_mem_bytes=got["peak_mem_bytes"],
+                             noise=measurement_noise(got["step_times_s"]))
             results.append(entry)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -136,19 +168,44 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
         why = [r.get("error") or f"exit code {r['exit_code']}" for r in results]
         raise ConfigError(f"--confirm {k}: none of the top {len(records)} plans ran ({'; '.join(why)}); run the plan "
                           f"alone to see why, or drop --confirm")
-    best = min(ran, key=lambda r: r["measured_step_time_s"])
+    best, margin = measured_winner(ran)
     winner = records[best["predicted_rank"] - 1]
     keep = ("strategy", "train", "prediction")
     pool = [plan.record, *plan.record.get("alternatives", [])]
     chosen = {**plan.record, **{key: winner[key] for key in keep},
               "alternatives": [{key: r[key] for key in keep if key in r} for r in pool
                                if not same_plan(r, winner)],
-              "confirm": results}
-    chosen["decision"] = {**plan.record.get("decision", {}), "runs": "measured",
-                          "text": f"{len(ran)} plans ran {CONFIRM_STEPS} steps each; kept the fastest, "
-                                  f"{winner_text(winner, best)}"}
+              "confirm": results, "confirm_s": time.perf_counter() - began}
+    fastest = min(ran, key=lambda r: r["measured_step_time_s"])
+    text = f"{len(ran)} plans ran {CONFIRM_STEPS} steps each; "
+    if fastest is best:
+        text += f"kept the fastest, {winner_text(winner, best)}"
+        if margin is not None and not best["default_layout"]:
+            text += f", faster than the default layout by more than the measurement's {margin:.0%} noise"
+    else:
+        faster = 1 - fastest["measured_step_time_s"] / best["measured_step_time_s"]
+        text += (f"kept the default layout, {winner_text(winner, best)}: the fastest, {configuration(fastest)}, "
+                 f"was {faster:.1%} faster, within the measurement's {margin:.0%} noise (the larger half-range of "
+                 f"the two plans' timed steps, at least {MEASUREMENT_NOISE_FLOOR:.0%})")
+    chosen["decision"] = {**plan.record.get("decision", {}), "runs": "measured", "text": text,
+                          "kept_default": fastest is not best, "measured_margin": margin}
     chosen["why"] = f"Predicted: {plan.record.get('why', '')} Measured: {chosen['decision']['text']}."
     return Plan(chosen, source="the confirmed search")
+
+
+def measured_winner(ran: list[dict]) -> tuple[dict, float | None]:
+    """The measured plan that runs, and the margin it was judged by (None when the default was not measured):
+    the fastest, unless the default layout was measured too and the fastest beats it by no more than the
+    measurement's noise (decision.beats_measured_default), then the default."""
+    fastest = min(ran, key=lambda r: r["measured_step_time_s"])
+    default = next((r for r in ran if r["default_layout"]), None)
+    if default is None:
+        return fastest, None
+    margin = measured_margin(fastest["step_times_s"], default["step_times_s"])
+    if fastest is default or beats_measured_default(fastest["measured_step_time_s"],
+                                                     default["measured_step_time_s"], margin):
+        return fastest, margin
+    return default, margin
 
 
 def _fit_together(plan: Plan, records: list[dict]) -> bool:

@@ -124,8 +124,9 @@ class PlanningOptions:
                                                   "by hand (default: this host's available memory over its ranks, "
                                                   "or the GPU's)")
     confirm: int | None = _f(None, "--strategy auto: run the top K plans (the default layout among them) for a few "
-                                   "steps each and keep the fastest measured; unset: measure the plans whose "
-                                   "predictions are within the model's error of each other; 0: never measure")
+                                   "steps each and keep the fastest measured; unset: measure the pick and the "
+                                   "default layout when they differ, and the plans within the model's error of "
+                                   "the fastest; 0: never measure")
 
     @property
     def searched(self) -> bool:

@@ -105,10 +105,16 @@ class Plan:
         if confirmed:
             ran = sorted((c for c in confirmed if "measured_step_time_s" in c), key=lambda c: c["measured_step_time_s"])
             fastest = milliseconds(ran[0]["measured_step_time_s"])
-            text += f"; kept the fastest of {len(confirmed)} measured ({fastest} ms/step"
-            if len(ran) > 1:
-                text += f"; next {_configuration(ran[1])}, {milliseconds(ran[1]['measured_step_time_s'])} ms/step"
-            text += ")"
+            if decision.get("kept_default"):  # the fastest measured beat the default by no more than the noise
+                kept = next(c for c in ran if c.get("default_layout"))
+                text += (f"; measured {len(confirmed)}, kept the default ({milliseconds(kept['measured_step_time_s'])}"
+                         f" ms/step): the fastest, {_configuration(ran[0])}, {fastest} ms/step, is within the "
+                         f"measurement's {decision['measured_margin']:.0%} noise")
+            else:
+                text += f"; kept the fastest of {len(confirmed)} measured ({fastest} ms/step"
+                if len(ran) > 1:
+                    text += f"; next {_configuration(ran[1])}, {milliseconds(ran[1]['measured_step_time_s'])} ms/step"
+                text += ")"
         calibration = note(self.record.get("search", {}).get("calibration"))
         if calibration:
             text += f"; priced on {calibration}"
@@ -129,6 +135,11 @@ class Plan:
             text += (f"; peak memory {peak / 2**20:.1f} MiB/rank against {planned / 2**20:.1f} MiB predicted"
                      + (" (measured: the whole process; predicted: tensors)" if whole else
                         f" ({peak / planned - 1:+.0%})"))
+        trial = next((c for c in self.record.get("confirm") or []
+                      if same_plan(c, self.record) and "measured_step_time_s" in c), None)
+        if trial is not None:  # the same plan as the measuring launch timed it, before the run
+            text += (f"; the measuring launch timed it at {milliseconds(trial['measured_step_time_s'])} ms/step "
+                     f"(the slowest rank's step from a common start; here: rank 0's steps, back to back)")
         return text
 
     # ------------------------------------------------------------------ files

@@ -82,8 +82,9 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     default = default_layout(model, ns.nproc, ns.global_batch_size, {}, train, lambda e: (plan_dict(e, model), None))
     record = decide(chosen, default, model)
     measure = to_measure([record, *record["alternatives"]], default if default.get("fits") else None, None)
-    runs = configuration(record) + (f"; unsure, it would first measure {len(measure)} plans within the model's "
-                                    f"{PREDICTED_TIME_ERROR:.0%} error for a few steps" if measure else "")
+    runs = configuration(record) + (f"; unsure, it would first measure {len(measure)} plans for a few steps (the pick, "
+                                    f"the default layout, those within the model's {PREDICTED_TIME_ERROR:.0%} error)"
+                                    if measure else "")
     longest = longest_sequence(model, best.candidate)
     if ns.json:
         print(json.dumps({**record, "longest_seq_len": longest, "compile": compile_note(cluster),

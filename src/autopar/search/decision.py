@@ -1,16 +1,19 @@
 """The default layout as a candidate, and when `--strategy auto` may run something else.
 
 A user who adds `--strategy auto` must not get a slower run than the one they had without it. The
-cost model is right only to within its error, so a pick predicted a few percent faster than the
-default layout is a coin toss: auto runs something other than the default only when it is predicted
-faster by more than that error (`beats_default`), and when the best distinct candidates (the default
-among them) are within the error of each other, the CLI measures them for a few steps before
-the run (`to_measure`; autoplan.confirm).
+cost model is right only to within its error (a fifth of the step, median, on the jobs users run), so
+a prediction alone does not decide: when the pick is not the default layout, or the best distinct
+candidates are within that error of each other, the CLI measures them and the default for a few
+steps before the run (`to_measure`; autoplan.confirm), and a measured pick runs only when it beats
+the measured default by more than the measurement's own noise (`beats_measured_default`). With
+`--confirm 0` (or in Python) the prediction decides alone, and then only a pick predicted faster
+than the default by more than the model's error runs instead of it (`beats_default`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 from collections.abc import Callable
@@ -22,22 +25,28 @@ from .equivalence import execution_key
 from .plan_text import configuration, same_plan
 from .search import differing, ms, percent, why
 
-PREDICTED_TIME_ERROR = 0.10
+PREDICTED_TIME_ERROR = 0.20
 PREDICTED_TIME_ERROR_SOURCE = (
-    "median step-time error of the cost model in the strategy search's validation "
-    "(benchmarks/strategy_search.py, docs/benchmarks.md: 7.2-9.9% on gpt-mini and hf:llama at 4 and 8 ranks), "
-    "rounded up")
+    "median step-time error of the cost model on the jobs users run, never calibrated before "
+    "(benchmarks/strategy_user_jobs.py, 16 jobs: gpt-mini, gpt-small, hf:llama, hf:gpt2 at 4 and 8 ranks; "
+    "docs/benchmarks.md: 19.4%, 4-rank jobs up to 30-80% off), rounded up")
 """How far a predicted step time may be from the measured one, as a fraction: the model's own stated error."""
 
-CONFIRM_AUTO_MAX = 3  # candidates measured when unsure (each a short run of its own)
+MEASUREMENT_NOISE_FLOOR = 0.03
+"""The least margin a measured plan must beat the measured default by, whatever its steps' spread: a
+floor (chosen, not measured) so that a few steps that happen to agree closely cannot make a 1-2%
+difference decisive."""
+
+CONFIRM_AUTO_MAX = 4  # plans measured when unsure, the default layout among them (all in one launch)
 STRATEGY_FIELDS = ("schedule", "chunks", "partition", "recompute", "zero")
 
 
 def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any], *,
                       config: TrainConfig | None = None) -> tuple[Candidate | None, str | None]:
     """The layout the same command would run without `--strategy auto`: the Strategy and TrainConfig defaults
-    for `nproc` (dp = nproc / (tp * pp), tp = pp = 1, zero 0, micro-batch size 8) with the fields the user
-    fixed. Returns (candidate, None), or (None, why it could not run)."""
+    for `nproc` (dp = nproc / (tp * pp), tp = pp = 1, zero 0, micro-batch size 8, or the whole per-replica batch
+    where that is smaller and the user fixed no micro-batching) with the fields the user fixed. Returns
+    (candidate, None), or (None, why it could not run)."""
     defaults = Strategy()
     tp, pp, cp = fixed.get("tp", defaults.tp), fixed.get("pp", defaults.pp), fixed.get("cp", defaults.cp)
     dp = fixed.get("dp") or nproc // (tp * pp * cp)
@@ -45,6 +54,12 @@ def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any],
         return None, f"dp={dp} tp={tp} pp={pp} cp={cp} does not fill {nproc} processes"
     train = dataclasses.replace(config or TrainConfig(), global_batch_size=global_batch_size,
                                 **{k: fixed[k] for k in ("micro_batch_size", "micro_batches") if k in fixed})
+    per_replica = global_batch_size // dp
+    if not ({"micro_batch_size", "micro_batches"} & fixed.keys()) and train.micro_batches is None and \
+            global_batch_size % dp == 0 and 0 < per_replica < train.micro_batch_size:
+        # a batch smaller than the default micro-batch over dp replicas: the whole per-replica batch is the micro-batch
+        # (what `--micro-batch-size` the user would pass to run without auto), not a layout that cannot run
+        train = dataclasses.replace(train, micro_batch_size=per_replica)
     try:
         train = train.with_micro_batches(dp)
         m = train.accumulation_steps(dp)
@@ -70,12 +85,15 @@ def within_error(fast_s: float, slow_s: float, error: float | None = None) -> bo
 def to_measure(records: list[dict], default: dict | None, k: int | None, error: float | None = None) -> list[dict]:
     """The plans to run for a few steps before training, fastest predicted first; [] to trust the prediction.
 
-    `records` are distinct plans (their `prediction.step_time_s`), `default` the default layout's plan
-    when it can run and fits. k None ("measure when unsure"): when two or more plans are within `error`
-    of the fastest predicted, those (at most CONFIRM_AUTO_MAX). k > 0: the k fastest predicted. k = 0:
-    none. Whatever is measured, the default layout is measured with it (in the last place when it is not
-    among them; `--confirm 1` then measures the fastest predicted and the default), so the measured winner is
-    never one measured slower than the default."""
+    `records` are distinct plans (their `prediction.step_time_s`), the pick first; `default` the default
+    layout's plan when it can run and fits. k None ("measure when unsure"): the plans within `error` of the
+    fastest predicted (at most CONFIRM_AUTO_MAX) whenever there are two or more, or the pick is not the
+    default layout (a model a fifth off cannot promise it beats the default: the pick and the default are
+    measured then); nothing when the default is the fastest predicted by more than the error, or there is no
+    default and one plan stands out. k > 0: the k fastest predicted. k = 0: none. Whatever is measured, the
+    default layout is measured with it (in the last place when it is not among them; `--confirm 1` then
+    measures the fastest predicted and the default), so the measured winner is never one measured slower
+    than the default."""
     pool = list(records)
     if default is not None and not any(same_plan(default, r) for r in pool):
         pool.append(default)
@@ -84,15 +102,54 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
         return []
     if k is None:
         fastest = pool[0]["prediction"]["step_time_s"]
-        if sum(within_error(fastest, r["prediction"]["step_time_s"], error) for r in pool) < 2:
-            return []
         chosen = [r for r in pool if within_error(fastest, r["prediction"]["step_time_s"], error)]
-        chosen = chosen[:CONFIRM_AUTO_MAX]
+        picks_other = default is not None and records and not same_plan(default, records[0])
+        if len(chosen) < 2 and not picks_other:
+            return []
+        chosen = varied(chosen)[:CONFIRM_AUTO_MAX]
+        if default is not None and not any(same_plan(default, r) for r in chosen):
+            chosen = [*chosen[:CONFIRM_AUTO_MAX - 1], next(r for r in pool if same_plan(default, r))]
+        return chosen
     else:
         chosen = pool[:k]
     if default is not None and chosen and not any(same_plan(default, r) for r in chosen):
         chosen[max(len(chosen) - 1, 1):] = [next(r for r in pool if same_plan(default, r))]
     return chosen
+
+
+def varied(records: list[dict]) -> list[dict]:
+    """`records` (fastest predicted first) reordered so that each layout's fastest comes before any second plan of
+    a layout already there (layout: the degrees and the micro-batch size; zero levels and schedules of one layout
+    are its variants): a few measurements then span the layouts the model is unsure between, not the variants
+    of one. Kept in predicted order within each of the two groups."""
+    seen, first, rest = set(), [], []
+    for r in records:
+        s, t = r["strategy"], r["train"]
+        layout = (s.get("dp"), s.get("tp", 1), s.get("pp", 1), s.get("cp", 1), s.get("ep", 1),
+                  t.get("micro_batch_size"))
+        (rest if layout in seen else first).append(r)
+        seen.add(layout)
+    return first + rest
+
+
+def measurement_noise(step_times_s: list[float]) -> float:
+    """How far a plan's measured time (the median of its timed steps) may be off, as a fraction of it: half
+    the range of those steps (0 for one step)."""
+    if len(step_times_s) < 2:
+        return 0.0
+    return (max(step_times_s) - min(step_times_s)) / 2 / statistics.median(step_times_s)
+
+
+def measured_margin(*step_times_s: list[float]) -> float:
+    """The margin by which one measured plan must beat another: the larger noise of the two (their steps'
+    half-range, measurement_noise), at least MEASUREMENT_NOISE_FLOOR."""
+    return max(MEASUREMENT_NOISE_FLOOR, *(measurement_noise(t) for t in step_times_s))
+
+
+def beats_measured_default(best_s: float, default_s: float, margin: float) -> bool:
+    """Whether a plan measured at `best_s` beats the default layout measured at `default_s` by more than
+    `margin` (measured_margin): else the default runs."""
+    return best_s * (1 + margin) < default_s
 
 
 def default_layout(step: StepModel, nproc: int, global_batch_size: int, fixed: dict, train: TrainConfig,
