@@ -1,7 +1,8 @@
 """A pool of gloo CPU ranks, started once and reused by many tests.
 
 Starting processes and forming a process group costs seconds; tests that pay it each
-time make the suite slow. A `RankPool(n)` starts n spawned workers that join one gloo group
+time make the suite slow. A `RankPool(n)` starts n workers (forked from a server that imported
+torch and autopar once, see PRELOAD) that join one gloo group
 (with a short timeout) and then run functions sent to them: `pool.run(fn, *args)` runs
 `fn(*args)` on every rank and returns the per-rank results, or raises with the failing
 rank's traceback. A task that fails or times out makes the pool restart before the next
