@@ -1,7 +1,8 @@
 """A pool of gloo CPU ranks, started once and reused by many tests.
 
 Starting processes and forming a process group costs seconds; tests that pay it each
-time make the suite slow. A `RankPool(n)` starts n spawned workers that join one gloo group
+time make the suite slow. A `RankPool(n)` starts n workers (forked from a server that imported
+torch and autopar once, see PRELOAD) that join one gloo group
 (with a short timeout) and then run functions sent to them: `pool.run(fn, *args)` runs
 `fn(*args)` on every rank and returns the per-rank results, or raises with the failing
 rank's traceback. A task that fails or times out makes the pool restart before the next
@@ -25,11 +26,25 @@ from autopar.launch import free_port
 
 GROUP_TIMEOUT_S = 60
 STOP_GRACE_S = 5  # how long close() lets workers leave on their own before killing them
+# Imported once by the fork server that every worker is forked from, rather than by each new worker: torch,
+# autopar's trainer and transformers cost about 4 s of CPU per process, and a run starts about 20 workers (pools
+# of 1, 2, 4, 6 and 8 ranks) plus one more pool for every task that fails or tears its groups down.
+PRELOAD = ["torch", "torch.distributed", "autopar.trainer", "autopar.distributed", "transformers"]
 
 
+def _context():
+    """Workers forked from a server that imported PRELOAD (the fork server starts with the first pool)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, environ: dict, cwd: str) -> None:
+    # the environment and folder of the test process when the pool started, as a spawned worker would inherit
+    # them (the fork server keeps those of the first pool's start)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -101,12 +116,13 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         port = free_port()
-        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results),
-                                   daemon=True) for r in range(self.world_size)]
+        environ, cwd = dict(os.environ), os.getcwd()
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
+                                                         environ, cwd), daemon=True) for r in range(self.world_size)]
         for p in self._procs:
             p.start()
         self.broken = False

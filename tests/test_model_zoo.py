@@ -23,7 +23,9 @@ builds initialise differently, so each is compared with its own reference); the 
 tp2 x pp2 on 8 ranks. Dropout masks are promised to depend on the sample and the operation
 only, so every layout must equal one process: losses within 1e-5 relative. All cases of one
 layout train in one task of the rank pool (starting a task costs more than a tiny model's
-steps). Models that autopar must refuse get a test that the refusal is a clear autopar
+steps). The runs leave out what costs more than their steps and touches nothing compared here:
+the FLOP count for MFU (tests/test_run_logs.py) and, where the state is whole on every rank (one
+process, dp2), the final checkpoint (tests/test_checkpoint.py); tp2, pp2, 3-D and ZeRO-3 save. Models that autopar must refuse get a test that the refusal is a clear autopar
 error, raised on every rank before the first step.
 """
 

@@ -241,6 +241,13 @@ def touch_op_schema():
     assert schema.name == "aten::add_" and schema.arguments[0].alias_info.is_write
 
 
+def touch_decomposes():
+    _need("torch._C.DispatchKey.CompositeImplicitAutograd")
+    assert ti.decomposes(torch.ops.aten.linear.default), "aten.linear (a composite) is not seen as one"
+    assert not ti.decomposes(torch.ops.aten.addmm.default), "aten.addmm (a kernel) is seen as a composite"
+    assert not ti.decomposes(torch.ops.aten.add.Tensor), "aten.add (a kernel) is seen as a composite"
+
+
 def touch_dispatch_mode_base():
     base = ti.dispatch_mode_base()
     assert base is not None, "torch.utils._python_dispatch.TorchDispatchMode is gone"

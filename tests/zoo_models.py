@@ -17,6 +17,7 @@ Module level (no test code) so the rank pool's spawned workers can import it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -595,11 +596,30 @@ def train_case(name: str, build: str, out: str, *, strategy: dict | None = None,
     trainer = autopar.Trainer(construct(case, build), case.data(),
                               strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn,
                               init_fn=case.meta_init if build == "meta" else None)
+    sharded = any(degree > 1 for key, degree in (strategy or {}).items() if key in ("tp", "pp", "zero"))
     try:
-        result = trainer.train()
+        with without_flop_count(), contextlib.nullcontext() if sharded else without_final_checkpoint():
+            result = trainer.train()
         return {"losses": result.losses, "params": whole_parameters(trainer)}
     finally:
         trainer.close()
+
+
+def without_flop_count():
+    """The run's FLOP count (for MFU) left out: it is a forward of a fake copy of the model on rank 0 alone, which
+    here costs more than the 2 steps themselves (the zoo's 4 trainings of each of its 84 jobs spent about a minute
+    of a 2-core run on it), and nothing of it reaches the losses and weights compared here: it runs on a copy,
+    with the random state forked. The count itself is tested in tests/test_run_logs.py."""
+    from unittest import mock
+    return mock.patch("autopar.train.run_account.forward_flops_per_sample", lambda *args, **kwargs: None)
+
+
+def without_final_checkpoint():
+    """No checkpoint at the end of a run whose state is whole on every rank (one process, dp): there the save is the
+    same code for every model (tests/test_checkpoint.py), and it cost about half of such a run here. The sharded
+    layouts (tp, pp, ZeRO) still save, so each zoo model's state is still saved split as those layouts split it."""
+    from unittest import mock
+    return mock.patch("autopar.train.checkpointer.Checkpointer.save", lambda *args, **kwargs: None)
 
 
 def train_cases(jobs: list[tuple[str, str]], out: str, **kwargs: Any) -> dict[tuple[str, str], dict]:

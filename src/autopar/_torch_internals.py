@@ -248,6 +248,16 @@ def op_schema(op: Any):
     return getattr(op, "_schema", None)
 
 
+@_wraps("torch._C.DispatchKey.CompositeImplicitAutograd", "True: every operation may decompose")
+def decomposes(op: Any) -> bool:
+    """Whether an aten operation is a composite that dispatch modes see as the operations it is made of (as
+    torch.utils.flop_counter does, counting a linear as its addmm); True where that cannot be told."""
+    try:
+        return bool(op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+    except (AttributeError, RuntimeError):
+        return True
+
+
 @_wraps("torch.utils._python_dispatch.TorchDispatchMode", "None: the caller refuses what needs it")
 def dispatch_mode_base() -> type | None:
     """torch's base class for dispatch modes (torch's extension guide documents it; its module is private)."""

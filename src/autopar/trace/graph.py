@@ -36,8 +36,9 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from .._torch_internals import decomposes
 from ..errors import ModelError
 from ..models.materialize import tied_groups
 from ..running_stats import check_traced_buffer_updates, traceable_cumulative_averages
@@ -307,7 +308,7 @@ def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost], user_inp
         return value
 
     for n in exported.graph.nodes:
-        if n.op != "call_function" or n.name not in nodes or not callable(n.target):
+        if n.op != "call_function" or n.name not in nodes or not callable(n.target) or not _may_count(n.target):
             continue
         args, kwargs = fake(n.args), fake(n.kwargs)
         if _is_attention(n.target):
@@ -319,6 +320,14 @@ def _count_flops(exported: ExportedProgram, nodes: dict[str, NodeCost], user_inp
             nodes[n.name].flops = counter.get_total_flops()
         except Exception:  # an estimate only: an op that cannot be replayed alone counts zero
             nodes[n.name].flops = 0
+
+
+def _may_count(target: Any) -> bool:
+    """False for an aten operation the flop counter would count as zero (not one it has a formula for, and
+    not a composite it would see as such operations): most of a graph (views, elementwise work), replayed for
+    nothing. Anything else (a Python function, a higher-order operation) is replayed."""
+    packet = getattr(target, "overloadpacket", None)
+    return packet is None or packet in flop_registry or _is_attention(target) or decomposes(target)
 
 
 def _is_attention(target: Any) -> bool:
