@@ -28,7 +28,8 @@ from ..errors import ConfigError
 from .calibration_cache import STALE_ERROR, mark_stale, note, search_cluster
 from .coverage import not_covered
 from .command import plan_dict
-from .cost import Candidate, StepModel
+from .cluster_pricing import step_model
+from .cost import Candidate
 from .measure_profile import measure_module_blocks, with_cost_model
 from .profile import profile_graph
 from .decision import decide, default_layout
@@ -109,6 +110,9 @@ class Plan:
             if len(ran) > 1:
                 text += f"; next {_configuration(ran[1])}, {milliseconds(ran[1]['measured_step_time_s'])} ms/step"
             text += ")"
+        mixed = record.get("cluster_plan")
+        if mixed:  # a cluster with per-device speeds: where each rank runs (cluster_pricing.py)
+            text += f"; ranks on cluster devices {' '.join(str(k) for k in mixed['placement'])}"
         calibration = note(self.record.get("search", {}).get("calibration"))
         if calibration:
             text += f"; priced on {calibration}"
@@ -283,8 +287,8 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     profile, costs = with_cost_model(profile, cl, cost_model, lambda: _measure(model, args, kwargs, seq_len))
     if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
         raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
-    step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
-                     optimizer=config.optimizer if config is not None else "adamw")
+    step = step_model(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
+                      optimizer=config.optimizer if config is not None else "adamw")
     step.run_steps = config.steps if config is not None else None  # what a compile time is amortised over
     space = SearchSpace(nproc=nproc)
     if "schedule" in fixed:
