@@ -9,7 +9,7 @@ from autopar.config import Strategy, TrainConfig
 from autopar.partition import algorithms
 from autopar.search.auto import Plan
 from autopar.search.cluster import Cluster, Link
-from autopar.search.cluster_pricing import ClusterStepModel, step_model
+from autopar.search.cluster_pricing import ClusterStepModel, even_shares, step_model
 from autopar.search.command import plan_dict
 from autopar.search.cost import Candidate, StepModel
 from autopar.search.device_speeds import replica_shares, stage_speeds, with_auto_shares
@@ -77,6 +77,10 @@ def test_chosen_plan_carries_the_shares_and_the_cut_the_runtime_applies(tmp_path
     model = ClusterStepModel(prof, cluster, global_batch_size=GLOBAL_BATCH)
     record = plan_dict(model.evaluate(PP2_DP2), model)
     assert record["strategy"]["dp_shares"] == "1,0.5"
+    # the default layout is what runs without --strategy auto: even shares, priced so
+    default = even_shares(model).evaluate(PP2_DP2)
+    assert "dp_shares" not in plan_dict(default, model)["strategy"] and default.step_time_s > model.evaluate(
+        PP2_DP2).step_time_s
     runtime = Strategy(dp=2, pp=2, dp_shares="auto", cluster=str(path)).resolved(4)
     assert with_auto_shares(runtime, 4).replicas.shares == record["strategy"]["dp_shares"]  # what auto gives
     planned = Strategy(dp=2, pp=2, dp_shares=record["strategy"]["dp_shares"]).resolved(4)

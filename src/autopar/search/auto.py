@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from .calibration_cache import STALE_ERROR, mark_stale, note, search_cluster
 from .coverage import not_covered
 from .command import plan_dict
-from .cluster_pricing import step_model
+from .cluster_pricing import even_shares, step_model
 from .cost import Candidate
 from .measure_profile import measure_module_blocks, with_cost_model
 from .profile import profile_graph
@@ -331,7 +331,7 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     if not chosen:
         raise ConfigError(f"--strategy auto: every configuration that fits was refused by the runtime, e.g. "
                           f"{refusals[0]}")
-    default = default_layout(step, nproc, global_batch_size, fixed, train, runnable)
+    default = default_layout(even_shares(step), nproc, global_batch_size, fixed, train, runnable)
     record = decide(chosen, default, step)
     record.update(nproc=nproc, num_params=profile.num_params,
                   search={"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,

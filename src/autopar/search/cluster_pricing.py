@@ -23,6 +23,7 @@ at the slowest device's pace. A cluster without speeds other than 1 keeps StepMo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from ..data.shares import split_samples
@@ -45,6 +46,15 @@ def has_speeds(cluster: Cluster) -> bool:
 def step_model(profile, cluster: Cluster, **kwargs) -> StepModel:
     """The search's step model for `cluster`: per-device pricing where it has speeds, else StepModel itself."""
     return (ClusterStepModel if has_speeds(cluster) else StepModel)(profile, cluster, **kwargs)
+
+
+def even_shares(model: StepModel) -> StepModel:
+    """`model` pricing even shares: the default layout, what runs without --strategy auto (no --dp-shares)."""
+    if not isinstance(model, ClusterStepModel) or not model.uneven_shares:
+        return model
+    even = copy.copy(model)  # the caches hold nothing that depends on the shares
+    even.uneven_shares = False
+    return even
 
 
 def shares_allowed(c: Candidate) -> bool:

@@ -13,7 +13,7 @@ import time
 from ..config import TrainConfig
 from ..errors import ConfigError
 from .calibration_cache import note, search_cluster
-from .cluster_pricing import step_model
+from .cluster_pricing import even_shares, step_model
 from .coverage import not_covered, not_searched_line
 from .cost import Estimate, StepModel
 from .measure_profile import measure_blocks, with_cost_model
@@ -83,7 +83,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     top = result.ranked[:ns.top]
     chosen = [(e, plan_dict(e, model)) for e in top]
     train = TrainConfig(global_batch_size=ns.global_batch_size, micro_batch_size=ns.micro_batch_size)
-    default = default_layout(model, ns.nproc, ns.global_batch_size, {}, train, lambda e: (plan_dict(e, model), None))
+    default = default_layout(even_shares(model), ns.nproc, ns.global_batch_size, {}, train,
+                             lambda e: (plan_dict(e, model), None))
     record = decide(chosen, default, model)
     measure = to_measure([record, *record["alternatives"]], default if default.get("fits") else None, None)
     runs = configuration(record) + (f"; unsure, it would first measure {len(measure)} plans within the model's "
