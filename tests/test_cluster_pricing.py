@@ -70,6 +70,19 @@ def test_mixed_cluster_ranks_by_per_device_cost_and_shares_beat_even():
     assert ranked[0].step_time_s > ranked_alike[0].step_time_s
 
 
+def test_slow_links_under_the_gradient_rings_are_priced():
+    """Replicas {0, 2} and {1, 3} of pp=2 x dp=2 sum stage 0's gradients over devices 0-1, stage 1's over 2-3:
+    a slow link there costs, one between the pipeline's halves costs far less (an activation per micro-batch)."""
+    from autopar.search.hetero_cluster import LinkOverride
+    prof, slow = profile(), dict(latency_s=1e-3, bandwidth_bytes_per_s=1e7)
+    under_rings = mixed().replace(links=(LinkOverride(a=(0, 1), b=(), **slow), LinkOverride(a=(2, 3), b=(), **slow)))
+    between_stages = mixed().replace(links=(LinkOverride(a=(0, 1), b=(2, 3), **slow),))
+    step = {name: ClusterStepModel(prof, cluster, global_batch_size=GLOBAL_BATCH).evaluate(PP2_DP2).step_time_s
+            for name, cluster in (("fast", mixed()), ("rings", under_rings), ("stages", between_stages))}
+    assert step["fast"] < step["stages"] < step["rings"]
+    assert step["rings"] - step["fast"] > 2 * (step["stages"] - step["fast"])
+
+
 def test_chosen_plan_carries_the_shares_and_the_cut_the_runtime_applies(tmp_path):
     prof, cluster = profile(), mixed()
     path = tmp_path / "mixed.toml"

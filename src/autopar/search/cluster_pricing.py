@@ -15,7 +15,7 @@ launcher keeps rank k on device k):
   device_speeds.stage_speeds makes the runtime do);
 - each replica's pipeline is simulated with its own micro-batch count, stage speeds and the [[links]]
   its boundary sends really cross; the step waits for the slowest replica, then the gradient sum and the
-  update as the homogeneous model prices them.
+  update as the homogeneous model prices them, plus what the [[links]] add to each stage's dp ring.
 
 Layouts beyond that (chunks, ep, sp, cp, compile) run every rank in lock-step: their compute is priced
 at the slowest device's pace. A cluster without speeds other than 1 keeps StepModel's numbers exactly.
@@ -32,7 +32,7 @@ from . import dimensions
 from .candidate import Candidate, Estimate
 from .cluster import Cluster
 from .cost import StepModel
-from .hetero_cluster import device_memory_gb, device_speed, group_speed, link_between
+from .hetero_cluster import device_memory_gb, device_speed, group_all_reduce, group_speed, link_between
 from .timeline import StageCosts
 
 SHARE_SCHEDULES = ("1f1b", "gpipe", "eager-1f1b")  # rule dp-shares-data-parallel's schedules
@@ -134,6 +134,7 @@ class ClusterStepModel(StepModel):
             mine = dataclasses.replace(c, bounds=tuple(bounds), num_microbatches=counts[d])
             costs = self.replica_costs(mine, spans, base.recompute_blocks, d, speeds[d])
             pipelines.append(self.timeline(mine, recompute, costs).makespan)
+        tail += self.slower_gradient_rings(c, spans)
         step = max(max(pipelines) + tail, base.parts.get("time_shared_s", 0.0))
         per_device = [base.memory_per_rank[k // (c.dp * c.tp)] for k in range(cl.num_devices)]
         fits = all(m <= cl.memory_bytes * device_memory_gb(cl, k) / cl.memory_per_device_gb
@@ -144,6 +145,21 @@ class ClusterStepModel(StepModel):
         return dataclasses.replace(base, candidate=c, step_time_s=step, tokens_per_s=self._tokens() / step,
                                    fits=fits, bounds=tuple(bounds), cluster_plan=plan,
                                    parts={**base.parts, "pipeline_s": max(pipelines), "cluster_step_s": step})
+
+    def slower_gradient_rings(self, c: Candidate, spans: list[tuple[int, int]]) -> float:
+        """Seconds the [[links]] add to the gradient sum: each stage's dp ring over the links its members really
+        use, less the node links' ring the step model priced (0 without [[links]] or replicas)."""
+        if not self.cluster.links or c.dp == 1:
+            return 0.0
+        params = self.profile.at_tp(c.tp).params
+        extra = 0.0
+        for p, (a, b) in enumerate(spans):
+            nbytes = sum(params[a:b]) * self.param_bytes
+            span = (c.dp - 1) * c.tp + 1  # ranks (p * dp + d) * tp + t: dp members tp apart
+            homogeneous = self.cluster.all_reduce(nbytes, c.dp, span=span)
+            extra = max(extra, *(group_all_reduce(self.cluster, nbytes, [mesh_rank(c, p, d, t) for d in range(c.dp)])
+                                 - homogeneous for t in range(c.tp)))
+        return extra
 
     def replica_costs(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...], d: int,
                       speeds: list[float]) -> StageCosts:
