@@ -110,7 +110,7 @@ def test_chosen_plan_carries_the_shares_and_the_cut_the_runtime_applies(tmp_path
     record = plan_dict(estimate, model)
     assert record["cluster_plan"]["stage_bounds"] == want and record["cluster_plan"]["placement"] == [0, 1, 2, 3]
     banner = Plan(record, source="the search").describe()
-    assert f"time cut {want} at stage speeds 1,0.5,1,0.5" in banner and "ranks on cluster devices 0 1 2 3" in banner
+    assert f"time cut at stage speeds 1,0.5,1,0.5 (blocks {want})" in banner and "ranks on cluster devices 0 1 2 3" in banner
 
 
 def test_homogeneous_clusters_keep_the_step_models_plan_and_prediction():

@@ -28,7 +28,7 @@ def configuration(record: dict) -> str:
     mixed = record.get("cluster_plan") or {}
     if s.get("pp", 1) > 1:
         parts.append(f"{s.get('partition', 'time')} cut" + (
-            f" {mixed['stage_bounds']} at stage speeds {','.join(f'{v:g}' for v in mixed['stage_speeds'])}"
+            f" at stage speeds {','.join(f'{v:g}' for v in mixed['stage_speeds'])} (blocks {mixed['stage_bounds']})"
             if mixed.get("stage_bounds") and s.get("partition", "time") == "time" else ""))
     if s.get("dp_shares", "even") != "even":
         parts.append(f"dp shares {s['dp_shares']}" + (
