@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from autopar.config import Strategy, TrainConfig
+from autopar.errors import ConfigError
 from autopar.partition import algorithms
 from autopar.search.auto import Plan
 from autopar.search.cluster import Cluster, Link
@@ -83,7 +86,7 @@ def test_slow_links_under_the_gradient_rings_are_priced():
     assert step["rings"] - step["fast"] > 2 * (step["stages"] - step["fast"])
 
 
-def test_chosen_plan_carries_the_shares_and_the_cut_the_runtime_applies(tmp_path):
+def test_chosen_plan_carries_the_shares_and_the_cut_the_runtime_applies(tmp_path, monkeypatch):
     prof, cluster = profile(), mixed()
     path = tmp_path / "mixed.toml"
     path.write_text(cluster.to_toml())
@@ -109,6 +112,13 @@ def test_chosen_plan_carries_the_shares_and_the_cut_the_runtime_applies(tmp_path
     assert stage_speeds(Strategy(pp=4, dp=1, cluster=str(path)).resolved(4)) == SPEEDS
     record = plan_dict(estimate, model)
     assert record["cluster_plan"]["stage_bounds"] == want and record["cluster_plan"]["placement"] == [0, 1, 2, 3]
+    monkeypatch.delenv("AUTOPAR_CLUSTER", raising=False)
+    with pytest.raises(ConfigError, match=r"cuts its pipeline on the stage speeds .* pass the cluster file"):
+        Plan(record, source="plan.json").apply(Strategy(), TrainConfig(global_batch_size=GLOBAL_BATCH))
+    ran, _ = Plan(record).apply(Strategy(cluster=str(path)), TrainConfig(global_batch_size=GLOBAL_BATCH))
+    assert ran.pp == 4 and ran.planning.cluster == str(path)
+    monkeypatch.setenv("AUTOPAR_CLUSTER", str(path))  # what the search priced on when --cluster was not given
+    assert Plan(record).apply(Strategy(), TrainConfig(global_batch_size=GLOBAL_BATCH))[0].planning.cluster == str(path)
     banner = Plan(record, source="the search").describe()
     assert f"time cut at stage speeds 1,0.5,1,0.5 (blocks {want})" in banner and "ranks on cluster devices 0 1 2 3" in banner
 

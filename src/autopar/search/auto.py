@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from .calibration_cache import STALE_ERROR, mark_stale, note, search_cluster
 from .coverage import not_covered
 from .command import plan_dict
-from .cluster_pricing import even_shares, step_model
+from .cluster_pricing import even_shares, plan_cluster, step_model
 from .cost import Candidate
 from .measure_profile import measure_module_blocks, with_cost_model
 from .profile import profile_graph
@@ -212,7 +212,8 @@ class Plan:
         train = self.train
         _refuse_conflicts(self.source, "strategy", strategy, chosen)
         _refuse_conflicts(self.source, "train", config, train)
-        strategy = dataclasses.replace(strategy, **chosen, search="manual", plan=None, confirm=0)
+        cluster = plan_cluster(self.record, strategy.planning.cluster, self.source)  # a mixed cluster's cut
+        strategy = dataclasses.replace(strategy, **chosen, search="manual", plan=None, confirm=0, cluster=cluster)
         return strategy, dataclasses.replace(config, **train)
 
     def to_json(self) -> str:

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 
 from ..data.shares import split_samples
+from ..errors import ConfigError
 from ..partition import algorithms
 from . import dimensions
+from .calibration_cache import CLUSTER_ENV
 from .candidate import Candidate, Estimate
-from .cluster import Cluster
+from .cluster import Cluster, resolve_cluster
 from .cost import StepModel
 from .hetero_cluster import device_memory_gb, device_speed, group_all_reduce, group_speed, link_between
 from .timeline import StageCosts
@@ -55,6 +58,22 @@ def even_shares(model: StepModel) -> StepModel:
     even = copy.copy(model)  # the caches hold nothing that depends on the shares
     even.uneven_shares = False
     return even
+
+
+def plan_cluster(record: dict, cluster: str | None, source: str) -> str | None:
+    """The cluster file a run of `record` must read (its --cluster, else $AUTOPAR_CLUSTER, as the search did): a
+    plan whose cut was balanced on stage speeds runs that cut only where the run reads them
+    (device_speeds.stage_speeds). Without either, refused rather than run an even cut the plan did not price."""
+    mixed, strategy = record.get("cluster_plan") or {}, record.get("strategy", {})
+    if cluster or strategy.get("pp", 1) < 2 or strategy.get("partition", "time") != "time" or \
+            len(set(mixed.get("stage_speeds", ()))) < 2:
+        return cluster
+    spec = os.environ.get(CLUSTER_ENV)
+    if spec and resolve_cluster(spec).name == record.get("cluster"):
+        return spec
+    raise ConfigError(f"{source} cuts its pipeline on the stage speeds {mixed['stage_speeds']} of cluster "
+                      f"{record.get('cluster', '?')!r}, but this run has no --cluster; pass the cluster file the plan "
+                      f"was made for (--cluster FILE), so the runtime cuts as the plan priced")
 
 
 def shares_allowed(c: Candidate) -> bool:
