@@ -28,7 +28,8 @@ from ..errors import ConfigError
 from .calibration_cache import STALE_ERROR, mark_stale, note, search_cluster
 from .coverage import not_covered
 from .command import plan_dict
-from .cost import Candidate, StepModel
+from .cluster_pricing import even_shares, plan_cluster, step_model
+from .cost import Candidate
 from .measure_profile import measure_module_blocks, with_cost_model
 from .profile import profile_graph
 from .decision import decide, default_layout
@@ -115,6 +116,9 @@ class Plan:
                 if len(ran) > 1:
                     text += f"; next {_configuration(ran[1])}, {milliseconds(ran[1]['measured_step_time_s'])} ms/step"
                 text += ")"
+        mixed = record.get("cluster_plan")
+        if mixed:  # a cluster with per-device speeds: where each rank runs (cluster_pricing.py)
+            text += f"; ranks on cluster devices {' '.join(str(k) for k in mixed['placement'])}"
         calibration = note(self.record.get("search", {}).get("calibration"))
         if calibration:
             text += f"; priced on {calibration}"
@@ -219,7 +223,8 @@ class Plan:
         train = self.train
         _refuse_conflicts(self.source, "strategy", strategy, chosen)
         _refuse_conflicts(self.source, "train", config, train)
-        strategy = dataclasses.replace(strategy, **chosen, search="manual", plan=None, confirm=0)
+        cluster = plan_cluster(self.record, strategy.planning.cluster, self.source)  # a mixed cluster's cut
+        strategy = dataclasses.replace(strategy, **chosen, search="manual", plan=None, confirm=0, cluster=cluster)
         return strategy, dataclasses.replace(config, **train)
 
     def to_json(self) -> str:
@@ -294,8 +299,8 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     profile, costs = with_cost_model(profile, cl, cost_model, lambda: _measure(model, args, kwargs, seq_len))
     if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
         raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
-    step = StepModel(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
-                     optimizer=config.optimizer if config is not None else "adamw")
+    step = step_model(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
+                      optimizer=config.optimizer if config is not None else "adamw")
     step.run_steps = config.steps if config is not None else None  # what a compile time is amortised over
     space = SearchSpace(nproc=nproc)
     if "schedule" in fixed:
@@ -338,7 +343,7 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     if not chosen:
         raise ConfigError(f"--strategy auto: every configuration that fits was refused by the runtime, e.g. "
                           f"{refusals[0]}")
-    default = default_layout(step, nproc, global_batch_size, fixed, train, runnable)
+    default = default_layout(even_shares(step), nproc, global_batch_size, fixed, train, runnable)
     record = decide(chosen, default, step)
     record.update(nproc=nproc, num_params=profile.num_params,
                   search={"evaluated": result.evaluated, "collapsed_equivalent": result.collapsed,

@@ -67,6 +67,7 @@ class Estimate:
     bounds: tuple[int, ...]
     recompute_blocks: tuple[int, ...]
     parts: dict[str, float] = field(default_factory=dict)  # seconds: pipeline, dp_exposed, tied, optimizer
+    cluster_plan: dict = field(default_factory=dict)  # on a mixed cluster: the shares, cut and devices priced
 
     @property
     def peak_memory(self) -> float:

@@ -13,6 +13,7 @@ import time
 from ..config import TrainConfig
 from ..errors import ConfigError
 from .calibration_cache import note, search_cluster
+from .cluster_pricing import even_shares, step_model
 from .coverage import not_covered, not_searched_line
 from .cost import Estimate, StepModel
 from .measure_profile import measure_blocks, with_cost_model
@@ -39,6 +40,9 @@ def plan_dict(e: Estimate, model: StepModel) -> dict:
         strategy["sp"] = True
     if c.cp > 1:
         strategy.update(cp=c.cp, cp_mode=c.cp_mode)
+    if e.cluster_plan.get("dp_shares", "even") != "even":  # the shares the price assumed (cluster_pricing.py)
+        strategy["dp_shares"] = e.cluster_plan["dp_shares"]
+    mixed = {"cluster_plan": e.cluster_plan} if e.cluster_plan else {}
     return {
         "strategy": strategy,
         "train": {"global_batch_size": model.global_batch_size, "micro_batch_size": c.micro_batch_size,
@@ -49,7 +53,7 @@ def plan_dict(e: Estimate, model: StepModel) -> dict:
             "memory_per_stage": [m.to_dict() for m in e.memory_per_stage], "stage_bounds": list(e.bounds),
             "recompute_blocks_per_stage": list(e.recompute_blocks), "parts_s": e.parts},
         "model": model.profile.name, "num_params": model.profile.num_params, "seq_len": model.profile.seq_len,
-        "cluster": model.cluster.name, "nproc": c.world,
+        "cluster": model.cluster.name, "nproc": c.world, **mixed,
     }
 
 
@@ -65,8 +69,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     profile = profile_model(ns.model, seq_len=ns.seq_len, tp_degrees=tps, model_args=model_args)
     profile, costs = with_cost_model(profile, cluster, getattr(ns, "cost_model", "auto"),
                                      lambda: measure_blocks(ns.model, seq_len=ns.seq_len, model_args=model_args))
-    model = StepModel(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype,
-                      optimizer=getattr(ns, "optimizer", "adamw"))
+    model = step_model(profile, cluster, global_batch_size=ns.global_batch_size, dtype=ns.dtype,
+                       optimizer=getattr(ns, "optimizer", "adamw"))
     result = exhaustive(model, SearchSpace(nproc=ns.nproc))
     require_fit(result, model)
     best = result.ranked[0]
@@ -79,7 +83,8 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
     top = result.ranked[:ns.top]
     chosen = [(e, plan_dict(e, model)) for e in top]
     train = TrainConfig(global_batch_size=ns.global_batch_size, micro_batch_size=ns.micro_batch_size)
-    default = default_layout(model, ns.nproc, ns.global_batch_size, {}, train, lambda e: (plan_dict(e, model), None))
+    default = default_layout(even_shares(model), ns.nproc, ns.global_batch_size, {}, train,
+                             lambda e: (plan_dict(e, model), None))
     record = decide(chosen, default, model)
     measure = to_measure([record, *record["alternatives"]], default if default.get("fits") else None, None)
     runs = configuration(record) + (f"; unsure, it would first measure {len(measure)} plans for a few steps (the pick, "
@@ -110,7 +115,9 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
             rows.append(("*", default["estimate"]))
     for i, e in rows:
         print(f"{i:>2} {e.step_time_s * 1e3:8.2f}ms {e.tokens_per_s:>11.0f} {e.bubble:>7.1%} {e.comm_share:>6.1%} "
-              f"{e.peak_memory / 2**20:>8.1f}Mi  {e.candidate.describe()}" + (" (over memory)" if not e.fits else ""))
+              f"{e.peak_memory / 2**20:>8.1f}Mi  {e.candidate.describe()}" + (" (over memory)" if not e.fits else "")
+              + (f" dp shares {e.cluster_plan['dp_shares']}" if e.cluster_plan.get("dp_shares", "even") != "even"
+                 else ""))
     print("* the default layout (what `train` runs without --strategy auto, micro-batch size "
           f"{ns.micro_batch_size})" if default.get("runnable") else
           f"default layout: cannot run ({default.get('reason')})")

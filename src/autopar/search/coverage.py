@@ -69,8 +69,8 @@ COVERAGE: tuple[Dimension, ...] = (
     Dimension("--sparse-embeddings", False, "the cost model does not price sparse row exchanges"),
     Dimension("--optimizer sparse-adam", False, "its sparse row exchange is not priced"),
     Dimension("--batchnorm", False, "it chooses what BatchNorm's statistics are (the numbers trained)"),
-    Dimension("--dp-shares", False, "replicas' batch shares are even in the search; `plan --auto` on a cluster "
-              "with per-device speeds prints the shares its placement would use (heterogeneous.md)"),
+    Dimension("--dp-shares", False, "not searched as weights: on a cluster with per-device speeds the search "
+              "prices and applies auto's shares where the layout allows them, elsewhere even (heterogeneous.md)"),
     Dimension("--dtype", False, "taken as given, never switched: fp32 to bf16 changes the numbers trained "
               "(the cost and memory models follow the choice)"),
 )

@@ -57,12 +57,13 @@ def schedule_class(schedule: str, pp: int, chunks: int, num_microbatches: int, w
 
 def _cheap_key(estimate: Estimate) -> tuple:
     """Everything of the execution key but the schedule's class: degrees, micro-batching, chunks, whole-stage
-    recomputation, cut, recomputed blocks, ZeRO level (recomputation counts for nothing when the model runs whole)."""
+    recomputation, cut, recomputed blocks, ZeRO level (recomputation counts for nothing when the model runs whole),
+    batch shares (a mixed cluster's, cluster_pricing.py)."""
     c = estimate.candidate
     whole = c.recompute == "all" and not (c.pp == 1 and c.tp == 1)
     blocks = (0,) * len(estimate.recompute_blocks) if c.pp == 1 and c.tp == 1 else tuple(estimate.recompute_blocks)
     return (c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.chunks, whole, tuple(estimate.bounds), blocks,
-            c.zero, c.ep, c.sp, c.cp, c.cp_mode, c.compile)
+            c.zero, c.ep, c.sp, c.cp, c.cp_mode, c.compile, estimate.cluster_plan.get("dp_shares", "even"))
 
 
 def execution_key(estimate: Estimate) -> tuple:

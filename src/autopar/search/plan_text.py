@@ -25,8 +25,14 @@ def configuration(record: dict) -> str:
         parts.append(f"recompute {s['recompute']}")
     if s.get("memory_budget_mb"):
         parts.append(f"recompute to fit {s['memory_budget_mb']:g} MiB")
+    mixed = record.get("cluster_plan") or {}
     if s.get("pp", 1) > 1:
-        parts.append(f"{s.get('partition', 'time')} cut")
+        parts.append(f"{s.get('partition', 'time')} cut" + (
+            f" at stage speeds {','.join(f'{v:g}' for v in mixed['stage_speeds'])} (blocks {mixed['stage_bounds']})"
+            if mixed.get("stage_bounds") and s.get("partition", "time") == "time" else ""))
+    if s.get("dp_shares", "even") != "even":
+        parts.append(f"dp shares {s['dp_shares']}" + (
+            f" ({mixed['microbatches_per_replica']} micro-batches)" if mixed.get("microbatches_per_replica") else ""))
     if s.get("zero"):
         parts.append(f"zero {s['zero']}")
     if s.get("ep", 1) > 1:
