@@ -172,7 +172,7 @@ def evaluate(model, c: Candidate) -> Estimate:
     if inner is None:
         profile = dimension_profile(model.profile, model.cluster, c, model.rate)
         inner = StepModel(profile, model.cluster, global_batch_size=model.global_batch_size * c.cp,
-                          dtype=model.dtype, optimizer=model.optimizer)
+                          dtype=model.dtype, optimizer=model.optimizer, clip_gradients=model.clip)
         variants[key] = inner
     plain = dataclasses.replace(c, dp=c.dp * c.cp, ep=1, sp=False, cp=1, cp_mode="ring", compile=False)
     e = inner.evaluate(plain)
@@ -209,7 +209,7 @@ def longest_sequence(model, c: Candidate, *, limit: int = 1 << 20) -> int | None
     def fits(tokens: int) -> bool:
         scaled = scaled_sequence(model.profile, tokens / model.profile.seq_len)
         step = StepModel(scaled, model.cluster, global_batch_size=model.global_batch_size, dtype=model.dtype,
-                         optimizer=model.optimizer)
+                         optimizer=model.optimizer, clip_gradients=model.clip)
         return step.evaluate(c).fits
 
     lo, hi = 0, limit // unit

@@ -42,7 +42,7 @@ LOW_ACTIVATION_SHARE = 0.5
 STATE_PIECES = ("params", "grads", "optimizer")
 PIECE_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer", "activations": "activations",
                "stashed_inputs": "stashed inputs", "transient": "transient", "buffers": "buffers",
-               "weight_pending": "weight gradients pending"}
+               "weight_pending": "weight gradients pending", "update": "update (clipping, gathered parameters)"}
 MOST_PROCESSES = 64  # times the process count the search for "more processes" goes up to
 
 
