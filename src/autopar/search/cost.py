@@ -350,7 +350,9 @@ class StepModel:
         transient = [None] * stages
         split = c.schedule in SPLIT_SCHEDULES
         if self.profile.measured is not None:  # measured per block, scaled like the saved bytes under tp
-            share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
+            # (at most 1: a block kept whole or more under tp, the head under --sp, keeps its own temporaries)
+            share = [min(mine / whole, 1.0) if whole else 1.0
+                     for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
             use_split = split and all(m.has_split for m in self.profile.measured)
             def block_transient(m, first: bool) -> float:
                 if use_split and not first:
