@@ -109,3 +109,28 @@ def test_profile_records_each_blocks_largest_parameter_on_one_rank():
     layer = [n for n in sizes if n.startswith("blocks.0.")]
     assert whole[1] == max(sizes[n] for n in layer)
     assert whole[1] // 2 <= split[1] < whole[1]
+
+
+def test_sequence_parallel_head_keeps_its_whole_activations_and_its_gathered_input():
+    """Under --sp a split layer keeps 1/tp of its activations, but the head all-gathers its input to the whole
+    sequence and keeps it: its block is priced whole plus that input (gpt-small tp=2 pp=4, last stage: 8.7 and
+    15.0 MiB measured at micro-batch 8 and 16; 1/tp priced 6.4 and 10.2)."""
+    from autopar.search.dimensions import dimension_profile
+    n, tp = 4, 2
+    flops, saved, params = (1e5,) * n, (1e3, 3.4e4, 3.4e4, 6e3), (1000,) * n
+    split = tuple(s * (10 + 24 / tp) / 34 for s in saved)
+    tp2 = TPProfile(tp, flops, params, split, (1e3,) * n, (0, 2, 2, 1), (500,) * n)
+    profile = ModelProfile(name="toy", seq_len=8, block_names=tuple(f"b{i}" for i in range(n)), flops=flops,
+                           saved_bytes=saved, params=params, boundary_bytes=(4e3, 4e3, 2e3), shared_params=0,
+                           tp={1: TPProfile(1, flops, params, saved, (0.0,) * n, (0,) * n), tp: tp2})
+    c = Candidate(dp=1, tp=tp, pp=2, micro_batch_size=1, num_microbatches=1, sp=True)
+    got = dimension_profile(profile, _cluster(), c, 1e9).tp[tp].saved_bytes
+    assert got[1:3] == pytest.approx((3.4e4 / tp,) * 2)  # a layer: all / tp
+    assert got[3] == pytest.approx(6e3 + 2e3)  # the head: whole, and its gathered input
+    # its measured transient is its own, not scaled up with those bytes (a tp share is at most 1)
+    block = BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=1e-3, backward_fixed_s=2e-3, backward_per_seq_s=2e-3,
+                       saved_per_seq=6e3, transient_fixed=0.0, transient_per_seq=5e3)
+    measured = dataclasses.replace(profile, measured=(block,) * n, crossings=())
+    e = StepModel(measured, _cluster(), global_batch_size=1, clip_gradients=False).evaluate(
+        dataclasses.replace(c, partition="uniform"))
+    assert e.memory_per_stage[1].transient == pytest.approx(5e3)
