@@ -14,7 +14,7 @@ import pytest
 from autopar.search.cluster import Cluster, Link
 from autopar.search.cost import Candidate, StepModel
 from autopar.search.measure_profile import BlockCosts
-from autopar.search.profile import Crossing, ModelProfile, TPProfile, profile_model
+from autopar.search.profile import Crossing, ModelProfile, TPProfile
 from autopar.search.update_memory import BUCKET_BYTES, CLIP_BYTES_PER_ELEMENT, update_bytes
 
 PSI = 10_000_000  # parameters of a stage: more than one fp32 bucket (25 MiB = 6.55 M elements)
@@ -93,22 +93,6 @@ def test_a_stage_with_a_successor_prices_its_output_and_its_gradient_once():
     first, last = e.memory_per_stage
     assert first.transient == pytest.approx(2 * 5e4 - 2 * (4e3 + 4e3))
     assert last.transient == pytest.approx(2 * 5e4)
-
-
-def test_profile_records_each_blocks_largest_parameter_on_one_rank():
-    """gpt-tiny: the prelude's largest is its biggest embedding table; a layer's under tp=2 is its largest
-    split weight's half (or a replicated one, if larger)."""
-    from autopar.data.tokenizer import padded_vocab_size
-    from autopar.models import build_model
-    profile = profile_model("gpt-tiny", seq_len=16, tp_degrees=(1, 2), vocab_size=padded_vocab_size(256))
-    model, _ = build_model("gpt-tiny", {}, vocab_size=padded_vocab_size(256), device="meta")
-    sizes = dict((name, p.numel()) for name, p in model.named_parameters())
-    embeddings = [n for n in sizes if n.endswith("emb.weight")]
-    whole, split = profile.tp[1].largest_params, profile.tp[2].largest_params
-    assert whole[0] == max(sizes[n] for n in embeddings)
-    layer = [n for n in sizes if n.startswith("blocks.0.")]
-    assert whole[1] == max(sizes[n] for n in layer)
-    assert whole[1] // 2 <= split[1] < whole[1]
 
 
 def test_sequence_parallel_head_keeps_its_whole_activations_and_its_gathered_input():
