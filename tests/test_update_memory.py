@@ -118,3 +118,14 @@ def test_sequence_parallel_head_keeps_its_whole_activations_and_its_gathered_inp
     e = StepModel(measured, _cluster(), global_batch_size=1, clip_gradients=False).evaluate(
         dataclasses.replace(c, partition="uniform"))
     assert e.memory_per_stage[1].transient == pytest.approx(5e3)
+
+
+def test_memory_gate_counts_the_update_exactly_in_its_low_figure():
+    """The gate's low figure halves only the traced activations; the update's temporaries are exact bytes."""
+    from autopar.search.memory_fit import RankFigures
+    update_peak = RankFigures(rank=0, stages=(0,), pieces={"params": 100.0, "grads": 100.0, "update": 400.0},
+                              total=600.0)
+    assert update_peak.low == pytest.approx(600.0)
+    walk_peak = RankFigures(rank=0, stages=(0,), pieces={"params": 100.0, "grads": 100.0, "activations": 400.0},
+                            total=600.0)
+    assert walk_peak.low == pytest.approx(400.0)
