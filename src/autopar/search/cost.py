@@ -368,9 +368,8 @@ class StepModel:
                 out = self.profile.crossings[b - 1]
                 return (out.at(mbs) + out.grad_at(mbs)) * self.act_scale * share[b - 1]
 
-            transient = [max(max(block_transient(m, a == 0) * share[i] - (sent_twice(s, b) if i == b - 1 else 0.0), 0.0)
-                             for i, m in enumerate(self.profile.measured[a:b], start=a))
-                         for s, (a, b) in enumerate(spans)]
+            transient = [[max(block_transient(m, a == 0) * share[i] - (sent_twice(s, b) if i == b - 1 else 0.0), 0.0)
+                          for i, m in enumerate(self.profile.measured[a:b], start=a)] for s, (a, b) in enumerate(spans)]
         pending = [0.0] * stages
         if split:  # what one micro-batch's I keeps for its W (the first stage's I keeps nothing: its W is the
             held = self.block_held_bytes(c.tp)  # whole backward); the walk counts the micro-batches between
@@ -391,6 +390,16 @@ class StepModel:
             # what the eager model keeps (measure_profile.BlockCosts.eager_saved_per_seq)
             saved_bytes = tuple(m.eager_saved_per_seq for m in measured)
 
+        def stage_transient(s: int, k: int) -> float | None:
+            """The backward's working set at the stage's peak, over the walk's count of every block's activations:
+            block i's measured transient less what the blocks after it kept, freed by their backwards before i's."""
+            if transient[s] is None:
+                return None
+            a, b = spans[s]
+            kept = [(inputs[j] if j - a < k and not whole else saved_bytes[j]) * mbs * self.act_scale
+                    for j in range(a, b)]
+            return max(max(t - sum(kept[i + 1:]), 0.0) for i, t in enumerate(transient[s]))
+
         def units_of(s: int, k: int) -> StageUnits:
             a, b = spans[s]
             out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
@@ -401,7 +410,8 @@ class StepModel:
             update = update_bytes(local_params[s], local_largest[s], zero=c.zero, dp=c.dp, tp=c.tp,
                                   pipelined=c.pp > 1 or c.tp > 1, bf16_master=self.bf16_master, clip=self.clip)
             return stage_units(param_elements=local_params[s], saved=list(saved_bytes[a:b]), inputs=inputs[a:b],
-                               output_bytes=out, recompute_blocks=k, whole_stage=whole, transient_bytes=transient[s],
+                               output_bytes=out, recompute_blocks=k, whole_stage=whole,
+                               transient_bytes=stage_transient(s, k),
                                largest_block_params=gathered_unit(s, a, b), held_bytes=pending[s], **edges,
                                update=update, **memory_args)
 
