@@ -311,8 +311,15 @@ def test_profile_scaled_from_two_layers_equals_a_full_trace():
     assert scaled.tp[2].allreduce_bytes == pytest.approx(full.tp[2].allreduce_bytes)
     from autopar.data import build_tokenizer, padded_vocab_size
     from autopar.models import build_model
-    _, info = build_model("gpt-tiny", {"n_layer": 3}, vocab_size=padded_vocab_size(build_tokenizer("byte").vocab_size))
+    model, info = build_model("gpt-tiny", {"n_layer": 3}, vocab_size=padded_vocab_size(build_tokenizer("byte").vocab_size))
     assert full.num_params == info.num_params  # a tied weight counted once, where first used
+    # each block's largest parameter on one rank (clipping's float64 copy, search/update_memory.py)
+    assert scaled.tp[2].largest_params == full.tp[2].largest_params
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    whole, split = full.tp[1].largest_params, full.tp[2].largest_params
+    assert whole[0] == max(v for n, v in sizes.items() if n.endswith("emb.weight"))
+    assert whole[1] == max(v for n, v in sizes.items() if n.startswith("blocks.0."))
+    assert whole[1] // 2 <= split[1] < whole[1]  # its largest weight split in two (or a replicated one, if larger)
 
 
 def test_calibrate_measures_gloo_links_on_two_ranks():

@@ -43,6 +43,7 @@ from . import dimensions
 from .cluster import Cluster
 from .memory import OPTIMIZER_STATE_BYTES, StageUnits, stage_units
 from .memory_walk import rank_peaks
+from .update_memory import update_bytes
 from .profile import Crossing, ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled, shared_pipeline_makespan
 from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_exposed_s
@@ -59,11 +60,12 @@ class StepModel:
     """Scores candidates for one model on one cluster at one global batch size."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, *, global_batch_size: int, dtype: str = "fp32",
-                 optimizer: str = "adamw"):
+                 optimizer: str = "adamw", clip_gradients: bool = True):
         if optimizer not in OPTIMIZER_STATE_BYTES:
             raise ConfigError(f"optimizer must be one of {choices(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
         self.profile, self.cluster, self.global_batch_size = profile, cluster, global_batch_size
         self.dtype, self.optimizer = dtype, optimizer
+        self.clip = clip_gradients  # --grad-clip > 0 (the default): clipping's temporaries count (update_memory.py)
         half = dtype in ("bf16", "bf16-autocast")  # both compute in bf16; only "bf16" stores bf16 parameters
         self.rate = cluster.rate("bf16" if half else dtype)
         self.act_scale = 0.5 if half else 1.0
@@ -341,21 +343,35 @@ class StepModel:
         owner = {s for s, (a, b) in enumerate(spans) if a <= shared_last < b}
         tied_split = self.profile.shared_params and not any(a <= shared_first < b for s, (a, b) in enumerate(spans)
                                                             if s in owner)
+        largest = prof.largest_params or (0,) * self.profile.num_blocks
+        local_largest = [max(largest[a:b], default=0) for a, b in spans]  # clipping's largest tensor (update_memory)
         if tied_split:  # the stage holding the head keeps its own copy of the tied weight
             for s in owner:
                 local_params[s] += self.profile.shared_params // c.tp
+                local_largest[s] = max(local_largest[s], self.profile.shared_params // c.tp)
         transient = [None] * stages
         split = c.schedule in SPLIT_SCHEDULES
         if self.profile.measured is not None:  # measured per block, scaled like the saved bytes under tp
-            share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
+            # (at most 1: a block kept whole or more under tp, the head under --sp, keeps its own temporaries)
+            share = [min(mine / whole, 1.0) if whole else 1.0
+                     for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
             use_split = split and all(m.has_split for m in self.profile.measured)
             def block_transient(m, first: bool) -> float:
                 if use_split and not first:
                     return m.split_transient_fixed + m.split_transient_per_seq * mbs * self.act_scale
                 return m.transient_fixed + m.transient_per_seq * mbs * self.act_scale
 
-            transient = [max(block_transient(m, a == 0) * share[i]
-                             for i, m in enumerate(self.profile.measured[a:b], start=a)) for a, b in spans]
+            def sent_twice(s: int, b: int) -> float:
+                """What the last block's measured transient holds that the walk counts as buffers: a stage with a
+                successor sends its output and receives that output's gradient (the measurement's own output and
+                output gradient, kept through its backward), both priced as buffers already."""
+                if s == stages - 1 or not self.profile.crossings:
+                    return 0.0
+                out = self.profile.crossings[b - 1]
+                return (out.at(mbs) + out.grad_at(mbs)) * self.act_scale * share[b - 1]
+
+            transient = [[max(block_transient(m, a == 0) * share[i] - (sent_twice(s, b) if i == b - 1 else 0.0), 0.0)
+                          for i, m in enumerate(self.profile.measured[a:b], start=a)] for s, (a, b) in enumerate(spans)]
         pending = [0.0] * stages
         if split:  # what one micro-batch's I keeps for its W (the first stage's I keeps nothing: its W is the
             held = self.block_held_bytes(c.tp)  # whole backward); the walk counts the micro-batches between
@@ -376,6 +392,16 @@ class StepModel:
             # what the eager model keeps (measure_profile.BlockCosts.eager_saved_per_seq)
             saved_bytes = tuple(m.eager_saved_per_seq for m in measured)
 
+        def stage_transient(s: int, k: int) -> float | None:
+            """The backward's working set at the stage's peak, over the walk's count of every block's activations:
+            block i's measured transient less what the blocks after it kept, freed by their backwards before i's."""
+            if transient[s] is None:
+                return None
+            a, b = spans[s]
+            kept = [(inputs[j] if j - a < k and not whole else saved_bytes[j]) * mbs * self.act_scale
+                    for j in range(a, b)]
+            return max(max(t - sum(kept[i + 1:]), 0.0) for i, t in enumerate(transient[s]))
+
         def units_of(s: int, k: int) -> StageUnits:
             a, b = spans[s]
             out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
@@ -383,10 +409,13 @@ class StepModel:
             edges = dict(stage_input=crossed[a - 1] if a > 0 else Crossing(0.0),
                          stage_output=crossed[b - 1] if b < self.profile.num_blocks else Crossing(0.0),
                          boundary_scale=self.boundary_scale) if crossed else {}
+            update = update_bytes(local_params[s], local_largest[s], zero=c.zero, dp=c.dp, tp=c.tp,
+                                  pipelined=c.pp > 1 or c.tp > 1, bf16_master=self.bf16_master, clip=self.clip)
             return stage_units(param_elements=local_params[s], saved=list(saved_bytes[a:b]), inputs=inputs[a:b],
-                               output_bytes=out, recompute_blocks=k, whole_stage=whole, transient_bytes=transient[s],
+                               output_bytes=out, recompute_blocks=k, whole_stage=whole,
+                               transient_bytes=stage_transient(s, k),
                                largest_block_params=gathered_unit(s, a, b), held_bytes=pending[s], **edges,
-                               **memory_args)
+                               update=update, **memory_args)
 
         def peaks(units: list[StageUnits], only: int | None = None) -> dict[int, dict[int, tuple[float, ...]]]:
             """Per rank, each stage's counts at the rank's peak action (memory_walk.py): the peak of the sum."""
@@ -414,8 +443,15 @@ class StepModel:
         memory = [units[s].at(at_peak[s]) for s in range(stages)]
         rank_of = [s % c.pp for s in range(stages)]
         per_rank = [0.0] * c.pp  # the stages of a rank as the schedule places them (zbv: a V), at its peak
+        stage_rank = [stage_to_rank(s, c.pp, stages, placement(c.schedule)) for s in range(stages)]
+        for r in range(c.pp):  # after the walk's peak, the update's (update_memory.py): the larger is the rank's
+            mine = [s for s in range(stages) if stage_rank[s] == r]
+            updating = [units[s].at_update() for s in mine]
+            if sum(m.total for m in updating) > sum(memory[s].total for s in mine):
+                for s, m in zip(mine, updating):
+                    memory[s] = m
         for s, m in enumerate(memory):
-            per_rank[stage_to_rank(s, c.pp, stages, placement(c.schedule))] += m.total
+            per_rank[stage_rank[s]] += m.total
         fits = max(per_rank) <= cl.memory_bytes
 
         costs = self.stage_costs(c, spans, blocks)

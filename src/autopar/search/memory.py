@@ -14,6 +14,8 @@
   + weight pending   zero-bubble schedules: the gradients I keeps for W (at every weight-consuming op)
                      x the micro-batches between an I and its W (from the simulator); their graphs
                      stay alive too, which the in-flight count already holds to the W's end
+  or, after the last backward, the update: the model state + clipping's float64 copies or ZeRO-1/2's
+                     all-gathered parameters (update_memory.py), when that is more than the walk's peak
   x headroom         allocator slack, fragmentation (Cluster.memory_headroom, calibrate it)
 
 Each piece is a count (micro-batches in flight, tensors sent, ...) x its bytes (StageUnits); the search takes
@@ -31,12 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .update_memory import BUCKET_BYTES
 from .zero_memory import zero_model_state_bytes
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adagrad": 4}
 """Optimizer bytes per fp32 parameter: AdamW's two moments; plain SGD none; Adagrad one sum."""
 
-BUCKET_BYTES = 25 * 2**20  # data-parallel gradient bucket (the runtime's default size)
+__all__ = ["BUCKET_BYTES", "OPTIMIZER_STATE_BYTES", "StageMemory", "StageUnits", "stage_memory", "stage_units"]
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,12 @@ class StageMemory:
     buffers: float
     headroom: float  # the factor applied
     weight_pending: float = 0.0  # zero-bubble: gradients kept from I to W
+    update: float = 0.0  # clipping's and the optimizer's temporaries, when the update is the peak (update_memory.py)
 
     @property
     def total(self) -> float:
         return self.headroom * (self.params + self.grads + self.optimizer + self.activations + self.stashed_inputs
-                                + self.transient + self.buffers + self.weight_pending)
+                                + self.transient + self.buffers + self.weight_pending + self.update)
 
     def to_dict(self) -> dict:
         return {k: round(v) for k, v in vars(self).items() if k != "headroom"} | {
@@ -131,6 +135,15 @@ class StageUnits:
     full_gradient: float = 0.0
     """ZeRO-2: the stage's whole gradient, alive at the end of a backward until its reduction lands, when that
     backward's micro-batch has freed its activations: the backward's peak is the larger of the two moments."""
+    update: float = 0.0
+    """Bytes beyond the model state at the update's peak (clipping, the optimizer's gather: update_memory.py),
+    when no activation is alive any more; a rank's peak is the larger of its walk's and its update's."""
+
+    def at_update(self) -> StageMemory:
+        """The breakdown while the step updates: the model state and the update's temporaries, nothing else."""
+        # (under ZeRO-3 too: its sharded gradient exists from the step's end, which the walk counts as transient)
+        return StageMemory(params=self.params, grads=self.grads, optimizer=self.optimizer, activations=0.0,
+                           stashed_inputs=0.0, transient=0.0, buffers=0.0, headroom=self.headroom, update=self.update)
 
     def at(self, counts: tuple[float, ...]) -> StageMemory:
         """The breakdown with `counts` of each (memory_walk.COUNTS order) alive: the terms add up to the total."""
@@ -156,9 +169,10 @@ def stage_units(*, param_elements: int, saved: list[float], inputs: list[float],
                 optimizer: str, dp: int, headroom: float, transient_bytes: float | None = None, zero: int = 0,
                 bf16_master: bool = False, largest_block_params: float = 0.0, held_bytes: float = 0.0,
                 num_microbatches: int = 1, gathered_units: int = 2, stage_input=None, stage_output=None,
-                boundary_scale: float | None = None) -> StageUnits:
+                boundary_scale: float | None = None, update: float = 0.0) -> StageUnits:
     """Bytes per count of one stage (StageUnits), from the same pieces as `stage_memory`; `held_bytes`: what
-    one micro-batch's I keeps for its W.
+    one micro-batch's I keeps for its W; `update`: what the update holds beyond the model state
+    (update_memory.update_bytes).
 
     `stage_input`, `stage_output` (profile.Crossing): what enters and leaves the stage, split into bytes that
     grow with the micro-batch and bytes that do not, with the gradients sent back (floating-point tensors only);
@@ -197,4 +211,5 @@ def stage_units(*, param_elements: int, saved: list[float], inputs: list[float],
     # Data-parallel buckets add nothing: the gradients are views into them (grad_sync.py), counted as grads.
     per_count = (activations, input_bytes, held_bytes, output_sent, input_grad, output_grad, transient)
     return StageUnits(params=states.params, grads=states.grads, optimizer=states.optimizer, per_count=per_count,
-                      headroom=headroom, zero3=zero3, full_gradient=param_elements * element if zero == 2 else 0.0)
+                      headroom=headroom, zero3=zero3, full_gradient=param_elements * element if zero == 2 else 0.0,
+                      update=update)

@@ -6,7 +6,8 @@ Two figures per pipeline rank, both of live tensor bytes (without the allocator 
     high   the search's own prediction: model state + activations as traced (every op's output)
     low    model state + LOW_ACTIVATION_SHARE x the rest: autograd keeps about half of what the trace
            counts (0.5-0.6 on the GPT blocks measured by measure_profile.py), while the model state
-           (parameters, gradients, optimizer) is counted exactly (zero_memory.py)
+           (parameters, gradients, optimizer: zero_memory.py) and, where it is the peak, the update's
+           temporaries (update_memory.py) are counted exactly
 
 A run is refused only when even `low` is more than (1 + MODEL_ERROR) x the memory, so an error of the
 model lets a run start rather than stops it. A suggested change must fit by the search's own rule
@@ -39,10 +40,10 @@ MODEL_ERROR = 0.25
 measured is +24.8% (docs/benchmarks/strategy_search.md)."""
 LOW_ACTIVATION_SHARE = 0.5
 """The least share of the traced activation bytes autograd keeps (the traced sum counts every op's output)."""
-STATE_PIECES = ("params", "grads", "optimizer")
+STATE_PIECES = ("params", "grads", "optimizer", "update")  # counted exactly (the update's: update_memory.py)
 PIECE_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer", "activations": "activations",
                "stashed_inputs": "stashed inputs", "transient": "transient", "buffers": "buffers",
-               "weight_pending": "weight gradients pending"}
+               "weight_pending": "weight gradients pending", "update": "update (clipping, gathered parameters)"}
 MOST_PROCESSES = 64  # times the process count the search for "more processes" goes up to
 
 

@@ -60,6 +60,9 @@ class TPProfile:
     saved_bytes: tuple[float, ...]
     allreduce_bytes: tuple[float, ...]  # forward all-reduce payload per rank (backward: the same again)
     allreduce_count: tuple[int, ...]  # forward all-reduces per block (each pays the latency)
+    largest_params: tuple[int, ...] = ()
+    """Per block, the elements of its largest parameter tensor on one rank: clipping's float64 copy of one gradient
+    at a time is this large (memory.update_bytes). Empty: unknown (that term priced as nothing)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,9 @@ class ModelProfile:
         new_cuts = (cuts[0],) + (cuts[1],) * (n - 1) + (cuts[-1],) if n > 1 else (cuts[0], cuts[-1])
         tps = {t: dataclasses.replace(p, flops=grow(p.flops), params=grow(p.params), saved_bytes=grow(p.saved_bytes),
                                       allreduce_bytes=grow(p.allreduce_bytes),
-                                      allreduce_count=grow(p.allreduce_count)) for t, p in self.tp.items()}
+                                      allreduce_count=grow(p.allreduce_count),
+                                      largest_params=grow(p.largest_params) if p.largest_params else ())
+                for t, p in self.tp.items()}
         crossed = self.crossings
         if crossed:
             crossed = (crossed[0],) + (crossed[1],) * (n - 1) + (crossed[-1],) if n > 1 else (crossed[0], crossed[-1])
@@ -200,6 +205,7 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
     params = [0] * len(blocks)
     for p, users in owner.items():
         params[users[0]] += graph.param_numel[p]
+    largest = _largest_params(graph, lambda fqn: graph.param_numel[fqn])
     shared = {p: users for p, users in owner.items() if len(users) > 1}
     shared_blocks = (min(u[0] for u in shared.values()), max(u[-1] for u in shared.values())) if shared else (0, 0)
     cut_values = crossings(graph)
@@ -226,7 +232,8 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
                            attention=attention_costs(graph, scale))
     for tp in tp_degrees:
         if tp == 1:
-            profile.tp[1] = TPProfile(1, flops, tuple(params), saved, (0.0,) * len(blocks), (0,) * len(blocks))
+            profile.tp[1] = TPProfile(1, flops, tuple(params), saved, (0.0,) * len(blocks), (0,) * len(blocks),
+                                      largest)
             continue
         try:
             profile.tp[tp] = _tp_profile(graph, tp, params, scale, sequence_parallel)
@@ -245,6 +252,18 @@ def _batched_values(graph: ModelGraph) -> set[str]:
         if node.op == "call_function" and any(arg.name in batched for arg in node.all_input_nodes):
             batched.add(node.name)
     return batched
+
+
+def _largest_params(graph: ModelGraph, local_numel) -> tuple[int, ...]:
+    """Per block, the most elements `local_numel(fqn)` gives one of its parameters (each counted in its first block)."""
+    largest = [0] * len(graph.blocks)
+    seen: set[str] = set()
+    for i, b in enumerate(graph.blocks):
+        for p in b.params:
+            if p not in seen:
+                seen.add(p)
+                largest[i] = max(largest[i], local_numel(p))
+    return tuple(largest)
 
 
 def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float,
@@ -280,7 +299,8 @@ def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float,
     split_share = 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
     saved = tuple(b.activation_bytes * scale * (split_share if has_split[i] else 1.0)
                   for i, b in enumerate(graph.blocks))
-    return TPProfile(tp, tuple(flops), tuple(local), saved, tuple(reduce), tuple(count))
+    largest = _largest_params(graph, lambda fqn: graph.param_numel[fqn] // (tp if fqn in split else 1))
+    return TPProfile(tp, tuple(flops), tuple(local), saved, tuple(reduce), tuple(count), largest)
 
 
 REPEAT_FROM = 8  # layers; deeper models built from n_layer identical layers are traced with 2 and scaled
