@@ -300,7 +300,8 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
     if fixed.get("tp", 1) > 1 and fixed["tp"] not in profile.tp:
         raise ConfigError(f"--tp {fixed['tp']} cannot be used for {name}: {profile.tp_refused.get(fixed['tp'])}")
     step = step_model(profile, cl, global_batch_size=global_batch_size, dtype=dtype,  # priced with the run's optimizer
-                      optimizer=config.optimizer if config is not None else "adamw")
+                      optimizer=config.optimizer if config is not None else "adamw",
+                      clip_gradients=config.grad_clip > 0 if config is not None else True)
     step.run_steps = config.steps if config is not None else None  # what a compile time is amortised over
     space = SearchSpace(nproc=nproc)
     if "schedule" in fixed:
