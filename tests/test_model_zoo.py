@@ -45,6 +45,9 @@ LOSS_RTOL = 1e-5
 # to rounding (a pad token's embedding row) may move by a fraction of lr = 1e-3 one way or the
 # other; 1e-4 still catches any real difference.
 PARAM_ATOL = 1e-4
+# Gradient norms (before clipping) of every step, as rank 0 logs them: fp32 sums of squares in another order,
+# so a few ulps apart; a gradient scaled wrongly (the whole of it, which Adam's update hides) is off by far more.
+GRAD_NORM_RTOL = 1e-4
 THREE_D = {"dp": 2, "tp": 2, "pp": 2}
 THREE_D_JOBS = [("hf:llama", "real"), ("nanogpt", "real")]
 THREE_D_MICRO = 2  # 4 samples per replica: two micro-batches through its pipeline
@@ -107,6 +110,10 @@ def assert_matches_reference(expected: dict, results: list[dict]) -> None:
         assert_trained(got, f"rank {rank}")
         assert relative_difference(expected["losses"], got["losses"]) < LOSS_RTOL, \
             (rank, expected["losses"], got["losses"])
+        norms = [(a, b) for a, b in zip(expected.get("grad_norms") or [], got.get("grad_norms") or [])
+                 if a is not None and b is not None]
+        assert all(abs(a - b) <= GRAD_NORM_RTOL * max(abs(a), 1e-12) for a, b in norms), \
+            (rank, expected.get("grad_norms"), got.get("grad_norms"))
         assert got["params"], rank
         for key, value in got["params"].items():  # pp: this rank's stage; tp: slices gathered
             want = expected["params"][key]

@@ -600,9 +600,19 @@ def train_case(name: str, build: str, out: str, *, strategy: dict | None = None,
     try:
         with without_flop_count(), contextlib.nullcontext() if sharded else without_final_checkpoint():
             result = trainer.train()
-        return {"losses": result.losses, "params": whole_parameters(trainer)}
+        norms = step_grad_norms(result.run_dir) if trainer.is_main else None
+        return {"losses": result.losses, "params": whole_parameters(trainer), "grad_norms": norms}
     finally:
         trainer.close()
+
+
+def step_grad_norms(run_dir) -> list:
+    """The gradient norm of every step (before clipping), from the run's metrics.jsonl: a gradient scaled wrongly
+    alike on every parameter barely moves Adam's update, so losses and weights after a few steps can miss it."""
+    import json
+    from pathlib import Path
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r.get("grad_norm") for r in records if "step" in r and "loss" in r and "eval_loss" not in r]
 
 
 def without_flop_count():
