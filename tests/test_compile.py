@@ -134,11 +134,58 @@ def _mask_bits_and_frames() -> tuple[bool, int]:
     return equal, compile_counters()["frames"] - frames
 
 
+class _DroppingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.nn.functional.dropout(self.linear(torch.nn.functional.dropout(x, 0.5)), 0.5)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_DroppingBlock(), _DroppingBlock()])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def _blocks_with_dropout_compiled() -> tuple[bool, int]:
+    """Two blocks of one class, two dropouts each, compiled per block (dynamo's capture only) over two steps of two
+    micro-batches: (outputs equal to eager's, graphs captured). Block 1's dropouts are operations 2 and 3: with the
+    numbers baked in, each block would be a graph of its own (and a compile of its own)."""
+    from autopar.dropout import dropout_step, eager_micro_batch
+    from autopar.train.compile import compile_regions, repeated_blocks
+    graphs = []
+
+    def capture(graph_module, example_inputs):  # a backend that records what dynamo captured and runs it as is
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    torch.manual_seed(0)
+    eager, compiled = _TwoBlocks(), _TwoBlocks()
+    compiled.load_state_dict(eager.state_dict())
+    assert len(compile_regions(repeated_blocks(compiled), capture)) == 2
+    x, equal = torch.ones(4, 3, 8, requires_grad=True), True  # (block 1 gets a tensor requiring grad too)
+    for step in range(2):
+        for index in range(2):
+            outputs = []
+            for model in (eager, compiled):
+                with dropout_step(5, step, [[0, 1], [2, 3]]), eager_micro_batch(index):
+                    outputs.append(model(x[2 * index:2 * index + 2]))
+            equal = equal and torch.equal(*outputs)
+    return equal, len(graphs)
+
+
 def test_dropout_masks_compile_to_the_eager_bits(rank_pool):
-    """The mask under torch.compile: the same bits as eager, across steps, without recompiling per step (run in a
-    pool rank, whose compiler is already warm)."""
-    equal, recompiled = rank_pool(1).run(_mask_bits_and_frames)[0]
+    """The mask under torch.compile: the same bits as eager, across steps, without recompiling per step; and
+    the copies of a block with dropout compile to one graph (run in a pool rank, whose compiler is already warm)."""
+    (equal, recompiled), (blocks_equal, graphs) = [rank_pool(1).run(f)[0] for f in (_mask_bits_and_frames,
+                                                                                   _blocks_with_dropout_compiled)]
     assert equal and recompiled == 0, (equal, recompiled)
+    assert blocks_equal and graphs == 1, (blocks_equal, graphs)
 
 
 def test_a_graph_break_is_reported_once_with_torchs_reason(tmp_path):
