@@ -17,7 +17,7 @@ the activation, the expensive part, is still fused by the compiler.
 The operation number reaches the graph at run time too (`OpAtRunTime`: a 0-d int64 CPU tensor, plus the
 number of draws before it in the region): baked in as a constant, it would make each copy of a repeated
 block a graph of its own (block k's dropouts are operations 3k, 3k+1, ...), so n blocks would compile n
-times instead of once with inductor's cache serving the rest. `compiled_region` wraps a compiled
+times instead of once with inductor's cache serving the rest. `eager.compiled_region` wraps a compiled
 region's forward so that a model run whole numbers its draws from such a tensor.
 """
 

@@ -191,7 +191,7 @@ _ACTIVE_MODE: ContextVar[LayoutFreeDropoutMode | None] = ContextVar("autopar_dro
 
 @contextlib.contextmanager
 def layout_free_dropout(scope: DropoutScope, scan: RandomOpScan | None = None):
-    """The random calls of the block inside, layout-free (the mode active, and findable by `compiled_region`)."""
+    """The random calls of the code run inside, layout-free (the mode active, and findable by `compiled_region`)."""
     mode = LayoutFreeDropoutMode(scope, scan)
     token = _ACTIVE_MODE.set(mode)
     try:
