@@ -134,11 +134,96 @@ def _mask_bits_and_frames() -> tuple[bool, int]:
     return equal, compile_counters()["frames"] - frames
 
 
+class _DroppingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.nn.functional.dropout(self.linear(torch.nn.functional.dropout(x, 0.5)), 0.5)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_DroppingBlock(), _DroppingBlock()])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def _blocks_with_dropout_compiled() -> tuple[bool, int]:
+    """Two blocks of one class, two dropouts each, compiled per block (dynamo's capture only) over two steps of two
+    micro-batches: (outputs equal to eager's, graphs captured). Block 1's dropouts are operations 2 and 3: with the
+    numbers baked in, each block would be a graph of its own (and a compile of its own)."""
+    from autopar.dropout import dropout_step, eager_micro_batch
+    from autopar.train.compile import compile_regions, repeated_blocks
+    graphs = []
+
+    def capture(graph_module, example_inputs):  # a backend that records what dynamo captured and runs it as is
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    torch.manual_seed(0)
+    eager, compiled = _TwoBlocks(), _TwoBlocks()
+    compiled.load_state_dict(eager.state_dict())
+    assert len(compile_regions(repeated_blocks(compiled), capture)) == 2
+    x, equal = torch.ones(4, 3, 8, requires_grad=True), True  # (block 1 gets a tensor requiring grad too)
+    for step in range(2):
+        for index in range(2):
+            outputs = []
+            for model in (eager, compiled):
+                with dropout_step(5, step, [[0, 1], [2, 3]]), eager_micro_batch(index):
+                    outputs.append(model(x[2 * index:2 * index + 2]))
+            equal = equal and torch.equal(*outputs)
+    return equal, len(graphs)
+
+
+def _stage_pieces_with_dropout_compiled() -> tuple[bool, int]:
+    """A pipeline stage of gpt-tiny with three blocks (dropout 0.1), its pieces compiled (dynamo's capture only):
+    (its output equal to the same stage's uncompiled, how many different graphs the three blocks' pieces are,
+    compared node by node without the names, which differ from piece to piece)."""
+    from torch import fx
+
+    from autopar.dropout import dropout_step, micro_batch
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.partition.stages import StageModule, materialize_stage, plan_stages
+    from autopar.trace import trace
+    from autopar.train.compile import compile_forward
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(tuple((n.op, str(n.target), fx.node.map_arg(n.args, lambda _: "%"))
+                            for n in graph_module.graph.nodes if n.op != "placeholder"))
+        return graph_module.forward
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, d_model=16, n_head=2, dropout=0.1, vocab_size=32))
+    graph = trace(model, (torch.zeros(2, 4, dtype=torch.long),))
+    spec = plan_stages(graph, [0, len(graph.blocks)])[0]
+    eager, compiled = (materialize_stage(StageModule(graph, spec, 1), model, "cpu") for _ in range(2))
+    for piece in compiled.pieces:
+        compile_forward(piece, capture)
+    tokens = torch.randint(0, 32, (2, 4))
+    outputs = []
+    for stage in (eager, compiled):
+        with dropout_step(1, 0, [[0, 1]]), micro_batch(0):
+            outputs.append(stage(tokens))
+    assert len(graphs) == len(compiled.pieces) == 5  # the embeddings, three blocks, the head
+    return torch.equal(*outputs), len(set(graphs[1:4]))
+
+
 def test_dropout_masks_compile_to_the_eager_bits(rank_pool):
-    """The mask under torch.compile: the same bits as eager, across steps, without recompiling per step (run in a
-    pool rank, whose compiler is already warm)."""
-    equal, recompiled = rank_pool(1).run(_mask_bits_and_frames)[0]
+    """The mask under torch.compile: the same bits as eager, across steps, without recompiling per step; and the
+    copies of a block with dropout compile to one graph, in a model run whole and in a pipeline stage's pieces
+    (run in a pool rank, whose compiler is already warm)."""
+    pool = rank_pool(1)
+    equal, recompiled = pool.run(_mask_bits_and_frames)[0]
     assert equal and recompiled == 0, (equal, recompiled)
+    blocks_equal, graphs = pool.run(_blocks_with_dropout_compiled)[0]
+    assert blocks_equal and graphs == 1, (blocks_equal, graphs)
+    pieces_equal, block_graphs = pool.run(_stage_pieces_with_dropout_compiled)[0]
+    assert pieces_equal and block_graphs == 1, (pieces_equal, block_graphs)
 
 
 def test_a_graph_break_is_reported_once_with_torchs_reason(tmp_path):

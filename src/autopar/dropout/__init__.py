@@ -52,11 +52,13 @@ import contextlib
 
 import torch
 
+from .eager import compiled_region
 from .graph import GraphDropout, dropout_numbering, replace_dropout_nodes, shard_dropout
 from .scope import DropoutScope, active_scope, checkpoint_context_fn, dropout_step, micro_batch
 
-__all__ = ["DropoutScope", "GraphDropout", "active_scope", "checkpoint_context_fn", "dropout_numbering",
-           "dropout_step", "eager_micro_batch", "micro_batch", "replace_dropout_nodes", "shard_dropout"]
+__all__ = ["DropoutScope", "GraphDropout", "active_scope", "checkpoint_context_fn", "compiled_region",
+           "dropout_numbering", "dropout_step", "eager_micro_batch", "micro_batch", "replace_dropout_nodes",
+           "shard_dropout"]
 
 
 @contextlib.contextmanager
@@ -66,15 +68,15 @@ def eager_micro_batch(index: int):
     Keep it open over the micro-batch's backward too, so that a recomputation there is
     caught (eager.py). Outside a step scope, nothing changes (torch's own dropout).
     """
-    from .eager import LayoutFreeDropoutMode, RandomOpScan
+    from .eager import RandomOpScan, layout_free_dropout
     with micro_batch(index) as scope:
         if scope is None:
             yield
         elif scope.scan_random_ops:
             # the scan must see every aten op, so compiled regions (--compile) run eagerly for this micro-batch;
             # torch.compile would skip them under a dispatch mode anyway, and then for good, not just this once
-            with torch.compiler.set_stance("force_eager"), RandomOpScan() as scan, LayoutFreeDropoutMode(scope, scan):
+            with torch.compiler.set_stance("force_eager"), RandomOpScan() as scan, layout_free_dropout(scope, scan):
                 yield
         else:
-            with LayoutFreeDropoutMode(scope):
+            with layout_free_dropout(scope):
                 yield

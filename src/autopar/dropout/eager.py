@@ -27,6 +27,9 @@ off in a training forward: reentrant checkpointing) is refused instead.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from .._torch_internals import dispatch_mode_base, in_backward, in_checkpointed_region
 from ..errors import ConfigError, ModelError
 from . import ops
+from .compiled import OpAtRunTime
 from .random_ops import ALWAYS_DRAWING, RECURRENT, draws, recurrent_draws, refusal
 from .scope import DropoutScope
 
@@ -102,18 +106,39 @@ def _argument(args: tuple, kwargs: dict, index: int, name: str, default):
 
 
 class LayoutFreeDropoutMode(TorchFunctionMode):
-    """The random calls of one micro-batch, with layout-free draws numbered in call order; others refused."""
+    """The random calls of one micro-batch, with layout-free draws numbered in call order; others refused.
+
+    Inside a compiled region (`compiled_region`) the draws are numbered from the region's first number, held in a
+    tensor the graph reads when it runs (`region_base`), plus their count so far in the region (`region_ops`): the
+    graph holds only the offsets, the same in every copy of a repeated block (compiled.py)."""
 
     def __init__(self, scope: DropoutScope, scan: RandomOpScan | None = None):
         super().__init__()
         self.scope, self.next_op, self.scan = scope, 0, scan
+        self.region_base: torch.Tensor | None = None
+        self.region_ops = 0
 
-    def _take_op(self) -> int:
+    @contextlib.contextmanager
+    def region(self):
+        """A compiled region's call: its draws continue the numbering from a run-time tensor."""
+        self.region_base, self.region_ops = torch.tensor(self.next_op, dtype=torch.int64), 0
+        try:
+            yield
+        finally:
+            self.next_op += self.region_ops
+            self.region_base, self.region_ops = None, 0
+
+    def _take_op(self) -> int | OpAtRunTime:
         if _inside_checkpoint():
             raise ConfigError("a dropout runs inside a layer the model checkpoints itself (torch.utils.checkpoint, "
                               "e.g. gradient_checkpointing_enable()): its recomputation in backward would draw "
                               "torch's own mask, not this one. Turn off the model's own checkpointing (use autopar's "
                               "--recompute / --memory-budget-mb instead) or set dropout to 0")
+        if self.region_base is not None:
+            offset, self.region_ops = self.region_ops, self.region_ops + 1
+            if torch.compiler.is_compiling():
+                return OpAtRunTime(self.region_base, offset)
+            return self.next_op + offset  # the region run eagerly (a run's first step, a graph break's eager part)
         op, self.next_op = self.next_op, self.next_op + 1
         return op
 
@@ -159,6 +184,34 @@ class LayoutFreeDropoutMode(TorchFunctionMode):
         if kind in ("alpha", "feature_alpha"):
             return ops.alpha_dropout(x, p, op, self.scope, channel=kind == "feature_alpha", inplace=inplace)
         return ops.dropout(x, p, op, self.scope, channel=kind == "channel", inplace=inplace)
+
+
+_ACTIVE_MODE: ContextVar[LayoutFreeDropoutMode | None] = ContextVar("autopar_dropout_mode", default=None)
+
+
+@contextlib.contextmanager
+def layout_free_dropout(scope: DropoutScope, scan: RandomOpScan | None = None):
+    """The random calls of the code run inside, layout-free (the mode active, and findable by `compiled_region`)."""
+    mode = LayoutFreeDropoutMode(scope, scan)
+    token = _ACTIVE_MODE.set(mode)
+    try:
+        with mode:
+            yield mode
+    finally:
+        _ACTIVE_MODE.reset(token)
+
+
+def compiled_region(forward: Callable) -> Callable:
+    """A compiled region's forward (torch.compile'd), called so that the dropouts inside it are numbered at run time
+    (LayoutFreeDropoutMode.region): one graph serves every copy of a repeated block."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        mode = _ACTIVE_MODE.get()
+        if mode is None or mode.region_base is not None:  # outside a step, or inside an enclosing region
+            return forward(*args, **kwargs)
+        with mode.region():
+            return forward(*args, **kwargs)
+    return run
 
 
 class CompositeDraw(TorchDispatchMode):

@@ -27,7 +27,7 @@ from torch import fx, nn
 from ..errors import ModelError
 from . import ops
 from .random_ops import draws, refusal, stack_hint
-from .compiled import ScopeAtRunTime
+from .compiled import OpAtRunTime, ScopeAtRunTime
 from .scope import active_scope
 
 aten = torch.ops.aten
@@ -85,6 +85,12 @@ class GraphDropout(nn.Module):
         self.kind, self.op, self.batch, self.source, self.inplace = kind, op, batch, source, inplace
         self.shard: ops.TPShard | None = None
         self._keys: dict = {}  # per-element hashes: the shapes are static
+        # the number as a tensor a compiled piece reads when it runs, so that identical blocks' pieces compile to one
+        # graph (compiled.py); a plain attribute, not a buffer: no state_dict entry, never moved off the CPU
+        self._op_tensor = torch.tensor(op, dtype=torch.int64, device="cpu")
+
+    def _op(self) -> int | OpAtRunTime:
+        return OpAtRunTime(self._op_tensor, 0) if torch.compiler.is_compiling() else self.op
 
     def extra_repr(self) -> str:
         return f"{self.kind}, op={self.op}, node={self.source}" + (f", {self.shard}" if self.shard else "")
@@ -115,9 +121,9 @@ class GraphDropout(nn.Module):
         if not self.training or p == 0:
             return (x, torch.ones_like(x, dtype=torch.bool)) if self.kind == "native" else x
         if self.kind in ("alpha", "feature_alpha"):
-            return ops.alpha_dropout(x, p, self.op, scope, channel=self.kind == "feature_alpha", shard=self.shard,
+            return ops.alpha_dropout(x, p, self._op(), scope, channel=self.kind == "feature_alpha", shard=self.shard,
                                      inplace=self.inplace, cache=self._keys)
-        noise = ops.dropout_noise(tuple(x.shape), p, self.op, scope, dtype=x.dtype, device=x.device,
+        noise = ops.dropout_noise(tuple(x.shape), p, self._op(), scope, dtype=x.dtype, device=x.device,
                                   channel=self.kind == "channel", shard=self.shard, cache=self._keys)
         out = x.mul_(noise) if self.inplace else x * noise
         return (out, noise != 0) if self.kind == "native" else out
@@ -135,7 +141,7 @@ class GraphDropout(nn.Module):
             return F.rrelu(x, lower, upper, training=False, inplace=self.inplace)
         if scope is None:
             return (torch.rrelu_ if self.inplace else torch.rrelu)(x, lower, upper, True)
-        return ops.rrelu(x, float(lower), float(upper), self.op, scope, shard=self.shard, inplace=self.inplace,
+        return ops.rrelu(x, float(lower), float(upper), self._op(), scope, shard=self.shard, inplace=self.inplace,
                          cache=self._keys)
 
     def _attention(self, subbatch: int, *args, **kwargs):
@@ -149,7 +155,7 @@ class GraphDropout(nn.Module):
         if not self.training or scope is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p if self.training else 0.0,
                                                   is_causal=causal, scale=scale, enable_gqa=gqa)
-        return ops.attention(q, k, v, mask, float(p), bool(causal), scale, bool(gqa), self.op, scope,
+        return ops.attention(q, k, v, mask, float(p), bool(causal), scale, bool(gqa), self._op(), scope,
                              shard=self.shard, cache=self._keys)
 
 

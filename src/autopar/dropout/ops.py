@@ -16,9 +16,12 @@ import torch
 
 from .._torch_internals import safe_softmax
 from ..errors import ModelError
-from .compiled import ScopeAtRunTime, compiled_sample_keys, scope_keys
+from .compiled import OpAtRunTime, ScopeAtRunTime, compiled_sample_keys, op_number, scope_keys
 from .mask import element_ids, element_keys, keep_mask, sample_keys, shard_positions, uniform
 from .scope import DropoutScope
+
+
+Op = int | OpAtRunTime  # an operation number; in a compiled graph, possibly read at run time (compiled.py)
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,10 @@ def _element_keys(shape: tuple[int, ...], batch: int, *, channel: bool, shard: T
     return keys
 
 
-def _draws(shape: tuple[int, ...], op: int, scope: DropoutScope, *, device: torch.device, channel: bool,
+def _draws(shape: tuple[int, ...], op: Op, scope: DropoutScope, *, device: torch.device, channel: bool,
            shard: TPShard | None, cache: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-sample keys [B], per-element keys) of operation `op` for an activation of `shape`."""
+    """(per-sample keys [B], per-element keys) of operation `op` for an activation of `shape` (in a compiled
+    graph, `op` may be read at run time: compiled.OpAtRunTime)."""
     if torch.compiler.is_compiling():  # keys by one opaque operator, read at run time (compiled.py); no caches:
         # a cache filled while tracing would be a guard, and the per-element keys fuse into the mask anyway
         if isinstance(scope, ScopeAtRunTime):
@@ -68,7 +72,7 @@ def _draws(shape: tuple[int, ...], op: int, scope: DropoutScope, *, device: torc
     samples = scope.samples_on(device)
     cache = scope.element_keys if cache is None else cache
     elements = _element_keys(tuple(shape), len(samples), channel=channel, shard=shard, device=device, cache=cache)
-    return sample_keys(scope.seed, scope.step, op, samples), elements
+    return sample_keys(scope.seed, scope.step, op_number(op), samples), elements
 
 
 def _as_activation(values: torch.Tensor, shape: tuple[int, ...], channel: bool) -> torch.Tensor:
@@ -77,14 +81,14 @@ def _as_activation(values: torch.Tensor, shape: tuple[int, ...], channel: bool) 
     return values.reshape(*values.shape, *([1] * (len(shape) - 2))) if channel else values
 
 
-def keep(shape: tuple[int, ...], p: float, op: int, scope: DropoutScope, *, device: torch.device,
+def keep(shape: tuple[int, ...], p: float, op: Op, scope: DropoutScope, *, device: torch.device,
          channel: bool = False, shard: TPShard | None = None, cache: dict | None = None) -> torch.Tensor:
     """bool: which elements (channel: which (sample, channel) pairs, broadcastable) operation `op` keeps."""
     keys, elements = _draws(shape, op, scope, device=device, channel=channel, shard=shard, cache=cache)
     return _as_activation(keep_mask(keys, elements, p), shape, channel)
 
 
-def dropout_noise(shape: tuple[int, ...], p: float, op: int, scope: DropoutScope, *, dtype: torch.dtype,
+def dropout_noise(shape: tuple[int, ...], p: float, op: Op, scope: DropoutScope, *, dtype: torch.dtype,
                   device: torch.device, channel: bool = False, shard: TPShard | None = None,
                   cache: dict | None = None) -> torch.Tensor:
     """keep / (1 - p) for an activation of `shape` (channel: one draw per (sample, channel), broadcast)."""
@@ -94,7 +98,7 @@ def dropout_noise(shape: tuple[int, ...], p: float, op: int, scope: DropoutScope
     return kept.to(dtype).div_(1.0 - p)
 
 
-def dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, channel: bool = False,
+def dropout(x: torch.Tensor, p: float, op: Op, scope: DropoutScope, *, channel: bool = False,
             shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
     """x * keep / (1 - p), as torch's dropout computes it, with the layout-free mask of operation `op`."""
     _check_channel(x, channel)
@@ -107,7 +111,7 @@ def dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, channel:
 _ALPHA = 1.7580993408473766
 
 
-def alpha_dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, channel: bool = False,
+def alpha_dropout(x: torch.Tensor, p: float, op: Op, scope: DropoutScope, *, channel: bool = False,
                   shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
     """Alpha dropout as torch computes it (mean and variance kept for SELU), with the mask of operation `op`:
     a kept element becomes a * x, a dropped one a * (-alpha) + alpha * a * p, a = ((alpha^2 p + 1)(1 - p))^-1/2."""
@@ -120,7 +124,7 @@ def alpha_dropout(x: torch.Tensor, p: float, op: int, scope: DropoutScope, *, ch
     return x.mul_(kept.mul_(a)).add_(shift) if inplace else (x * kept.mul_(a)).add_(shift)
 
 
-def rrelu(x: torch.Tensor, lower: float, upper: float, op: int, scope: DropoutScope, *,
+def rrelu(x: torch.Tensor, lower: float, upper: float, op: Op, scope: DropoutScope, *,
           shard: TPShard | None = None, inplace: bool = False, cache: dict | None = None) -> torch.Tensor:
     """Randomized leaky ReLU in training: x where x > 0, else x * r with r ~ U(lower, upper) drawn per element
     from operation `op`'s hash (torch's gradient too: r below zero, 1 above)."""
@@ -136,7 +140,7 @@ def _check_channel(x: torch.Tensor, channel: bool) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, p: float,
-              is_causal: bool, scale: float | None, enable_gqa: bool, op: int, scope: DropoutScope, *,
+              is_causal: bool, scale: float | None, enable_gqa: bool, op: Op, scope: DropoutScope, *,
               shard: TPShard | None = None, cache: dict | None = None) -> torch.Tensor:
     """Scaled dot-product attention written out, with layout-free dropout on the attention weights.
 

@@ -12,7 +12,8 @@ compiled step and with no compile time.
 
 Equal to eager within fp32 tolerance, not bitwise: the compiler fuses element-wise chains and may
 reassociate reductions (layer norm, softmax sums), a few ulps per op. Dropout masks are exact: the
-per-sample keys are one custom operator reading the step at run time (dropout/compiled.py), and the
+per-sample keys are one custom operator reading the step and the dropout's number at run time
+(dropout/compiled.py: with the number a constant, each block with dropout would be a graph of its own), and the
 per-element hash is integer arithmetic, which fusion cannot change.
 
 Compile time is paid in the first steps of a run and cached across runs in inductor's folder under
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from .._torch_internals import allow_compiled_regions, compile_counters
+from ..dropout import compiled_region
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -71,8 +73,9 @@ def repeated_blocks(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.M
 
 
 def compile_forward(module: nn.Module, backend: str = "inductor") -> None:
-    """The module's forward, compiled; hooks, parameters and names stay the module's own."""
-    module.forward = torch.compile(module.forward, backend=backend)
+    """The module's forward, compiled; hooks, parameters and names stay the module's own. Its dropouts are numbered
+    when it runs (dropout.compiled_region), so every copy of a block compiles to the same graph."""
+    module.forward = compiled_region(torch.compile(module.forward, backend=backend))
 
 
 def compile_regions(regions: list[tuple[str, nn.Module]], backend: str = "inductor") -> list[str]:
