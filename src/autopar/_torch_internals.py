@@ -334,8 +334,9 @@ def compile_counters() -> dict[str, Any]:
 @_wraps("torch._dynamo.config.recompile_limit",
         "none: past torch's limit (8 per code object), further blocks of one class run eagerly, with a warning")
 def allow_compiled_regions(count: int) -> None:
-    """Let one code object (a block class's forward) hold a compiled graph per region: torch guards each
-    compiled block on its own module, so n blocks of one class are n entries of one code object's cache."""
+    """Let one code object (a block class's forward) hold a cache entry per region: torch guards each compiled
+    block on its own module, so n blocks of one class are n entries of that code object's cache even where
+    they share one graph; past the default limit torch would run the later blocks eagerly."""
     try:
         from torch._dynamo import config
     except ImportError:
