@@ -172,7 +172,7 @@ def train(cases: list[tuple[str, str, dict]], out: str) -> list[dict]:
     results = []
     for i, (name, device, strategy) in enumerate(cases):
         # adam_eps 1e-6: a key bias's gradient is zero up to rounding (softmax ignores a shift), and Adam
-        # would scale that noise up to a step of lr with eps 1e-8 (see zoo_models.train_case)
+        # would scale that noise up to a step of lr with eps 1e-8 (see zoo_training.train_case)
         config = autopar.TrainConfig(steps=2, global_batch_size=8, micro_batch_size=4, lr=1e-3, adam_eps=1e-6,
                                      warmup_steps=0, out=f"{out}/{i}", progress=False, timeout_s=60)
         trainer = autopar.Trainer(build(name, device), token_data(), strategy=autopar.Strategy(**strategy),

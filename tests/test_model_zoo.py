@@ -36,7 +36,8 @@ import math
 import pytest
 import torch
 
-from zoo_models import CASES, refusal, train_cases
+from zoo_models import CASES
+from zoo_training import refusal, train_cases
 
 LAYOUTS = {"dp2": {"dp": 2}, "pp2": {"pp": 2}, "tp2": {"tp": 2}}
 MICRO = 4  # two micro-batches per step under pp2 and tp2, one per replica under dp2

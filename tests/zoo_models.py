@@ -12,15 +12,14 @@ head, init in its constructor). Every dataset is a small in-memory list of dicts
 with attention masks wherever the model takes them, drawn from a fixed seed so every rank
 and every run sees the same samples.
 
-Module level (no test code) so the rank pool's spawned workers can import it.
+The datasets live in tests/zoo_data.py, the training of a case in tests/zoo_training.py. Module level (no
+test code) so the rank pool's spawned workers can import it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -28,11 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from zoo_data import (SEQ, VOCAB, classes, denoising, featured_lm, images, left_padded_lm, padded_mlm,  # noqa: F401
+                      padded_seq2seq, plain_lm)  # (the zoo's datasets, also read from here by the other zoo files)
 
-IGNORE = -100
-SEQ = 16
-VOCAB = 128
-SAMPLES = 32  # 2 steps of 8 samples, drawn from 32
 DROPOUT = 0.1  # the user modules' default, like most published models
 
 
@@ -77,72 +74,6 @@ HF_FAMILIES: dict[str, tuple[str, dict]] = {
     "t5": ("seq2seq", dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                            relative_attention_num_buckets=8, relative_attention_max_distance=16)),
 }
-
-
-# ----------------------------------------------------------------------------- datasets
-
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def left_padded_lm(pad_id: int = 0, seed: int = 1) -> list[dict]:
-    """Causal LM: up to 6 pad tokens on the left, masked out; labels as Hugging Face's collators make them:
-    the input ids, -100 on pads (the model's loss scores each position against the next label)."""
-    g = _generator(seed)
-    samples = []
-    for _ in range(SAMPLES):
-        tokens = torch.randint(3, VOCAB, (SEQ,), generator=g)
-        pad = int(torch.randint(0, 7, (), generator=g))
-        inputs, labels = tokens.clone(), tokens.clone()
-        inputs[:pad], labels[:pad] = pad_id, IGNORE
-        mask = torch.ones(SEQ, dtype=torch.long)
-        mask[:pad] = 0
-        samples.append({"input_ids": inputs, "attention_mask": mask, "labels": labels})
-    return samples
-
-
-def padded_mlm(pad_id: int, mask_id: int, token_types: bool, seed: int = 2) -> list[dict]:
-    """Masked LM: right padding (masked out), 25% of real tokens masked and predicted; BERT gets
-    two segments in token_type_ids."""
-    g = _generator(seed)
-    samples = []
-    for _ in range(SAMPLES):
-        length = int(torch.randint(SEQ - 6, SEQ + 1, (), generator=g))
-        original = torch.randint(5, VOCAB, (SEQ,), generator=g)
-        chosen = (torch.rand(SEQ, generator=g) < 0.25) & (torch.arange(SEQ) < length)
-        chosen[0] = True  # at least one target per sample
-        inputs = torch.where(chosen, torch.full_like(original, mask_id), original)
-        inputs[length:] = pad_id
-        sample = {"input_ids": inputs, "attention_mask": (torch.arange(SEQ) < length).long(),
-                  "labels": torch.where(chosen, original, torch.full_like(original, IGNORE))}
-        if token_types:
-            sample["token_type_ids"] = (torch.arange(SEQ) >= length // 2).long() * sample["attention_mask"]
-        samples.append(sample)
-    return samples
-
-
-def padded_seq2seq(pad_id: int = 0, start_id: int | None = None, lowest_id: int = 2, seed: int = 3) -> list[dict]:
-    """T5 and BART: a right-padded source with its mask, a right-padded decoder input starting with
-    the decoder start id (T5's is the pad id, the default) with its mask, labels the next target
-    token (-100 on pads); tokens drawn from lowest_id up, above the special ids."""
-    start_id = pad_id if start_id is None else start_id
-    g = _generator(seed)
-    samples = []
-    for _ in range(SAMPLES):
-        src_len = int(torch.randint(SEQ - 6, SEQ + 1, (), generator=g))
-        tgt_len = int(torch.randint(SEQ // 2 - 3, SEQ // 2 + 1, (), generator=g))
-        source = torch.randint(lowest_id, VOCAB, (SEQ,), generator=g)
-        source[src_len:] = pad_id
-        target = torch.randint(lowest_id, VOCAB, (SEQ // 2,), generator=g)
-        decoder_inputs = torch.cat([torch.tensor([start_id]), target[:-1]])
-        decoder_mask = (torch.arange(SEQ // 2) < tgt_len).long()
-        decoder_inputs[tgt_len:] = pad_id
-        labels = torch.where(decoder_mask.bool(), target, torch.full_like(target, IGNORE))
-        samples.append({"input_ids": source, "attention_mask": (torch.arange(SEQ) < src_len).long(),
-                        "decoder_input_ids": decoder_inputs, "decoder_attention_mask": decoder_mask,
-                        "labels": labels})
-    return samples
 
 
 def hf_data(family: str) -> list[dict]:
@@ -430,47 +361,6 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def images(seed: int = 4) -> list[dict]:
-    """Float images and their (fixed random) classes."""
-    g = _generator(seed)
-    return [{"inputs": torch.randn(3, 16, 16, generator=g), "labels": torch.randint(0, 10, (), generator=g)}
-            for _ in range(SAMPLES)]
-
-
-def denoising(seed: int = 5) -> list[dict]:
-    """Noisy 1-channel images; the target is the clean image (a smooth pattern)."""
-    g = _generator(seed)
-    grid = torch.linspace(-1, 1, 16)
-    samples = []
-    for _ in range(SAMPLES):
-        fx, fy = torch.rand(2, generator=g) * 3
-        clean = torch.sin(fx * grid)[:, None] * torch.cos(fy * grid)[None, :]
-        noisy = clean + 0.3 * torch.randn(16, 16, generator=g)
-        samples.append({"inputs": noisy[None], "labels": clean[None]})
-    return samples
-
-
-def classes(seed: int = 6) -> list[dict]:
-    g = _generator(seed)
-    return [{"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=g), "labels": torch.randint(0, 4, (), generator=g)}
-            for _ in range(SAMPLES)]
-
-
-def featured_lm(seed: int = 7) -> list[dict]:
-    g = _generator(seed)
-    samples = []
-    for _ in range(SAMPLES):
-        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
-        samples.append({"input_ids": tokens[:-1], "features": torch.randn(SEQ, 8, generator=g), "labels": tokens[1:]})
-    return samples
-
-
-def plain_lm(seed: int = 8) -> list[dict]:
-    g = _generator(seed)
-    return [{"input_ids": (t := torch.randint(0, VOCAB, (SEQ + 1,), generator=g))[:-1], "labels": t[1:]}
-            for _ in range(SAMPLES)]
-
-
 def mse_loss(output: torch.Tensor, batch: dict) -> torch.Tensor:
     return F.mse_loss(output, batch["labels"])
 
@@ -575,84 +465,3 @@ REFUSED_CASES: dict[str, Case] = {
     # re-drawn by name) is refused rather than half-done; CASES["nanogpt"] passes replay_init
     "nanogpt": Case(NanoGPT, plain_lm, only="meta", why="built for real, or with replay_init, it is in CASES"),
 }
-
-STEPS = 2
-GLOBAL_BATCH = 8
-
-
-def train_case(name: str, build: str, out: str, *, strategy: dict | None = None,
-               micro_batch_size: int = GLOBAL_BATCH, refused: bool = False) -> dict:
-    """Train zoo case `name`, built `build`, for STEPS steps through autopar.Trainer (runs on every
-    rank of a pool). Returns the per-step losses and this rank's parameters by name (tp slices gathered)."""
-    from helpers import whole_parameters
-
-    case = (REFUSED_CASES if refused else CASES)[name]
-    # adam_eps 1e-6, not 1e-8: a gradient that is zero up to rounding (a key bias, whose gradient softmax's
-    # shift invariance makes exactly zero; a pad row) is ~1e-9 here, and Adam divides it by its own root, so
-    # with eps 1e-8 rounding noise moves such a weight by a good part of lr (1e-4 seen on an AMD EPYC in
-    # vit tp2); 1e-6 leaves every real gradient (>= 1e-5 here) normalised as before.
-    config = autopar.TrainConfig(steps=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size,
-                                 lr=1e-3, warmup_steps=0, adam_eps=1e-6, out=out, progress=False, timeout_s=60)
-    trainer = autopar.Trainer(construct(case, build), case.data(),
-                              strategy=autopar.Strategy(**(strategy or {})), config=config, loss_fn=case.loss_fn,
-                              init_fn=case.meta_init if build == "meta" else None)
-    sharded = any(degree > 1 for key, degree in (strategy or {}).items() if key in ("tp", "pp", "zero"))
-    try:
-        with without_flop_count(), contextlib.nullcontext() if sharded else without_final_checkpoint():
-            result = trainer.train()
-        norms = step_grad_norms(result.run_dir) if trainer.is_main else None
-        return {"losses": result.losses, "params": whole_parameters(trainer), "grad_norms": norms}
-    finally:
-        trainer.close()
-
-
-def step_grad_norms(run_dir) -> list:
-    """The gradient norm of every step (before clipping), from the run's metrics.jsonl: a gradient scaled wrongly
-    alike on every parameter barely moves Adam's update, so losses and weights after a few steps can miss it."""
-    import json
-    from pathlib import Path
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r.get("grad_norm") for r in records if "step" in r and "loss" in r]  # (a step's eval_loss shares its line)
-
-
-def without_flop_count():
-    """The run's FLOP count (for MFU) left out: it is a forward of a fake copy of the model on rank 0 alone, which
-    here costs more than the 2 steps themselves (the zoo's 4 trainings of each of its 84 jobs spent about a minute
-    of a 2-core run on it), and nothing of it reaches the losses and weights compared here: it runs on a copy,
-    with the random state forked. The count itself is tested in tests/test_run_logs.py."""
-    from unittest import mock
-    return mock.patch("autopar.train.run_account.forward_flops_per_sample", lambda *args, **kwargs: None)
-
-
-def without_final_checkpoint():
-    """No checkpoint at the end of a run whose state is whole on every rank (one process, dp): there the save is the
-    same code for every model (tests/test_checkpoint.py), and it cost about half of such a run here. The sharded
-    layouts (tp, pp, ZeRO) still save, so each zoo model's state is still saved split as those layouts split it."""
-    from unittest import mock
-    return mock.patch("autopar.train.checkpointer.Checkpointer.save", lambda *args, **kwargs: None)
-
-
-def train_cases(jobs: list[tuple[str, str]], out: str, **kwargs: Any) -> dict[tuple[str, str], dict]:
-    """Train every (case, build) of `jobs` in one pool task (starting a task costs more than a tiny
-    model's 2 steps). A case that raises gives {"error": traceback} and the next case still runs."""
-    import traceback
-
-    results = {}
-    for index, (name, build) in enumerate(jobs):
-        try:
-            results[name, build] = train_case(name, build, str(Path(out) / str(index)), **kwargs)
-        except Exception as exc:  # the test of that case reports it
-            results[name, build] = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    return results
-
-
-def refusal(name: str, out: str, *, strategy: dict | None = None, micro_batch_size: int = GLOBAL_BATCH) -> dict:
-    """Train a case of REFUSED_CASES that must be refused: the error (type and message) and whether any step ran."""
-    try:
-        train_case(name, REFUSED_CASES[name].builds[0], out, strategy=strategy, micro_batch_size=micro_batch_size,
-                   refused=True)
-    except Exception as exc:  # the test judges the type
-        metrics = Path(out) / "metrics.jsonl"
-        return {"error": type(exc).__name__, "autopar_error": isinstance(exc, autopar.AutoparError),
-                "message": str(exc), "stepped": metrics.exists() and bool(metrics.read_text().strip())}
-    return {"error": None, "stepped": True}
