@@ -120,6 +120,34 @@ def test_cp_divides_sequence_memory_and_prices_the_ring_against_all_to_all():
     assert {c.cp for c in enumerate_candidates(odd, SearchSpace(nproc=2))} == {1}
 
 
+def test_all_to_all_is_listed_exactly_where_the_rewrite_accepts_it():
+    """The search lists --cp-mode all-to-all at a tp x cp only where the runtime's rewrite runs it: each tp rank's
+    share of the heads must split over cp (gpt-tiny's 4 heads: tp=2 cp=4 leaves 2 heads per tp rank for 4 cp
+    ranks, which the rewrite refuses though 4 heads divide by 4)."""
+    from autopar.context_parallel.rewrite import check_rewritable
+    from autopar.errors import ModelError
+    from autopar.models.registry import build_model
+    from autopar.search.profile import profile_graph
+    from autopar.trace import trace
+    model, _ = build_model("gpt-tiny", {"n_layer": 1}, vocab_size=64, device="cpu")
+    graph = trace(model, (torch.zeros(1, 16, dtype=torch.long),), device="cpu")
+    prof = profile_graph(graph, name="gpt-tiny", seq_len=16, tp_degrees=(1, 2, 4))
+    space = SearchSpace(nproc=8, schedules=("1f1b",), chunks=(1,), recompute=("none",), partitions=("uniform",),
+                        zero_levels=(0,))
+    listed = {(c.tp, c.cp, c.cp_mode) for c in enumerate_candidates(StepModel(prof, sized(preset("cpu-local"), nproc=8),
+                                                                              global_batch_size=8), space)}
+    layouts = {(tp, cp) for tp, cp, _ in listed if cp > 1}
+    assert {(2, 4), (1, 8), (2, 2), (4, 2)} <= layouts  # the ring runs them all
+    for tp, cp in layouts:
+        try:
+            check_rewritable(graph, cp, "all-to-all", tp)
+            accepted = True
+        except ModelError:
+            accepted = False
+        assert ((tp, cp, "all-to-all") in listed) == accepted, (tp, cp)
+    assert (2, 4, "all-to-all") not in listed and (1, 4, "all-to-all") in listed and (2, 2, "all-to-all") in listed
+
+
 @pytest.mark.parametrize("speedup, picked", [(0.0, None), (0.8, False), (2.0, True)])
 def test_compile_is_searched_only_where_measured_and_kept_only_when_faster(speedup, picked):
     cluster = toy_cluster(compile_speedup=speedup, compile_seconds=1e-3)

@@ -15,6 +15,20 @@ import torch.nn.functional as F
 from .layout import shard_positions
 
 
+def heads_per_rank(heads: int, tp: int) -> int:
+    """The heads of one attention a tp rank holds: tensor parallelism splits them where tp divides them (its
+    own planner refuses the rest, so the whole count is what this rank would swap)."""
+    return heads // tp if heads % tp == 0 else heads
+
+
+def swaps_heads(heads: int, tp: int, cp: int) -> bool:
+    """Whether all-to-all attention can run an attention of `heads` query heads at tp x cp: each rank's swap
+    hands every cp rank an equal share of its tp rank's heads. The rewrite refuses what this refuses, and the
+    strategy search lists only what it allows (keys and values are repeated to the query heads first, so
+    their head count does not matter)."""
+    return heads_per_rank(heads, tp) % cp == 0
+
+
 class _SequenceToHeads(torch.autograd.Function):
     """(B, H, T/cp, D) sequence-split -> (B, H/cp, T, D) head-split, tokens in rank order; backward the inverse."""
 
