@@ -95,6 +95,9 @@ class AttentionCosts:
     the model's kernel over the whole sequence becomes one rank's ring over T/cp tokens, as (forward fixed,
     forward per sequence, backward fixed, backward per sequence) on top of the block's T/cp share. Empty: not
     measured (the ring priced as 1/cp of the kernel, which the written-out ring runs several times slower)."""
+    all_to_all_seconds: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)
+    """The same for all-to-all attention's own work: its swaps' buffers and reorders around the kernel over T with
+    H/cp heads (the exchange itself priced apart, from the calibrated all-to-all). Empty: not measured."""
 
 
 @dataclass(frozen=True)
