@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..context_parallel.all_to_all import heads_per_rank
 from .candidate import Candidate, Estimate
 from .profile import ModelProfile
 from .ring_cost import ring_adjusted
@@ -134,12 +135,14 @@ def _with_sequence_parallel(profile: ModelProfile, tp: int) -> ModelProfile:
         t, saved_bytes=saved, allreduce_count=tuple(2 * n for n in t.allreduce_count))})
 
 
-def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: float) -> list[tuple]:
+def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: float, tp: int = 1) -> list[tuple]:
     """Per block (fixed, per-sequence) seconds forward and backward of attention's exchange, on the T/cp
-    profile (its bytes already a rank's share)."""
+    profile (its bytes already a rank's share of the tokens; under tp a rank exchanges its 1/tp of the heads)."""
     att = profile.attention
+    heads = heads_per_rank(att.heads, tp) / att.heads
     out = []
     for layers, kv, qkvo, flops in zip(att.layers, att.kv_bytes, att.qkv_out_bytes, att.flops):
+        kv, qkvo, flops = kv * heads, qkvo * heads, flops * heads
         if not layers:
             out.append((0.0, 0.0, 0.0, 0.0))
             continue
@@ -165,7 +168,7 @@ def dimension_profile(profile: ModelProfile, cluster, c: Candidate, rate: float)
         profile = scaled_sequence(profile, 1.0 / c.cp)
         # the ring's written-out attention, or the all-to-all's swaps around the kernel, measured, for its share
         profile = ring_adjusted(profile, c.cp, c.cp_mode)
-        exchange = _context_exchange(profile, cluster, c.cp, c.cp_mode, rate)
+        exchange = _context_exchange(profile, cluster, c.cp, c.cp_mode, rate, tp)
     if c.ep > 1 and profile.experts is not None:
         profile, experts = _with_experts(profile, cluster, c.ep)
         exchange = [tuple(a + b for a, b in zip(x, y)) for x, y in zip(exchange, experts)]
