@@ -1,4 +1,4 @@
-"""What ring attention costs a context-parallel rank on this machine, measured as its blocks are.
+"""What ring and all-to-all attention cost a context-parallel rank on this machine, measured as its blocks are.
 
 Why measured: a cp rank does not run the model's fused attention kernel on fewer tokens. Ring attention
 (context_parallel/ring.py) is written out: per pass and per chunk pair it computes fp32 scores, masks
@@ -13,9 +13,10 @@ machine's other processes do not count), fitted as fixed + per sequence like mea
 All-to-all attention (context_parallel/all_to_all.py) is measured the same way: it runs the model's kernel
 over T with H/cp heads (1/cp of the kernel's work), but around it each swap lays out a send buffer, reorders
 the received tokens to sequence order and back, forward and backward. Priced as the kernel's share plus the
-calibrated collectives alone, gpt-mini's cp=2 all-to-all read 24-34% fast; its attention measured fwd+bwd
-2.5x its kernel share on gpt-mini's shapes (B=8, 4 heads x 128 tokens). The loopback runs every copy and
-reorder of one rank, the exchange a local copy of the same bytes (the collective dimensions.py prices apart).
+calibrated collectives alone, gpt-mini's cp=2 all-to-all read 24-34% fast; at cp=2 on gpt-mini's shapes (8
+sequences, 4 heads x 128 tokens) one attention's forward and backward took about 4 ms of CPU, its kernel 1.6.
+The loopback runs every copy and reorder of one rank, the exchange a local copy of the same bytes (the
+collective dimensions.py prices apart).
 
 What is kept per cp, per attention: ring(T/cp) - kernel(T)'s share the T/cp profile already holds (its fixed
 part whole, its per-sequence part / cp), and the same for all-to-all. Stated approximations: the first
@@ -36,6 +37,7 @@ from .profile import AttentionCosts, ModelProfile
 
 CP_DEGREES = (2, 4, 8)  # the degrees measured (those the sequence splits into 2 x cp chunks)
 MICRO_BATCHES = (1, 4)
+REPEATS = {"ring": 3, "all-to-all": 7}  # timed runs per point (median): the all-to-all's few ms vary more, cost less
 _clock = time.thread_time
 
 
@@ -88,7 +90,8 @@ def _fit(small: float, large: float) -> tuple[float, float]:
 
 
 def measure_ring_seconds(att: AttentionCosts, seq_len: int, *, degrees: tuple[int, ...] = CP_DEGREES,
-                         repeats: int = 7, mode: str = "ring") -> dict[int, tuple[float, float, float, float]]:
+                         repeats: int | None = None, mode: str = "ring",
+                         ) -> dict[int, tuple[float, float, float, float]]:
     """Per cp degree that splits `seq_len` into 2 x cp chunks (and, all-to-all, the heads into cp groups):
     (forward fixed, forward per sequence, backward fixed, backward per sequence) seconds one attention of `mode`
     ("ring" or "all-to-all") adds over its T/cp share of the model's kernel."""
@@ -97,6 +100,7 @@ def measure_ring_seconds(att: AttentionCosts, seq_len: int, *, degrees: tuple[in
     if not att.head_dim or not degrees:
         return {}
     rank_work = _ring if mode == "ring" else _swapped
+    repeats = repeats or REPEATS[mode]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs
     try:
