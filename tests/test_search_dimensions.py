@@ -112,12 +112,44 @@ def test_cp_divides_sequence_memory_and_prices_the_ring_against_all_to_all():
              for mode in ("ring", "all-to-all")}
     assert shown["ring"] != shown["all-to-all"]  # the exchange is part of the block's time, the rest alike
     assert forward["ring"] - shown["ring"] == pytest.approx(forward["all-to-all"] - shown["all-to-all"])
+    swapped = model._variants[(1, False, 2, "all-to-all", False, 1)].profile.exchange[1]
+    model.evaluate(dataclasses.replace(ring, cp_mode="all-to-all", tp=2))
+    split = model._variants[(1, False, 2, "all-to-all", False, 2)].profile.exchange[1]
+    assert split[1] == pytest.approx(swapped[1] / 2) and split[0] == pytest.approx(swapped[0])  # half the heads
     slow = toy_cluster(flops_per_s={"fp32": 1e6})  # attention's compute outlasts the ring's sends: only latency shows
     hidden = StepModel(_attention_profile(), slow, global_batch_size=2).evaluate(ring)
     latencies = 4 * slow.intra_node.latency_s * 4  # 4 attentions: 1 send forward, backward 1 block and 2 gradients
     assert hidden.parts["exchange_s"] == pytest.approx(latencies, rel=1e-6)
     odd = StepModel(_attention_profile(seq_len=6), toy_cluster(), global_batch_size=2)  # 2 x cp must divide 6
     assert {c.cp for c in enumerate_candidates(odd, SearchSpace(nproc=2))} == {1}
+
+
+def test_all_to_all_is_listed_exactly_where_the_rewrite_accepts_it():
+    """The search lists --cp-mode all-to-all at a tp x cp only where the runtime's rewrite runs it: each tp rank's
+    share of the heads must split over cp (gpt-tiny's 4 heads: tp=2 cp=4 leaves 2 heads per tp rank for 4 cp
+    ranks, which the rewrite refuses though 4 heads divide by 4)."""
+    from autopar.context_parallel.rewrite import check_rewritable
+    from autopar.errors import ModelError
+    from autopar.models.registry import build_model
+    from autopar.search.profile import profile_graph
+    from autopar.trace import trace
+    model, _ = build_model("gpt-tiny", {"n_layer": 1}, vocab_size=64, device="cpu")
+    graph = trace(model, (torch.zeros(1, 16, dtype=torch.long),), device="cpu")
+    prof = profile_graph(graph, name="gpt-tiny", seq_len=16, tp_degrees=(1, 2, 4))
+    space = SearchSpace(nproc=8, schedules=("1f1b",), chunks=(1,), recompute=("none",), partitions=("uniform",),
+                        zero_levels=(0,))
+    listed = {(c.tp, c.cp, c.cp_mode) for c in enumerate_candidates(StepModel(prof, sized(preset("cpu-local"), nproc=8),
+                                                                              global_batch_size=8), space)}
+    layouts = {(tp, cp) for tp, cp, _ in listed if cp > 1}
+    assert {(2, 4), (1, 8), (2, 2), (4, 2)} <= layouts  # the ring runs them all
+    for tp, cp in layouts:
+        try:
+            check_rewritable(graph, cp, "all-to-all", tp)
+            accepted = True
+        except ModelError:
+            accepted = False
+        assert ((tp, cp, "all-to-all") in listed) == accepted, (tp, cp)
+    assert (2, 4, "all-to-all") not in listed and (1, 4, "all-to-all") in listed and (2, 2, "all-to-all") in listed
 
 
 @pytest.mark.parametrize("speedup, picked", [(0.0, None), (0.8, False), (2.0, True)])
@@ -177,22 +209,24 @@ def test_all_to_all_is_priced_from_its_measured_table_else_from_the_all_reduce_f
     assert cluster_from_dict(measured.to_dict()).all_to_all_table == {2: Link(3e-5, 2e8)}  # the cluster file keeps it
 
 
-def test_ring_cp_prices_the_rings_measured_attention_work_on_measured_blocks():
-    """A cp rank's attention is the written-out ring, not 1/cp of the model's fused kernel: with the ring's
-    measured seconds (search/ring_cost.py) each attention's share changes by them, the all-to-all (which runs
-    the kernel) and layouts without cp do not."""
+def test_cp_prices_each_modes_measured_attention_work_on_measured_blocks():
+    """A cp rank's attention is the written-out ring, or the kernel wrapped in the all-to-all's swaps, not 1/cp of
+    the model's fused kernel: with each mode's measured seconds (search/ring_cost.py) each attention's share
+    changes by them, the other mode and layouts without cp do not."""
     from autopar.search.measure_profile import BlockCosts, with_measured_blocks
     from autopar.search.ring_cost import measure_ring_seconds
     base = _attention_profile()
     blocks = [BlockCosts(forward_fixed_s=1e-3, forward_per_seq_s=2e-3, backward_fixed_s=2e-3, backward_per_seq_s=4e-3,
                          saved_per_seq=1e3, transient_fixed=0.0, transient_per_seq=0.0)] * base.num_blocks
     measured = with_measured_blocks(base, blocks)
-    extra = (3e-4, 1e-4, 5e-4, 2e-4)
+    extra, swapped = (3e-4, 1e-4, 5e-4, 2e-4), (7e-5, 3e-5, 9e-5, 4e-5)
     ringed = dataclasses.replace(measured, attention=dataclasses.replace(measured.attention, ring_seconds={2: extra}))
+    both = dataclasses.replace(ringed, attention=dataclasses.replace(ringed.attention,
+                                                                     all_to_all_seconds={2: swapped}))
     ring = Candidate(dp=1, tp=1, pp=1, micro_batch_size=2, num_microbatches=1, cp=2)
     key = (1, False, 2, "ring", False, 1)
     times = {}
-    for name, prof in (("plain", measured), ("ringed", ringed)):
+    for name, prof in (("plain", measured), ("ringed", ringed), ("both", both)):
         model = StepModel(prof, toy_cluster(), global_batch_size=2)
         model.evaluate(ring)
         model.evaluate(dataclasses.replace(ring, cp_mode="all-to-all"))
@@ -205,6 +239,16 @@ def test_ring_cp_prices_the_rings_measured_attention_work_on_measured_blocks():
         assert times["ringed"]["ring"][1][b] - times["plain"]["ring"][1][b] == pytest.approx(
             n * (extra[2] + 2 * extra[3]), abs=1e-12)
     assert times["ringed"]["all-to-all"] == times["plain"]["all-to-all"]
-    # the measurement itself: one tuple per degree that splits the sequence into 2 x cp chunks
-    seconds = measure_ring_seconds(dataclasses.replace(base.attention, head_dim=4), 12, degrees=(2, 3, 4), repeats=1)
+    assert times["both"]["ring"] == times["ringed"]["ring"]
+    for b, n in enumerate(layers):
+        assert times["both"]["all-to-all"][0][b] - times["plain"]["all-to-all"][0][b] == pytest.approx(
+            n * (swapped[0] + 2 * swapped[1]), abs=1e-12)
+        assert times["both"]["all-to-all"][1][b] - times["plain"]["all-to-all"][1][b] == pytest.approx(
+            n * (swapped[2] + 2 * swapped[3]), abs=1e-12)
+    # the measurement itself: one tuple per degree that splits the sequence into 2 x cp chunks (and, all-to-all,
+    # the 4 heads into cp groups)
+    att = dataclasses.replace(base.attention, head_dim=4)
+    seconds = measure_ring_seconds(att, 12, degrees=(2, 3, 4), repeats=1)
     assert set(seconds) == {2, 3} and all(len(v) == 4 for v in seconds.values())
+    swaps = measure_ring_seconds(att, 12, degrees=(2, 3, 4), repeats=1, mode="all-to-all")
+    assert set(swaps) == {2} and len(swaps[2]) == 4

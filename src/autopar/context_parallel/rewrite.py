@@ -30,7 +30,7 @@ from torch.export.graph_signature import InputKind
 
 from ..errors import ModelError
 from ..trace import ModelGraph
-from .all_to_all import all_to_all_attention
+from .all_to_all import all_to_all_attention, heads_per_rank, swaps_heads
 from .layout import shard_positions
 from .ring import ring_attention
 
@@ -87,8 +87,8 @@ def check_rewritable(graph: ModelGraph, cp: int, mode: str, tp: int = 1) -> None
             raise ModelError(f"context parallelism: attention node {node.name} (in {_where(graph, node)}) has "
                              f"dropout_p={dropout}; attention dropout over a split sequence is not supported yet: "
                              f"set the model's attention dropout to 0 or use --cp 1")
-        local_heads = q.shape[1] // tp if q.shape[1] % tp == 0 else q.shape[1]  # tp's own check names the rest
-        if mode == "all-to-all" and local_heads % cp:
+        local_heads = heads_per_rank(q.shape[1], tp)
+        if mode == "all-to-all" and not swaps_heads(q.shape[1], tp, cp):
             held = f"{q.shape[1]} heads" + (f" ({local_heads} per tp rank at tp={tp})" if tp > 1 else "")
             raise ModelError(f"--cp-mode all-to-all swaps the sequence split for a head split, but attention node "
                              f"{node.name} (in {_where(graph, node)}) has {held}, not divisible by --cp {cp}; use "

@@ -54,8 +54,8 @@ COVERAGE: tuple[Dimension, ...] = (
               "the expert planner recognises: 1/ep of the experts' memory, their dispatch and combine all-to-alls, "
               "the busiest rank's share of the tokens"),
     Dimension("--cp / --cp-mode", True, "every cp whose 2 x cp divides the sequence, ring and (where cp divides the "
-              "heads) all-to-all, on models with scaled-dot-product attention: activations and compute / cp, "
-              "attention's exchange priced by mode"),
+              "heads of each tp rank) all-to-all, on models with scaled-dot-product attention: activations and "
+              "compute / cp, attention's exchange priced by mode"),
     Dimension("--compile", True, "on and off where the cluster file holds a measured compile_speedup: the repeated "
               "blocks' compute / the speedup, compile_seconds amortised over the run's steps"),
     Dimension("--boundary", False, "the cost model prices whole-tensor direct transfers between stages"),

@@ -61,8 +61,9 @@ def attention_costs(graph: ModelGraph, scale: float) -> AttentionCosts | None:
         cost = graph.nodes[node.name]
         layers[cost.block] += 1
         kv[cost.block] += (k.numel() * k.element_size() + v.numel() * v.element_size()) * scale
-        qkvo[cost.block] += (2 * q.numel() * q.element_size() + k.numel() * k.element_size()
-                             + v.numel() * v.element_size()) * scale
+        repeat = q.shape[1] // k.shape[1] if k.shape[1] and q.shape[1] % k.shape[1] == 0 else 1
+        qkvo[cost.block] += (2 * q.numel() * q.element_size() + repeat * (k.numel() * k.element_size()  # all-to-all
+                             + v.numel() * v.element_size())) * scale  # swaps keys/values repeated to the query heads
         flops[cost.block] += cost.flops * scale
         heads.append(q.shape[1])
         kv_heads.append(k.shape[1])
@@ -75,4 +76,4 @@ def attention_costs(graph: ModelGraph, scale: float) -> AttentionCosts | None:
         return None
     return AttentionCosts(heads=min(heads), kv_heads=min(kv_heads), layers=tuple(layers), kv_bytes=tuple(kv),
                           qkv_out_bytes=tuple(qkvo), flops=tuple(flops), head_dim=head_dims[0], causal=causal[0],
-                          masked=masked[0])
+                          masked=masked[0], head_counts=tuple(sorted(set(heads))))

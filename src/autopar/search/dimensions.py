@@ -23,7 +23,8 @@ schedule simulation, the memory walk or the time-sharing bound is written twice:
              2cp - 1 backward: the blocks again and their gradients, the last back home) overlapped
              with the attention's own compute, only what outlasts it showing; its compute is the ring's
              own, timed on this machine (ring_cost.py); all-to-all, two swaps forward (queries/keys/values
-             in, the output back) and two backward.
+             stacked in one, the output back) and two backward, and its own work around the kernel (the swaps'
+             buffers and reorders), timed on this machine too.
     compile  the repeated blocks' compute / Cluster.compile_speedup (measured, never assumed) and
              Cluster.compile_seconds amortised over the run's steps; without a measured figure the
              search does not compile, and a factor <= 1 keeps eager on its own pricing.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..context_parallel.all_to_all import heads_per_rank
 from .candidate import Candidate, Estimate
 from .profile import ModelProfile
 from .ring_cost import ring_adjusted
@@ -133,12 +135,14 @@ def _with_sequence_parallel(profile: ModelProfile, tp: int) -> ModelProfile:
         t, saved_bytes=saved, allreduce_count=tuple(2 * n for n in t.allreduce_count))})
 
 
-def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: float) -> list[tuple]:
+def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: float, tp: int = 1) -> list[tuple]:
     """Per block (fixed, per-sequence) seconds forward and backward of attention's exchange, on the T/cp
-    profile (its bytes already a rank's share)."""
+    profile (its bytes already a rank's share of the tokens; under tp a rank exchanges its 1/tp of the heads)."""
     att = profile.attention
+    heads = heads_per_rank(att.heads, tp) / att.heads
     out = []
     for layers, kv, qkvo, flops in zip(att.layers, att.kv_bytes, att.qkv_out_bytes, att.flops):
+        kv, qkvo, flops = kv * heads, qkvo * heads, flops * heads
         if not layers:
             out.append((0.0, 0.0, 0.0, 0.0))
             continue
@@ -149,9 +153,10 @@ def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: 
             per_seq = max((cp - 1) * send - flops / rate, 0.0)
             back = max((2 * cp - 1) * send - 2 * flops / rate, 0.0)
             out.append(((cp - 1) * latency, per_seq, (2 * cp - 1) * latency, back))
-        else:  # two all-to-all swaps per layer each way: q, k, v in, the output back
-            fixed, per_seq = _linear(lambda b: cluster.all_to_all(b, cp), qkvo / (2 * layers))  # one swap's bytes
-            out.append((2 * layers * fixed, 2 * layers * per_seq, 2 * layers * fixed, 2 * layers * per_seq))
+        else:  # two all-to-all swaps per layer each way: q, k, v stacked in one, the output back in another
+            swaps = [_linear(lambda b: cluster.all_to_all(b, cp), qkvo / layers * share) for share in (0.75, 0.25)]
+            fixed, per_seq = (layers * sum(x) for x in zip(*swaps))
+            out.append((fixed, per_seq, fixed, per_seq))
     return out
 
 
@@ -161,9 +166,9 @@ def dimension_profile(profile: ModelProfile, cluster, c: Candidate, rate: float)
     exchange = [(0.0, 0.0, 0.0, 0.0)] * profile.num_blocks
     if c.cp > 1:
         profile = scaled_sequence(profile, 1.0 / c.cp)
-        if c.cp_mode == "ring":  # the ring's written-out attention, measured, for its share of the fused kernel
-            profile = ring_adjusted(profile, c.cp)
-        exchange = _context_exchange(profile, cluster, c.cp, c.cp_mode, rate)
+        # the ring's written-out attention, or the all-to-all's swaps around the kernel, measured, for its share
+        profile = ring_adjusted(profile, c.cp, c.cp_mode)
+        exchange = _context_exchange(profile, cluster, c.cp, c.cp_mode, rate, tp)
     if c.ep > 1 and profile.experts is not None:
         profile, experts = _with_experts(profile, cluster, c.ep)
         exchange = [tuple(a + b for a, b in zip(x, y)) for x, y in zip(exchange, experts)]

@@ -80,20 +80,24 @@ class ExpertCosts:
 class AttentionCosts:
     """Per block, what context parallelism exchanges (per sequence), and the head count all-to-all divides."""
 
-    heads: int  # the fewest query heads of any attention (all-to-all mode needs cp to divide the head count)
+    heads: int  # the fewest query heads of any attention (the shape the ring's work is measured at)
     kv_heads: int
     layers: tuple[int, ...]  # attentions per block
     kv_bytes: tuple[float, ...]  # keys and values per sequence
-    qkv_out_bytes: tuple[float, ...]  # queries, keys, values and the output per sequence
+    qkv_out_bytes: tuple[float, ...]  # queries, keys, values (repeated to the query heads) and output per sequence
     flops: tuple[float, ...]  # forward FLOPs of the attentions per sequence
     head_dim: int = 0  # of the first attention (the shape the ring's work is measured at); 0: unknown
     causal: bool = True  # the first attention's call says is_causal or passes a mask (an LM's); False: full
     masked: bool = False  # the model passes a mask tensor (so its own kernel is the masked one)
+    head_counts: tuple[int, ...] = ()  # every attention's query heads (all-to-all: context_parallel.swaps_heads)
     ring_seconds: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)
     """Per cp degree, measured on this machine (search/ring_cost.py): the seconds one attention changes by when
     the model's kernel over the whole sequence becomes one rank's ring over T/cp tokens, as (forward fixed,
     forward per sequence, backward fixed, backward per sequence) on top of the block's T/cp share. Empty: not
     measured (the ring priced as 1/cp of the kernel, which the written-out ring runs several times slower)."""
+    all_to_all_seconds: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)
+    """The same for all-to-all attention's own work: its swaps' buffers and reorders around the kernel over T with
+    H/cp heads (the exchange itself priced apart, from the calibrated all-to-all). Empty: not measured."""
 
 
 @dataclass(frozen=True)

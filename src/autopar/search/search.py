@@ -25,6 +25,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..context_parallel.all_to_all import swaps_heads
 from ..errors import ConfigError
 from ..pipeline.schedules import SCHEDULES, schedule_spec
 from .cost import PARTITIONS, RECOMPUTE, Candidate, Estimate, StepModel
@@ -88,18 +89,24 @@ def context_degrees(model: StepModel, space: SearchSpace, rest: int) -> list[int
     return [cp for cp in divisors(rest) if cp == 1 or seq % (2 * cp) == 0]
 
 
+def all_to_all_runs(model: StepModel, tp: int, cp: int) -> bool:
+    """Whether --cp-mode all-to-all runs at tp x cp on this model: the rewrite's own test on every attention."""
+    att = model.profile.attention
+    return att is not None and all(swaps_heads(h, tp, cp) for h in att.head_counts or (att.heads,))
+
+
 def dimension_choices(model: StepModel, space: SearchSpace, dp: int, tp: int, cp: int) -> list[tuple]:
     """(ep, sp, cp_mode, compile) to try for one dp x cp x tp: ep over the dp ranks where the model has experts
-    (dividing the expert count), sp where tp > 1 divides the sequence, all-to-all where cp divides the head count, compile where
-    measured (or as `space.compile` says)."""
+    (dividing the expert count), sp where tp > 1 divides the sequence, all-to-all where the runtime can swap each
+    tp rank's heads over cp (context_parallel's swaps_heads, the rewrite's own test), compile where measured (or
+    as `space.compile` says)."""
     prof = model.profile
     compiles = space.compile if space.compile is not None else (
         (False, True) if space.dimensions and model.cluster.compile_speedup > 0 else (False,))
     if not space.dimensions:
         return [(1, False, "ring", c) for c in compiles]
     eps = [1] + ([e for e in divisors(dp) if e > 1 and prof.experts.num_experts % e == 0] if prof.experts else [])
-    modes = ["ring"] + (["all-to-all"] if cp > 1 and prof.attention.heads % cp == 0
-                        and prof.attention.kv_heads % cp == 0 else [])
+    modes = ["ring"] + (["all-to-all"] if cp > 1 and all_to_all_runs(model, tp, cp) else [])
     sps = (False, True) if tp > 1 and prof.seq_len % tp == 0 else (False,)  # --sp splits the sequence over tp
     return [(ep, sp, mode, comp) for ep in eps for sp in sps
             for mode in modes for comp in compiles]
@@ -231,6 +238,8 @@ def valid(c: Candidate, model: StepModel) -> bool:
     if not runs(c.dp, c.tp, c.pp, c.micro_batch_size, c.num_microbatches, c.schedule, c.chunks, c.zero,
                 "stage-aware" if c.recompute_blocks else c.recompute, model.optimizer, model.dtype, c.ep, c.sp, c.cp,
                 c.cp_mode, c.compile):
+        return False
+    if c.cp > 1 and c.cp_mode == "all-to-all" and not all_to_all_runs(model, c.tp, c.cp):
         return False
     if c.bounds is not None:
         b = c.bounds
