@@ -11,6 +11,8 @@ at every weight-consuming op for its W (and the graph with them), which the mode
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,6 +80,8 @@ def test_memory_model_matches_measured_pipeline_peak(rank_pool, tmp_path, case):
         f"{[round(v / 2**20, 2) for v in measured]} MiB: errors {[f'{e:+.0%}' for e in errors]}")
     if case == "1f1b":
         assert measured[0] > measured[1]  # stage 0 holds more micro-batches in flight, as the model says
+        # the data-parallel engine's update (its foreach norm) is timed beside the other engines' float64 one
+        assert all(b.update_foreach_norm_s > 0 for b in profile.measured if b.update_s > 0)
 
 
 def test_live_tensor_peak_counts_new_storages_once_and_frees_them():
@@ -149,7 +153,16 @@ def test_measured_block_costs_replace_flops_and_scale_with_tp():
     forward, backward, _ = model.block_times(1, 4)
     assert forward == pytest.approx([1e-3 + 4 * 2e-3] * 4) and backward == pytest.approx([3e-3 + 4 * 4e-3] * 4)
     forward2, _, _ = model.block_times(2, 4)  # blocks b and c hold half their FLOPs at tp=2: fixed part stays
-    assert forward2 == pytest.approx([9e-3, 1e-3 + 4e-3, 1e-3 + 4e-3, 9e-3])
+    assert forward2 == pytest.approx([9e-3, 1e-3 + 4e-3, 1e-3 + 4e-3, 9e-3])  # (no traced op count: all of it)
+    # with the blocks' traced ops, only their dispatch stays (10 ops x 40 us / 4 probe ops = 0.1 ms of the 4 ms
+    # fixed forward+backward, 1/40); the rest follows the parameters, half of them on a rank in blocks b and c
+    counted = StepModel(dataclasses.replace(profile, ops=(10,) * 4), cluster.replace(per_action_overhead_s=4e-5),
+                        global_batch_size=8)
+    kept = 1 / 40 + (1 - 1 / 40) * 0.5
+    forward2, backward2, _ = counted.block_times(2, 4)
+    assert forward2 == pytest.approx([9e-3, 1e-3 * kept + 4e-3, 1e-3 * kept + 4e-3, 9e-3])
+    assert backward2 == pytest.approx([19e-3, 3e-3 * kept + 8e-3, 3e-3 * kept + 8e-3, 19e-3])
+    assert counted.block_times(1, 4)[0] == pytest.approx(forward)  # tp=1: nothing split
 
 
 def test_measured_update_time_and_fractional_cores():

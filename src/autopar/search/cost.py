@@ -44,6 +44,7 @@ from .cluster import Cluster
 from .memory import OPTIMIZER_STATE_BYTES, StageUnits, stage_units
 from .memory_walk import rank_peaks
 from .update_memory import update_bytes
+from .tp_fixed import fixed_shares
 from .profile import Crossing, ModelProfile
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled, shared_pipeline_makespan
 from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_exposed_s
@@ -91,12 +92,13 @@ class StepModel:
             if measured is None:
                 forward = [f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
                 backward = [2 * f * mbs / self.rate + c for f, c in zip(prof.flops, comm)]
-            else:  # measured fixed + per-sequence seconds; tp keeps the fixed part, divides the rest by FLOPs
+            else:  # measured fixed + per-sequence seconds; under tp the fixed part per tp_fixed.py, the rest by FLOPs
                 share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.flops, self.profile.flops)]
-                forward = [m.forward_fixed_s + m.forward_per_seq_s * mbs * r + c
-                           for m, r, c in zip(measured, share, comm)]
-                backward = [m.backward_fixed_s + m.backward_per_seq_s * mbs * r + c
-                            for m, r, c in zip(measured, share, comm)]
+                kept = fixed_shares(self.profile, self.cluster, tp)
+                forward = [m.forward_fixed_s * k + m.forward_per_seq_s * mbs * r + c
+                           for m, k, r, c in zip(measured, kept, share, comm)]
+                backward = [m.backward_fixed_s * k + m.backward_per_seq_s * mbs * r + c
+                            for m, k, r, c in zip(measured, kept, share, comm)]
             exchange_f, exchange_b = self.profile.exchange_seconds(mbs)  # expert all-to-alls, cp's attention
             forward = [f + x for f, x in zip(forward, exchange_f)]
             backward = [b + x for b, x in zip(backward, exchange_b)]
@@ -117,8 +119,11 @@ class StepModel:
             prof, measured, extra = self.profile.at_tp(tp), self.profile.measured, 1.0 + SPLIT_OVERHEAD
             share = [mine / whole if whole else 1.0 for mine, whole in zip(prof.flops, self.profile.flops)]
             if measured is not None and all(m.has_split for m in measured):
-                inputs = [m.input_fixed_s + m.input_per_seq_s * mbs * r + c for m, r, c in zip(measured, share, comm)]
-                weights = [m.weight_fixed_s + m.weight_per_seq_s * mbs * r for m, r in zip(measured, share)]
+                kept = fixed_shares(self.profile, self.cluster, tp)
+                inputs = [m.input_fixed_s * k + m.input_per_seq_s * mbs * r + c
+                          for m, k, r, c in zip(measured, kept, share, comm)]
+                weights = [m.weight_fixed_s * k + m.weight_per_seq_s * mbs * r
+                           for m, k, r in zip(measured, kept, share)]
             elif measured is None and self.profile.weight_flops:
                 weights = [w * r * mbs / self.rate * extra for w, r in zip(self.profile.weight_flops, share)]
                 inputs = [(b - c) * extra - w + c for b, c, w in zip(backward, comm, weights)]
@@ -305,18 +310,27 @@ class StepModel:
         return StageCosts(tuple(f_stage), tuple(b_stage), tuple(f_stage), tuple(send), tuple(send_back), i_stage,
                           w_stage)
 
-    def update_time(self, spans: list[tuple[int, int]], param_elements: float, *, zero: int = 0, dp: int = 1) -> float:
+    def update_time(self, spans: list[tuple[int, int]], param_elements: float, *, zero: int = 0, dp: int = 1,
+                    tp: int = 1, foreach_norm: bool = False) -> float:
         """Seconds of the step after the backward on one rank's parameters: gradient norm, clip, optimizer.
 
-        Measured per block where the profile is measured (per-tensor overhead dominates small models);
-        otherwise the AdamW step's memory traffic at the device's bandwidth. Under ZeRO the update runs on
-        this replica's 1/dp shard, then the gathered parameters are copied back in (zero_cost.py)."""
+        Measured per block where the profile is measured (per-tensor overhead dominates small models), x the
+        block's parameter share on one rank of a `tp` group (a width-768 block's update measured 54 ms whole, 11
+        and 4.9 ms for one rank's half and quarter; the per-tensor part a split keeps, ~25 us a tensor here, is
+        left out); otherwise the AdamW step's memory traffic at the device's bandwidth. Under ZeRO the update runs
+        on this replica's 1/dp shard, then the gathered parameters are copied back in (zero_cost.py).
+        `foreach_norm`: the data-parallel engine's norm (BlockCosts.update_foreach_norm_s), where measured."""
         shard = dp if zero else 1
         copy = param_elements * copy_bytes_per_param(zero, 2.0 if self.bf16_master else 4.0)
         if self.profile.measured is not None:  # one call over all the rank's blocks: its fixed part paid once
-            mine = [m for a, b in spans for m in self.profile.measured[a:b] if m.update_s > 0]
-            call = max((m.update_call_s for m in mine), default=0.0)
-            return (sum(m.update_s - m.update_call_s for m in mine) / shard + call if mine else 0.0) + \
+            held, whole = self.profile.at_tp(tp).params, self.profile.params
+            mine = [(m, held[i] / whole[i] if whole[i] else 1.0) for a, b in spans for i, m in
+                    enumerate(self.profile.measured[a:b], start=a) if m.update_s > 0]
+            call = max((m.update_call_s for m, _ in mine), default=0.0)
+            def seconds(m) -> float:
+                return m.update_foreach_norm_s if foreach_norm and m.update_foreach_norm_s is not None else m.update_s
+            blocks = sum(max(seconds(m) - m.update_call_s, 0.0) * r for m, r in mine)
+            return (blocks / shard + call if mine else 0.0) + \
                 copy / self.cluster.memory_bandwidth_bytes_per_s
         return param_elements * (ADAM_BYTES_PER_PARAM / shard) / self.cluster.memory_bandwidth_bytes_per_s + \
             copy / self.cluster.memory_bandwidth_bytes_per_s
@@ -477,7 +491,7 @@ class StepModel:
                 tied = cl.all_reduce(self.profile.shared_params // c.tp * self.param_bytes, 2,
                                      span=(c.pp - 1) * span_dp + 1)
             optimizer = self.update_time([spans[s] for s in mine], sum(local_params[s] for s in mine), zero=c.zero,
-                                         dp=c.dp)
+                                         dp=c.dp, tp=c.tp, foreach_norm=c.pp == 1 and c.tp == 1 and c.zero == 0)
             finish_all.append(times.finish[r] + exposed + tied + optimizer)
             dp_exposed.append(exposed)
             opt_time.append(optimizer)

@@ -26,10 +26,9 @@ partition does, partition/measure.py) and run for real, at two micro-batch sizes
                             saved and held bytes, as the transient above
 
 Measured at tp = 1. A tensor-parallel degree scales the per-sequence time of a block by its
-share of FLOPs left on one rank (the fixed part stays: a split layer runs as many ops), and its
-saved and transient bytes by the profile's activation share; the update time is kept whole
-(it is per-tensor overhead on these sizes, and a split layer has as many tensors); stated
-approximations.
+share of FLOPs left on one rank, its fixed time as search/tp_fixed.py says (the ops' dispatch
+stays, the rest follows the parameters), its update time by its parameter share, and its saved
+and transient bytes by the profile's activation share; stated approximations.
 """
 
 from __future__ import annotations
@@ -72,6 +71,11 @@ class BlockCosts:
     """The part of update_s an update pays once whatever it holds (the optimizer step's own Python, the norm's host
     read): timed block by block it is in every block's, but a rank updates all its blocks in one call
     (cost.update_time). The blocks' updates summed less one update of them all, per block beyond the first."""
+    update_foreach_norm_s: float | None = None
+    """update_s with the data-parallel engine's gradient norm (torch.nn.utils.clip_grad_norm_: foreach, in the
+    gradients' dtype) instead of the float64 sum one tensor at a time that the pipeline, TP and ZeRO engines take:
+    on a width-768 block's 7M parameters 4 ms against 44 ms here, the AdamW step 10 ms. None: not measured
+    (update_s whatever the engine)."""
     cpu_per_wall: float = 1.0
     """CPU seconds per second of the times above: 1, as they are the measuring thread's CPU seconds (_clock); a
     profile that timed wall seconds while other processes held the core says so with less. The time-shared
@@ -95,11 +99,12 @@ class BlockCosts:
         return self.input_fixed_s is not None
 
 
-def _update_seconds(stage, repeats: int) -> float:
+def _update_seconds(stage, repeats: int, foreach_norm: bool = False) -> float:
     """Median seconds of what a training step does per parameter after the backward, on this block's own:
     the gradient norm's squares and the clip scale per tensor (as the engines do, one tensor at a time), then
     a foreach AdamW step (train/optim.py). On small models this per-tensor work is milliseconds per step,
-    far above its bytes / memory bandwidth."""
+    far above its bytes / memory bandwidth. `foreach_norm`: the norm and clip as the data-parallel engine takes
+    them instead (torch.nn.utils.clip_grad_norm_, train/engine.py)."""
     params = [p for p in stage.parameters() if p.requires_grad]
     if not params:
         return 0.0
@@ -110,6 +115,10 @@ def _update_seconds(stage, repeats: int) -> float:
     optimizer = torch.optim.AdamW(params, lr=1e-9, **({"fused": True} if fused else {"foreach": True}))  # as trained
 
     def update() -> None:
+        if foreach_norm:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            return
         squares = torch.zeros((), dtype=torch.float64)
         for p in params:
             squares += p.grad.double().square().sum()
@@ -322,6 +331,7 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         chains = [_one_block_stages(model, b, seq_len, seed) for b in micro_batches]
         runs = _measure_chains(chains, repeats)
         whole_update = _update_seconds(nn.ModuleList(chains[0][1]), repeats)  # one call over every block
+        foreach = [_update_seconds(stage, repeats, foreach_norm=True) for stage in chains[0][1]]
     finally:
         torch.set_num_threads(threads)
     (f1, b1, s1, t1, updates, cpu_per_wall, i1, w1, _, x1), (f2, b2, s2, t2, _, _, i2, w2, h2, x2) = runs
@@ -343,6 +353,7 @@ def measure_module_blocks(model: nn.Module, *, seq_len: int, micro_batches: tupl
         out.append(BlockCosts(forward_fixed_s=ff, forward_per_seq_s=fs, backward_fixed_s=bf, backward_per_seq_s=bs,
                               saved_per_seq=s2[i] / hi, transient_fixed=tf, transient_per_seq=ts,
                               update_s=updates[i], update_call_s=call if updates[i] > 0 else 0.0,
+                              update_foreach_norm_s=foreach[i],
                               cpu_per_wall=cpu_per_wall, input_fixed_s=inf, input_per_seq_s=ins,
                               weight_fixed_s=wf, weight_per_seq_s=ws, held_per_seq=h2[i] / hi,
                               split_transient_fixed=xf, split_transient_per_seq=xs,

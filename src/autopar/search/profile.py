@@ -120,6 +120,9 @@ class ModelProfile:
     what a zero-bubble schedule's W computes (the same FLOPs again); empty: unknown (W priced as half of B)."""
     weight_out_bytes: tuple[float, ...] = ()
     """Output bytes per sequence of the ops that read a parameter: the gradients a zero-bubble I keeps for W."""
+    ops: tuple[int, ...] = ()
+    """Traced ops per block: each pays a dispatch cost however little it computes, which a tensor-parallel split
+    does not shrink (cost.StepModel.fixed_shares); empty: unknown."""
     crossings: tuple[Crossing, ...] = ()
     """[c]: what crosses a cut after block c, split as the memory model needs it (Crossing); empty: every byte of
     boundary_bytes per sequence, its gradient as large."""
@@ -188,7 +191,8 @@ class ModelProfile:
                                    params=grow(self.params), boundary_bytes=new_cuts, crossings=crossed, tp=tps,
                                    shared_blocks=shared,
                                    measured=measured, experts=experts, attention=attention, weight_flops=grow(self.weight_flops) if self.weight_flops else (),
-                                   weight_out_bytes=grow(self.weight_out_bytes) if self.weight_out_bytes else ())
+                                   weight_out_bytes=grow(self.weight_out_bytes) if self.weight_out_bytes else (),
+                                   ops=grow(self.ops) if self.ops else ())
 
 
 def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
@@ -223,7 +227,9 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
         (per_seq, fixed), (grad_per_seq, grad_fixed) = total(lambda v: True), total(lambda v: v.needs_grad)
         return Crossing(per_seq, fixed, grad_per_seq, grad_fixed)
     weight_flops, weight_out = [0.0] * len(blocks), [0.0] * len(blocks)
+    ops = [0] * len(blocks)
     for cost in graph.nodes.values():
+        ops[cost.block] += 1
         if cost.params:
             weight_flops[cost.block] += cost.flops * scale
             weight_out[cost.block] += cost.out_bytes * scale
@@ -231,7 +237,7 @@ def profile_graph(graph: ModelGraph, *, name: str, seq_len: int, batch: int = 1,
                            saved_bytes=saved, params=tuple(params), boundary_bytes=cut_bytes,
                            crossings=tuple(crossing(values) for values in cut_values),
                            shared_params=sum(graph.param_numel[p] for p in shared), shared_blocks=shared_blocks,
-                           weight_flops=tuple(weight_flops), weight_out_bytes=tuple(weight_out),
+                           weight_flops=tuple(weight_flops), weight_out_bytes=tuple(weight_out), ops=tuple(ops),
                            experts=expert_costs(graph, model, seq_len) if model is not None else None,
                            attention=attention_costs(graph, scale))
     for tp in tp_degrees:

@@ -68,7 +68,8 @@ def with_update_total(blocks: list, seconds: float) -> list:
     total = sum(b.update_s for b in blocks)
     if seconds <= 0 or total <= 0:
         return list(blocks)
-    return [dataclasses.replace(b, update_s=b.update_s * seconds / total, update_call_s=0.0) for b in blocks]
+    return [dataclasses.replace(b, update_s=b.update_s * seconds / total, update_call_s=0.0, update_foreach_norm_s=None)
+            for b in blocks]  # whatever the engine: the update the reference runs
 
 
 def reference_level(cluster, measured_step_s: float, profile=None) -> float:
