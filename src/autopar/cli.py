@@ -118,7 +118,7 @@ def _check_same_run(job: JobConfig, typed: dict) -> None:
 
 def _run_folder_of(path: Path) -> Path | None:
     """The run folder `path` is, or whose checkpoint it is; None when it is neither."""
-    from .train.manifest import step_of
+    from .checkpoint_names import step_of
     if step_of(path) is not None and path.parent.name == "checkpoints":
         return path.parent.parent
     return path if (path / "run.json").is_file() or (path / "checkpoints").is_dir() else None
