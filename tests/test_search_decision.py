@@ -289,6 +289,14 @@ def test_measured_against_predicted_line():
     record["confirm"] = [{"strategy": {"dp": 2}, "train": record["train"], "measured_step_time_s": 0.09},
                          {"strategy": record["strategy"], "train": record["train"], "measured_step_time_s": 0.11}]
     assert Plan(record).measured_vs_predicted().startswith(line + "; the measuring launch timed it at 110 ms/step")
+    # on CPU: the live tensors counted during a step against the prediction; the process's RSS beside it
+    del record["confirm"]
+    record["measured"] = {"median_step_time_s": 0.125, "peak_memory_bytes_per_pipeline_rank": [480 * 2**20],
+                          "peak_memory_source": "resource.getrusage ru_maxrss (the whole process: ...)",
+                          "peak_tensor_bytes_per_pipeline_rank": [44 * 2**20]}
+    assert Plan(record).measured_vs_predicted() == (
+        "plan: measured 125 ms/step against 100 predicted (+25%); peak live tensors 44.0 MiB/rank against 40.0 MiB "
+        "predicted (+10%); whole process 480.0 MiB/rank (RSS)")
 
 
 def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):
