@@ -29,7 +29,7 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_writes_a_complete_run_folder(tmp_path, capsys):
+def test_train_writes_a_complete_run_folder(tmp_path):
     run = tmp_path / "run"
     unset = [a for a in SMALL if a not in ("--micro-batch-size", "2")]  # the default: 4 of the 8 per replica
     done = autopar("train", *unset, "--nproc", "2", "--steps", "6", "--eval-every", "3", "--out", str(run))
@@ -54,11 +54,13 @@ def test_train_writes_a_complete_run_folder(tmp_path, capsys):
     done = autopar("train", "--config", str(run / "config.toml"), "--out", str(again), "--no-progress")
     assert done.returncode == 0, done.stderr
     assert [r["loss"] for r in metrics(again)] == [r["loss"] for r in records]
-    # resumed on 4 processes (a dry run, in this process): the unset micro-batch is resolved for dp=4
-    from autopar.cli import build_parser, cmd_train
-    argv = ["train", "--resume", str(run), "--nproc", "4", "--steps", "7", "--dry-run"]
-    assert cmd_train(build_parser().parse_args(argv), argv[1:]) == 0
-    assert "dp=4 tp=1 pp=1, 136,960 parameters, 1 micro-batch(es) of 2 per replica" in capsys.readouterr().out
+    # resumed on 4 processes (the command line's config, resolved in this process): the unset micro-batch
+    # is resolved for dp=4, as a new run on 4 would be
+    from autopar.cli import build_parser, resolve_job
+    from autopar.strategies import resolve
+    job = resolve_job(build_parser().parse_args(["train", "--resume", str(run), "--nproc", "4"]))
+    resumed = resolve(job.strategy, job.train, job.launch.nproc)
+    assert (resumed.strategy.dp, resumed.config.micro_batch_size, resumed.accumulation) == (4, 2, 1)
 
 
 def test_cli_dp4_matches_one_process_for_20_steps(tmp_path):
