@@ -66,7 +66,6 @@ REPEATS = 2  # interleaved rounds; the median of 2 is their mean (a loaded machi
 MAX_CONFIGS = 5  # besides the pick and the default layout, per job (every trainer of a job is alive at once)
 QUICK_CONFIGS = 2
 QUICK_CONFIRM = 0  # the smoke test's 20 s leave no room for the measuring launch; `--quick --confirm 1` runs it
-DEFAULT_MICRO_BATCH = 8  # TrainConfig's default micro_batch_size
 THRESHOLDS = {"auto_over_default": 1.00, "auto_over_best": 1.05, "median_time_error": 0.10,
               "worst_memory_error": 0.10}
 
@@ -134,6 +133,7 @@ def choose(job, parts, argv: list[str], world: int, limit: int) -> dict:
     from autopar.search.measure_profile import with_cost_model
     from autopar.search.profile import profile_graph
     from autopar.search.search import SearchSpace, divisors, exhaustive
+    from autopar.config import default_micro_batch_size
     from autopar.search.step_probe import reference_candidate
     from autopar.trace import trace
     from autopar.train.fields import example_call
@@ -167,9 +167,8 @@ def choose(job, parts, argv: list[str], world: int, limit: int) -> dict:
                                             if found else picked["prediction"]["peak_memory_bytes_per_rank"]),
             "auto": True}
     default = reference_candidate(world, gb)
-    if default.micro_batch_size > DEFAULT_MICRO_BATCH:  # the default micro-batch size, accumulating the rest
-        default = dataclasses.replace(default, micro_batch_size=DEFAULT_MICRO_BATCH,
-                                      num_microbatches=default.micro_batch_size // DEFAULT_MICRO_BATCH)
+    micro = default_micro_batch_size(gb, world)  # what `autopar train` runs without --micro-batch-size
+    default = dataclasses.replace(default, micro_batch_size=micro, num_microbatches=gb // (world * micro))
     default_row = {**row(timing.evaluate(default), memory.evaluate(default)), "default": True}
     default_key = key_of(default_row["strategy"], default_row["micro_batch_size"])
     if default_key == pick_key:

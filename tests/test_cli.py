@@ -31,11 +31,13 @@ def metrics(run: Path) -> list[dict]:
 
 def test_train_writes_a_complete_run_folder(tmp_path):
     run = tmp_path / "run"
-    done = autopar("train", *SMALL, "--nproc", "2", "--steps", "6", "--micro-batch-size", "2",
-                   "--eval-every", "3", "--out", str(run))
+    unset = [a for a in SMALL if a not in ("--micro-batch-size", "2")]  # the default: 4 of the 8 per replica
+    done = autopar("train", *unset, "--nproc", "2", "--steps", "6", "--eval-every", "3", "--out", str(run))
     assert done.returncode == 0, done.stderr
+    assert "1 micro-batch(es) of 4 per replica per step" in done.stdout, done.stdout
     config = tomllib.loads((run / "config.toml").read_text())
     assert {k: config["strategy"][k] for k in ("dp", "tp", "pp")} == {"dp": 2, "tp": 1, "pp": 1}
+    assert "micro_batch_size" not in config["train"]  # unset stays unset: a resume on another count resolves it anew
     assert config["model"]["args"]["n_layer"] == 2
     records = metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -52,6 +54,13 @@ def test_train_writes_a_complete_run_folder(tmp_path):
     done = autopar("train", "--config", str(run / "config.toml"), "--out", str(again), "--no-progress")
     assert done.returncode == 0, done.stderr
     assert [r["loss"] for r in metrics(again)] == [r["loss"] for r in records]
+    # resumed on 4 processes (the command line's config, resolved in this process): the unset micro-batch
+    # is resolved for dp=4, as a new run on 4 would be
+    from autopar.cli import build_parser, resolve_job
+    from autopar.strategies import resolve
+    job = resolve_job(build_parser().parse_args(["train", "--resume", str(run), "--nproc", "4"]))
+    resumed = resolve(job.strategy, job.train, job.launch.nproc)
+    assert (resumed.strategy.dp, resumed.config.micro_batch_size, resumed.accumulation) == (4, 2, 1)
 
 
 def test_cli_dp4_matches_one_process_for_20_steps(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.cli import build_parser, resolve_job
-from autopar.config import JobConfig, Strategy, TrainConfig, from_dict, load_toml, to_toml
+from autopar.config import JobConfig, Strategy, TrainConfig, from_dict, load_toml, to_dict, to_toml
 from autopar.errors import ConfigError
 
 
@@ -90,6 +90,18 @@ def test_batch_sizes_must_divide():
     with pytest.raises(ConfigError, match=r"global_batch_size=30 is not divisible by dp\*micro_batch_size = 2\*4 = 8"):
         config.accumulation_steps(2)
     assert TrainConfig(global_batch_size=32, micro_batch_size=4).accumulation_steps(2) == 4
+    # unset (flags, TOML and the constructor alike): the per-replica batch up to 8, resolved once dp is known
+    for given in (TrainConfig(global_batch_size=8), job_from(["--global-batch-size", "8"]).train,
+                  from_dict({"train": {"global_batch_size": 8}}).train):
+        assert given.micro_batch_size is None and "micro_batch_size" not in to_dict(given)  # config.toml keeps it unset
+        assert [(given.with_micro_batches(dp).micro_batch_size, given.accumulation_steps(dp)) for dp in (1, 2, 4, 8)] \
+            == [(8, 1), (4, 1), (2, 1), (1, 1)]
+    assert TrainConfig(global_batch_size=48).with_micro_batches(4).micro_batch_size == 6  # 8 does not divide 12
+    with pytest.raises(ConfigError, match=r"global_batch_size=30 does not split evenly over dp=4 replicas; use a "
+                                          r"global batch size that is a multiple of 4 \(e.g. 32\)"):
+        TrainConfig(global_batch_size=30).accumulation_steps(4)
+    with pytest.raises(ConfigError, match="train.micro_batch_size must be a positive integer, got 0"):
+        TrainConfig(micro_batch_size=0).validate()
 
 
 def test_strategy_groups_options_by_concern_and_names_them_flat(tmp_path):

@@ -202,3 +202,16 @@ def test_shrink_is_refused_before_any_rank_starts_where_it_could_not_go_on(tmp_p
     check_can_shrink(job, Strategy(dp=2), 2)  # dp=2 on 2 ranks: one replica may go
     with pytest.raises(ConfigError, match="launch.on_rank_loss must be one of"):
         JobConfig(launch=LaunchConfig(on_rank_loss="grow")).validate()
+
+
+def test_one_reading_of_a_checkpoint_folders_step_for_the_launcher_and_the_checkpoints():
+    """The launcher (which logs the step a shrunk job resumes from) and the checkpoint code read a folder's step
+    with the same function, from a layer below both; a name that is not a checkpoint's gives no step."""
+    from autopar import checkpoint_names, launch
+    from autopar.train import checkpoint, manifest
+    assert launch.step_of is manifest.step_of is checkpoint_names.step_of
+    assert checkpoint.checkpoint_name is checkpoint_names.checkpoint_name
+    for step in (0, 7, 123456789):
+        assert checkpoint_names.step_of(checkpoint_names.checkpoint_name(step)) == step
+    assert checkpoint_names.step_of("/runs/a_b/checkpoints/step_00000012.partial") == 12
+    assert checkpoint_names.step_of(Path("runs/step_3x")) is None and checkpoint_names.step_of("latest") is None

@@ -4,6 +4,7 @@ same strategy, and plans or searches that cannot work are refused before trainin
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,16 @@ def test_auto_with_fixed_pp_trains_like_one_process(auto_run):
     assert len(measured["peak_memory_bytes_per_rank"]) == 4 and min(measured["peak_memory_bytes_per_rank"]) > 0
     assert len(measured["peak_memory_bytes_per_pipeline_rank"]) == 2
     assert len(plan["prediction"]["peak_memory_bytes_per_rank"]) == 2  # predicted per pipeline rank, beside it
+    # like with like: live tensor bytes counted during step 2 (left out of the median) against the tensors predicted;
+    # the process's resident set (Python, torch, gloo) stays a separate figure
+    assert measured["median_over"] == "steps after the first, but the one counted for tensor memory"
+    assert measured["median_step_time_s"] == measured["step_times_s"][2]
+    tensors, rss = measured["peak_tensor_bytes_per_pipeline_rank"], measured["peak_memory_bytes_per_pipeline_rank"]
+    for counted, predicted, whole in zip(tensors, plan["prediction"]["peak_memory_bytes_per_rank"], rss):
+        assert 0.5 < counted / predicted < 2 and whole > 10 * counted, (counted, predicted, whole)
+    line = Plan(plan).measured_vs_predicted()
+    assert re.search(r"; peak live tensors [\d.]+ MiB/rank against [\d.]+ MiB predicted \([+-]\d+%\); whole process "
+                     r"[\d.]+ MiB/rank \(RSS\)", line), line
     config = (out / "config.toml").read_text()  # what ran, concretely: rerunnable without the search
     assert 'search = "manual"' in config and "pp = 2" in config
 

@@ -7,8 +7,15 @@ import json
 
 
 def _measure(spec: dict) -> list[dict]:
+    import os
     from autopar.confirm_ranks import measure
-    return measure(spec)
+    fault = spec.pop("fault", None)
+    if fault:  # as a test of the training run would set it: the measuring launch must not meet it
+        os.environ["AUTOPAR_FAULT"] = fault
+    try:
+        return measure(spec)
+    finally:
+        os.environ.pop("AUTOPAR_FAULT", None)
 
 
 def _plan(tmp_path, name: str, zero: int) -> str:
@@ -24,7 +31,8 @@ def test_plans_measured_in_one_launch_together_and_in_turn(rank_pool, tmp_path):
     plans = [_plan(tmp_path, "replicated", 0), _plan(tmp_path, "sharded", 1)]
     for together in (True, False):
         spec = {"argv": argv, "plans": plans if together else plans[:1], "steps": 2, "together": together,
-                "folder": str(tmp_path / f"runs-{together}")}
+                "folder": str(tmp_path / f"runs-{together}"),
+                "fault": "raise-collective:rank=1:step=2" if together else None}  # AUTOPAR_FAULT set around it
         per_rank = rank_pool(2).run(_measure, spec)
         assert per_rank[0] == per_rank[1]  # every rank agrees: the slowest rank's time, the largest peak
         for record in per_rank[0]:

@@ -110,7 +110,7 @@ def test_why_compares_numbers_that_differ():
 # ----------------------------------------------------------------------------- the default layout
 
 
-def _decided(model: StepModel, nproc: int = 4, micro_batch_size: int = 2, fixed: dict | None = None):
+def _decided(model: StepModel, nproc: int = 4, micro_batch_size: int | None = 2, fixed: dict | None = None):
     ranked = exhaustive(model, SearchSpace(nproc=nproc)).ranked[:5]
     chosen = [(e, plan_dict(e, model)) for e in ranked]
     train = TrainConfig(global_batch_size=model.global_batch_size, micro_batch_size=micro_batch_size)
@@ -155,10 +155,30 @@ def test_default_layout_over_the_memory_or_unrunnable_is_said_so():
     _, default, record = _decided(toy_model(), micro_batch_size=8, fixed={"micro_batch_size": 8})
     assert not default["runnable"] and "not divisible" in default["reason"]
     assert record["decision"]["runs"] == "search" and "cannot run" in record["why"]
-    # the same batch with the default micro-batch size (8, not given): the default layout takes the whole
-    # per-replica batch (2) as its micro-batch, the layout a user would run without auto
-    _, default, _ = _decided(toy_model(), micro_batch_size=8)
+    # the same batch with no micro-batch size given: the default layout takes the whole per-replica batch (2) as
+    # its micro-batch, the layout a user runs without auto (the runtime's own default, config.default_micro_batch_size)
+    _, default, _ = _decided(toy_model(), micro_batch_size=None)
     assert default["runnable"] and default["train"]["micro_batch_size"] == 2 and default["strategy"]["dp"] == 4
+
+
+@pytest.mark.parametrize("batch,fixed,micro", [
+    (8, {}, (2, 1)), (64, {}, (8, 2)), (48, {}, (6, 2)),  # 12 per replica: 8 does not divide it, 6 does
+    (64, {"micro_batch_size": 4}, (4, 4)), (64, {"micro_batches": 1}, (16, 1)),
+    (8, {"micro_batch_size": 8}, None), (30, {}, None)])
+def test_default_layout_resolves_the_micro_batch_as_the_runtime_does(batch, fixed, micro):
+    """One resolution for the search's default layout and for a run: what `autopar train --nproc 4` would run."""
+    from autopar.search.decision import default_candidate
+    from autopar.strategies import resolve
+    candidate, reason = default_candidate(4, batch, fixed)
+    given = TrainConfig(global_batch_size=batch, **fixed)
+    if micro is None:
+        with pytest.raises(ConfigError) as refused:
+            resolve(Strategy(), given, 4)
+        assert candidate is None and reason == str(refused.value)
+        return
+    ran = resolve(Strategy(), given, 4)
+    assert (candidate.micro_batch_size, candidate.num_microbatches) == micro == (ran.config.micro_batch_size,
+                                                                               ran.accumulation)
 
 
 def test_beats_default_means_more_than_the_error():
@@ -269,6 +289,14 @@ def test_measured_against_predicted_line():
     record["confirm"] = [{"strategy": {"dp": 2}, "train": record["train"], "measured_step_time_s": 0.09},
                          {"strategy": record["strategy"], "train": record["train"], "measured_step_time_s": 0.11}]
     assert Plan(record).measured_vs_predicted().startswith(line + "; the measuring launch timed it at 110 ms/step")
+    # on CPU: the live tensors counted during a step against the prediction; the process's RSS beside it
+    del record["confirm"]
+    record["measured"] = {"median_step_time_s": 0.125, "peak_memory_bytes_per_pipeline_rank": [480 * 2**20],
+                          "peak_memory_source": "resource.getrusage ru_maxrss (the whole process: ...)",
+                          "peak_tensor_bytes_per_pipeline_rank": [44 * 2**20]}
+    assert Plan(record).measured_vs_predicted() == (
+        "plan: measured 125 ms/step against 100 predicted (+25%); peak live tensors 44.0 MiB/rank against 40.0 MiB "
+        "predicted (+10%); whole process 480.0 MiB/rank (RSS)")
 
 
 def test_confirm_keeps_the_fastest_measured_and_records_every_run(monkeypatch):

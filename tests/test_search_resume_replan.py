@@ -77,4 +77,4 @@ def test_the_fields_fixed_beside_auto_stay_fixed_on_the_new_count(run):
     assert (job.strategy.pp, job.strategy.replicas.zero, job.train.micro_batch_size) == (2, 1, 8)
     assert job.strategy.dp is None and job.strategy.pipeline.partition == Strategy().pipeline.partition
     from autopar.search.auto import fixed_fields
-    assert fixed_fields(job.strategy, job.train) == {"pp": 2, "zero": 1}  # what the new search keeps
+    assert fixed_fields(job.strategy, job.train) == {"pp": 2, "zero": 1, "micro_batch_size": 8}  # what the new search keeps

@@ -118,7 +118,7 @@ def _check_same_run(job: JobConfig, typed: dict) -> None:
 
 def _run_folder_of(path: Path) -> Path | None:
     """The run folder `path` is, or whose checkpoint it is; None when it is neither."""
-    from .train.manifest import step_of
+    from .checkpoint_names import step_of
     if step_of(path) is not None and path.parent.name == "checkpoints":
         return path.parent.parent
     return path if (path / "run.json").is_file() or (path / "checkpoints").is_dir() else None
@@ -380,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--method", default="time", choices=PARTITION_METHODS,
                       help="balance equal layers, parameter counts, or forward+backward time")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    plan.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    plan.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (default: 8; "
+                      "with --auto, the default layout's is train's default: the per-replica batch up to 8)")
     plan.add_argument("--memory-cap-mb", type=float, default=None, help="per-stage memory cap (MiB)")
     plan.add_argument("--measure", action="store_true", help="time every block instead of estimating from FLOPs")
     plan.add_argument("--json", action="store_true", help="print the partition as JSON")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,8 @@ def measure(spec: dict) -> list[dict]:
     from .cli import build_parser, resolve_job
     from .distributed import init_distributed
     from .job import build_job
+    from .train.faults import ENV as FAULT_ENV
+    os.environ.pop(FAULT_ENV, None)  # an injected fault (a test hook) is for the training run, not for measuring plans
     job = resolve_job(build_parser().parse_args(spec["argv"]))
     init_distributed(job.train.device, job.train.timeout_s)
     parts = build_job(job)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from .checkpoint_names import step_of
 from .errors import HANG_EXIT, PREEMPTED_EXIT, AutoparError
 
 
@@ -180,8 +181,7 @@ def _shrink(loss: RankLoss, on_rank_loss: Callable[[RankLoss], Relaunch], attemp
           f"(devices {', '.join(map(str, relaunch.devices))}) from {loss.resumes_from or 'the beginning'}"
           f"{': ' + relaunch.says if relaunch.says else ''} (change {attempt + 1} of {max_restarts}, "
           f"--on-rank-loss shrink)", file=sys.stderr, flush=True)
-    step = int(loss.resumes_from.rpartition("_")[2]) if loss.resumes_from and \
-        loss.resumes_from.rpartition("_")[2].isdigit() else 0
+    step = (step_of(loss.resumes_from) or 0) if loss.resumes_from else 0
     _log_restart(run_dir, {"restart": attempt + 1, "cause": loss.cause, "exit_code": loss.exit_code,
                            "resumes_from": loss.resumes_from, "resumed_step": step, "by": "autopar launch",
                            "change": "shrink", "lost_ranks": list(loss.lost), "old_world": loss.world,

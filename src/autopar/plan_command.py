@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from .config import DEFAULT_MICRO_BATCH_SIZE
 from .errors import ConfigError
 
 
@@ -25,6 +26,8 @@ def plan(ns: argparse.Namespace, args: dict) -> int:
     if ns.auto:  # the strategy search (search/command.py)
         from .search.command import cmd_plan_auto
         return cmd_plan_auto(ns, args)
+    if ns.micro_batch_size is None:  # (the search's default layout resolves it per dp, as train does)
+        ns.micro_batch_size = DEFAULT_MICRO_BATCH_SIZE
     tokenizer = build_tokenizer("byte")
     model, info = build_model(ns.model, args, vocab_size=padded_vocab_size(tokenizer.vocab_size), device="meta")
     if ns.seq_len > info.max_seq_len:

@@ -96,7 +96,7 @@ def _synchronous_check(request: Request) -> tuple[TrainConfig, int]:
     strategy = request.strategy
     config = request.config.with_micro_batches(strategy.dp)
     shares = replica_shares(strategy, config)
-    accumulation = config.accumulation_steps(strategy.dp) if shares is None else \
+    accumulation = request.config.accumulation_steps(strategy.dp) if shares is None else \
         max(shares) // config.micro_batch_size  # the busiest replica's micro-batches
     _boundary_cluster(strategy)  # a --cluster file that is missing or wrong fails here, before any rank starts
     return config, accumulation

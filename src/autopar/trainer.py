@@ -40,6 +40,7 @@ from .models.output import router_aux_loss_coef
 from .search.auto import Measured, Plan
 from .search.device_peak import device_peak
 from .search.device_speeds import replica_shares
+from .search.live_memory import CountedStep
 from .strategies import Resolved, StrategyEntry, resolve
 from .train.bad_steps import BadSteps
 from .train.base import Engine, EngineContext, LoopServices, TrainResult
@@ -54,8 +55,8 @@ from .train.shared_failure import failures_shared, run_set_up
 from .train.loss import Batch, LossFn, default_forward, label_shift
 from .train.banner import start_banner
 from .train.loggers import run_loggers
-from .train.metrics import (MetricsLog, Progress, peak_memory_bytes, peak_memory_per_rank, peak_memory_source,
-                            shows_bar, step_record)
+from .train.metrics import (MetricsLog, Progress, every_rank, peak_memory_bytes, peak_memory_per_rank,
+                            peak_memory_source, shows_bar, step_record)
 from .train.optim import build_scheduler, check_trainable
 from .train.pretrained_load import load_pretrained
 from .train.run_account import RunAccount
@@ -284,6 +285,9 @@ class Trainer:
                             main=self.is_main)
         progress.write(self._banner(start))
         result = TrainResult(run_dir=self.run_dir, first_step=start + 1)
+        # a plan's end-of-run line sets live tensor bytes beside its prediction; the CUDA allocator's peak is that already
+        self.counted = CountedStep(self, start=start, steps=cfg.steps,
+                                   enabled=self.plan is not None and self.device.type == "cpu")
         stop_request = StopRequest(rank)
         watchdog = Watchdog(cfg.hang_timeout_s, rank=rank, run_dir=self.run_dir)
         try:
@@ -320,7 +324,8 @@ class Trainer:
         for step in range(start, cfg.steps):
             watchdog.progress(f"step {step + 1}")
             timer.start()
-            queue = deque(self.steps.run(step, stop_request))
+            with self.counted.around(step):
+                queue = deque(self.steps.run(step, stop_request))
             timer.stop()
             seconds[step + 1] = timer.seconds()
             stopping = None  # the number of the step a stop was requested in
@@ -390,11 +395,15 @@ class Trainer:
         """summary.json and the "done:" line on rank 0; returns once the run folder is complete on every rank."""
         if self.plan is not None and self.account.step_times_s:  # plan.json: measured beside the prediction
             peaks = peak_memory_per_rank(self.device)  # every rank's peak memory (a collective)
+            counted = getattr(self, "counted", None)  # (none in a loop of its own: the parameter server's)
+            tensors = None if counted is None or counted.step is None else \
+                every_rank(counted.peak_bytes or 0, self.device)  # (the same step counted on every rank)
             if self.is_main:
                 self.plan.record_measured(Measured(
                     step_times_s=self.account.step_times_s, peak_memory_bytes_per_rank=peaks,
                     peak_memory_source=peak_memory_source(self.device), pp=self.strategy.pp,
-                    ranks_per_stage=self.strategy.dp * self.strategy.tp), self.run_dir)
+                    ranks_per_stage=self.strategy.dp * self.strategy.tp, peak_tensor_bytes_per_rank=tensors,
+                    tensor_step=None if tensors is None else counted.index), self.run_dir)
         if self.is_main:
             write_summary(self.run_dir, self.config.steps, result.losses, result.eval_loss, self.account.facts())
         dist.barrier()  # when train() returns, on any rank, the run folder is complete

@@ -35,8 +35,7 @@ def check_async_setup(strategy: Strategy, config: TrainConfig, world: int) -> tu
     the rule table's (config/rules.py), checked before this."""
     roles = Roles.check(world, strategy.replicas.servers, strategy.replicas.staleness)
     try:
-        config = config.with_micro_batches(roles.num_workers)
-        return config, config.accumulation_steps(roles.num_workers)
+        return config.with_micro_batches(roles.num_workers), config.accumulation_steps(roles.num_workers)
     except ConfigError as exc:
         raise ConfigError(f"dp_mode=async splits each global batch over the {roles.num_workers} worker(s) "
                           f"(processes minus --servers {roles.servers}), so 'dp' below means workers: {exc}") from None

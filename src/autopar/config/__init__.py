@@ -93,6 +93,18 @@ class DataConfig:
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager")
+DEFAULT_MICRO_BATCH_SIZE = 8  # the most sequences per micro-batch when the user sets no micro-batching
+
+
+def default_micro_batch_size(global_batch_size: int, dp: int) -> int:
+    """The micro-batch size of a run that sets none, once dp is known: the per-replica batch up to
+    DEFAULT_MICRO_BATCH_SIZE (min(8, per-replica batch)), or, where 8 does not divide a larger per-replica
+    batch, its largest divisor below 8, so that the default always runs where the batch splits over dp.
+    (A batch dp does not divide, which only uneven --dp-shares accept, gets a divisor of the whole batch.)
+    The one definition: the runtime, the search's default layout and re-planning all resolve through it."""
+    per_replica = global_batch_size // dp
+    whole = per_replica if global_batch_size % dp == 0 else global_batch_size
+    return max(d for d in range(1, max(1, min(DEFAULT_MICRO_BATCH_SIZE, per_replica)) + 1) if whole % d == 0)
 
 
 @dataclass(kw_only=True)
@@ -101,7 +113,10 @@ class TrainConfig:
 
     steps: int = _f(200, "optimizer steps to train")
     global_batch_size: int = _f(32, "sequences per optimizer step, over all data-parallel replicas")
-    micro_batch_size: int = _f(8, "sequences per forward/backward on one replica (gradients accumulate)")
+    micro_batch_size: int | None = _f(None, "sequences per forward/backward on one replica (gradients accumulate); "
+                                            f"unset: the per-replica batch (global_batch_size / dp) up to "
+                                            f"{DEFAULT_MICRO_BATCH_SIZE}, its largest divisor up to "
+                                            f"{DEFAULT_MICRO_BATCH_SIZE} when it is larger")
     micro_batches: int | None = _f(None, "micro-batches per replica per step; if set, micro_batch_size = "
                                          "global_batch_size / (dp * micro_batches)")
     optimizer: str = _f("adamw", "optimizer: adamw|adam|sgd|adagrad|sparse-adam (SparseAdam on sparse embedding "
@@ -149,8 +164,10 @@ class TrainConfig:
                                           "torch's own kernels, to tell a capture problem from a kernel one)")
 
     def validate(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every", "eval_batches"):
+        for name in ("steps", "global_batch_size", "log_every", "eval_batches"):
             _check_positive_int(f"train.{name}", getattr(self, name))
+        if self.micro_batch_size is not None:  # unset: resolved once dp is known (with_micro_batches)
+            _check_positive_int("train.micro_batch_size", self.micro_batch_size)
         for name in ("warmup_steps", "eval_every", "seed", "keep_checkpoints", "max_bad_steps"):
             _check_nonnegative_int(f"train.{name}", getattr(self, name))
         if self.checkpoint_every is not None:
@@ -194,8 +211,11 @@ class TrainConfig:
         return DEFAULT_CHECKPOINT_EVERY if self.checkpoint_every is None else self.checkpoint_every
 
     def with_micro_batches(self, dp: int) -> TrainConfig:
-        """Resolve `micro_batches` into a micro-batch size (an error if it does not divide)."""
+        """Resolve `micro_batches`, or an unset micro-batch size (default_micro_batch_size), into a micro-batch
+        size over `dp` replicas (an error if `micro_batches` does not divide)."""
         if self.micro_batches is None:
+            if self.micro_batch_size is None:
+                return dataclasses.replace(self, micro_batch_size=default_micro_batch_size(self.global_batch_size, dp))
             return self
         _check_positive_int("train.micro_batches", self.micro_batches)
         if self.global_batch_size % (dp * self.micro_batches):
@@ -205,15 +225,21 @@ class TrainConfig:
         return dataclasses.replace(self, micro_batch_size=self.global_batch_size // (dp * self.micro_batches))
 
     def accumulation_steps(self, dp: int) -> int:
-        """Micro-batches per replica per optimizer step; errors if the batch sizes do not divide."""
-        per_step = dp * self.micro_batch_size
+        """Micro-batches per replica per optimizer step, micro-batching resolved as with_micro_batches does;
+        errors if the batch sizes do not divide (naming only what the user set)."""
+        if self.micro_batch_size is None and self.micro_batches is None and self.global_batch_size % dp:
+            raise ConfigError(f"global_batch_size={self.global_batch_size} does not split evenly over dp={dp} "
+                              f"replicas; use a global batch size that is a multiple of {dp} (e.g. "
+                              f"{dp * -(-self.global_batch_size // dp)})")
+        micro_batch_size = self.with_micro_batches(dp).micro_batch_size
+        per_step = dp * micro_batch_size
         if self.global_batch_size % per_step:
             per_replica = self.global_batch_size / dp
             hint = (f"a micro_batch_size that divides {int(per_replica)}" if per_replica.is_integer()
                     else f"a global batch size divisible by dp={dp}")
             raise ConfigError(
                 f"global_batch_size={self.global_batch_size} is not divisible by dp*micro_batch_size = "
-                f"{dp}*{self.micro_batch_size} = {per_step}; use a global batch size that is a multiple of "
+                f"{dp}*{micro_batch_size} = {per_step}; use a global batch size that is a multiple of "
                 f"{per_step} (e.g. {per_step * -(-self.global_batch_size // per_step)}) or {hint}"
             )
         return self.global_batch_size // per_step

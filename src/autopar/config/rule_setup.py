@@ -50,7 +50,7 @@ class Setup:
     @cached_property
     def microbatches(self) -> int:
         """Micro-batches per replica per step (an error if the batch sizes do not divide)."""
-        return self.micro_config.accumulation_steps(self.replicas)
+        return self.config.accumulation_steps(self.replicas)
 
     @property
     def other_dp_mode(self) -> str | None:

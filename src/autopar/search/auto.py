@@ -133,9 +133,14 @@ class Plan:
         text = (f"plan: measured {milliseconds(took)} ms/step against {milliseconds(said)} predicted "
                 f"({took / said - 1:+.0%})")
         peak = max(measured.get("peak_memory_bytes_per_pipeline_rank") or [0])
+        tensors = max(measured.get("peak_tensor_bytes_per_pipeline_rank") or [0])
         planned = max(predicted.get("peak_memory_bytes_per_rank") or [0])
-        if peak and planned:
-            whole = "ru_maxrss" in measured.get("peak_memory_source", "")
+        whole = "ru_maxrss" in measured.get("peak_memory_source", "")
+        if tensors and planned:  # like with like: live tensor bytes, counted, against the tensors predicted
+            text += (f"; peak live tensors {tensors / 2**20:.1f} MiB/rank against {planned / 2**20:.1f} MiB "
+                     f"predicted ({tensors / planned - 1:+.0%})"
+                     + (f"; whole process {peak / 2**20:.1f} MiB/rank (RSS)" if whole and peak else ""))
+        elif peak and planned:
             text += (f"; peak memory {peak / 2**20:.1f} MiB/rank against {planned / 2**20:.1f} MiB predicted"
                      + (" (measured: the whole process; predicted: tensors)" if whole else
                         f" ({peak / planned - 1:+.0%})"))
@@ -408,13 +413,24 @@ class Measured:
     pp: int
     ranks_per_stage: int  # dp x tp ranks share a pipeline rank (pp is the outermost mesh dimension)
     extra: dict = field(default_factory=dict)
+    peak_tensor_bytes_per_rank: list[int] | None = None  # live tensors, counted during one step (live_memory.py)
+    tensor_step: int | None = None  # that step's place in step_times_s: slowed by the counting, left out of the median
 
     def to_dict(self) -> dict:
-        times = self.step_times_s[1:] or self.step_times_s  # the first step warms caches and allocators
-        per_pp = [max(self.peak_memory_bytes_per_rank[r * self.ranks_per_stage:(r + 1) * self.ranks_per_stage])
-                  for r in range(self.pp)]
-        return {"median_step_time_s": statistics.median(times), "step_times_s": self.step_times_s,
-                "median_over": "steps after the first" if len(self.step_times_s) > 1 else "the only step",
-                "peak_memory_bytes_per_rank": self.peak_memory_bytes_per_rank,
-                "peak_memory_bytes_per_pipeline_rank": per_pp, "peak_memory_source": self.peak_memory_source,
-                **self.extra}
+        # the first step warms caches and allocators; the step counted for tensor memory ran slower
+        times = [t for i, t in enumerate(self.step_times_s) if i and i != self.tensor_step] or self.step_times_s
+        over = "the only step" if len(self.step_times_s) == 1 else "steps after the first" + (
+            ", but the one counted for tensor memory" if self.tensor_step else "")
+        out = {"median_step_time_s": statistics.median(times), "step_times_s": self.step_times_s, "median_over": over,
+               "peak_memory_bytes_per_rank": self.peak_memory_bytes_per_rank,
+               "peak_memory_bytes_per_pipeline_rank": self._per_pipeline_rank(self.peak_memory_bytes_per_rank),
+               "peak_memory_source": self.peak_memory_source}
+        if self.peak_tensor_bytes_per_rank is not None:
+            out.update(peak_tensor_bytes_per_rank=self.peak_tensor_bytes_per_rank,
+                       peak_tensor_bytes_per_pipeline_rank=self._per_pipeline_rank(self.peak_tensor_bytes_per_rank),
+                       peak_tensor_source=f"live tensor storages, counted during step {(self.tensor_step or 0) + 1} "
+                                          f"of this run (search/live_memory.py): the quantity the memory model predicts")
+        return {**out, **self.extra}
+
+    def _per_pipeline_rank(self, per_rank: list[int]) -> list[int]:
+        return [max(per_rank[r * self.ranks_per_stage:(r + 1) * self.ranks_per_stage]) for r in range(self.pp)]

@@ -119,7 +119,7 @@ def cmd_plan_auto(ns, model_args: dict) -> int:
               + (f" dp shares {e.cluster_plan['dp_shares']}" if e.cluster_plan.get("dp_shares", "even") != "even"
                  else ""))
     print("* the default layout (what `train` runs without --strategy auto, micro-batch size "
-          f"{ns.micro_batch_size})" if default.get("runnable") else
+          f"{default['estimate'].candidate.micro_batch_size})" if default.get("runnable") else
           f"default layout: cannot run ({default.get('reason')})")
     if is_heterogeneous(cluster):  # the step model prices devices alike; where each rank goes is placement.py's
         print("\n".join(placement_lines(top, model)))

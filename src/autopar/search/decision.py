@@ -44,9 +44,9 @@ STRATEGY_FIELDS = ("schedule", "chunks", "partition", "recompute", "zero")
 def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any], *,
                       config: TrainConfig | None = None) -> tuple[Candidate | None, str | None]:
     """The layout the same command would run without `--strategy auto`: the Strategy and TrainConfig defaults
-    for `nproc` (dp = nproc / (tp * pp), tp = pp = 1, zero 0, micro-batch size 8, or the whole per-replica batch
-    where that is smaller and the user fixed no micro-batching) with the fields the user fixed. Returns
-    (candidate, None), or (None, why it could not run)."""
+    for `nproc` (dp = nproc / (tp * pp), tp = pp = 1, zero 0, the default micro-batch size for that dp where the
+    user fixed no micro-batching: config.default_micro_batch_size, as the runtime resolves it) with the fields
+    the user fixed. Returns (candidate, None), or (None, why it could not run)."""
     defaults = Strategy()
     tp, pp, cp = fixed.get("tp", defaults.tp), fixed.get("pp", defaults.pp), fixed.get("cp", defaults.cp)
     dp = fixed.get("dp") or nproc // (tp * pp * cp)
@@ -54,15 +54,9 @@ def default_candidate(nproc: int, global_batch_size: int, fixed: dict[str, Any],
         return None, f"dp={dp} tp={tp} pp={pp} cp={cp} does not fill {nproc} processes"
     train = dataclasses.replace(config or TrainConfig(), global_batch_size=global_batch_size,
                                 **{k: fixed[k] for k in ("micro_batch_size", "micro_batches") if k in fixed})
-    per_replica = global_batch_size // dp
-    if not ({"micro_batch_size", "micro_batches"} & fixed.keys()) and train.micro_batches is None and \
-            global_batch_size % dp == 0 and 0 < per_replica < train.micro_batch_size:
-        # a batch smaller than the default micro-batch over dp replicas: the whole per-replica batch is the micro-batch
-        # (what `--micro-batch-size` the user would pass to run without auto), not a layout that cannot run
-        train = dataclasses.replace(train, micro_batch_size=per_replica)
     try:
-        train = train.with_micro_batches(dp)
         m = train.accumulation_steps(dp)
+        train = train.with_micro_batches(dp)
     except ConfigError as exc:
         return None, str(exc)
     values = {k: fixed.get(k, defaults.flat()[k]) for k in (*STRATEGY_FIELDS, "ep", "sp", "cp", "cp_mode")}

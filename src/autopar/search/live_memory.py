@@ -22,8 +22,9 @@ step sees its gathered parameters while they are whole.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -130,6 +131,18 @@ def step_peak_bytes(trainer, step: int, breakdown: dict | None = None) -> int:
     return this rank's peak live tensor bytes: resident parameters, gradient buffers, module buffers and
     optimizer states (with the parameters the optimizer steps: ZeRO's fp32 master shards and their gradients), plus the most bytes the step itself had alive at once (FSDP2's gathered parameters
     included). A `breakdown` dict, when given, receives the resident bytes and LiveTensorPeak.at_peak."""
+    resident, counter = step_counter(trainer, breakdown=breakdown is not None)
+    with counter:
+        trainer.train_step(step)
+    if breakdown is not None:
+        breakdown.update(resident=resident, **counter.at_peak)
+    return resident + counter.peak
+
+
+def step_counter(trainer, *, breakdown: bool = False) -> tuple[int, LiveTensorPeak]:
+    """A set-up Trainer's resident tensor bytes now (as step_peak_bytes counts them) and the LiveTensorPeak to
+    run one of its steps under: resident + counter.peak is the step's peak live tensor bytes on this rank (the
+    Trainer counts one step of an auto run this way, for the end-of-run line)."""
     # the optimizer's own parameters too: a ZeRO-1/2 optimizer steps fp32 master shards, whose gradients are views
     # into the reduce-scattered shard gradient; neither is a model parameter nor an optimizer state
     params = [*trainer.model.parameters(), *(p for g in trainer.optimizer.param_groups for p in g["params"])]
@@ -140,8 +153,31 @@ def step_peak_bytes(trainer, step: int, breakdown: dict | None = None) -> int:
     stages = getattr(trainer.engine, "stages", None) or {}
     resizable = [t for m in (trainer.model, *stages.values()) for t in fsdp_resizable_tensors(m)]
     resizable = list({id(t): t for t in resizable}.values())
-    with LiveTensorPeak(keys, resizable, breakdown=breakdown is not None) as counter:
-        trainer.train_step(step)
-    if breakdown is not None:
-        breakdown.update(resident=resident, **counter.at_peak)
-    return resident + counter.peak
+    return resident, LiveTensorPeak(keys, resizable, breakdown=breakdown)
+
+
+class CountedStep:
+    """One step of a training run counted for its peak live tensor bytes on this rank, the quantity the memory
+    model predicts: an auto run's end-of-run line sets it beside the prediction (on CPU the process's peak
+    resident set also holds the Python, torch and gloo runtime, hundreds of MiB no prediction covers). The run's
+    second step: after a step the optimizer states exist, as in every later step. The counted step is slower
+    (every op passes the dispatch mode), so the run leaves its time out of the median (`index`: its place among
+    the run's step times); a run of fewer than 3 steps counts its first, whose time is left out anyway (its
+    optimizer states are made during it, so its forward and backward run without them)."""
+
+    def __init__(self, trainer, *, start: int, steps: int, enabled: bool = True):
+        self.trainer = trainer
+        self.step = (start + 1 if steps - start >= 3 else start) if enabled and steps > start else None
+        self.index = None if self.step is None else self.step - start
+        self.peak_bytes: int | None = None
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        """Around the run's call that trains `step` (0-based): counted when it is this object's step."""
+        if step != self.step:
+            yield
+            return
+        resident, counter = step_counter(self.trainer)
+        with counter:
+            yield
+        self.peak_bytes = resident + counter.peak

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..checkpoint_names import checkpoint_name
 from ..errors import CheckpointError
 from . import manifest
 from .manifest import LATEST, TRAINER_STATE
@@ -53,10 +54,6 @@ def _primary_names(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
                 first[same] = key
             kept[key] = value
     return kept, aliases
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def _whole_state(model_sd: dict, optim_sd: dict, tensor_parallel: Any) -> tuple[dict, dict]:

@@ -17,18 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint_names import step_of
 from ..errors import CheckpointError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TRAINER_STATE = "trainer.json"
-_STEP_FOLDER = re.compile(r"^step_(\d+)(\.partial)?$")
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -83,11 +82,6 @@ def verify(folder: Path) -> str | None:
         if _sha256(path) != expected["sha256"]:
             return f"{name} does not match the sha256 in its {MANIFEST} (corrupt or changed since it was saved)"
     return None
-
-
-def step_of(folder: Path) -> int | None:
-    match = _STEP_FOLDER.match(folder.name)
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,15 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def peak_memory_per_rank(device: torch.device) -> list[int]:
     """Every rank's `peak_memory_bytes`, on every rank (collective)."""
-    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
-    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, peak)
-    return [int(p.item()) for p in peaks]
+    return every_rank(peak_memory_bytes(device), device)
+
+
+def every_rank(value: int, device: torch.device) -> list[int]:
+    """Every rank's `value` (a byte count), on every rank (collective)."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    values = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, mine)
+    return [int(v.item()) for v in values]
 
 
 def peak_memory_source(device: torch.device) -> str:
