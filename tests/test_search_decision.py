@@ -19,7 +19,7 @@ from autopar.search.cost import Candidate, StepModel
 from autopar.search.decision import (CONFIRM_AUTO_MAX, beats_default, beats_measured_default, decide, default_layout,
                                      to_measure)
 from autopar.search.equivalence import collapse, execution_key, schedule_class
-from autopar.search.search import SearchSpace, enumerate_candidates, exhaustive, why
+from autopar.search.search import SearchSpace, exhaustive, why
 from autopar.search.command import plan_dict
 
 
