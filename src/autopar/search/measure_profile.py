@@ -27,7 +27,7 @@ partition does, partition/measure.py) and run for real, at two micro-batch sizes
 
 Measured at tp = 1. A tensor-parallel degree scales the per-sequence time of a block by its
 share of FLOPs left on one rank (the fixed part stays: a split layer runs as many ops), and its
-saved and transient bytes by the profile's activation share; the update time is kept whole
+saved bytes by the profile's activation share (its transient by part: step_memory.py); the update time is kept whole
 (it is per-tensor overhead on these sizes, and a split layer has as many tensors); stated
 approximations.
 """

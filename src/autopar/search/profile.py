@@ -11,8 +11,9 @@ Approximations, stated: saved activations are the sum of every op's output (an u
 on what autograd keeps; measure_profile.py replaces them, and the FLOP-rate times, with
 measured ones on this machine); under
 tensor parallelism the FLOPs of ops that read a split weight, and attention in a block that
-has split layers, are divided by tp, and a split block keeps 10 + 24/tp of its 34 activation
-units (Korthikanti et al. 2022) instead of 34; backward all-reduces as many bytes as forward.
+has split layers, are divided by tp, and a block's activation bytes are each op's output / tp where the
+TP plan shards that value, whole elsewhere (norms, residuals, a row layer's summed output); backward
+all-reduces as many bytes as forward.
 
 `with_layers(n)` scales a profile traced with few repeated layers to n identical layers,
 so a 20B-parameter model is profiled from a 2-layer trace in seconds.
@@ -21,6 +22,7 @@ so a 20B-parameter model is profiled from a 2-layer trace in seconds.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -294,13 +296,27 @@ def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float,
     for fqn in split:
         if fqn in owner_block:
             local[owner_block[fqn]] -= graph.param_numel[fqn] - graph.param_numel[fqn] // tp
-    # Megatron's activations per layer, sbh(34 + 5as/h): tp leaves 10 of the 34 whole (norms, dropout, residuals,
-    # the column layers' inputs); sequence parallelism splits those too (benchmarks/sp_activation_memory.py)
-    split_share = 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
-    saved = tuple(b.activation_bytes * scale * (split_share if has_split[i] else 1.0)
-                  for i, b in enumerate(graph.blocks))
+    if sequence_parallel:  # sequence parallelism splits the rest too (benchmarks/sp_activation_memory.py)
+        saved = tuple(b.activation_bytes * scale / (tp if has_split[i] else 1) for i, b in enumerate(graph.blocks))
+    else:  # each op's output split as the plan splits that value (the column layers' outputs and what follows them)
+        saved = tuple(b * scale for b in _split_activation_bytes(graph, plan, tp))
     largest = _largest_params(graph, lambda fqn: graph.param_numel[fqn] // (tp if fqn in split else 1))
     return TPProfile(tp, tuple(flops), tuple(local), saved, tuple(reduce), tuple(count), largest)
+
+
+def _split_activation_bytes(graph: ModelGraph, plan, tp: int) -> list[float]:
+    """Per block, the traced outputs' bytes on one tp rank: a value the plan shards (plan.value_shards: a column
+    layer's output and the per-head, per-feature ops after it, a vocabulary-parallel head's logits) holds 1 / tp of
+    its bytes, every other one (norms, residuals, a row layer's summed output) all of them. An op returning several
+    values (attention's output with its statistics) is split when its pieces are."""
+    sharded = set(plan.value_shards)
+    for node in graph.exported.graph.nodes:
+        if node.target is operator.getitem and node.name in sharded and isinstance(node.args[0], torch.fx.Node):
+            sharded.add(node.args[0].name)
+    out = [0.0] * len(graph.blocks)
+    for cost in graph.nodes.values():
+        out[cost.block] += cost.out_bytes / (tp if cost.name in sharded else 1)
+    return out
 
 
 REPEAT_FROM = 8  # layers; deeper models built from n_layer identical layers are traced with 2 and scaled

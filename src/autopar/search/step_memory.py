@@ -57,26 +57,54 @@ def step_memory(model: StepModel, c: Candidate, spans: list[tuple[int, int]], re
             local_largest[s] = max(local_largest[s], model.profile.shared_params // c.tp)
     transient = [None] * stages
     split = c.schedule in SPLIT_SCHEDULES
-    if model.profile.measured is not None:  # measured per block, scaled like the saved bytes under tp
+    if model.profile.measured is not None:  # measured per block at tp = 1, each part scaled as tp splits it
         # (at most 1: a block kept whole or more under tp, the head under --sp, keeps its own temporaries)
         share = [min(mine / whole, 1.0) if whole else 1.0
                  for mine, whole in zip(prof.saved_bytes, model.profile.saved_bytes)]
         use_split = split and all(m.has_split for m in model.profile.measured)
-        def block_transient(m, first: bool) -> float:
+        crossed = model.profile.crossings
+        last_block = model.profile.num_blocks - 1
+
+        def weight_share(i: int) -> float:
+            """Block i's parameters on one rank over its whole ones (a tied weight counted in the block reading it
+            last too: its copy there is split like the owner's)."""
+            mine, whole = prof.params[i], model.profile.params[i]
+            if model.profile.shared_params and i == shared_last != shared_first:
+                mine, whole = mine + model.profile.shared_params // c.tp, whole + model.profile.shared_params
+            return min(mine / whole, 1.0) if whole else 1.0
+
+        def edge_bytes(i: int) -> tuple[float, float]:
+            """Block i's input gradient, and its output with that output's gradient, at this micro-batch: tensors of
+            the residual stream, which tp (without --sp) leaves whole on every rank."""
+            if not crossed:
+                return 0.0, 0.0
+            grad = crossed[i - 1].grad_at(mbs) if i > 0 else 0.0
+            out = crossed[i].at(mbs) + crossed[i].grad_at(mbs) if i < last_block else 0.0
+            return grad * model.act_scale, out * model.act_scale
+
+        def block_transient(m, i: int, first: bool) -> float:
+            """The measured transient on one tp rank: its fixed part (the weight gradients, made before they are
+            added into the gradient buffers) split like the parameters, the input gradient and the output with its
+            gradient whole, the rest (activation gradients, temporaries) like the saved bytes."""
             if use_split and not first:
-                return m.split_transient_fixed + m.split_transient_per_seq * mbs * model.act_scale
-            return m.transient_fixed + m.transient_per_seq * mbs * model.act_scale
+                fixed, per_seq = m.split_transient_fixed, m.split_transient_per_seq
+            else:
+                fixed, per_seq = m.transient_fixed, m.transient_per_seq
+            grad, out = edge_bytes(i)
+            rest = per_seq * mbs * model.act_scale - grad - out  # may be < 0: saved bytes freed before the peak
+            return rest * share[i] + fixed * weight_share(i) + grad + out
 
-        def sent_twice(s: int, b: int) -> float:
-            """What the last block's measured transient holds that the walk counts as buffers: a stage with a
-            successor sends its output and receives that output's gradient (the measurement's own output and
-            output gradient, kept through its backward), both priced as buffers already."""
-            if s == stages - 1 or not model.profile.crossings:
-                return 0.0
-            out = model.profile.crossings[b - 1]
-            return (out.at(mbs) + out.grad_at(mbs)) * model.act_scale * share[b - 1]
+        def counted_apart(s: int, i: int, b: int) -> float:
+            """What block i's measured transient holds (the measurement keeps the block's output and its gradient
+            through the backward) that the stage does not hold there, or the walk prices already: inside a stage the
+            output is the next block's input, freed with that block's backward before block i's; a stage's last
+            block with a successor sends its output and receives that output's gradient, both priced as buffers."""
+            _, out = edge_bytes(i)
+            if i == b - 1:
+                return out if s < stages - 1 else 0.0
+            return crossed[i].at(mbs) * model.act_scale if crossed else 0.0
 
-        transient = [[max(block_transient(m, a == 0) * share[i] - (sent_twice(s, b) if i == b - 1 else 0.0), 0.0)
+        transient = [[max(block_transient(m, i, a == 0) - counted_apart(s, i, b), 0.0)
                       for i, m in enumerate(model.profile.measured[a:b], start=a)] for s, (a, b) in enumerate(spans)]
     pending = [0.0] * stages
     if split:  # what one micro-batch's I keeps for its W (the first stage's I keeps nothing: its W is the
