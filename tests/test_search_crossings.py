@@ -1,6 +1,7 @@
 """What crosses a pipeline cut, as the memory model prices it: batch-free tensors (a rotary table, a mask) once per
 micro-batch whatever its size, gradients for floating-point tensors only, and the fp32 residual stream under bf16
-autocast at full width. By hand, on a traced toy and on a hand-made profile (no ranks)."""
+autocast at full width; and, under tp, what of a block's activations and transient one rank holds. By hand, on traced
+toys and on hand-made profiles (no ranks)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,22 @@ def test_a_tp_profile_splits_the_activations_the_plan_splits():
     split = 2 * SEQ * hidden * 4  # fc1's and the GELU's fp32 outputs, per sequence
     for tp in (2, 4):
         assert profile.at_tp(tp).saved_bytes[1] == pytest.approx(profile.saved_bytes[1] - split * (1 - 1 / tp))
+
+
+@pytest.mark.parametrize("heads, kv_heads, views", [(4, 2, 2), (8, 4, 0)])
+def test_repeated_key_value_heads_are_views_on_a_rank_left_one_of_them(heads, kv_heads, views):
+    """Grouped-query attention repeats each key/value head for its query heads: an expand and a reshape that copies.
+    At tp = 2 with 2 key/value heads a rank has one left, and its reshape is a view that holds nothing (measured on
+    hf:llama tp=2: no repeated keys or values alive at the peak); with 4, two per rank, it still copies."""
+    from autopar.models import build_model
+    from autopar.search.profile import _local_view
+    from autopar.tensor_parallel import plan_tensor_parallel
+    model, _ = build_model("hf:llama", {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+                                        "num_attention_heads": heads, "num_key_value_heads": kv_heads},
+                           vocab_size=64, device="meta")
+    graph = trace(model, (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),))
+    plan = plan_tensor_parallel(graph, 2)
+    repeats = [n for n in graph.exported.graph.nodes if n.target is torch.ops.aten.reshape.default
+               and n.args[0].target is torch.ops.aten.expand.default]
+    assert len(repeats) == 2  # keys and values
+    assert sum(_local_view(n, plan.value_shards, 2) for n in repeats) == views

@@ -308,15 +308,45 @@ def _split_activation_bytes(graph: ModelGraph, plan, tp: int) -> list[float]:
     """Per block, the traced outputs' bytes on one tp rank: a value the plan shards (plan.value_shards: a column
     layer's output and the per-head, per-feature ops after it, a vocabulary-parallel head's logits) holds 1 / tp of
     its bytes, every other one (norms, residuals, a row layer's summed output) all of them. An op returning several
-    values (attention's output with its statistics) is split when its pieces are."""
+    values (attention's output with its statistics) is split when its pieces are. A reshape that copies whole can be
+    a view on one rank (_local_view): then it holds nothing there."""
     sharded = set(plan.value_shards)
     for node in graph.exported.graph.nodes:
         if node.target is operator.getitem and node.name in sharded and isinstance(node.args[0], torch.fx.Node):
             sharded.add(node.args[0].name)
+    viewed = {node.name for node in graph.exported.graph.nodes if _local_view(node, plan.value_shards, tp)}
     out = [0.0] * len(graph.blocks)
     for cost in graph.nodes.values():
-        out[cost.block] += cost.out_bytes / (tp if cost.name in sharded else 1)
+        if cost.name not in viewed:
+            out[cost.block] += cost.out_bytes / (tp if cost.name in sharded else 1)
     return out
+
+
+def _local_view(node, shards: dict, tp: int) -> bool:
+    """A reshape of an expanded value copies it (grouped-query attention repeating each key/value head for its query
+    heads), unless the dimensions it merges with the expanded one hold one element each, which is what a rank has
+    left when tp splits the key/value heads down to one: then the rank's reshape is a view (tried on meta tensors at
+    the rank's shapes)."""
+    source = node.args[0] if node.target in (torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default) \
+        and node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if source is None or source.target is not torch.ops.aten.expand.default or node.name not in shards:
+        return False
+    base = source.args[0]
+    if not isinstance(base, torch.fx.Node) or base.name not in shards or source.name not in shards:
+        return False
+
+    def local(value) -> list[int] | None:
+        meta = value.meta.get("val")
+        if not isinstance(meta, torch.Tensor):
+            return None
+        shape, (dim, _) = list(meta.shape), shards[value.name]
+        shape[dim] //= tp
+        return shape
+    shapes = [local(v) for v in (base, source, node)]
+    if any(s is None for s in shapes):
+        return False
+    expanded = torch.empty(shapes[0], device="meta").expand(shapes[1])
+    return expanded.reshape(shapes[2]).untyped_storage().nbytes() == expanded.untyped_storage().nbytes()
 
 
 REPEAT_FROM = 8  # layers; deeper models built from n_layer identical layers are traced with 2 and scaled
