@@ -176,20 +176,52 @@ def test_a_tp_profile_splits_the_activations_the_plan_splits():
         assert profile.at_tp(tp).saved_bytes[1] == pytest.approx(profile.saved_bytes[1] - split * (1 - 1 / tp))
 
 
+class _Attention(nn.Module):
+    """Grouped-query attention as Hugging Face's Llama writes it: each key/value head repeated for its query heads
+    by an expand and a reshape (a copy)."""
+
+    def __init__(self, heads: int, kv_heads: int, dim: int = 4) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.q, self.o = nn.Linear(WIDTH, heads * dim), nn.Linear(heads * dim, WIDTH)
+        self.k, self.v = nn.Linear(WIDTH, kv_heads * dim), nn.Linear(WIDTH, kv_heads * dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = (p(x).view(b, s, self.kv_heads, self.dim).transpose(1, 2)[:, :, None]
+                .expand(b, self.kv_heads, self.heads // self.kv_heads, s, self.dim)
+                .reshape(b, self.heads, s, self.dim) for p in (self.k, self.v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(out.transpose(1, 2).reshape(b, s, self.heads * self.dim))
+
+
+class _GqaToy(nn.Module):
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, WIDTH), nn.Linear(WIDTH, 32)
+        self.layers = nn.ModuleList([_Attention(heads, kv_heads)])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 @pytest.mark.parametrize("heads, kv_heads, views", [(4, 2, 2), (8, 4, 0)])
-def test_repeated_key_value_heads_are_views_on_a_rank_left_one_of_them(heads, kv_heads, views):
-    """Grouped-query attention repeats each key/value head for its query heads: an expand and a reshape that copies.
-    At tp = 2 with 2 key/value heads a rank has one left, and its reshape is a view that holds nothing (measured on
-    hf:llama tp=2: no repeated keys or values alive at the peak); with 4, two per rank, it still copies."""
-    from autopar.models import build_model
-    from autopar.search.profile import _local_view
+def test_repeated_key_value_heads_are_views_on_a_rank_left_one_of_them(heads, kv_heads, views, monkeypatch):
+    """At tp = 2 with 2 key/value heads a rank has one left, and its repeating reshape is a view that holds nothing
+    (measured on hf:llama tp=2: no repeated keys or values alive at the peak); with 4, two per rank, it copies."""
+    from autopar.search import profile as profiling
     from autopar.tensor_parallel import plan_tensor_parallel
-    model, _ = build_model("hf:llama", {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
-                                        "num_attention_heads": heads, "num_key_value_heads": kv_heads},
-                           vocab_size=64, device="meta")
-    graph = trace(model, (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),))
+    graph = trace(_GqaToy(heads, kv_heads), (torch.zeros(1, SEQ, dtype=torch.long),))
     plan = plan_tensor_parallel(graph, 2)
     repeats = [n for n in graph.exported.graph.nodes if n.target is torch.ops.aten.reshape.default
                and n.args[0].target is torch.ops.aten.expand.default]
     assert len(repeats) == 2  # keys and values
-    assert sum(_local_view(n, plan.value_shards, 2) for n in repeats) == views
+    assert sum(profiling._local_view(n, plan.value_shards, 2) for n in repeats) == views
+    held = profile_graph(graph, name="toy", seq_len=SEQ, tp_degrees=(1, 2)).at_tp(2).saved_bytes[1]
+    monkeypatch.setattr(profiling, "_local_view", lambda *args: False)
+    copied = profile_graph(graph, name="toy", seq_len=SEQ, tp_degrees=(1, 2)).at_tp(2).saved_bytes[1]
+    assert copied - held == pytest.approx(views * SEQ * heads * 4 * 4 / 2)  # each a rank's half of fp32 q-sized
