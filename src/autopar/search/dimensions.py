@@ -13,7 +13,7 @@ schedule simulation, the memory walk or the time-sharing bound is written twice:
              ep loses when those all-to-alls and the imbalance outweigh what the memory saving buys:
              the search picks it when the experts only fit sharded, or the saved memory lets a larger
              micro-batch or no recomputation run.
-    sp       (tp > 1) a split block keeps 34/tp of Megatron's 34 activation units instead of 10 + 24/tp;
+    sp       (tp > 1) a split block keeps all of its activations / tp, not only the values the TP plan shards;
              each tensor-parallel all-reduce becomes a reduce-scatter and an all-gather (the same ring
              volume, twice the latencies).
     cp       every sequence-dim quantity / cp (FLOPs, saved activations, stage boundaries: each rank
@@ -126,11 +126,10 @@ def _with_sequence_parallel(profile: ModelProfile, tp: int) -> ModelProfile:
     tp=2 pp=4 --sp, the last stage at micro-batch 8 and 16: two whole-sequence gathered copies alive at its peak,
     8.7 and 15.0 MiB; its traced share at 1 / tp priced 6.4 and 10.2)."""
     t = profile.tp[tp]
-    whole = (10 + 24 / tp) / 34
     last = profile.num_blocks - 1
     head = profile.saved_bytes[last] + (profile.boundary_bytes[last - 1] if last > 0 else 0.0)
-    saved = tuple(head if i == last else s * (1 / tp) / whole if count else s
-                  for i, (s, count) in enumerate(zip(t.saved_bytes, t.allreduce_count)))
+    saved = tuple(head if i == last else whole / tp if count else s
+                  for i, (s, whole, count) in enumerate(zip(t.saved_bytes, profile.saved_bytes, t.allreduce_count)))
     return dataclasses.replace(profile, tp={**profile.tp, tp: dataclasses.replace(
         t, saved_bytes=saved, allreduce_count=tuple(2 * n for n in t.allreduce_count))})
 

@@ -27,8 +27,9 @@ partition does, partition/measure.py) and run for real, at two micro-batch sizes
 
 Measured at tp = 1. A tensor-parallel degree scales the per-sequence time of a block by its
 share of FLOPs left on one rank, its fixed time as search/tp_fixed.py says (the ops' dispatch
-stays, the rest follows the parameters), its update time by its parameter share, and its saved
-and transient bytes by the profile's activation share; stated approximations.
+stays, the rest follows the parameters), its update time by its parameter share, its saved bytes
+by the profile's activation share and its transient by part (step_memory.py); stated
+approximations.
 """
 
 from __future__ import annotations

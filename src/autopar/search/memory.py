@@ -5,7 +5,8 @@
   + activations      saved bytes per micro-batch x in-flight micro-batches (from the simulator)
   + stashed inputs   a recomputing stage keeps only its input per in-flight micro-batch
   + transient        one block's activations rebuilt or differentiated at a time during backward
-                     (measured per block when the profile is measured: measure_profile.py)
+                     (measured per block when the profile is measured: measure_profile.py; under tp its
+                     weight gradients split, its residual-stream gradients whole: step_memory.py)
   + buffers          what the pipeline sends: the runtime keeps every sent tensor until the step's
                      last action waits for its send (pipeline/p2p.py wait_sends), so a stage holds all
                      m activations it sent and the input gradients it sent before its last forward,

@@ -11,8 +11,9 @@ Approximations, stated: saved activations are the sum of every op's output (an u
 on what autograd keeps; measure_profile.py replaces them, and the FLOP-rate times, with
 measured ones on this machine); under
 tensor parallelism the FLOPs of ops that read a split weight, and attention in a block that
-has split layers, are divided by tp, and a split block keeps 10 + 24/tp of its 34 activation
-units (Korthikanti et al. 2022) instead of 34; backward all-reduces as many bytes as forward.
+has split layers, are divided by tp, and a block's activation bytes are each op's output / tp where the
+TP plan shards that value, whole elsewhere (norms, residuals, a row layer's summed output); backward
+all-reduces as many bytes as forward.
 
 `with_layers(n)` scales a profile traced with few repeated layers to n identical layers,
 so a 20B-parameter model is profiled from a 2-layer trace in seconds.
@@ -21,6 +22,7 @@ so a 20B-parameter model is profiled from a 2-layer trace in seconds.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -304,13 +306,57 @@ def _tp_profile(graph: ModelGraph, tp: int, params: list[int], scale: float,
     for fqn in split:
         if fqn in owner_block:
             local[owner_block[fqn]] -= graph.param_numel[fqn] - graph.param_numel[fqn] // tp
-    # Megatron's activations per layer, sbh(34 + 5as/h): tp leaves 10 of the 34 whole (norms, dropout, residuals,
-    # the column layers' inputs); sequence parallelism splits those too (benchmarks/sp_activation_memory.py)
-    split_share = 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
-    saved = tuple(b.activation_bytes * scale * (split_share if has_split[i] else 1.0)
-                  for i, b in enumerate(graph.blocks))
+    if sequence_parallel:  # sequence parallelism splits the rest too (benchmarks/sp_activation_memory.py)
+        saved = tuple(b.activation_bytes * scale / (tp if has_split[i] else 1) for i, b in enumerate(graph.blocks))
+    else:  # each op's output split as the plan splits that value (the column layers' outputs and what follows them)
+        saved = tuple(b * scale for b in _split_activation_bytes(graph, plan, tp))
     largest = _largest_params(graph, lambda fqn: graph.param_numel[fqn] // (tp if fqn in split else 1))
     return TPProfile(tp, tuple(flops), tuple(local), saved, tuple(reduce), tuple(count), largest)
+
+
+def _split_activation_bytes(graph: ModelGraph, plan, tp: int) -> list[float]:
+    """Per block, the traced outputs' bytes on one tp rank: a value the plan shards (plan.value_shards: a column
+    layer's output and the per-head, per-feature ops after it, a vocabulary-parallel head's logits) holds 1 / tp of
+    its bytes, every other one (norms, residuals, a row layer's summed output) all of them. An op returning several
+    values (attention's output with its statistics) is split when its pieces are. A reshape that copies whole can be
+    a view on one rank (_local_view): then it holds nothing there."""
+    sharded = set(plan.value_shards)
+    for node in graph.exported.graph.nodes:
+        if node.target is operator.getitem and node.name in sharded and isinstance(node.args[0], torch.fx.Node):
+            sharded.add(node.args[0].name)
+    viewed = {node.name for node in graph.exported.graph.nodes if _local_view(node, plan.value_shards, tp)}
+    out = [0.0] * len(graph.blocks)
+    for cost in graph.nodes.values():
+        if cost.name not in viewed:
+            out[cost.block] += cost.out_bytes / (tp if cost.name in sharded else 1)
+    return out
+
+
+def _local_view(node, shards: dict, tp: int) -> bool:
+    """A reshape of an expanded value copies it (grouped-query attention repeating each key/value head for its query
+    heads), unless the dimensions it merges with the expanded one hold one element each, which is what a rank has
+    left when tp splits the key/value heads down to one: then the rank's reshape is a view (tried on meta tensors at
+    the rank's shapes)."""
+    source = node.args[0] if node.target in (torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default) \
+        and node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if source is None or source.target is not torch.ops.aten.expand.default or node.name not in shards:
+        return False
+    base = source.args[0]
+    if not isinstance(base, torch.fx.Node) or base.name not in shards or source.name not in shards:
+        return False
+
+    def local(value) -> list[int] | None:
+        meta = value.meta.get("val")
+        if not isinstance(meta, torch.Tensor):
+            return None
+        shape, (dim, _) = list(meta.shape), shards[value.name]
+        shape[dim] //= tp
+        return shape
+    shapes = [local(v) for v in (base, source, node)]
+    if any(s is None for s in shapes):
+        return False
+    expanded = torch.empty(shapes[0], device="meta").expand(shapes[1])
+    return expanded.reshape(shapes[2]).untyped_storage().nbytes() == expanded.untyped_storage().nbytes()
 
 
 REPEAT_FROM = 8  # layers; deeper models built from n_layer identical layers are traced with 2 and scaled
