@@ -64,7 +64,7 @@ def _trainer(parts, job, plan_path: str, out: Path, steps: int):
                    pretrained=parts.pretrained, run_files=parts.run_files)
 
 
-def _agreed(ok: bool) -> bool:
+def all_ranks_ok(ok: bool) -> bool:
     """Whether every rank got here without an error (a plan one rank could not set up is dropped on all)."""
     flag = torch.tensor([0 if ok else 1])
     dist.all_reduce(flag)
@@ -90,7 +90,7 @@ def _set_up(trainer, record: dict) -> bool:
     except Exception as exc:  # noqa: BLE001 - reported per plan; the others are still measured
         record["error"] = f"{type(exc).__name__}: {exc}"
         ok = False
-    return _agreed(ok)
+    return all_ranks_ok(ok)
 
 
 def measure(spec: dict) -> list[dict]:
