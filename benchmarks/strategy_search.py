@@ -11,8 +11,8 @@ How it measures (one launch per model and world size, by the project's launcher)
   allocator churn (with all of them alive, a pipeline row of hf:gpt2 at 4 ranks measured 101 ms
   against 73-81 ms alone); each visit runs two untimed steps (allocations, optimizer states), then
   one timed step;
-- memory: the second untimed step of a configuration's first visit, counted by search/live_memory.py: peak bytes of live
-  tensors = resident storages (parameters, gradient buffers, optimizer states, module buffers)
+- memory: the second untimed step of a configuration's first visit, counted by search/live_memory.py:
+  peak bytes of live tensors = resident storages (parameters, gradient buffers, optimizer states, module buffers)
   + the most bytes of tensors created during the step alive at once (activations, gradients of
   activations, communication buffers, temporaries). NOT the resident set size: that holds the
   Python/torch/gloo runtime too. The memory model is compared with headroom 1 (the same quantity);
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -427,7 +428,7 @@ def worker(spec_path: Path) -> None:
     tokenizer = build_tokenizer("byte")
     vocab = padded_vocab_size(tokenizer.vocab_size)
     data: dict = {}
-    visits = iter(range(1 << 30))
+    visits = itertools.count()  # each visit's own run folder
 
     def build(cfg: dict):
         """A fresh Trainer of one configuration (the model on meta, materialised from the seed: alike every visit)."""
