@@ -5,16 +5,21 @@ that fit (distinct after deduplication; see CONFIGS below for which), then run e
 with the real runtime and compare.
 
 How it measures (one launch per model and world size, by the project's launcher):
-- every rank builds the model and data once, then one Trainer per configuration (its own process
-  groups), each warmed up by one step;
-- memory: one more step per configuration counted by search/live_memory.py: peak bytes of live
-  tensors = resident storages (parameters, gradient buffers, optimizer states, module buffers)
+- every rank loads the data once; then, round after round, every configuration in turn is set up (a
+  Trainer with its own process groups), stepped and released (its groups destroyed): one Trainer is
+  alive at a time, so no configuration is timed beside the others' idle gloo threads, tensors and
+  allocator churn (with all of them alive, a pipeline row of hf:gpt2 at 4 ranks measured 101 ms
+  against 73-81 ms alone); each visit runs two untimed steps (allocations, optimizer states), then
+  one timed step;
+- memory: the second untimed step of a configuration's first visit, counted by search/live_memory.py:
+  peak bytes of live tensors = resident storages (parameters, gradient buffers, optimizer states, module buffers)
   + the most bytes of tensors created during the step alive at once (activations, gradients of
   activations, communication buffers, temporaries). NOT the resident set size: that holds the
   Python/torch/gloo runtime too. The memory model is compared with headroom 1 (the same quantity);
   the JSON keeps the model's terms per stage and, per rank, the bytes at the peak by the op that made them;
 - time: REPEATS rounds, each timing one step of every configuration in turn (interleaved, so load
   drift hits all alike); a step's time is the slowest rank's (barrier before); the median is kept;
+  set-ups are paid once per configuration per round;
 - the level: a reference configuration (search/step_probe.py: replicated dp over every rank, one
   micro-batch) is set up and timed beside them, first and last in every round; its measured step over
   its predicted time-shared bound is Cluster.time_shared_scale, with which every configuration is
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -264,7 +270,7 @@ def print_block(block: dict, summary: dict, args_terms: bool = True) -> None:
     print(f"\n== {block['model']} at {block['world']} ranks: blocks measured on rank 0 and cores probed (alone vs "
           f"every rank at once) in {block['blocks_measured_s']:.1f} s, this job's effective cores "
           f"{block['effective_cores'] or 0:.2f}, of which idle gloo threads take "
-          f"{block.get('background_cores', 0):.2f} once every configuration is set up (predictions below count it); "
+          f"{block.get('background_cores', 0):.2f} with one configuration set up (predictions below count it); "
           f"search scored {block['evaluated']} configurations "
           f"({block['fitting']} distinct fitting) in {block['search_s']:.2f} s; measured {summary['n']} in "
           f"{block['measure_s']:.0f} s (load average {block['load_average'][0]:.1f} -> {block['load_average'][1]:.1f})")
@@ -406,10 +412,10 @@ def worker(spec_path: Path) -> None:
     import torch.distributed as dist
 
     import autopar
+    from autopar.confirm_ranks import alone
     from autopar.data import build_datasets, build_tokenizer, load_corpus, padded_vocab_size
     from autopar.models import build_model
     from autopar.search.calibrate_ranks import background_cores
-    from autopar.search.live_memory import step_peak_bytes
 
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(1)
@@ -421,73 +427,51 @@ def worker(spec_path: Path) -> None:
     corpus = load_corpus("stdlib")
     tokenizer = build_tokenizer("byte")
     vocab = padded_vocab_size(tokenizer.vocab_size)
-    trainers, results = [], []
-    for i, cfg in enumerate(spec["configs"]):
+    data: dict = {}
+    visits = itertools.count()  # each visit's own run folder
+
+    def build(cfg: dict):
+        """A fresh Trainer of one configuration (the model on meta, materialised from the seed: alike every visit)."""
         model, info = build_model(spec["model"], spec["model_args"], vocab_size=vocab, device="meta")
-        if i == 0:
-            train_data, _ = build_datasets(corpus, tokenizer, seq_len=spec.get("seq_len", SEQ_LEN), task=info.task,
-                                           seed=0)
+        if "train" not in data:
+            data["train"], _ = build_datasets(corpus, tokenizer, seq_len=spec.get("seq_len", SEQ_LEN), task=info.task,
+                                              seed=0)
         config = autopar.TrainConfig(steps=10_000, global_batch_size=spec.get("global_batch", GLOBAL_BATCH),
                                      micro_batch_size=cfg["micro_batch_size"], progress=False,
-                                     out=f"{spec['runs']}/{i}", warmup_steps=1,
+                                     out=f"{spec['runs']}/{next(visits)}", warmup_steps=1,
                                      compile=cfg["strategy"].get("compile", False))
         fields = {k: v for k, v in cfg["strategy"].items() if k != "compile"}  # (a TrainConfig field)
-        trainer = autopar.Trainer(model, train_data, strategy=autopar.Strategy(**fields), config=config)
-        record: dict = {}
-        began = time.perf_counter()
-        try:
-            trainer._setup()
-            trainer.train_step(0)  # warm-up: allocates gradient buffers and optimizer states
-            peaks, terms = [None] * dist.get_world_size(), {}
-            dist.all_gather_object(peaks, (step_peak_bytes(trainer, 1, breakdown=terms), terms))
-            record["measured_bytes_per_rank"] = [p for p, _ in peaks]
-            record["measured_memory_terms"] = [t for _, t in peaks]  # resident + bytes at the peak by making op
-            record["setup_s"] = time.perf_counter() - began
-            trainers.append((i, trainer))
-        except Exception as exc:  # noqa: BLE001 - reported per configuration, the others still run
-            record["error"] = f"{type(exc).__name__}: {exc}"
-        results.append(record)
-    # every trainer's process groups are alive now, each with a gloo thread that polls every 10 ms: measure what
-    # they burn while the ranks idle and score the configurations again with it (the search ran before them)
-    block["background_cores"] = background_cores()
-    if rank == 0 and rescore:
-        for c, e in zip(block["configs"], rescore(block["background_cores"])):
-            c.update(predicted_s=e.step_time_s, parts=e.parts, searched_s=c["predicted_s"])
-    samples: dict[int, list[float]] = {i: [] for i, _ in trainers}
-    phases: dict[int, list[list[float]]] = {i: [] for i, _ in trainers}
-    for i, trainer in trainers:
-        trainer._phase_seconds = time_phases(trainer)
+        return autopar.Trainer(model, data["train"], strategy=autopar.Strategy(**fields), config=config)
+
+    results: list[dict] = [{} for _ in spec["configs"]]
+    samples: dict[int, list[float]] = {i: [] for i in range(len(results))}
+    phases: dict[int, list[list[float]]] = {i: [] for i in range(len(results))}
     # the reference step sets every prediction's level, so it is timed twice a round, first and last
-    reference = [(i, t) for i, t in trainers if spec["configs"][i].get("reference")]
-    others = [(i, t) for i, t in trainers if not spec["configs"][i].get("reference")]
-    steps = {i: 2 for i, _ in trainers}
+    reference = [i for i, c in enumerate(spec["configs"]) if c.get("reference")]
+    others = [i for i, c in enumerate(spec["configs"]) if not c.get("reference")]
     for _ in range(spec["repeats"]):
-        for i, trainer in reference + others + reference:
-            dist.barrier()
-            trainer._phase_seconds.clear()
-            began, used = time.perf_counter(), time.process_time()
-            trainer.train_step(steps[i])
-            steps[i] += 1
-            elapsed, cpu = time.perf_counter() - began, time.process_time() - used
-            seconds = trainer._phase_seconds
-            busy = sum(end - start for start, end, action in getattr(trainer.engine, "last_events", [])
-                       if action.op.is_compute)
-            mine = torch.tensor([elapsed, seconds.get("forward_backward", 0.0), busy,
-                                 seconds.get("clip_gradients", 0.0), seconds.get("optimizer", 0.0),
-                                 seconds.get("zero_grad", 0.0)], dtype=torch.float64)
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # each term: the slowest rank's
-            summed = torch.tensor([cpu], dtype=torch.float64)
-            dist.all_reduce(summed)  # CPU seconds of the step (every thread), summed over the ranks
-            samples[i].append(float(mine[0]))
-            phases[i].append(mine.tolist() + [float(summed)])
+        for i in reference + others + reference:
+            if "error" in results[i]:
+                continue
+            with alone(lambda: build(spec["configs"][i])) as trainer:  # no other configuration's trainer alive
+                if not set_up(trainer, results[i]):
+                    results[i].setdefault("error", "another rank could not set this configuration up")
+                    continue
+                if "background_cores" not in block:
+                    # one trainer's process groups alive, as in a run of it alone, each with a gloo thread that polls
+                    # every 10 ms: what they burn while the ranks idle scores the configurations again
+                    block["background_cores"] = background_cores()
+                samples[i].append(timed_step(trainer, 2, phases[i]))
     for i, times in samples.items():
-        results[i]["measured_s"] = statistics.median(times)
-        results[i]["samples_s"] = times
-        results[i]["measured_terms_s"] = {name: statistics.median(p[k] for p in phases[i])
-                                          for k, name in enumerate(TERMS)}
-    for _, trainer in trainers:
-        trainer.engine.close()
+        if times:
+            results[i]["measured_s"] = statistics.median(times)
+            results[i]["samples_s"] = times
+            results[i]["measured_terms_s"] = {name: statistics.median(p[k] for p in phases[i])
+                                              for k, name in enumerate(TERMS)}
     if rank == 0:
+        if rescore:
+            for c, e in zip(block["configs"], rescore(block.get("background_cores", 0.0))):
+                c.update(predicted_s=e.step_time_s, parts=e.parts, searched_s=c["predicted_s"])
         for c, m in zip(block["configs"], results):
             c.update(m)
         if rescore:
@@ -495,6 +479,54 @@ def worker(spec_path: Path) -> None:
         Path(spec["out"]).write_text(json.dumps(block))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def set_up(trainer, record: dict) -> bool:
+    """Set a configuration's trainer up and run its first two steps, untimed (allocations: gradient buffers,
+    optimizer states); on its first visit the second one counts the peak live tensor bytes per rank. False on all
+    ranks when any failed."""
+    import torch.distributed as dist
+
+    from autopar.confirm_ranks import all_ranks_ok
+    from autopar.search.live_memory import step_peak_bytes
+    began = time.perf_counter()
+    try:
+        trainer._setup()
+        trainer.train_step(0)
+        if "measured_bytes_per_rank" in record:
+            trainer.train_step(1)
+        else:
+            peaks, terms = [None] * dist.get_world_size(), {}
+            dist.all_gather_object(peaks, (step_peak_bytes(trainer, 1, breakdown=terms), terms))
+            record["measured_bytes_per_rank"] = [p for p, _ in peaks]
+            record["measured_memory_terms"] = [t for _, t in peaks]  # resident + bytes at the peak by making op
+            record["setup_s"] = time.perf_counter() - began
+        ok = True
+    except Exception as exc:  # noqa: BLE001 - reported per configuration, the others still run
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        ok = False
+    return all_ranks_ok(ok)
+
+
+def timed_step(trainer, step: int, phases: list) -> float:
+    """One step from a common start: the slowest rank's seconds; its terms (each the slowest rank's) and the CPU
+    seconds of every thread summed over the ranks are appended to `phases`."""
+    import torch
+    import torch.distributed as dist
+    seconds = time_phases(trainer)
+    dist.barrier()
+    began, used = time.perf_counter(), time.process_time()
+    trainer.train_step(step)
+    elapsed, cpu = time.perf_counter() - began, time.process_time() - used
+    busy = sum(end - start for start, end, action in getattr(trainer.engine, "last_events", [])
+               if action.op.is_compute)
+    mine = torch.tensor([elapsed, seconds.get("forward_backward", 0.0), busy, seconds.get("clip_gradients", 0.0),
+                         seconds.get("optimizer", 0.0), seconds.get("zero_grad", 0.0)], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # each term: the slowest rank's
+    summed = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(summed)  # CPU seconds of the step (every thread), summed over the ranks
+    phases.append(mine.tolist() + [float(summed)])
+    return float(mine[0])
 
 
 if __name__ == "__main__":

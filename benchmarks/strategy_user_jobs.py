@@ -11,9 +11,9 @@ Then, as the CLI does next, autoplan.confirm_when_unsure: when the decision says
 not the default layout, or plans are within the model's error of each other), the plans are run for a few
 steps in one launch and the measured winner becomes auto's pick (unless it beats the measured default by
 no more than the measurement's noise); the plans measured, their times and what the measuring cost are
-printed per job. Then, in one launch per job (strategy_search.py's worker: one Trainer per configuration,
-memory as peak live tensor bytes per rank, time as the slowest rank's step, REPEATS interleaved rounds,
-median kept), it runs together:
+printed per job. Then, in one launch per job (strategy_search.py's worker: REPEATS rounds, in each every
+configuration's Trainer set up, stepped and released in turn, one alive at a time; memory as peak live tensor
+bytes per rank, time as the slowest rank's step, median kept), it runs:
 - auto's pick, as the confirmed Plan's record says (what `autopar train --strategy auto` would run);
 - the default layout, what a user gets without --strategy auto: dp = nproc, tp = pp = 1, zero 0, the
   default micro-batch size (8) or the whole per-replica batch where that is smaller;
@@ -63,7 +63,7 @@ JOBS = {
 }
 QUICK = ("gpt-tiny", {}, (8, 32), 2)  # model, args, shape, world
 REPEATS = 2  # interleaved rounds; the median of 2 is their mean (a loaded machine wants --repeats 3 or more)
-MAX_CONFIGS = 5  # besides the pick and the default layout, per job (every trainer of a job is alive at once)
+MAX_CONFIGS = 5  # besides the pick and the default layout, per job (each set up once per round)
 QUICK_CONFIGS = 2
 QUICK_CONFIRM = 0  # the smoke test's 20 s leave no room for the measuring launch; `--quick --confirm 1` runs it
 THRESHOLDS = {"auto_over_default": 1.00, "auto_over_best": 1.05, "median_time_error": 0.10,

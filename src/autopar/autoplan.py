@@ -4,8 +4,8 @@ The CLI resolves the choice in its own process, before any rank starts (strategi
 runs the search, or reads and checks the plan), prints the banner line, writes plan.json into
 the run folder and starts the ranks on that plan, so they do not search again. When unsure (the
 pick is not the default layout, or plans are within the model's error of each other: decision.to_measure),
-or with `--confirm K`, it first runs those plans for a few steps (all in one launch, their steps
-interleaved: confirm_ranks.py) and keeps the fastest measured, unless that beats the measured default
+or with `--confirm K`, it first runs those plans for a few steps (all in one launch, in rounds, one plan alive
+at a time: confirm_ranks.py) and keeps the fastest measured, unless that beats the measured default
 layout by no more than the measurement's noise; every measurement goes into plan.json.
 """
 
@@ -34,7 +34,8 @@ from .search.plan_text import configuration, same_plan
 from .strategies import resolve
 from .train.fields import example_call
 
-CONFIRM_STEPS = 5  # steps per measured plan; the median of all but the first is its time, their spread its noise
+CONFIRM_STEPS = 3  # steps per plan per round, the first untimed; the median of the timed ones is its time,
+CONFIRM_ROUNDS = 2  # their spread its noise; each round sets every plan up in turn, steps it and releases it
 
 
 def plan_auto(model: nn.Module, train_data: Dataset, nproc: int, *, strategy: Strategy | None = None,
@@ -96,7 +97,7 @@ def confirm_when_unsure(plan: Plan, k: int | None, argv: list[str], nproc: int) 
 
 def why_measure(plan: Plan, measure: list[dict], k: int | None) -> str:
     """The line said before measuring: which plans, and why they are measured rather than trusted."""
-    steps = f"for {CONFIRM_STEPS} steps each, in one launch"
+    steps = f"for {CONFIRM_ROUNDS} rounds of {CONFIRM_STEPS} steps each, one plan at a time, in one launch"
     if k is not None:
         return f"auto: --confirm {k}: measuring the {len(measure)} fastest predicted plans (the default layout " \
                f"among them) {steps}"
@@ -123,10 +124,11 @@ def plans_to_measure(plan: Plan, k: int | None) -> list[dict]:
 
 
 def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Plan:
-    """Run each of `records` (plans) for CONFIRM_STEPS steps and return the fastest measured, all recorded.
+    """Run each of `records` (plans) for CONFIRM_ROUNDS x CONFIRM_STEPS steps and return the fastest measured,
+    all recorded.
 
-    One launch for all of them (confirm_ranks.py): the ranks start once and step the plans in turn, round after
-    round; together while their predicted peaks fit a device's memory together, else one after another."""
+    One launch for all of them (confirm_ranks.py): the ranks start once and, round after round, set each plan up
+    in turn, step it and release it, so no other plan's trainer is alive while one is timed."""
     from .launch import launch
     k = len(records)
     shared = {key: plan.record[key] for key in ("nproc", "num_params", "model", "seq_len", "cluster")
@@ -143,11 +145,11 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
             predicted = milliseconds(record["prediction"]["step_time_s"])
             print(f"confirm {i + 1}/{len(records)}: {candidate.configuration()}, predicted {predicted} ms/step",
                   flush=True)
-        spec = {"argv": list(argv), "plans": paths, "steps": CONFIRM_STEPS, "folder": str(folder / "runs"),
-                "out": str(folder / "measured.json"), "together": _fit_together(plan, records)}
+        spec = {"argv": list(argv), "plans": paths, "steps": CONFIRM_STEPS, "rounds": CONFIRM_ROUNDS,
+                "folder": str(folder / "runs"), "out": str(folder / "measured.json")}
         (folder / "spec.json").write_text(json.dumps(spec))
-        print(f"confirm: running the {len(records)} plans for {CONFIRM_STEPS} steps each, "
-              f"{'interleaved' if spec['together'] else 'one after another'}, in one launch", flush=True)
+        print(f"confirm: running the {len(records)} plans in {CONFIRM_ROUNDS} rounds of {CONFIRM_STEPS} steps each "
+              f"(the first untimed), one plan alive at a time, in one launch", flush=True)
         code = launch([sys.executable, "-m", "autopar.confirm_ranks", str(folder / "spec.json")], nproc)
         measured = json.loads((folder / "measured.json").read_text()) if code == 0 else [{}] * len(records)
         for i, (record, got) in enumerate(zip(records, measured)):
@@ -156,7 +158,7 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
                      "default_layout": same_plan(record, plan.record.get("default_layout") or {})}
             if got.get("error"):
                 entry["error"] = got["error"]
-            elif got.get("step_times_s"):  # the first step (allocations, cold caches) ran untimed
+            elif got.get("step_times_s"):  # each round's first step (allocations, cold caches) ran untimed
                 entry.update(measured_step_time_s=statistics.median(got["step_times_s"]),
                              step_times_s=got["step_times_s"], peak_mem_bytes=got["peak_mem_bytes"],
                              noise=measurement_noise(got["step_times_s"]))
@@ -177,7 +179,7 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
                                if not same_plan(r, winner)],
               "confirm": results, "confirm_s": time.perf_counter() - began}
     fastest = min(ran, key=lambda r: r["measured_step_time_s"])
-    text = f"{len(ran)} plans ran {CONFIRM_STEPS} steps each; "
+    text = f"{len(ran)} plans ran {CONFIRM_ROUNDS} x {CONFIRM_STEPS} steps each; "
     if fastest is best:
         text += f"kept the fastest, {winner_text(winner, best)}"
         if margin is not None and not best["default_layout"]:
@@ -206,16 +208,6 @@ def measured_winner(ran: list[dict]) -> tuple[dict, float | None]:
                                                      default["measured_step_time_s"], margin):
         return fastest, margin
     return default, margin
-
-
-def _fit_together(plan: Plan, records: list[dict]) -> bool:
-    """Whether the plans' predicted peaks per rank, added up, fit one device's memory (all are alive at once when
-    interleaved); unknown memory: together."""
-    memory_gb = plan.record.get("search", {}).get("memory_per_device_gb")
-    if not memory_gb:
-        return True
-    peaks = [max(r.get("prediction", {}).get("peak_memory_bytes_per_rank") or [0]) for r in records]
-    return sum(peaks) <= memory_gb * 2**30
 
 
 def winner_text(winner: dict, measured: dict) -> str:

@@ -103,8 +103,8 @@ class Cluster:
     background_cores: float = 0.0
     """CPU only: cores' worth of CPU the node's ranks burn besides any step's work, taken from cores_per_node by
     the time-shared bound. Each gloo process group keeps a thread that wakes every 10 ms to poll, idle or not:
-    ~1-2 ms of CPU per second each here (docs/benchmarks.md), so a process holding many groups
-    (benchmarks/strategy_search.py keeps 22 trainers' alive at once) pays for them in every step. Measured in the
+    ~1-2 ms of CPU per second each here (docs/benchmarks.md), so a process holding many groups (several
+    Trainers alive at once) pays for them in every step. Measured in the
     ranks' launch (calibrate_ranks.background_cores); 0: none counted."""
     time_shared_scale: float = 1.0
     """CPU only: the measured step time of a reference configuration of the model over its predicted time-shared
