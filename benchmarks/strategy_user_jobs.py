@@ -11,12 +11,12 @@ Then, as the CLI does next, autoplan.confirm_when_unsure: when the decision says
 not the default layout, or plans are within the model's error of each other), the plans are run for a few
 steps in one launch and the measured winner becomes auto's pick (unless it beats the measured default by
 no more than the measurement's noise); the plans measured, their times and what the measuring cost are
-printed per job. Then, in one launch per job (strategy_search.py's worker: REPEATS rounds, in each every
-configuration's Trainer set up, stepped and released in turn, one alive at a time; memory as peak live tensor
-bytes per rank, time as the slowest rank's step, median kept), it runs:
+printed per job. Then, in one launch per job (strategy_search.py's worker, strategy_search_ranks.py: REPEATS
+rounds, in each every configuration's Trainer set up, stepped and released in turn, one alive at a time; memory
+as peak live tensor bytes per rank, time as the slowest rank's step, median kept), it runs:
 - auto's pick, as the confirmed Plan's record says (what `autopar train --strategy auto` would run);
 - the default layout, what a user gets without --strategy auto: dp = nproc, tp = pp = 1, zero 0, the
-  default micro-batch size (8) or the whole per-replica batch where that is smaller;
+  default micro-batch size (config.default_micro_batch_size: the per-replica batch, up to 8);
 - the distinct fitting configurations of the same search space, priced by the same model on the same
   calibration (up to --configs of them, chosen as strategy_search.py's pick_configs does).
 
