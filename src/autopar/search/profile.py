@@ -337,8 +337,8 @@ def _local_view(node, shards: dict, tp: int) -> bool:
     heads), unless the dimensions it merges with the expanded one hold one element each, which is what a rank has
     left when tp splits the key/value heads down to one: then the rank's reshape is a view (tried on meta tensors at
     the rank's shapes)."""
-    source = node.args[0] if node.target in (torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default) \
-        and node.args and isinstance(node.args[0], torch.fx.Node) else None
+    from ..tensor_parallel.rules import VIEWS  # (the reshape family as the TP planner names it)
+    source = node.args[0] if node.target in VIEWS and node.args and isinstance(node.args[0], torch.fx.Node) else None
     if source is None or source.target is not torch.ops.aten.expand.default or node.name not in shards:
         return False
     base = source.args[0]
