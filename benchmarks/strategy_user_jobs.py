@@ -27,9 +27,9 @@ validation, each met or not met, then PASS or FAIL: auto / default <= 1.00 and a
 job, median time error <= 10%, worst memory error <= 10%.
 
 The full set (4 models x 4 and 8 ranks x 2 batch shapes: 16 jobs) with the defaults (REPEATS rounds,
-MAX_CONFIGS others per job) is sized for about 15 minutes on a quiet 2-core machine (a calibration per world
-size, then per job a search and one launch of at most MAX_CONFIGS + 2 configurations), plus auto's own
-measuring launch, 20-60 s on each job where it measures first; `--jobs` runs a part:
+MAX_CONFIGS others per job) takes about 30 minutes on a quiet 2-core machine (a calibration per world
+size, then per job a search, auto's own measuring launch where it measures first (20-50 s), and one launch
+of at most MAX_CONFIGS + 2 configurations); `--jobs` runs a part:
 
     PYTHONPATH=src python benchmarks/strategy_user_jobs.py [--quick] [--jobs gpt-mini/4,hf:llama/8/32x128]
         [--world 4,8] [--models ...] [--shapes 8x128] [--repeats 2] [--configs 5] [--confirm K] [--keep-cache]
