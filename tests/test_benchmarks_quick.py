@@ -27,6 +27,7 @@ HELPERS = {  # modules under benchmarks/ that are not entry points: why they are
                          "tested in tests/test_resharding_plan.py",
     "subnormal_census.py": "loaded into each rank by async_pipeline.py --count-subnormals",
     "cpu_quota.py": "cgroup cpu quotas for heterogeneous.py's slow devices (needs root)",
+    "strategy_search_ranks.py": "the ranks of strategy_search.py and strategy_user_jobs.py (their quick forms run it)",
     "pipeline/common.py": "a part of pipeline_schedules.py",
     "pipeline/memory.py": "a part of pipeline_schedules.py",
     "pipeline/ours_vs_torch.py": "a part of pipeline_schedules.py",
