@@ -391,6 +391,9 @@ def run_forked(world: int, out: str, group_sizes: list[int] | None = None, per_r
     import socket
 
     import torch.multiprocessing as mp
+    # the reference step's optimizer, built once here on an empty tensor (no op runs): its first construction
+    # imports torch's compiler stack, about a second, which the forked ranks then inherit instead of each paying it
+    _sibling("reference_step").optimizer([torch.nn.Parameter(torch.empty(0))])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, WIDTH, LAYERS, HEADS, SEQ_LEN, MICRO_BATCH = 256, 128, 4, 4, 128, 8
-ROUNDS, STEPS = 3, 2  # timed rounds of steps (after one warm-up step): ~0.2 s a step on 4 ranks of a 2-core machine
+ROUNDS, STEPS = 3, 2  # timed rounds of steps: ~0.15 s a step on 4 ranks of a 2-core machine
+WARMUP = 2  # untimed steps first (the allocator's first requests, cold caches): a trainer is warm after one
 
 
 class _Block(nn.Module):
@@ -50,6 +51,11 @@ class ReferenceGPT(nn.Module):
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.tok_emb.weight
+        for module in self.modules():  # GPT-2's initialisation, as the models users train have: with torch's
+            if isinstance(module, (nn.Linear, nn.Embedding)):  # unit-variance embedding tied to the head, logits
+                nn.init.normal_(module.weight, std=0.02)  # start saturated and the backward's softmax underflows
+            if isinstance(module, nn.Linear) and module.bias is not None:  # into denormals: steps 2x slower
+                nn.init.zeros_(module.bias)  # until training shrinks them (~25 steps), not the machine's speed
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(input_ids) + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device))
@@ -58,12 +64,17 @@ class ReferenceGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def after_backward(params: list[torch.Tensor], moments: list[tuple[torch.Tensor, torch.Tensor]],
+def optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The update the trainer runs by default (train/optim.py): AdamW with torch's one-kernel (fused) step, so the
+    reference is priced with the same update the search prices for a user's model. Its first construction imports
+    torch's compiler stack (about a second): calibrate_ranks imports it once before forking the ranks."""
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+
+
+def after_backward(params: list[torch.Tensor], update: torch.optim.Optimizer,
                    all_reduce: Callable[[torch.Tensor], object], world: int) -> None:
-    """The reference step's work after the backward: the gradients all-reduced as one flattened buffer and copied
-    back, the norm clipped, then AdamW's arithmetic per tensor (bias correction left out: the same work). Not
-    torch.optim: creating an optimizer imports torch's compiler stack, seconds on every forked rank. Apart, so
-    that the search can time it (update_seconds) and price the reference as it runs."""
+    """The reference step's work after the backward, as the data-parallel engine does it: the gradients summed
+    (here as one flattened buffer, copied back), the norm clipped (torch's foreach norm), the optimizer step."""
     flat = torch.cat([p.grad.flatten() for p in params])
     all_reduce(flat)
     flat /= world
@@ -72,46 +83,16 @@ def after_backward(params: list[torch.Tensor], moments: list[tuple[torch.Tensor,
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
-    lr, betas, decay = 1e-4, (0.9, 0.999), 0.01
-    with torch.no_grad():
-        for p, (m, v) in zip(params, moments):
-            p.mul_(1 - lr * decay)
-            m.mul_(betas[0]).add_(p.grad, alpha=1 - betas[0])
-            v.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
-            p.addcdiv_(m, v.sqrt().add_(1e-8), value=-lr)
+    update.step()
 
 
-def update_seconds(repeats: int = 5) -> float:
-    """This thread's CPU seconds of after_backward on one rank's gradients, the all-reduce left out (its CPU is
-    priced apart, per group size): the median of `repeats` after one warm-up. The update the search measures for
-    a user's model is a fused AdamW step; the reference's hand-written one costs about twice that, and priced as
-    the fused one it would read as a higher level for every plan (step_probe.reference_profile)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every rank runs; the thread's clock misses what other threads would do
-    try:
-        torch.manual_seed(0)
-        model = ReferenceGPT()
-        params = list(model.parameters())
-        tokens = torch.randint(0, VOCAB, (1, SEQ_LEN + 1))
-        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
-        samples = []
-        for i in range(repeats + 1):
-            began = time.thread_time()
-            after_backward(params, moments, lambda flat: None, 1)
-            if i:
-                samples.append(time.thread_time() - began)
-        return sorted(samples)[len(samples) // 2]
-    finally:
-        torch.set_num_threads(threads)
-
-
-def step_rounds(rounds: int = ROUNDS, steps: int = STEPS, busy_seconds: Callable[[], float | None] | None = None
-                ) -> list[dict]:
+def step_rounds(rounds: int = ROUNDS, steps: int = STEPS, busy_seconds: Callable[[], float | None] | None = None,
+                warmup: int = WARMUP) -> list[dict]:
     """One replicated data-parallel training step of ReferenceGPT over every rank of the default group, as the
     data-parallel engine runs it: forward and loss, backward, the gradients all-reduced (one flattened buffer),
-    the norm clipped, an AdamW step, the loss summed for the log. Timed in `rounds` rounds of `steps` steps after
-    a warm-up; per round and per step: `wall_s` (from the first rank's start to the last rank's end), `cpu_s`
+    the norm clipped, the trainer's AdamW step, and the small collectives the trainer's step makes besides (the target count,
+    the loss with its flags, the peak memory: each a wait, priced by the search as host syncs, so they run here
+    too). Timed in `rounds` rounds of `steps` steps after `warmup` untimed steps; per round and per step: `wall_s` (from the first rank's start to the last rank's end), `cpu_s`
     (every rank's process CPU, summed) and `busy_s` (the machine's busy CPU, `busy_seconds()` on rank 0 around
     the round; None unknown), so that the caller can tell a loaded machine's rounds and keep the quietest
     (machine_load.py). Every rank returns the same list."""
@@ -119,7 +100,7 @@ def step_rounds(rounds: int = ROUNDS, steps: int = STEPS, busy_seconds: Callable
     torch.manual_seed(0)
     model = ReferenceGPT()
     params = list(model.parameters())
-    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    update = optimizer(params)
     tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN + 1))
     world = dist.get_world_size()
 
@@ -128,11 +109,17 @@ def step_rounds(rounds: int = ROUNDS, steps: int = STEPS, busy_seconds: Callable
             p.grad = None
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        dist.all_reduce(count)  # the targets in the global batch (train/loss.py)
         loss.backward()
-        after_backward(params, moments, lambda flat: dist.all_reduce(flat), world)
-        dist.all_reduce(loss.detach())
+        after_backward(params, update, lambda flat: dist.all_reduce(flat), world)
+        flags = torch.stack([loss.detach(), torch.zeros(()), torch.zeros(())])
+        dist.all_reduce(flags)  # loss, bad norm, stop requested (train/steps.py)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the step's peak memory
+        torch.cat([flags.double(), peak]).tolist()  # one host read
 
-    step()
+    count, peak = torch.zeros(()), torch.zeros(1, dtype=torch.float64)
+    for _ in range(max(warmup, 1)):
+        step()
     found = []
     for _ in range(rounds):
         dist.barrier()

@@ -50,26 +50,13 @@ def reference_profile():
     from ..trace import trace
     from .measure_profile import measure_module_blocks, with_measured_blocks
     from .profile import profile_graph
-    from .reference_step import SEQ_LEN, ReferenceGPT, update_seconds
+    from .reference_step import SEQ_LEN, ReferenceGPT
     with torch.device("meta"):
         model = ReferenceGPT()
     graph = trace(model, (torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"),))
     profile = profile_graph(graph, name="calibration reference", seq_len=SEQ_LEN)
     blocks = measure_module_blocks(model, seq_len=SEQ_LEN, repeats=3)
-    return with_measured_blocks(profile, with_update_total(blocks, update_seconds()))
-
-
-def with_update_total(blocks: list, seconds: float) -> list:
-    """`blocks` whose update times sum to `seconds`, in their measured proportions: the reference is priced with
-    the update it runs (reference_step.after_backward, timed), not the fused AdamW the blocks were timed with, so
-    that the level it calibrates carries only what time-sharing adds, not the reference's own slower update. Timed
-    over all the parameters at once, it is one call: no per-call part to take off (BlockCosts.update_call_s)."""
-    import dataclasses
-    total = sum(b.update_s for b in blocks)
-    if seconds <= 0 or total <= 0:
-        return list(blocks)
-    return [dataclasses.replace(b, update_s=b.update_s * seconds / total, update_call_s=0.0, update_foreach_norm_s=None)
-            for b in blocks]  # whatever the engine: the update the reference runs
+    return with_measured_blocks(profile, blocks)  # the reference updates as the trainer does (fused AdamW)
 
 
 def reference_level(cluster, measured_step_s: float, profile=None) -> float:
