@@ -10,7 +10,7 @@ How it measures (one launch per model and world size, by the project's launcher)
   alive at a time, so no configuration is timed beside the others' idle gloo threads, tensors and
   allocator churn (with all of them alive, a pipeline row of hf:gpt2 at 4 ranks measured 101 ms
   against 73-81 ms alone); each visit runs two untimed steps (allocations, optimizer states), then
-  one timed step;
+  three timed steps (strategy_search_ranks.TIMED_STEPS), the median of every visit's kept;
 - memory: the second untimed step of a configuration's first visit, counted by search/live_memory.py:
   peak bytes of live tensors = resident storages (parameters, gradient buffers, optimizer states, module buffers)
   + the most bytes of tensors created during the step alive at once (activations, gradients of

@@ -104,6 +104,8 @@ def calibrate_level(block: dict, rescore) -> None:
         c.update(predicted_unscaled_s=before.step_time_s, predicted_s=after.step_time_s, parts=after.parts)
 
 
+TIMED_STEPS = 3  # timed steps per visit, after set_up's two: one step's time varies ~10% from the next on a
+# time-shared machine, and a visit costs a set-up (0.5-2 s) a few more steps do not
 TERMS = ("step", "forward_backward", "busy", "clip_gradients", "optimizer", "zero_grad", "cpu")
 
 
@@ -184,7 +186,8 @@ def worker(spec_path: Path) -> None:
                     # one trainer's process groups alive, as in a run of it alone, each with a gloo thread that polls
                     # every 10 ms: what they burn while the ranks idle scores the configurations again
                     block["background_cores"] = background_cores()
-                samples[i].append(timed_step(trainer, 2, phases[i]))
+                for step in range(2, 2 + TIMED_STEPS):
+                    samples[i].append(timed_step(trainer, step, phases[i]))
     for i, times in samples.items():
         if times:
             results[i]["measured_s"] = statistics.median(times)

@@ -208,3 +208,18 @@ def test_a_gradient_of_the_wrong_shape_is_refused_before_the_engine_runs():
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(RuntimeError, match=r"gradient of shape \(2, 3\) for an output of shape \(2, 4\)"):
         backward_input([layer(x)], [torch.randn(2, 3)], [x], list(layer.parameters()))
+
+
+def test_a_first_stage_weight_pass_frees_the_graph_as_a_full_backward_does():
+    """W is the graph's last use: it frees each node's saved tensors once run, so a first stage's W (there, the
+    whole backward) peaks like a fused backward instead of holding every activation to its end. Afterwards the
+    graph's saved tensors are gone: another backward through it is refused."""
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 5, 16)  # token embeddings' stand-in: no gradient wanted, as at a first stage
+    out, _ = model(x)
+    _, work = backward_input([out], [torch.randn_like(out)], [x], list(model.parameters()))
+    backward_weight(work)
+    assert model.up.weight.grad is not None and model.qkv.weight.grad is not None
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        torch.autograd.grad(out, [model.up.weight], torch.ones_like(out))

@@ -170,14 +170,16 @@ def engine_grad(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], 
 
 
 @_wraps("torch.autograd.graph._engine_run_backward", "torch.autograd.backward")
-def engine_backward(roots: Sequence, grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
-    """torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=True) without its per-root
+def engine_backward(roots: Sequence, grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                    retain_graph: bool = True) -> None:
+    """torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=retain_graph) without its per-root
     Python checks; `roots` may be tensors or gradient edges."""
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is None:
-        torch.autograd.backward(list(roots), list(grads), inputs=list(inputs), retain_graph=True)
+        torch.autograd.backward(list(roots), list(grads), inputs=list(inputs), retain_graph=retain_graph)
     else:
-        run(tuple(roots), tuple(grads), True, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True)
+        run(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), allow_unreachable=True,
+            accumulate_grad=True)
 
 
 # ------------------------------------------------------------------ tensors and modules
