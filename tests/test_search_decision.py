@@ -243,6 +243,36 @@ def test_the_plans_measured_span_layouts_before_variants_of_one():
     assert to_measure([*piped, split], default, None, 0.2) == [piped[0], default, split, piped[1]]
 
 
+def test_the_plans_kept_reach_past_variants_of_one_layout():
+    """The search keeps its five fastest, then the fastest of each other layout within the model's error until
+    five layouts are kept: with the five fastest all zero levels and schedules of dp2 pp2, the measurements
+    could choose only among those (gpt-mini, 4 ranks, 32 x 128: dp4 with two micro-batches of 4 was never
+    measured). Layouts past the error, and refusals, are not kept; recomputing plain dp is skipped."""
+    from types import SimpleNamespace
+
+    def est(seconds, dp, pp, mbs, zero=0, schedule="1f1b", recompute="none"):
+        c = Candidate(dp=dp, tp=1, pp=pp, micro_batch_size=mbs, num_microbatches=32 // (dp * mbs),
+                      schedule=schedule, recompute=recompute, partition="time", zero=zero)
+        return SimpleNamespace(candidate=c, step_time_s=seconds)
+    variants = [est(0.150 + i / 1000, 2, 2, 16, zero, schedule)
+                for i, (zero, schedule) in enumerate([(0, "1f1b"), (1, "1f1b"), (0, "zb-h1"), (2, "1f1b"),
+                                                      (1, "zb-h1"), (2, "zb-h1")])]
+    others = [est(0.156, 4, 1, 8), est(0.157, 4, 1, 8, zero=1), est(0.158, 4, 1, 4, recompute="all"),
+              est(0.160, 4, 1, 2), est(0.170, 4, 1, 4), est(0.171, 2, 2, 8), est(0.175, 1, 4, 32),
+              est(0.200, 2, 1, 16)]
+    refused = {id(others[3])}
+
+    def runnable(e):
+        return (None, "refused") if id(e) in refused else ({"t": e.step_time_s}, None)
+    chosen, refusals = decision.kept_plans([*variants, *others], runnable, 5)
+    kept = [e for e, _ in chosen]
+    assert kept[:5] == variants[:5]
+    assert kept[5:] == [others[0], others[4], others[5], others[6]]  # one each, the recomputing dp, the refused
+    assert refusals == ["refused"]                                  # and the second dp4 mbs8 left out
+    assert decision.kept_plans([*variants[:2], others[7]], runnable, 5)[0][-1][0] is others[7]  # in the top
+    assert len(decision.kept_plans([*variants, others[7]], runnable, 5)[0]) == 5  # 33% slower: past the error
+
+
 def _measured(seconds: float, steps: list[float], default: bool = False) -> dict:
     return {"measured_step_time_s": seconds, "step_times_s": steps, "default_layout": default}
 

@@ -32,13 +32,13 @@ from .cluster_pricing import even_shares, plan_cluster, step_model
 from .cost import Candidate
 from .measure_profile import measure_module_blocks, with_cost_model
 from .profile import profile_graph
-from .decision import decide, default_layout
+from .decision import decide, default_layout, kept_plans
 from .plan_text import configuration as _configuration
 from .plan_text import costs as _costs
 from .plan_text import milliseconds, same_plan, versus
 from .search import SearchSpace, divisors, enumerate_candidates, exhaustive, require_fit
 
-TOP_K = 5  # plans kept in plan.json (the winner and its runners-up)
+TOP_K = 5  # plans kept in plan.json (the winner and its runners-up; decision.kept_plans)
 Example = Callable[[], tuple[tuple, dict]]  # (args, kwargs) of one sample, as the model is traced
 
 
@@ -334,18 +334,7 @@ def plan_auto(model: nn.Module, nproc: int, *, example: Example, global_batch_si
                 return None, str(exc)
         return record, None
 
-    chosen, refusals = [], []
-    for estimate in result.ranked:  # fastest first, one per execution; keep those the runtime accepts
-        c = estimate.candidate
-        if c.pp == 1 and c.tp == 1 and c.recompute != "none":
-            continue  # plain data parallelism runs the model whole and recomputes nothing: not what was scored
-        record, refused = runnable(estimate)
-        if record is None:
-            refusals.append(refused)
-            continue
-        chosen.append((estimate, record))
-        if len(chosen) == top:
-            break
+    chosen, refusals = kept_plans(result.ranked, runnable, top)
     if not chosen:
         raise ConfigError(f"--strategy auto: every configuration that fits was refused by the runtime, e.g. "
                           f"{refusals[0]}")

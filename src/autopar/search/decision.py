@@ -111,6 +111,36 @@ def to_measure(records: list[dict], default: dict | None, k: int | None, error: 
     return chosen
 
 
+def kept_plans(ranked: list, runnable, top: int) -> tuple[list[tuple], list[str]]:
+    """The plans a search keeps, as (estimate, record) fastest first, and the runtime's refusals on the way:
+    the `top` fastest the runtime accepts (`runnable(estimate)` -> (record, None) or (None, why)), then the
+    fastest of each other layout within the model's error until `top` layouts are kept, so that measuring when
+    unsure (to_measure) chooses among layouts, not among the zero levels and schedules of the fastest one."""
+    chosen, refusals, layouts = [], [], set()
+    for estimate in ranked:
+        c = estimate.candidate
+        if c.pp == 1 and c.tp == 1 and c.recompute != "none":
+            continue  # plain data parallelism runs the model whole and recomputes nothing: not what was scored
+        if len(chosen) >= top:
+            if len(layouts) >= top or not within_error(chosen[0][0].step_time_s, estimate.step_time_s):
+                break
+            if layout_of(c) in layouts:
+                continue
+        record, refused = runnable(estimate)
+        if record is None:
+            refusals.append(refused)
+            continue
+        chosen.append((estimate, record))
+        layouts.add(layout_of(c))
+    return chosen, refusals
+
+
+def layout_of(c) -> tuple:
+    """A candidate's layout, as `varied` groups plans: its degrees and micro-batch size (its zero level, schedule,
+    cut and recomputation are variants of it)."""
+    return (c.dp, c.tp, c.pp, c.cp, c.ep, c.micro_batch_size)
+
+
 def varied(records: list[dict]) -> list[dict]:
     """`records` (fastest predicted first) reordered so that each layout's fastest comes before any second plan of
     a layout already there (layout: the degrees and the micro-batch size; zero levels and schedules of one layout
