@@ -257,6 +257,28 @@ def test_background_cores_leave_fewer_cores_to_the_time_shared_step():
         cluster_from_dict(busy.replace(background_cores=2.5).to_dict())
 
 
+def test_tp_all_reduces_add_the_idle_they_cost_time_shared_cores():
+    """Hand-computed: on cores the ranks time-share, a TP all-reduce idles them until every member of its group has
+    run (Cluster.wait_idle_table, calibrate_ranks.wait_idle); the time-shared bound adds it per all-reduce of a
+    rank's step (forward and backward, every micro-batch). Plans without TP are unchanged, a group size not
+    measured takes the largest measured below it, and the table survives a cluster file."""
+    from autopar.search.cluster import cluster_from_dict
+    profile, cluster = _toy()
+    tp2 = dataclasses.replace(profile.tp[2], allreduce_bytes=(1e3,) * 4, allreduce_count=(0, 2, 2, 0))
+    profile = dataclasses.replace(profile, tp={**profile.tp, 2: tp2})
+    shared = cluster.replace(cores_per_node=1)
+    idle = shared.replace(wait_idle_table={2: 1e-3})
+    c = Candidate(dp=4, tp=2, pp=1, micro_batch_size=1, num_microbatches=2)
+    plain, waiting = (StepModel(profile, cl, global_batch_size=8).evaluate(c) for cl in (shared, idle))
+    assert plain.parts["time_shared_s"] >= plain.parts["timeline_step_s"]  # the bound rules
+    assert waiting.parts["time_shared_s"] - plain.parts["time_shared_s"] == pytest.approx(2 * 2 * 4 * 1e-3)
+    dp = Candidate(dp=8, tp=1, pp=1, micro_batch_size=1, num_microbatches=1)
+    assert (StepModel(profile, idle, global_batch_size=8).evaluate(dp).step_time_s
+            == StepModel(profile, shared, global_batch_size=8).evaluate(dp).step_time_s)
+    assert idle.wait_idle_s(4) == 1e-3 and idle.wait_idle_s(1) == 0.0 and shared.wait_idle_s(2) == 0.0
+    assert cluster_from_dict(idle.to_dict()) == idle
+
+
 def test_reference_step_sets_the_level_of_the_time_shared_bound():
     """search/step_probe.py, hand-computed: the reference is replicated dp over every rank, one micro-batch each;
     its measured step over its predicted bound is the scale, which multiplies every bound (so the reference,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -34,8 +35,20 @@ from .search.plan_text import configuration, same_plan
 from .strategies import resolve
 from .train.fields import example_call
 
-CONFIRM_STEPS = 3  # steps per plan per round, the first untimed; the median of the timed ones is its time,
-CONFIRM_ROUNDS = 2  # their spread its noise; each round sets every plan up in turn, steps it and releases it
+CONFIRM_STEPS = 3  # steps per plan per round at least, the first untimed; the median of the timed ones is its
+CONFIRM_ROUNDS = 2  # time, their spread its noise; each round sets every plan up in turn, steps it, releases it
+CONFIRM_TIMED_S = 0.6  # short steps get more: about this many predicted seconds of timed steps per plan and round
+CONFIRM_MAX_STEPS = 10  # (four timed 65 ms steps put a default layout 7% slow, and a pick 3% slower than it won)
+
+
+def confirm_steps(records: list[dict]) -> int:
+    """Steps per plan and round: CONFIRM_STEPS, or more (up to CONFIRM_MAX_STEPS) so that the median predicted
+    plan times about CONFIRM_TIMED_S of steps after the untimed first: a few short steps measure scheduling noise
+    as much as the plan."""
+    predicted = sorted(r["prediction"]["step_time_s"] for r in records)
+    typical = predicted[len(predicted) // 2] if predicted else 0.0
+    timed = math.ceil(CONFIRM_TIMED_S / typical) if typical > 0 else CONFIRM_STEPS - 1
+    return max(CONFIRM_STEPS, min(CONFIRM_MAX_STEPS, timed + 1))
 
 
 def plan_auto(model: nn.Module, train_data: Dataset, nproc: int, *, strategy: Strategy | None = None,
@@ -97,7 +110,7 @@ def confirm_when_unsure(plan: Plan, k: int | None, argv: list[str], nproc: int) 
 
 def why_measure(plan: Plan, measure: list[dict], k: int | None) -> str:
     """The line said before measuring: which plans, and why they are measured rather than trusted."""
-    steps = f"for {CONFIRM_ROUNDS} rounds of {CONFIRM_STEPS} steps each, one plan at a time, in one launch"
+    steps = f"for {CONFIRM_ROUNDS} rounds of {confirm_steps(measure)} steps each, one plan at a time, in one launch"
     if k is not None:
         return f"auto: --confirm {k}: measuring the {len(measure)} fastest predicted plans (the default layout " \
                f"among them) {steps}"
@@ -124,7 +137,7 @@ def plans_to_measure(plan: Plan, k: int | None) -> list[dict]:
 
 
 def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Plan:
-    """Run each of `records` (plans) for CONFIRM_ROUNDS x CONFIRM_STEPS steps and return the fastest measured,
+    """Run each of `records` (plans) for CONFIRM_ROUNDS x confirm_steps steps and return the fastest measured,
     all recorded.
 
     One launch for all of them (confirm_ranks.py): the ranks start once and, round after round, set each plan up
@@ -145,10 +158,11 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
             predicted = milliseconds(record["prediction"]["step_time_s"])
             print(f"confirm {i + 1}/{len(records)}: {candidate.configuration()}, predicted {predicted} ms/step",
                   flush=True)
-        spec = {"argv": list(argv), "plans": paths, "steps": CONFIRM_STEPS, "rounds": CONFIRM_ROUNDS,
+        steps = confirm_steps(records)
+        spec = {"argv": list(argv), "plans": paths, "steps": steps, "rounds": CONFIRM_ROUNDS,
                 "folder": str(folder / "runs"), "out": str(folder / "measured.json")}
         (folder / "spec.json").write_text(json.dumps(spec))
-        print(f"confirm: running the {len(records)} plans in {CONFIRM_ROUNDS} rounds of {CONFIRM_STEPS} steps each "
+        print(f"confirm: running the {len(records)} plans in {CONFIRM_ROUNDS} rounds of {steps} steps each "
               f"(the first untimed), one plan alive at a time, in one launch", flush=True)
         code = launch([sys.executable, "-m", "autopar.confirm_ranks", str(folder / "spec.json")], nproc)
         measured = json.loads((folder / "measured.json").read_text()) if code == 0 else [{}] * len(records)
@@ -179,7 +193,7 @@ def confirm(plan: Plan, records: list[dict], argv: list[str], nproc: int) -> Pla
                                if not same_plan(r, winner)],
               "confirm": results, "confirm_s": time.perf_counter() - began}
     fastest = min(ran, key=lambda r: r["measured_step_time_s"])
-    text = f"{len(ran)} plans ran {CONFIRM_ROUNDS} x {CONFIRM_STEPS} steps each; "
+    text = f"{len(ran)} plans ran {CONFIRM_ROUNDS} x {confirm_steps(records)} steps each; "
     if fastest is best:
         text += f"kept the fastest, {winner_text(winner, best)}"
         if margin is not None and not best["default_layout"]:

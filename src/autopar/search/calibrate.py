@@ -14,7 +14,8 @@ Measured, each in a few seconds at most:
   (node_bandwidth_bytes_per_s, the resharding cost model's shared cap);
 - the cores the N ranks really get when all run at once (calibrate_ranks.sharing_probe):
   the node's `cores_per_node`, which the step model divides the ranks' summed work by, and the
-  CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`);
+  CPU each blocking wait costs a rank once they time-share them (`sync_cpu_s`), and the wall the cores idle per
+  all-reduce over each group size then (`wait_idle_table`: a group meets only once every member has run);
 - the step model's level (`time_shared_scale`): one small GPT's replicated data-parallel step on the N ranks
   (reference_step.py) against what the search predicts for it (step_probe.reference_level).
 Memory per device is this machine's RAM divided by N.
@@ -139,6 +140,7 @@ def calibrate(nproc: int, group_sizes: list[int] | None = None, details: dict | 
                    allreduce_cpu_table=cpu_table, reduce_scatter_cpu_table=scatter_table,
                    all_gather_cpu_table=gather_table, reduce_scatter_table=scatter_wall, all_gather_table=gather_wall,
                    all_to_all_table=swap_wall, p2p_cpu=Link(**links["p2p_cpu"]), sync_cpu_s=links["sync_cpu_s"],
+                   wait_idle_table={int(n): round(v, 6) for n, v in links.get("wait_idle", {}).items()},
                    node_bandwidth_bytes_per_s=links.get("aggregate", {}).get("bandwidth_bytes_per_s", 0.0),
                    measured_at=round(time.time(), 1))
     if per_rank:  # each rank's speed against the fastest's, and every pair's link (search/hetero_cluster.py)

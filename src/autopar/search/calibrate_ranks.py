@@ -213,6 +213,42 @@ def sync_cost(rounds: int = 3, pieces: int = 24, repeats: int = 48) -> float:
     return float(value[0] / value[1]) if value[1] else 0.0
 
 
+def wait_idle(cores: float, rounds: int = 2, pieces: int = 24, repeats: int = 48, nbytes: int = 64 * 1024) -> dict:
+    """Seconds the cores idle per blocking all-reduce over g ranks, for every group size g that divides the
+    world, while the ranks time-share the cores: every rank runs the probe's workload in `pieces` parts, once
+    straight through and once with an all-reduce of `nbytes` (a small activation, as tensor parallelism sends)
+    over its group of g consecutive ranks between parts. The wall time the collectives add beyond their CPU over
+    the `cores` is idle: a group meets only when each member has been scheduled, and a member that arrives early
+    sleeps. On 4 ranks of 2 cores, measured 1-2 ms for g = 2 and 2-3 ms for g = 4 per all-reduce, against
+    3-5 ms of wall in all: tensor parallelism's lock-step, which the CPU-over-cores bound does not see."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(512, 128), torch.randn(128, 512)
+    buf = torch.zeros(nbytes // 4)
+    found = {}
+    for g in [n for n in range(2, world + 1) if world % n == 0]:
+        groups = [dist.new_group(list(range(start, start + g))) for start in range(0, world, g)]
+        mine = groups[rank // g]
+
+        def run(sync: bool) -> tuple[float, float]:
+            dist.barrier()
+            began, used = time.perf_counter(), time.process_time()
+            for i in range(repeats):
+                y = torch.relu(a @ b)
+                (y * y + y).sum()
+                if sync and i % (repeats // pieces) == 0:
+                    dist.all_reduce(buf, group=mine)
+            span = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX)  # the slowest rank's
+            return float(span), _summed(time.process_time() - used)
+
+        run(False), run(True)
+        plain, synced = [run(False) for _ in range(rounds)], [run(True) for _ in range(rounds)]
+        wall = statistics.median(w for w, _ in synced) - statistics.median(w for w, _ in plain)
+        cpu = statistics.median(c for _, c in synced) - statistics.median(c for _, c in plain)
+        found[str(g)] = max(0.0, (wall - cpu / max(cores, 1e-9)) / pieces)
+    return found
+
+
 def per_rank_rates(repeats: int = 5) -> list[float]:
     """Each rank's own matmul rate (FLOP/s of one thread), one rank at a time while the others wait: on a
     mixed host (a slower core, a CPU quota, another job) the ranks' rates differ."""
@@ -328,6 +364,7 @@ def measure(out: str, group_sizes: list[int] | None = None, per_rank: bool = Fal
     result["sharing_others_cores"] = sharing["others_cores"]
     seconds["sharing"] = time.perf_counter() - began - sum(seconds.values())
     result["sync_cpu_s"] = sync_cost() if world >= 2 else 0.0
+    result["wait_idle"] = wait_idle(min(result["effective_cores"], world)) if world >= 2 else {}
     seconds["waits"] = time.perf_counter() - began - sum(seconds.values())
     result.update(reference_step())
     seconds["reference"] = time.perf_counter() - began - sum(seconds.values())

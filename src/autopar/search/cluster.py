@@ -100,6 +100,10 @@ class Cluster:
     """CPU only: CPU seconds a rank pays per blocking wait (a TP all-reduce, a pipeline receive, a per-step sync)
     when ranks time-share the cores, beyond the collective itself: it gives up its core and comes back to cold
     caches (calibrate_ranks.sync_cost)."""
+    wait_idle_table: dict[int, float] = field(default_factory=dict)
+    """CPU only: seconds the cores idle per blocking all-reduce over n ranks when the ranks time-share them (a group
+    meets only when every member has been scheduled: calibrate_ranks.wait_idle); the time-shared bound adds it per
+    tensor-parallel all-reduce of a rank's step. Empty: none."""
     background_cores: float = 0.0
     """CPU only: cores' worth of CPU the node's ranks burn besides any step's work, taken from cores_per_node by
     the time-shared bound. Each gloo process group keeps a thread that wakes every 10 ms to poll, idle or not:
@@ -239,6 +243,11 @@ class Cluster:
     def replace(self, **changes) -> Cluster:
         return dataclasses.replace(self, **changes)
 
+    def wait_idle_s(self, n: int) -> float:
+        """wait_idle_table's figure for a group of n ranks (the largest measured group below n where n was not)."""
+        sizes = [k for k in self.wait_idle_table if k <= n]
+        return self.wait_idle_table[max(sizes)] if n > 1 and sizes else 0.0
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["allreduce_table"] = {str(n): dataclasses.asdict(link) for n, link in self.allreduce_table.items()}
@@ -246,6 +255,7 @@ class Cluster:
         for name in ("reduce_scatter_cpu_table", "all_gather_cpu_table", "reduce_scatter_table", "all_gather_table",
                      "all_to_all_table"):
             out[name] = {str(n): dataclasses.asdict(link) for n, link in getattr(self, name).items()}
+        out["wait_idle_table"] = {str(n): v for n, v in self.wait_idle_table.items()}
         if self.p2p_cpu is None:
             del out["p2p_cpu"]
         del out["devices"], out["links"]
@@ -330,6 +340,8 @@ def cluster_from_dict(data: dict) -> Cluster:
         all_to_all_table=group_table("all_to_all_table"),
         p2p_cpu=_link(data, "p2p_cpu") if "p2p_cpu" in data else None,
         sync_cpu_s=_number(data, "sync_cpu_s", "", strict=False) if "sync_cpu_s" in data else 0.0,
+        wait_idle_table={int(n): _number(data["wait_idle_table"], n, "wait_idle_table.", strict=False)
+                         for n in data.get("wait_idle_table") or {}},
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
         cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0,

@@ -173,6 +173,14 @@ class StepModel:
         waits = 2 + (c.dp > 1) + (c.pp > 1) + (c.tp > 1) + (c.dp > 1)  # per rank; the last: gradients' final wait
         return total + world * waits * cl.sync_cpu_s
 
+    def tp_waits_per_rank(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...]) -> float:
+        """The TP all-reduces one rank of the busiest stage waits in per step: per micro-batch, its blocks' forward,
+        backward and recomputed forward (step_cpu_terms counts the same, summed over the ranks)."""
+        counts = self.profile.at_tp(c.tp).allreduce_count
+        passes = 3 if c.recompute == "all" else 2
+        return max(c.num_microbatches * (passes * sum(counts[a:b]) + sum(counts[a:a + k]))
+                   for (a, b), k in zip(spans, blocks))
+
     def step_cpu(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...], times: PipelineTimes,
                  rank_of: list[int], update: list[float], local_params: list[float]) -> float:
         """CPU seconds of one step summed over all dp x tp x pp ranks (what time-sharing ranks must fit in the cores)."""
@@ -393,6 +401,8 @@ class StepModel:
             if c.pp > 1:
                 shared += self.idle_cores_s(c, recompute, costs, times, free * nodes)
             shared *= cl.time_shared_scale
+            if c.tp > 1:  # each TP all-reduce idles the cores until every member of its group has run
+                shared += self.tp_waits_per_rank(c, spans, blocks) * cl.wait_idle_s(c.tp)
             step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,

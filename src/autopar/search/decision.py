@@ -32,10 +32,12 @@ PREDICTED_TIME_ERROR_SOURCE = (
     "docs/benchmarks.md: 19.4%, 4-rank jobs up to 30-80% off), rounded up")
 """How far a predicted step time may be from the measured one, as a fraction: the model's own stated error."""
 
-MEASUREMENT_NOISE_FLOOR = 0.03
-"""The least margin a measured plan must beat the measured default by, whatever its steps' spread: a
-floor (chosen, not measured) so that a few steps that happen to agree closely cannot make a 1-2%
-difference decisive."""
+MEASUREMENT_NOISE_FLOOR = 0.05
+"""The least margin a measured plan must beat the measured default by, whatever its steps' spread: a few steps
+that happen to agree closely must not make a small difference decisive. Launches differ by more than their steps'
+spread shows: two launches of the same default job (gpt-mini, 4 ranks) ran 156.9 and 162.3 ms a step (3.4%
+apart), and a pick measured 4.3% faster than the default before its run measured 0.7% slower in the validation
+benchmark's later launch. 5% is also the tolerance auto is held to against the measured best."""
 
 CONFIRM_AUTO_MAX = 4  # plans measured when unsure, the default layout among them (all in one launch)
 STRATEGY_FIELDS = ("schedule", "chunks", "partition", "recompute", "zero")
