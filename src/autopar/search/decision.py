@@ -29,7 +29,8 @@ PREDICTED_TIME_ERROR = 0.20
 PREDICTED_TIME_ERROR_SOURCE = (
     "median step-time error of the cost model on the jobs users run, never calibrated before "
     "(benchmarks/strategy_user_jobs.py, 16 jobs: gpt-mini, gpt-small, hf:llama, hf:gpt2 at 4 and 8 ranks; "
-    "docs/benchmarks.md: 19.4%, 4-rank jobs up to 30-80% off), rounded up")
+    "docs/benchmarks.md: 19.4% when this was set; 10.0% on the latest run, with context-parallel rows 16% and "
+    "single jobs up to 18% off), kept")
 """How far a predicted step time may be from the measured one, as a fraction: the model's own stated error."""
 
 MEASUREMENT_NOISE_FLOOR = 0.05
