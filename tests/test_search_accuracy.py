@@ -277,6 +277,11 @@ def test_tp_all_reduces_add_the_idle_they_cost_time_shared_cores():
             == StepModel(profile, shared, global_batch_size=8).evaluate(dp).step_time_s)
     assert idle.wait_idle_s(4) == 1e-3 and idle.wait_idle_s(1) == 0.0 and shared.wait_idle_s(2) == 0.0
     assert cluster_from_dict(idle.to_dict()) == idle
+    from autopar.errors import ConfigError
+    for table, words in (({"x": 1e-3}, "key 'x' must be a group size >= 2"), ({"2": "slow"}, "must be a number"),
+                         ({"2": -1.0}, "must be >= 0"), (0.001, "must be a table of group sizes")):
+        with pytest.raises(ConfigError, match=words):
+            cluster_from_dict({**idle.to_dict(), "wait_idle_table": table})
 
 
 def test_reference_step_sets_the_level_of_the_time_shared_bound():

@@ -315,14 +315,19 @@ def cluster_from_dict(data: dict) -> Cluster:
     if bad:
         raise ConfigError(f"cluster file: flops_per_s has unknown dtype(s) {bad}; use {choices(DTYPES)}")
     flops = {k: _number(rates, k, "flops_per_s.") for k in rates}
-    def group_table(key: str) -> dict[int, Link]:
-        table = {}
-        for n, link in (data.get(key) or {}).items():
+    def group_sizes(key: str) -> dict:
+        """The table under `key` ({group size: value}), every key checked to be a group size >= 2."""
+        table = data.get(key) or {}
+        if not isinstance(table, dict):
+            raise ConfigError(f"cluster file: {key} must be a table of group sizes, got {table!r}")
+        for n in table:
             if not str(n).isdigit() or int(n) < 2:
                 raise ConfigError(f"cluster file: {key} key {n!r} must be a group size >= 2")
-            table[int(n)] = _link({f"{key}.{n}": link}, f"{key}.{n}") if isinstance(link, dict) else \
-                _link({}, f"{key}.{n}")
         return table
+
+    def group_table(key: str) -> dict[int, Link]:
+        return {int(n): _link({f"{key}.{n}": link}, f"{key}.{n}") if isinstance(link, dict) else
+                _link({}, f"{key}.{n}") for n, link in group_sizes(key).items()}
     cluster = Cluster(
         name=str(data.get("name", "custom")), source=str(data.get("source", "cluster file")),
         num_devices=num_devices, devices_per_node=per_node,
@@ -340,8 +345,8 @@ def cluster_from_dict(data: dict) -> Cluster:
         all_to_all_table=group_table("all_to_all_table"),
         p2p_cpu=_link(data, "p2p_cpu") if "p2p_cpu" in data else None,
         sync_cpu_s=_number(data, "sync_cpu_s", "", strict=False) if "sync_cpu_s" in data else 0.0,
-        wait_idle_table={int(n): _number(data["wait_idle_table"], n, "wait_idle_table.", strict=False)
-                         for n in data.get("wait_idle_table") or {}},
+        wait_idle_table={int(n): _number(table, n, "wait_idle_table.", strict=False)
+                         for table in [group_sizes("wait_idle_table")] for n in table},
         memory_headroom=_number(data, "memory_headroom", "", minimum=1.0, strict=False) if
         "memory_headroom" in data else 1.1,
         cores_per_node=_number(data, "cores_per_node", "", strict=False) if "cores_per_node" in data else 0,
