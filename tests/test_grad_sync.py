@@ -87,3 +87,70 @@ def _second_backward_raises() -> str:
 def test_a_second_synchronised_backward_is_an_error(rank_pool):
     for message in rank_pool(2).run(_second_backward_raises):
         assert "backward ran twice" in message and "no_sync" in message
+
+
+def test_overlap_pays_unless_the_ranks_outnumber_the_cores(monkeypatch):
+    import os
+
+    from autopar.data_parallel.grad_sync import overlap_pays
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+    assert not overlap_pays(torch.device("cpu"))
+    assert overlap_pays(torch.device("cuda"))  # an accelerator's cores idle while the collective runs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert overlap_pays(torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")  # read as one rank on this host
+    assert overlap_pays(torch.device("cpu"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert overlap_pays(torch.device("cpu"))
+
+
+def _default_buckets(ranks_on_host: int) -> dict:
+    """A synchronizer with its default sizes, this host said to run `ranks_on_host` ranks: its buckets, and how far
+    its summed gradients are from a plain all-reduce."""
+    import os
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_on_host)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(3)))  # 1 MiB a weight: over the first bucket
+        reference = nn.Sequential(*(nn.Linear(512, 512) for _ in range(3)))
+        reference.load_state_dict(model.state_dict())
+        sync = GradientSynchronizer(model.parameters(), dist.group.WORLD)
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(dist.get_rank()))
+        model(x).square().mean().backward()
+        sync.finish()
+        reference(x).square().mean().backward()
+        worst = 0.0
+        for p, q in zip(model.parameters(), reference.parameters()):
+            dist.all_reduce(q.grad)
+            worst = max(worst, float((p.grad - q.grad).abs().max()))
+        sync.remove()
+        from autopar.zero import ShardedGradients
+        sharded = {}
+        for level in (1, 2):  # ZeRO-1 keeps every full gradient anyway; ZeRO-2 frees them bucket by bucket
+            zero = ShardedGradients(model.parameters(), dist.group.WORLD, level=level)
+            sharded[level] = zero.num_buckets
+            zero.remove()
+        return {"buckets": sync.num_buckets, "worst": worst, "zero": sharded}
+    finally:
+        if before is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
+
+
+def test_time_shared_cores_reduce_in_one_bucket_after_the_backward(rank_pool):
+    """Ranks outnumbering the cores: one bucket (nothing to overlap with), also ZeRO-1's, not ZeRO-2's (it frees each
+    bucket's full gradient as it goes); else the small first bucket and more."""
+    import os
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    shared = rank_pool(2).run(_default_buckets, 64 * cores)
+    for r in shared:
+        assert r["buckets"] == 1 and r["worst"] < 1e-6
+        assert r["zero"][1] == 1 and r["zero"][2] >= 2
+    alone = rank_pool(2).run(_default_buckets, 1)  # one thread per rank (the pool's), one rank on the host
+    for r in alone:
+        assert r["buckets"] >= 2 and r["worst"] < 1e-6
+        assert r["zero"][1] >= 2 and r["zero"][2] >= 2

@@ -252,3 +252,27 @@ def test_cp_prices_each_modes_measured_attention_work_on_measured_blocks():
     assert set(seconds) == {2, 3} and all(len(v) == 4 for v in seconds.values())
     swaps = measure_ring_seconds(att, 12, degrees=(2, 3, 4), repeats=1, mode="all-to-all")
     assert set(swaps) == {2} and len(swaps[2]) == 4
+
+
+def test_time_shared_cp_prices_the_rings_waits_and_the_tp_groups_it_couples():
+    """Hand-computed: on cores the ranks time-share, each wait of ring attention idles them until the neighbour it
+    waits on has run (Cluster.wait_idle_s(2)): per attention and micro-batch cp - 1 forward, 2 cp - 1 backward. An
+    all-to-all adds none (its calibrated wall time was measured with every rank in it). With tp, a layer couples
+    cp TP groups, so each TP all-reduce idles the cores until all tp x cp ranks have run (wait_idle_s(4) here)."""
+    shared = toy_cluster(devices_per_node=4, cores_per_node=1)
+    idle = shared.replace(wait_idle_table={2: 1e-3, 4: 5e-3})
+
+    def added(c: Candidate) -> float:
+        plain, waiting = (StepModel(_attention_profile(), cl, global_batch_size=2).evaluate(c) for cl in (shared, idle))
+        assert plain.parts["time_shared_s"] >= plain.parts["timeline_step_s"]  # the bound rules
+        return waiting.parts["time_shared_s"] - plain.parts["time_shared_s"]
+
+    ring = Candidate(dp=2, tp=1, pp=1, micro_batch_size=1, num_microbatches=1, cp=2)
+    assert added(ring) == pytest.approx(4 * (1 + 3) * 1e-3)  # 4 attentions, 1 wait forward and 3 backward
+    assert added(dataclasses.replace(ring, cp_mode="all-to-all")) == pytest.approx(0.0, abs=1e-12)
+    tp_waits = 2 * (2 * (1 + 2 * 4))  # micro-batches x (forward and backward x the tp=2 profile's 9 all-reduces)
+    both = Candidate(dp=1, tp=2, pp=1, micro_batch_size=1, num_microbatches=2, cp=2, cp_mode="all-to-all")
+    assert added(both) == pytest.approx(tp_waits * 5e-3)
+    assert added(dataclasses.replace(both, cp_mode="ring")) == pytest.approx(tp_waits * 5e-3 + 2 * 4 * 4 * 1e-3)
+    alone = Candidate(dp=2, tp=2, pp=1, micro_batch_size=1, num_microbatches=1)  # no cp: the TP group alone
+    assert added(alone) == pytest.approx(tp_waits / 2 * 1e-3)

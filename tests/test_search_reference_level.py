@@ -66,10 +66,10 @@ def test_reference_level_is_the_measured_step_over_its_predicted_bound():
     assert step_probe.reference_level(already, 1.0, profile) == pytest.approx(1.0 / bound)
 
 
-def test_the_reference_step_keeps_the_quickest_round_scaled_to_a_quiet_machine(monkeypatch):
+def test_the_reference_step_keeps_the_median_round_scaled_to_a_quiet_machine(monkeypatch):
     """Each timed round is scaled by the cores other jobs took during it (the machine's busy CPU beyond our ranks'
-    own), and the quickest scaled round sets the level: a round in which other jobs held most of the cores reads
-    as fast as a quiet one, not 4x slower. Canned rounds on a 2-core machine."""
+    own), and the median scaled round sets the level (a run is judged by its median step): a round in which other
+    jobs held most of the cores counts as its quiet equivalent, not 4x slower. Canned rounds on a 2-core machine."""
     from autopar.search import calibrate_ranks, machine_load, reference_step
     monkeypatch.setattr(machine_load, "cores", lambda: 2)
     rounds = [{"wall_s": 0.8, "cpu_s": 0.5, "busy_s": 1.6},     # our ranks had 0.625 cores, others 1.375
@@ -77,9 +77,9 @@ def test_the_reference_step_keeps_the_quickest_round_scaled_to_a_quiet_machine(m
               {"wall_s": 0.3, "cpu_s": 0.4, "busy_s": None}]      # the machine's busy CPU unknown: as measured
     monkeypatch.setattr(reference_step, "step_rounds", lambda busy_seconds=None: rounds)
     found = calibrate_ranks.reference_step()
-    assert found["reference_step_s"] == pytest.approx(0.378 / 1.9)  # the nearly quiet round, given its 0.1 core
-    assert 0.5 / 2 > found["reference_step_s"]  # the loaded round scaled: 0.25 s, not 0.8
-    assert found["reference_step_measured_s"] == 0.21
+    # scaled: 0.5 / 2 = 0.25 (the loaded round given its 1.375 cores back), 0.378 / 1.9, 0.3 as measured
+    assert found["reference_step_s"] == pytest.approx(0.25)  # their median; unscaled, 0.3
+    assert found["reference_step_measured_s"] == 0.3
     assert found["reference_others_cores"] == pytest.approx((1.375 + 0.1 + 0.0) / 3)
     assert machine_load.quiet_factor(0.5, 0.0, 0.25) == 1.0 and machine_load.others_cores(None, 0.5, 0.25) == 0.0
 

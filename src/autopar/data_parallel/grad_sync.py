@@ -13,6 +13,8 @@ How it works:
 - parameters go into flat buckets of about `bucket_mb` (the first `first_bucket_mb`, so
   that communication starts early in backward), each `.grad` a view into its bucket,
   counted by gradient hooks and launched in index order: buckets.py, shared with ZeRO;
+  where no core would idle during the backward (a CPU host whose ranks' threads outnumber
+  its cores), one bucket instead, reduced as the backward ends (`overlap_pays`);
 - when a bucket is complete its asynchronous all-reduce starts while backward continues
   (nothing is copied before or after it: autograd accumulated into the bucket);
 - while `sync` is off (accumulating micro-batches) hooks only let gradients accumulate:
@@ -27,24 +29,52 @@ when replicas hold different numbers of target tokens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from .buckets import FlatBucket, HookedBuckets, attach_grad, group_by_size, trainable_once
 
 
-class GradientSynchronizer(HookedBuckets):
-    """Sums gradients over `group` in buckets, overlapping communication with backward."""
+BUCKET_MB, FIRST_BUCKET_MB = 25.0, 1.0  # where overlapping pays: a small first bucket starts communication early
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0):
+
+def overlap_pays(device: torch.device) -> bool:
+    """Whether reducing a bucket while the backward still runs can hide the reduction.
+
+    Not on a CPU host whose ranks' threads outnumber its cores (LOCAL_WORLD_SIZE x torch's threads > the cores
+    this process may run on): there no core idles during the backward, so a reduction started early only competes
+    with the ranks' compute (gloo runs it on a thread of its own, scheduled against them). One reduction as the
+    backward ends measured faster there, 4 ranks on 2 cores, medians of interleaved steps: gpt-mini 155.5 ms
+    against 160.1 ms (the plain-torch step with one all-reduce after the backward: 153.9 ms), gpt-small 3.06 s
+    against 3.15 s."""
+    if device.type != "cpu":
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")  # the ranks on this host, as torchrun and autopar's launcher say
+    return (int(local) if local.isdigit() else 1) * torch.get_num_threads() <= cores
+
+
+class GradientSynchronizer(HookedBuckets):
+    """Sums gradients over `group` in buckets, overlapping communication with backward where that pays."""
+
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, bucket_mb: float | None = None,
+                 first_bucket_mb: float | None = None):
+        """`bucket_mb` / `first_bucket_mb` unset: BUCKET_MB / FIRST_BUCKET_MB where overlap_pays, else one
+        bucket of everything (reduced when the backward's last gradient arrives)."""
         self.group = group
         self.world = dist.get_world_size(group)
         params = trainable_once(params)
-        groups = group_by_size(list(reversed(params)), int(bucket_mb * 2**20),
-                               int(min(first_bucket_mb, bucket_mb) * 2**20))
+        if bucket_mb is None and first_bucket_mb is None and params and not overlap_pays(params[0].device):
+            cap = first_cap = sum(p.numel() * p.element_size() for p in params)
+        else:
+            bucket_mb = BUCKET_MB if bucket_mb is None else bucket_mb
+            first_bucket_mb = FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+            cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
+        groups = group_by_size(list(reversed(params)), cap, first_cap)
         buckets = [FlatBucket.of(members) for members in groups]
         for bucket in buckets:
             bucket.allocate()

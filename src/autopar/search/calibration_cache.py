@@ -41,7 +41,7 @@ from pathlib import Path
 from ..errors import AutoparError
 from .cluster import Cluster, cluster_from_dict, preset, resolve_cluster, sized
 
-FORMAT = 7  # bump when what is measured, or how, changes: entries of older formats are measured again
+FORMAT = 8  # bump when what is measured, or how, changes: entries of older formats are measured again
 # (2: reduce-scatter and all-gather wall times per group size; 3: the reference step's level, time_shared_scale;
 # 4: the sharing probe and the reference step scaled to a quiet machine, quickest round kept; 5: the reference
 # priced with the update it runs, step_probe.reference_profile; 6: the reference initialised as GPT-2 is (its

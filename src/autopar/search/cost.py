@@ -181,6 +181,17 @@ class StepModel:
         return max(c.num_microbatches * (passes * sum(counts[a:b]) + sum(counts[a:a + k]))
                    for (a, b), k in zip(spans, blocks))
 
+    def exchange_waits_per_rank(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...]) -> float:
+        """The exchange waits (profile.exchange_waits) one rank of the busiest stage makes per step: per micro-batch
+        its blocks' forward and backward, and the forward again where recomputed."""
+        waits = self.profile.exchange_waits
+        forward = [f for f, _ in waits]
+        backward = [b for _, b in waits]
+        again = 1 if c.recompute == "all" else 0
+        return max(c.num_microbatches * ((1 + again) * sum(forward[a:b]) + sum(backward[a:b])
+                                         + (0 if again else sum(forward[a:a + k])))
+                   for (a, b), k in zip(spans, blocks))
+
     def step_cpu(self, c: Candidate, spans: list[tuple[int, int]], blocks: tuple[int, ...], times: PipelineTimes,
                  rank_of: list[int], update: list[float], local_params: list[float]) -> float:
         """CPU seconds of one step summed over all dp x tp x pp ranks (what time-sharing ranks must fit in the cores)."""
@@ -401,8 +412,12 @@ class StepModel:
             if c.pp > 1:
                 shared += self.idle_cores_s(c, recompute, costs, times, free * nodes)
             shared *= cl.time_shared_scale
-            if c.tp > 1:  # each TP all-reduce idles the cores until every member of its group has run
-                shared += self.tp_waits_per_rank(c, spans, blocks) * cl.wait_idle_s(c.tp)
+            if c.tp > 1:  # each TP all-reduce idles the cores until every member of its group has run (and of the
+                # groups a layer couples it to: context parallelism's exchange makes cp of them one lock-step)
+                lock_step = c.tp * self.profile.coupled_groups
+                shared += self.tp_waits_per_rank(c, spans, blocks) * cl.wait_idle_s(lock_step)
+            if self.profile.exchange_waits:  # a ring exchange's wait idles them until its neighbour has run
+                shared += self.exchange_waits_per_rank(c, spans, blocks) * cl.wait_idle_s(2)
             step = max(step, shared)
         tokens = self.global_batch_size * self.profile.seq_len
         return Estimate(candidate=c, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0, fits=fits,

@@ -159,6 +159,15 @@ def _context_exchange(profile: ModelProfile, cluster, cp: int, mode: str, rate: 
     return out
 
 
+def _context_waits(profile: ModelProfile, cp: int, mode: str) -> tuple[tuple[int, int], ...]:
+    """Per block, the blocking waits of ring attention per micro-batch (forward, backward): per attention layer
+    cp - 1 received K/V blocks forward, 2 cp - 1 backward (K/V again, then their gradients). None for all-to-all:
+    the calibrated all-to-all's wall time, which the exchange already prices, was measured with every rank in it."""
+    if mode != "ring" or profile.attention is None:
+        return ()
+    return tuple((layers * (cp - 1), layers * (2 * cp - 1)) for layers in profile.attention.layers)
+
+
 def dimension_profile(profile: ModelProfile, cluster, c: Candidate, rate: float) -> ModelProfile:
     """The profile a rank of `c` runs: the dense profile rewritten for its ep, sp, cp and compile."""
     tp = c.tp
@@ -168,6 +177,8 @@ def dimension_profile(profile: ModelProfile, cluster, c: Candidate, rate: float)
         # the ring's written-out attention, or the all-to-all's swaps around the kernel, measured, for its share
         profile = ring_adjusted(profile, c.cp, c.cp_mode)
         exchange = _context_exchange(profile, cluster, c.cp, c.cp_mode, rate, tp)
+        profile = dataclasses.replace(profile, coupled_groups=c.cp, exchange_waits=_context_waits(profile, c.cp,
+                                                                                                   c.cp_mode))
     if c.ep > 1 and profile.experts is not None:
         profile, experts = _with_experts(profile, cluster, c.ep)
         exchange = [tuple(a + b for a, b in zip(x, y)) for x, y in zip(exchange, experts)]

@@ -139,6 +139,13 @@ class ModelProfile:
     """Per block, seconds of collectives outside tensor parallelism each pass waits for (expert all-to-alls,
     context parallelism's attention exchange): (forward fixed, forward per sequence, backward fixed, backward
     per sequence); set by search/dimensions.py on the profile it prices a layout with. Empty: none."""
+    exchange_waits: tuple[tuple[int, int], ...] = ()
+    """Per block, the waits of ring attention's exchange per micro-batch (forward, backward): on time-shared cores
+    each idles them until the neighbour it waits on has run (cost.py, Cluster.wait_idle_s of 2 ranks); set by
+    search/dimensions.py. Empty: none (an all-to-all's calibrated wall time already holds its wait)."""
+    coupled_groups: int = 1
+    """How many tensor-parallel groups one layer couples (context parallelism: cp of them, each waiting on the
+    others' exchange): a TP all-reduce then idles time-shared cores until tp x coupled_groups ranks have run."""
 
     def exchange_seconds(self, micro_batch: int) -> tuple[list[float], list[float]]:
         """Forward and backward exchange seconds per block at `micro_batch` sequences."""

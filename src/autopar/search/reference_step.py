@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, WIDTH, LAYERS, HEADS, SEQ_LEN, MICRO_BATCH = 256, 128, 4, 4, 128, 8
-ROUNDS, STEPS = 3, 2  # timed rounds of steps: ~0.15 s a step on 4 ranks of a 2-core machine
+ROUNDS, STEPS = 5, 2  # timed rounds of steps (~0.15 s a step on 4 ranks of a 2-core machine); the median counts
 WARMUP = 2  # untimed steps first (the allocator's first requests, cold caches): a trainer is warm after one
 
 
