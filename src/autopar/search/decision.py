@@ -29,8 +29,8 @@ PREDICTED_TIME_ERROR = 0.20
 PREDICTED_TIME_ERROR_SOURCE = (
     "median step-time error of the cost model on the jobs users run, never calibrated before "
     "(benchmarks/strategy_user_jobs.py, 16 jobs: gpt-mini, gpt-small, hf:llama, hf:gpt2 at 4 and 8 ranks; "
-    "docs/benchmarks.md: 19.4% when this was set; 10.0% on the latest run, with context-parallel rows 16% and "
-    "single jobs up to 18% off), kept")
+    "docs/benchmarks.md: 19.4% when this was set; 6.7-7.5% on the latest two runs, kept while single jobs are "
+    "still up to 14% off and rows of one layout at two micro-batch sizes can rank the wrong way round)")
 """How far a predicted step time may be from the measured one, as a fraction: the model's own stated error."""
 
 MEASUREMENT_NOISE_FLOOR = 0.05
