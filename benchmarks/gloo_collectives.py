@@ -27,14 +27,15 @@ import torch.multiprocessing as mp
 
 
 def _rank(rank: int, world: int, port: int, sizes: list[int], repeats: int) -> None:
+    from autopar.distributed import all_gather_single, reduce_scatter_single
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     for numel in sizes:
         full, shard = torch.randn(numel - numel % world), torch.empty(numel // world)
         calls = {"all_reduce": lambda: dist.all_reduce(full),
-                 "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-                 "all_gather": lambda: dist.all_gather_single(full, shard)}
+                 "reduce_scatter": lambda: reduce_scatter_single(shard, full),
+                 "all_gather": lambda: all_gather_single(full, shard)}
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(repeats + 2):
             for name, call in calls.items():

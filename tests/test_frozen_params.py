@@ -193,18 +193,20 @@ def train_frozen(model_name: str, out: str, *, strategy: dict | None = None, mic
                materialize(copy.deepcopy(model), "cpu", seed=config.seed).state_dict().items()}
     frozen_names = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     reduce_scattered = []  # elements FSDP2 (ZeRO-3) reduce-scatters
-    original = torch.distributed.reduce_scatter_single
+    # the name FSDP2 calls it by: reduce_scatter_single on torch 2.13, reduce_scatter_tensor before
+    name = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(torch.distributed, name)
 
     def counting(output, input, *args, **kwargs):
         reduce_scattered.append(input.numel())
         return original(output, input, *args, **kwargs)
 
-    torch.distributed.reduce_scatter_single = counting
+    setattr(torch.distributed, name, counting)
     try:
         trainer = autopar.Trainer(model, lm_data(), strategy=autopar.Strategy(**(strategy or {})), config=config)
         result = trainer.train()
     finally:
-        torch.distributed.reduce_scatter_single = original
+        setattr(torch.distributed, name, original)
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     named = dict(trainer.model.named_parameters())
     local_frozen = [p for name, p in named.items() if not p.requires_grad]

@@ -154,3 +154,21 @@ def test_time_shared_cores_reduce_in_one_bucket_after_the_backward(rank_pool):
     for r in alone:
         assert r["buckets"] >= 2 and r["worst"] < 1e-6
         assert r["zero"][1] >= 2 and r["zero"][2] >= 2
+
+
+def test_zeros_collectives_take_the_name_this_torch_gives_them(monkeypatch):
+    """torch 2.13 names them all_gather_single / reduce_scatter_single (the former names deprecated); torch 2.11, the
+    GPU image's, knows only all_gather_into_tensor / reduce_scatter_tensor: distributed.py calls whichever exists."""
+    from autopar import distributed
+    calls = []
+    for new, old in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
+        monkeypatch.delattr(dist, new, raising=False)
+        monkeypatch.setattr(dist, old, lambda out, inp, group=None, async_op=False, _n=old: calls.append((_n, async_op)))
+    distributed.all_gather_single(torch.zeros(4), torch.zeros(2), async_op=True)
+    distributed.reduce_scatter_single(torch.zeros(2), torch.zeros(4))
+    assert calls == [("all_gather_into_tensor", True), ("reduce_scatter_tensor", False)]
+    monkeypatch.undo()
+    if hasattr(dist, "all_gather_single"):  # this torch's own name is preferred
+        monkeypatch.setattr(dist, "all_gather_single", lambda out, inp, group=None, async_op=False: calls.append("new"))
+        distributed.all_gather_single(torch.zeros(4), torch.zeros(2))
+        assert calls[-1] == "new"

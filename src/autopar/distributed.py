@@ -101,3 +101,20 @@ def destroy_groups(groups) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_gather_single(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+    """Every rank's `shard` gathered into `output`, in rank order: torch.distributed.all_gather_single where torch
+    has it (2.13; all_gather_into_tensor is deprecated there), all_gather_into_tensor on older torch (2.11, the GPU
+    image's), the same collective under its former name. Looked up at each call, so a test that wraps the torch
+    function sees the calls."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, whole: torch.Tensor, group=None, async_op: bool = False):
+    """`whole` summed over the ranks, this rank's 1/n slice of it into `output`: torch.distributed.
+    reduce_scatter_single where torch has it (2.13), reduce_scatter_tensor on older torch (2.11), as
+    all_gather_single."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, whole, group=group, async_op=async_op)

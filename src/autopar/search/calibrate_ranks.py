@@ -40,6 +40,10 @@ import torch
 import torch.distributed as dist
 
 SMALL, LARGE = 1024, 4 * 2**20  # bytes
+# ZeRO's and FSDP2's two collectives, by the names torch gives them (2.13; their former names on 2.11, the GPU
+# image's torch): distributed.py's all_gather_single / reduce_scatter_single, which this torch-only file cannot import
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 REPEATS = 8
 
 
@@ -343,8 +347,8 @@ def measure(out: str, group_sizes: list[int] | None = None, per_rank: bool = Fal
             if rank < n:
                 wall, cpu = _time(lambda: dist.all_reduce(buf, group=group), group)
                 # the ZeRO collectives as zero/grads.py and zero/optimizer.py call them (FSDP2 runs the same ones)
-                scatter_wall, scatter = _time(lambda: dist.reduce_scatter_single(shard, whole, group=group), group)
-                gather_wall, gather = _time(lambda: dist.all_gather_single(whole, shard, group=group), group)
+                scatter_wall, scatter = _time(lambda: _REDUCE_SCATTER(shard, whole, group=group), group)
+                gather_wall, gather = _time(lambda: _ALL_GATHER(whole, shard, group=group), group)
                 swap = torch.zeros_like(whole)  # expert parallelism's dispatch and combine (experts/dispatch.py)
                 swaps[size], _ = _time(lambda: dist.all_to_all_single(swap, whole, group=group), group)
             times[size], cpus[size] = wall, _summed(cpu)

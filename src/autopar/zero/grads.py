@@ -41,6 +41,7 @@ from torch import nn
 
 from ..data_parallel.buckets import FlatBucket, HookedBuckets, attach_grad, group_by_size, trainable_once
 from ..data_parallel.grad_sync import BUCKET_MB, FIRST_BUCKET_MB, overlap_pays
+from ..distributed import reduce_scatter_single
 
 
 @dataclass(kw_only=True)
@@ -163,7 +164,7 @@ class ShardedGradients(HookedBuckets):
                 if bucket.incoming is None:
                     bucket.incoming = torch.empty(bucket.shard, dtype=bucket.dtype, device=bucket.device)
                 out = bucket.incoming
-            bucket.work = dist.reduce_scatter_single(out, bucket.full, group=self.group, async_op=True)
+            bucket.work = reduce_scatter_single(out, bucket.full, group=self.group, async_op=True)
         bucket.pending_out = out
 
     def _land(self, bucket: ShardedBucket) -> None:

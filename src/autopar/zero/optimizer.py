@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._torch_internals import foreach_copy_
+from ..distributed import all_gather_single
 from .grads import ShardedBucket, ShardedGradients
 
 
@@ -92,7 +92,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 launched.append((bucket, shard, None))
                 continue
             whole = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-            work = dist.all_gather_single(whole, shard.contiguous(), group=self.grads.group, async_op=True)
+            work = all_gather_single(whole, shard.contiguous(), group=self.grads.group, async_op=True)
             launched.append((bucket, whole, work))
         for bucket, whole, work in launched:
             if work is not None:
@@ -104,7 +104,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.grads.world == 1:
             return shard
         whole = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_single(whole, shard.contiguous(), group=self.grads.group)
+        all_gather_single(whole, shard.contiguous(), group=self.grads.group)
         return whole
 
     @torch.no_grad()
