@@ -30,7 +30,7 @@ test: $(STAMP)
 COMPAT_VENV := .venv-torch2.11
 COMPAT_TESTS := tests/test_torch_internals.py tests/test_grad_sync.py tests/test_zero.py tests/test_trainer.py \
 	tests/test_equivalence.py tests/test_pipeline_equivalence.py tests/test_hf_labels.py tests/test_batchnorm.py \
-	tests/test_checkpoint.py tests/test_models.py tests/test_frozen_params.py
+	tests/test_checkpoint.py tests/test_models.py tests/test_frozen_params.py tests/test_dropout.py tests/test_meta_init.py
 
 test-torch2.11:
 	$(PYTHON) -m venv $(COMPAT_VENV)

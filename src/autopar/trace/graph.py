@@ -155,6 +155,11 @@ def _trace_hint(exc: Exception) -> str:
     return "Make the failing operation traceable by torch.export (non-strict), or pass a model whose forward takes only tensors"
 
 
+def _real_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A meta example input as zeros on `device` (its shape and dtype are what tracing reads); others as they are."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=device) if t.is_meta else t
+
+
 def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
           device: torch.device | None = None) -> ModelGraph:
     """Export `model` on the given inputs (meta tensors are fine) and cost every node.
@@ -169,8 +174,15 @@ def trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None =
         if not isinstance(value, torch.Tensor):
             raise ModelError(f"cannot trace {type(model).__name__} with input {key!r} of type "
                              f"{type(value).__name__}: traced inputs must be tensors")
-    on_meta = all(t.is_meta for t in [*model.parameters(), *model.buffers(), *example_inputs,
-                                       *example_kwargs.values()])
+    held = [*model.parameters(), *model.buffers()]
+    real = {t.device for t in held if not t.is_meta}
+    if len(real) == 1 and len(real) == len({t.device for t in held}):
+        # a model built for real, traced on meta example inputs (only their shapes count): torch 2.11's export
+        # refuses an op that meets both devices ("Unhandled FakeTensor Device Propagation"), 2.13's takes it
+        (where,) = real
+        example_inputs = tuple(_real_like(t, where) for t in example_inputs)
+        example_kwargs = {k: _real_like(t, where) for k, t in example_kwargs.items()}
+    on_meta = all(t.is_meta for t in [*held, *example_inputs, *example_kwargs.values()])
     try:
         with traceable_cumulative_averages(model):
             exported = None
