@@ -45,7 +45,8 @@ FORMAT = 8  # bump when what is measured, or how, changes: entries of older form
 # (2: reduce-scatter and all-gather wall times per group size; 3: the reference step's level, time_shared_scale;
 # 4: the sharing probe and the reference step scaled to a quiet machine, quickest round kept; 5: the reference
 # priced with the update it runs, step_probe.reference_profile; 6: the reference initialised as GPT-2 is (its
-# saturated start measured denormal arithmetic) and updated by the trainer's fused AdamW; 7: wait_idle_table)
+# saturated start measured denormal arithmetic) and updated by the trainer's fused AdamW; 7: wait_idle_table;
+# 8: the reference step's median round of five, not its quickest of three)
 BUSY_SHARE = 0.25  # other jobs held more than this share of the cores while measuring: "under load"
 STALE_ERROR = 0.30  # a run whose step time was further than this from its prediction marks the entry stale
 CACHE_ENV = "AUTOPAR_CACHE_DIR"
