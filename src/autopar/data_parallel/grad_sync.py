@@ -48,9 +48,9 @@ def overlap_pays(device: torch.device) -> bool:
     Not on a CPU host whose ranks' threads outnumber its cores (LOCAL_WORLD_SIZE x torch's threads > the cores
     this process may run on): there no core idles during the backward, so a reduction started early only competes
     with the ranks' compute (gloo runs it on a thread of its own, scheduled against them). One reduction as the
-    backward ends measured faster there, 4 ranks on 2 cores, medians of interleaved steps: gpt-mini 155.5 ms
-    against 160.1 ms (the plain-torch step with one all-reduce after the backward: 153.9 ms), gpt-small 3.06 s
-    against 3.15 s."""
+    backward ends measured no slower there, and faster where there are many buckets (benchmarks/dp_overlap.py, 4
+    ranks on 2 cores, medians of interleaved steps): gpt-small, 16 buckets when overlapped, 3.00 s against 3.07 s
+    (0.980); gpt-mini, 2 buckets, 156.5 against 157.1 ms (0.996, within the noise)."""
     if device.type != "cpu":
         return True
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
