@@ -129,7 +129,7 @@ def _default_buckets(ranks_on_host: int) -> dict:
         sync.remove()
         from autopar.zero import ShardedGradients
         sharded = {}
-        for level in (1, 2):  # ZeRO-1 keeps every full gradient anyway; ZeRO-2 frees them bucket by bucket
+        for level in (1, 2):
             zero = ShardedGradients(model.parameters(), dist.group.WORLD, level=level)
             sharded[level] = zero.num_buckets
             zero.remove()
@@ -142,14 +142,14 @@ def _default_buckets(ranks_on_host: int) -> dict:
 
 
 def test_time_shared_cores_reduce_in_one_bucket_after_the_backward(rank_pool):
-    """Ranks outnumbering the cores: one bucket (nothing to overlap with), also ZeRO-1's, not ZeRO-2's (it frees each
-    bucket's full gradient as it goes); else the small first bucket and more."""
+    """Ranks outnumbering the cores: one bucket (nothing to overlap with), not ZeRO's (one bucket slowed ZeRO-1);
+    else the small first bucket and more."""
     import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     shared = rank_pool(2).run(_default_buckets, 64 * cores)
     for r in shared:
         assert r["buckets"] == 1 and r["worst"] < 1e-6
-        assert r["zero"][1] == 1 and r["zero"][2] >= 2
+        assert r["zero"][1] >= 2 and r["zero"][2] >= 2  # ZeRO keeps its buckets (zero/grads.py)
     alone = rank_pool(2).run(_default_buckets, 1)  # one thread per rank (the pool's), one rank on the host
     for r in alone:
         assert r["buckets"] >= 2 and r["worst"] < 1e-6

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data_parallel.buckets import FlatBucket, HookedBuckets, attach_grad, group_by_size, trainable_once
-from ..data_parallel.grad_sync import BUCKET_MB, FIRST_BUCKET_MB, overlap_pays
+from ..data_parallel.grad_sync import BUCKET_MB, FIRST_BUCKET_MB
 from ..distributed import reduce_scatter_single
 
 
@@ -75,9 +75,9 @@ class ShardedGradients(HookedBuckets):
 
         The first bucket is small (`first_bucket_mb`, as grad_sync.py's) so that a reduction starts early
         in backward: with one 25 MiB bucket a small model's whole reduce-scatter waited for the end of
-        backward (benchmarks/zero_memory.py). Unset sizes are grad_sync.py's: below level 2, where overlapping
-        does not pay (grad_sync.overlap_pays), one bucket reduced as the backward ends; level 2 keeps its buckets,
-        whose full gradients it frees one by one during the backward."""
+        backward (benchmarks/zero_memory.py). Unset sizes are grad_sync.py's BUCKET_MB / FIRST_BUCKET_MB, also
+        where ranks time-share the cores: one bucket there (grad_sync.overlap_pays) doubled a ZeRO-1 test run's
+        time (tests/test_zero.py, zero1-to-tp2: 13.2 s against 8.8 s)."""
         self.group, self.level = group, level
         self.dp = dist.get_world_size(group)
         # how the buckets are split: over the replicas, or (level 0) one whole copy on each
@@ -90,12 +90,9 @@ class ShardedGradients(HookedBuckets):
         self.device = device if device is not None else params[0].device if params else torch.device("cpu")
         trainable = trainable_once(params)
         late = {id(p) for p in deferred}
-        if bucket_mb is None and first_bucket_mb is None and level < 2 and not overlap_pays(self.device):
-            cap = first_cap = max(1, sum(p.numel() * p.element_size() for p in trainable))
-        else:
-            bucket_mb = BUCKET_MB if bucket_mb is None else bucket_mb
-            first_bucket_mb = FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
-            cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
+        bucket_mb = BUCKET_MB if bucket_mb is None else bucket_mb
+        first_bucket_mb = FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+        cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
         self._track(trainable, self._make_buckets([p for p in reversed(trainable) if id(p) not in late], cap,
                                                   deferred=False, first_cap_bytes=first_cap)
                     + self._make_buckets([p for p in reversed(trainable) if id(p) in late], cap, deferred=True))
