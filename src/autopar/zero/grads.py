@@ -68,15 +68,15 @@ class ShardedGradients(HookedBuckets):
     """Reduce-scatters gradients over `group` into this replica's shard of each bucket (ZeRO-1/2)."""
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *, level: int,
-                 deferred: Iterable[nn.Parameter] = (), per_micro_batch: bool = False, bucket_mb: float | None = None,
-                 first_bucket_mb: float | None = None, device: torch.device | None = None):
+                 deferred: Iterable[nn.Parameter] = (), per_micro_batch: bool = False, bucket_mb: float = BUCKET_MB,
+                 first_bucket_mb: float = FIRST_BUCKET_MB, device: torch.device | None = None):
         """level 0: nothing sharded, gradients all-reduced into a full fp32 copy (bf16 master weights
         without ZeRO); 1: reduce-scattered once per step; 2: and only the shard's gradient is kept.
 
         The first bucket is small (`first_bucket_mb`, as grad_sync.py's) so that a reduction starts early
         in backward: with one 25 MiB bucket a small model's whole reduce-scatter waited for the end of
-        backward (benchmarks/zero_memory.py). Unset sizes are grad_sync.py's BUCKET_MB / FIRST_BUCKET_MB, also
-        where ranks time-share the cores: one bucket there (grad_sync.overlap_pays) doubled a ZeRO-1 test run's
+        backward (benchmarks/zero_memory.py). grad_sync.py's sizes, also where ranks time-share the cores: one
+        bucket there (grad_sync.overlap_pays) doubled a ZeRO-1 test run's
         time (tests/test_zero.py, zero1-to-tp2: 13.2 s against 8.8 s)."""
         self.group, self.level = group, level
         self.dp = dist.get_world_size(group)
@@ -90,8 +90,6 @@ class ShardedGradients(HookedBuckets):
         self.device = device if device is not None else params[0].device if params else torch.device("cpu")
         trainable = trainable_once(params)
         late = {id(p) for p in deferred}
-        bucket_mb = BUCKET_MB if bucket_mb is None else bucket_mb
-        first_bucket_mb = FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
         cap, first_cap = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
         self._track(trainable, self._make_buckets([p for p in reversed(trainable) if id(p) not in late], cap,
                                                   deferred=False, first_cap_bytes=first_cap)
